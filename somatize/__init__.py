@@ -1,0 +1,69 @@
+"""somatize: run a graph of Python nodes in one process, or spread over processes and
+machines, without changing the graph; keep what was computed, and be told what happens.
+
+    from somatize import Node, FolderStore
+
+    class Tokenize(Node):
+        def forward(self, text):
+            return text.split()
+
+    g = Tokenize().named("tokenize").cached().frozen()
+    g.forward("a b c", store=FolderStore("./.somatize"), watching=print)
+"""
+
+from .codec import Opaque, codec, codecs_registered
+from .errors import (
+    BadCodec,
+    BadName,
+    CodecError,
+    DuplicateName,
+    Missing,
+    Nameless,
+    NodeFailed,
+    NoStore,
+    NotAWatcher,
+    PlanError,
+    SomatizeError,
+    StoreError,
+    UnknownHost,
+    Unreadable,
+    Unsettled,
+    Unwritable,
+)
+from .facts import Fact, Watchers, fact
+from .graph import Graph, Node, Parallel, Sequence, Step
+from .store import FolderStore, Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadCodec",
+    "BadName",
+    "CodecError",
+    "DuplicateName",
+    "Fact",
+    "FolderStore",
+    "Graph",
+    "Missing",
+    "Nameless",
+    "NoStore",
+    "Node",
+    "NodeFailed",
+    "NotAWatcher",
+    "Opaque",
+    "Parallel",
+    "PlanError",
+    "Sequence",
+    "SomatizeError",
+    "Step",
+    "Store",
+    "StoreError",
+    "UnknownHost",
+    "Unreadable",
+    "Unsettled",
+    "Unwritable",
+    "Watchers",
+    "codec",
+    "codecs_registered",
+    "fact",
+]

@@ -1,0 +1,385 @@
+"""The walk: runs a plan's operations as soon as their inputs are ready.
+
+Operations whose inputs are ready at the same time run together on a shared thread pool
+(a chain runs inline in the caller's thread, so a long chain pays no thread hops). Every
+operation tells the watchers what it did (``ran``, ``failed``, ``recalled``, ``kept``,
+``left``) and the forward ends with ``finished`` or ``broke``.
+
+Caching is an optimisation and never an error: a value that cannot be written down or a
+store that refuses a write costs one line on stderr, and the answer is still right.
+
+The engine never imports ZeroMQ. A remote group is handed to the broker as a
+:class:`Piece` through one call, ``broker.run(piece, watch)``, which returns an
+:class:`Outcome`; a worker runs the same piece with :func:`run_piece`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import keys as _keys
+from .codec import loads, written_parts
+from .errors import CodecError, Missing, NodeFailed, SomatizeError
+from .facts import Watchers, elsewhere, fact, microseconds
+from .graph import Graph, Shape, Step, as_graph
+from .plan import Join, Plan, Recall, Remote, Run, check, compile, group, keys_for, prune
+
+# -- what crosses to a broker ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A remote group, self-contained: its steps (numbered from 0), how they are wired,
+    the value entering it, and the cache keys of its cached steps' outputs."""
+
+    host: str
+    steps: tuple[Step, ...]
+    shape: Shape
+    value: Any
+    keys: dict[int, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a piece gave back: its output, and what its cached steps produced (by step
+    number), so the client can keep those under their keys."""
+
+    output: Any
+    produced: dict[int, Any]
+
+
+# -- the pool ----------------------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=max(32, (os.cpu_count() or 1) * 4),
+                thread_name_prefix="somatize-wave",
+            )
+        return _pool
+
+
+# -- entry points ------------------------------------------------------------------------
+
+
+def forward(graph: Any, x: Any, *, broker: Any = None, store: Any = None, watching: Any = None) -> Any:
+    """Run ``graph`` on ``x``: check, plan, walk, and say ``finished`` or ``broke``."""
+    graph = as_graph(graph)
+    watch = Watchers(watching)  # a watcher that cannot be called is refused first
+    check(graph, broker=broker, store=store)
+    started = time.perf_counter_ns()
+    try:
+        walk = _Walk.prepare(graph, x, broker=broker, store=store, watch=watch)
+        output = walk.run(x)
+    except BaseException as exc:
+        watch(fact("broke", error=_describe(exc), took_us=microseconds(time.perf_counter_ns() - started)))
+        raise
+    watch(fact("finished", took_us=microseconds(time.perf_counter_ns() - started)))
+    return output
+
+
+def run_piece(piece: Piece, watch: Any = None) -> Outcome:
+    """Run a remote group where it landed (a worker, or this process for InProcess).
+
+    Says ``ran`` and ``failed`` as a local walk would, but neither ``finished`` nor
+    ``broke``: the forward belongs to the client, which closes it.
+    """
+    plan = compile(piece.steps, piece.shape)
+    walk = _Walk(plan, Watchers(watch), keys=piece.keys, produced={})
+    output = walk.run(piece.value)
+    return Outcome(output, walk.produced)
+
+
+# -- the walk ----------------------------------------------------------------------------
+
+
+class _Walk:
+    def __init__(
+        self,
+        plan: Plan,
+        watch: Watchers,
+        *,
+        keys: dict[int, str],
+        store: Any = None,
+        broker: Any = None,
+        recalled: dict[int, Any] | None = None,
+        produced: dict[int, Any] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.watch = watch
+        self.keys = keys
+        self.store = store
+        self.broker = broker
+        self.recalled = recalled or {}
+        # when set, cached outputs are collected here instead of kept in a store
+        self.produced = produced
+
+    @classmethod
+    def prepare(cls, graph: Graph, x: Any, *, broker: Any, store: Any, watch: Watchers) -> _Walk:
+        steps = graph.steps
+        keys: dict[int, str] = {}
+        if store is not None and any(step.cache for step in steps):
+            try:
+                keys = keys_for(graph, _keys.value_key(x))
+            except CodecError as exc:
+                _say(
+                    f"the input of this forward cannot be written down, so nothing is "
+                    f"recalled or kept: {type(exc).__name__}: {exc}"
+                )
+        recalled: dict[int, Any] = {}
+
+        def recall(index: int, key: str) -> bool:
+            found = _recall(store, key, steps[index])
+            if found is _NOTHING:
+                return False
+            recalled[index] = found
+            return True
+
+        shape = prune(graph.shape, steps, keys, recall) if keys else graph.shape
+        plan = compile(steps, group(shape, steps), recalled_keys=keys)
+        return cls(plan, watch, keys=keys, store=store, broker=broker, recalled=recalled)
+
+    # -- scheduling --------------------------------------------------------------------
+    def run(self, x: Any) -> Any:
+        ops = self.plan.ops
+        values: dict[int, Any] = {0: x}
+        waiting: list[int] = []
+        consumers: dict[int, list[int]] = {}
+        uses: dict[int, int] = {}
+        for index, op in enumerate(ops):
+            sources = _sources(op)
+            waiting.append(sum(1 for source in sources if source not in values))
+            for source in sources:
+                consumers.setdefault(source, []).append(index)
+                uses[source] = uses.get(source, 0) + 1
+        ready = [index for index, count in enumerate(waiting) if count == 0]
+
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        in_flight = 0
+        failure: BaseException | None = None
+
+        def settle(index: int, result: Any) -> None:
+            op = ops[index]
+            values[op.target] = result
+            for source in _sources(op):
+                uses[source] -= 1
+                if uses[source] == 0 and source != self.plan.output:
+                    values.pop(source, None)  # let big intermediates go as soon as they can
+            for consumer in consumers.get(op.target, ()):
+                waiting[consumer] -= 1
+                if waiting[consumer] == 0:
+                    ready.append(consumer)
+
+        while ready or in_flight:
+            if failure is None and ready:
+                if len(ready) == 1 and in_flight == 0:
+                    index = ready.pop()
+                    try:
+                        result = self._do(ops[index], _inputs(ops[index], values))
+                    except BaseException as exc:
+                        failure = exc
+                    else:
+                        settle(index, result)
+                    continue
+                pool = _shared_pool()
+                while ready:
+                    index = ready.pop(0)
+                    pool.submit(self._async, finished, index, ops[index], _inputs(ops[index], values))
+                    in_flight += 1
+            if failure is not None:
+                ready.clear()  # start nothing new; wait for what is running
+                if not in_flight:
+                    break
+            index, ok, result = finished.get()
+            in_flight -= 1
+            if not ok:
+                failure = failure or result
+            elif failure is None:
+                settle(index, result)
+        if failure is not None:
+            raise failure
+        return values[self.plan.output]
+
+    def _async(self, finished: queue.SimpleQueue, index: int, op: Any, value: Any) -> None:
+        try:
+            finished.put((index, True, self._do(op, value)))
+        except BaseException as exc:
+            finished.put((index, False, exc))
+
+    # -- the operations ----------------------------------------------------------------
+    def _do(self, op: Any, value: Any) -> Any:
+        if isinstance(op, Run):
+            return self._run(op, value)
+        if isinstance(op, Join):
+            return value
+        if isinstance(op, Recall):
+            step = self.plan.steps[op.step]
+            self.watch(fact("recalled", node=step.label, key=op.key))
+            return self.recalled[op.step]
+        return self._remote(op, value)
+
+    def _run(self, op: Run, value: Any) -> Any:
+        step = self.plan.steps[op.step]
+        started = time.perf_counter_ns()
+        try:
+            if step.device is not None:
+                value = _place(value, step.device)
+            output = step.node.forward(value)
+        except Exception as exc:
+            self.watch(fact("failed", node=step.label, error=f"{type(exc).__name__}: {exc}"))
+            raise NodeFailed(
+                f"node `{step.label}` raised {type(exc).__name__}: {exc}",
+                node=step.label,
+                error=type(exc).__name__,
+                remote_traceback=None,
+            ) from exc
+        self.watch(fact("ran", node=step.label, took_us=microseconds(time.perf_counter_ns() - started)))
+        if step.cache and op.step in self.keys:
+            if self.produced is not None:
+                self.produced[op.step] = output
+            else:
+                self._keep(step, self.keys[op.step], output)
+        return output
+
+    def _remote(self, op: Remote, value: Any) -> Any:
+        indices = op.step_indices
+        renumber = {old: new for new, old in enumerate(indices)}
+        piece = Piece(
+            host=op.host,
+            steps=tuple(self.plan.steps[i] for i in indices),
+            shape=_renumber(op.shape, renumber),
+            value=value,
+            keys={renumber[i]: self.keys[i] for i in indices if i in self.keys and self.plan.steps[i].cache},
+        )
+        host = op.host
+        started = time.perf_counter_ns()
+        outcome = self.broker.run(piece, lambda f: self.watch(elsewhere(f, host)))
+        self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started)))
+        for number, produced in outcome.produced.items():
+            step = piece.steps[number]
+            if number in piece.keys:
+                self._keep(step, piece.keys[number], produced)
+        return outcome.output
+
+    def _keep(self, step: Step, key: str, value: Any) -> None:
+        if self.store is None:
+            return
+        try:
+            parts = written_parts(value)
+        except CodecError as exc:
+            _say_once(
+                (step.label, type(value)),
+                f"what `{step.label}` produced could not be kept: {type(exc).__name__}: {exc}",
+            )
+            return
+        try:
+            self.store.put(_keys.cache_name(key), {"node": step.label, "type": type(value).__name__}, parts)
+        except (OSError, SomatizeError) as exc:
+            _say(f"what `{step.label}` produced could not be kept: the store refused it: {type(exc).__name__}: {exc}")
+            return
+        self.watch(fact("kept", node=step.label, key=key))
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+_NOTHING = object()
+
+
+def _recall(store: Any, key: str, step: Step) -> Any:
+    try:
+        blob = store.fetch(_keys.cache_name(key))
+    except Missing:
+        return _NOTHING
+    except (OSError, SomatizeError) as exc:
+        _say(f"`{step.label}` could not be recalled, so it runs: {type(exc).__name__}: {exc}")
+        return _NOTHING
+    if blob is None:
+        return _NOTHING
+    try:
+        return loads(blob)
+    except CodecError as exc:
+        _say(f"what was kept for `{step.label}` cannot be read back, so it runs: {type(exc).__name__}: {exc}")
+        return _NOTHING
+
+
+def _sources(op: Any) -> tuple[int, ...]:
+    if isinstance(op, Join):
+        return op.sources
+    if isinstance(op, Recall):
+        return ()
+    return (op.source,)
+
+
+def _inputs(op: Any, values: dict[int, Any]) -> Any:
+    if isinstance(op, Join):
+        return tuple(values[s] for s in op.sources)
+    if isinstance(op, Recall):
+        return None
+    return values[op.source]
+
+
+def _renumber(shape: Shape, renumber: dict[int, int]) -> Shape:
+    kind, body = shape
+    if kind in ("step", "recall"):
+        return (kind, renumber[body])
+    return (kind, tuple(_renumber(part, renumber) for part in body))
+
+
+def _place(value: Any, device: str) -> Any:
+    """Move the tensors in ``value`` onto ``device`` (what ``.on(device)`` promises a node).
+
+    Only torch has devices; without torch imported nothing here can be a tensor.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_place(v, device) for v in value)
+    if isinstance(value, list):
+        return [_place(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _place(v, device) for k, v in value.items()}
+    return value
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, NodeFailed):
+        return str(exc.args[0]) if exc.args else type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _say(line: str) -> None:
+    print(f"somatize: {line}", file=sys.stderr, flush=True)
+
+
+_said: set[Any] = set()
+_said_lock = threading.Lock()
+
+
+def _say_once(what: Any, line: str) -> None:
+    with _said_lock:
+        if what in _said:
+            return
+        _said.add(what)
+    _say(line)
+
+
+def format_exception(exc: BaseException) -> str:
+    """Traceback text, the form remote failures travel in (never a pickled exception)."""
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -1,0 +1,285 @@
+"""Nodes, their declarations, and how they compose.
+
+A :class:`Node` is a user's class with a ``forward(self, x)``. The suffixes ``.named()``,
+``.at()``, ``.on()``, ``.cached()`` and ``.frozen()`` return a :class:`Step`: a declaration
+*about* the node that changes no forward and never copies it (the step holds the very
+same object, weights and all). ``a >> b`` chains, ``a & b`` feeds one input to both and
+yields the tuple ``(a(x), b(x))``. Every composition is a :class:`Graph` and can be run
+with :meth:`Graph.forward`; a lone declared node runs as a one-node graph.
+
+This module only describes; :mod:`somatize.plan` checks and orders, and
+:mod:`somatize.engine` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .facts import Watcher
+    from .store import Store
+
+# The shape of a graph, with steps replaced by their position in ``Graph.steps``:
+#   ("step", i) | ("seq", (shape, ...)) | ("par", (shape, ...))
+Shape = tuple
+
+
+class Node:
+    """Subclass this and define ``forward(self, x)``.
+
+    The arguments a node was constructed with are remembered (they are part of its
+    identity for the cache, and they are how a project-mode worker rebuilds it).
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        self = super().__new__(cls)
+        # object.__setattr__: works even when a subclass (torch.nn.Module) guards setattr
+        object.__setattr__(self, "_somatize_args", (args, kwargs))
+        return self
+
+    def forward(self, x: Any) -> Any:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` has no `forward(self, x)`: define one in the subclass"
+        )
+
+    # -- suffixes: each returns a declaration about this very node -------------------
+    def named(self, name: str) -> Step:
+        return Step(self).named(name)
+
+    def at(self, host: str) -> Step:
+        return Step(self).at(host)
+
+    def on(self, device: str) -> Step:
+        return Step(self).on(device)
+
+    def cached(self) -> Step:
+        return Step(self).cached()
+
+    def frozen(self) -> Step:
+        return Step(self).frozen()
+
+    def __rshift__(self, other: Composable) -> Sequence:
+        return Step(self) >> other
+
+    def __rrshift__(self, other: Composable) -> Sequence:
+        return as_graph(other) >> Step(self)
+
+    def __and__(self, other: Composable) -> Parallel:
+        return Step(self) & other
+
+    def __rand__(self, other: Composable) -> Parallel:
+        return as_graph(other) & Step(self)
+
+
+class Graph:
+    """Something that can be run: a declared step, a sequence or a parallel."""
+
+    def __rshift__(self, other: Composable) -> Sequence:
+        return Sequence(_flatten(Sequence, (self, as_graph(other))))
+
+    def __rrshift__(self, other: Composable) -> Sequence:
+        return Sequence(_flatten(Sequence, (as_graph(other), self)))
+
+    def __and__(self, other: Composable) -> Parallel:
+        # only the left side is flattened: `a & b & c` yields a 3-tuple, while an
+        # explicit `a & (b & c)` keeps its nesting and yields (a(x), (b(x), c(x)))
+        left = self.parts if type(self) is Parallel else (self,)  # type: ignore[attr-defined]
+        return Parallel((*left, as_graph(other)))
+
+    def __rand__(self, other: Composable) -> Parallel:
+        return as_graph(other) & self
+
+    def forward(
+        self,
+        x: Any,
+        *,
+        broker: Any = None,
+        store: Store | None = None,
+        watching: Watcher | list[Watcher] | None = None,
+    ) -> Any:
+        """Run the graph on ``x`` and return its output.
+
+        ``broker`` resolves the hosts named with ``.at()``; ``store`` keeps and recalls
+        what ``.cached()`` nodes produce; ``watching`` is a callable (or a list of them)
+        told every fact as it happens. Everything that can be checked is checked before
+        any node runs.
+        """
+        from .engine import forward
+
+        return forward(self, x, broker=broker, store=store, watching=watching)
+
+    # -- structure -------------------------------------------------------------------
+    @functools.cached_property
+    def _layout(self) -> tuple[tuple[Step, ...], Shape]:
+        steps: list[Step] = []
+
+        def shape(g: Graph) -> Shape:
+            if isinstance(g, Step):
+                steps.append(g)
+                return ("step", len(steps) - 1)
+            kind = "seq" if isinstance(g, Sequence) else "par"
+            return (kind, tuple(shape(part) for part in g.parts))
+
+        root = shape(self)
+        return tuple(steps), root
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """Every step, in the order they appear (a step used twice appears twice)."""
+        return self._layout[0]
+
+    @property
+    def shape(self) -> Shape:
+        return self._layout[1]
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Step(Graph):
+    """A node and what was declared about it. Immutable: every suffix returns a new one."""
+
+    node: Node
+    name: str | None = None
+    host: str | None = None
+    device: str | None = None
+    cache: bool = False
+    freeze: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node, Node):
+            raise TypeError(
+                f"a step wraps a `somatize.Node`; got a `{type(self.node).__name__}`. "
+                f"Subclass `Node` and define `forward(self, x)`."
+            )
+
+    def named(self, name: str) -> Step:
+        return dataclasses.replace(self, name=_word("named", name))
+
+    def at(self, host: str) -> Step:
+        return dataclasses.replace(self, host=_word("at", host))
+
+    def on(self, device: str) -> Step:
+        return dataclasses.replace(self, device=_word("on", str(device)))
+
+    def cached(self) -> Step:
+        return dataclasses.replace(self, cache=True)
+
+    def frozen(self) -> Step:
+        return dataclasses.replace(self, freeze=True)
+
+    @property
+    def label(self) -> str:
+        """What facts call this step: its name, or its class's name when it has none."""
+        return self.name if self.name is not None else type(self.node).__name__
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """What the cache calls this node: name, class, and plain constructor arguments.
+
+        Arguments that cannot be written down (a model object, say) are left out, so
+        changing them does not change the key: rename the node when they matter.
+        """
+        from .codec import dumps
+        from .errors import CodecError
+
+        args, kwargs = getattr(self.node, "_somatize_args", ((), {}))
+        try:
+            written = dumps([list(args), dict(sorted(kwargs.items()))])
+            arguments = hashlib.sha256(written).hexdigest()[:32]
+        except CodecError:
+            arguments = "-"
+        return f"{self.name}|{type(self.node).__module__}.{type(self.node).__qualname__}|{arguments}"
+
+    def __repr__(self) -> str:
+        parts = [f"{type(self.node).__name__}()"]
+        if self.name is not None:
+            parts.append(f".named({self.name!r})")
+        if self.host is not None:
+            parts.append(f".at({self.host!r})")
+        if self.device is not None:
+            parts.append(f".on({self.device!r})")
+        if self.cache:
+            parts.append(".cached()")
+        if self.freeze:
+            parts.append(".frozen()")
+        return "".join(parts)
+
+
+class _Composite(Graph):
+    _joiner = ""
+
+    def __init__(self, parts: tuple[Graph, ...]) -> None:
+        if len(parts) < 2:
+            raise ValueError(f"a {type(self).__name__} needs at least two parts")
+        self.parts = parts
+
+    def at(self, host: str) -> _Composite:
+        """Place every step in this part of the graph on ``host``."""
+        return type(self)(tuple(_apply(p, "at", host) for p in self.parts))
+
+    def on(self, device: str) -> _Composite:
+        """Place every step in this part of the graph on ``device``."""
+        return type(self)(tuple(_apply(p, "on", device) for p in self.parts))
+
+    def frozen(self) -> _Composite:
+        """Promise that no step in this part of the graph changes its parameters."""
+        return type(self)(tuple(_apply(p, "frozen") for p in self.parts))
+
+    def __repr__(self) -> str:
+        return "(" + self._joiner.join(repr(p) for p in self.parts) + ")"
+
+
+class Sequence(_Composite):
+    """``a >> b >> c``: each part gets what the one before it made."""
+
+    _joiner = " >> "
+
+
+class Parallel(_Composite):
+    """``a & b``: every branch gets the same input; the output is the tuple of theirs."""
+
+    _joiner = " & "
+
+
+Composable = Union[Node, Graph]
+
+
+def as_graph(thing: Composable) -> Graph:
+    if isinstance(thing, Graph):
+        return thing
+    if isinstance(thing, Node):
+        return Step(thing)
+    raise TypeError(
+        f"only nodes and graphs compose with `>>` and `&`; got a `{type(thing).__name__}`. "
+        f"Wrap the work in a `Node` subclass with a `forward(self, x)`."
+    )
+
+
+def _flatten(kind: type, parts: tuple[Graph, ...]) -> tuple[Graph, ...]:
+    out: list[Graph] = []
+    for part in parts:
+        if type(part) is kind:
+            out.extend(part.parts)  # type: ignore[attr-defined]
+        else:
+            out.append(part)
+    return tuple(out)
+
+
+def _apply(g: Graph, suffix: str, *args: str) -> Graph:
+    return getattr(g, suffix)(*args)
+
+
+def _word(suffix: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise TypeError(
+            f"`.{suffix}()` takes a non-empty string; got {type(value).__name__} {value!r}"
+            if isinstance(value, (str, int, float, type(None)))
+            else f"`.{suffix}()` takes a non-empty string; got a `{type(value).__name__}`"
+        )
+    return value

@@ -1,0 +1,350 @@
+"""From a graph to a plan: up-front checks, cache keys, pruning, grouping by host.
+
+Everything here happens before any node runs:
+
+1. :func:`check` refuses what cannot work (``Unsettled``, ``Nameless``, ``UnknownHost``,
+   ``NoStore``, ``DuplicateName``), each with a sentence that says what to do.
+2. :func:`keys_for` names every value a cached node depends on (see :mod:`somatize.keys`).
+3. :func:`prune` walks back from the output: a cached node whose key is in the store is
+   recalled instead of run, and whatever fed only it is not needed at all.
+4. :func:`group` folds consecutive nodes placed on one host into a single remote group,
+   so a chain of five nodes on ``w1`` is one message, not five.
+5. :func:`compile` turns the result into a flat list of operations over numbered values.
+
+The plan knows nothing of threads, sockets or stores: recalling is a function handed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Union
+
+from . import keys as _keys
+from .errors import DuplicateName, Nameless, NoStore, UnknownHost, Unsettled
+from .graph import Graph, Shape, Step
+
+# -- operations over numbered values (value 0 is the forward's input) -------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Run step ``step`` on value ``source``, giving value ``target``."""
+
+    step: int
+    source: int
+    target: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Recall:
+    """Value ``target`` is step ``step``'s output, already found in the store."""
+
+    step: int
+    key: str
+    target: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Join:
+    """Value ``target`` is the tuple of ``sources`` (the end of a parallel)."""
+
+    sources: tuple[int, ...]
+    target: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """Run the part of the graph shaped ``shape`` on ``host``, as one piece of work."""
+
+    host: str
+    shape: Shape
+    source: int
+    target: int
+
+    @property
+    def step_indices(self) -> tuple[int, ...]:
+        return tuple(_indices(self.shape))
+
+
+Op = Union[Run, Recall, Join, Remote]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one forward will do, in an order that respects every dependency."""
+
+    steps: tuple[Step, ...]
+    ops: tuple[Op, ...]
+    output: int
+
+    @property
+    def remotes(self) -> tuple[Remote, ...]:
+        return tuple(op for op in self.ops if isinstance(op, Remote))
+
+
+def make(graph: Graph) -> Plan:
+    """The plan of ``graph`` with nothing recalled: grouped and compiled, not checked."""
+    return compile(graph.steps, group(graph.shape, graph.steps))
+
+
+# -- 1. checks ---------------------------------------------------------------------------
+
+
+def check(graph: Graph, *, broker: Any, store: Any) -> None:
+    """Refuse, before anything runs, a graph that cannot run as declared."""
+    steps = graph.steps
+    _check_names(steps)
+
+    def visit(shape: Shape, upstream: tuple[int, ...]) -> tuple[int, ...]:
+        kind, body = shape
+        if kind == "step":
+            with_self = upstream + (body,)
+            if steps[body].cache:
+                _check_cached(steps, body, with_self, store)
+            return with_self
+        if kind == "seq":
+            for part in body:
+                upstream = visit(part, upstream)
+            return upstream
+        seen: dict[int, None] = dict.fromkeys(upstream)
+        for branch in body:
+            seen.update(dict.fromkeys(visit(branch, upstream)))
+        return tuple(seen)
+
+    visit(graph.shape, ())
+    _check_hosts(steps, broker)
+
+
+def _check_names(steps: tuple[Step, ...]) -> None:
+    owners: dict[str, Any] = {}
+    for step in steps:
+        if step.name is None:
+            continue
+        owner = owners.setdefault(step.name, step.node)
+        if owner is not step.node:
+            raise DuplicateName(
+                f"two different nodes are named `{step.name}` "
+                f"(a `{type(owner).__name__}` and a `{type(step.node).__name__}`); names are "
+                f"what records and cache keys call a node, so give each its own `.named(...)`."
+            )
+
+
+def _check_cached(steps: tuple[Step, ...], at: int, prefix: tuple[int, ...], store: Any) -> None:
+    cached = steps[at]
+    for i in prefix:
+        if steps[i].name is None:
+            where = (
+                "it has no name"
+                if i == at
+                else f"a `{type(steps[i].node).__name__}` upstream of it has no name"
+            )
+            raise Nameless(
+                f"a cached `{type(cached.node).__name__}` cannot be keyed: {where}, and a "
+                f"cache key is made of the names of everything that leads to it. Give it "
+                f"one with `.named(\"...\")`."
+            )
+    for i in prefix:
+        if not steps[i].freeze:
+            who = "it is" if i == at else f"`{steps[i].label}` upstream of it is"
+            raise Unsettled(
+                f"`{cached.label}` is cached, but {who} not frozen, so what was kept could "
+                f"go stale without anything noticing. Mark it `.frozen()` if its parameters "
+                f"do not change, or drop `.cached()` from `{cached.label}`."
+            )
+    if store is None:
+        raise NoStore(
+            f"`{cached.label}` is cached, but this forward was given no store to keep it "
+            f"in. Pass `store=FolderStore(\"./.somatize\")`, or drop `.cached()`."
+        )
+
+
+def _check_hosts(steps: tuple[Step, ...], broker: Any) -> None:
+    for step in steps:
+        if step.host is None:
+            continue
+        if broker is None:
+            raise UnknownHost(
+                f"`{step.label}` is placed on `{step.host}` with `.at(\"{step.host}\")`, but "
+                f"this forward was given no broker to find `{step.host}`. Pass "
+                f"`broker=Broker.embedded({{\"{step.host}\": Worker.spawn(...)}})`, "
+                f"or remove the `.at()`."
+            )
+        if not broker.knows(step.host):
+            known = ", ".join(f"`{h}`" for h in sorted(broker.hosts())) or "none"
+            raise UnknownHost(
+                f"`{step.label}` is placed on `{step.host}`, and the broker does not know "
+                f"`{step.host}` (it knows: {known}). Add `{step.host}` to the broker's "
+                f"hosts, or place the node on one it knows."
+            )
+
+
+# -- 2. keys -----------------------------------------------------------------------------
+
+
+def keys_for(graph: Graph, input_key: str) -> dict[int, str]:
+    """The key of every step's output that can be named (its whole prefix is named)."""
+    steps = graph.steps
+    out: dict[int, str] = {}
+
+    def visit(shape: Shape, key: str | None) -> str | None:
+        kind, body = shape
+        if kind == "step":
+            step = steps[body]
+            if key is None or step.name is None:
+                return None
+            out[body] = _keys.output_key(step.identity, key)
+            return out[body]
+        if kind == "seq":
+            for part in body:
+                key = visit(part, key)
+            return key
+        branch_keys = [visit(branch, key) for branch in body]
+        if any(k is None for k in branch_keys):
+            return None
+        return _keys.tuple_key(branch_keys)  # type: ignore[arg-type]
+
+    visit(graph.shape, input_key)
+    return out
+
+
+# -- 3. pruning --------------------------------------------------------------------------
+
+
+def prune(
+    shape: Shape,
+    steps: tuple[Step, ...],
+    keys: dict[int, str],
+    recall: Callable[[int, str], bool],
+) -> Shape:
+    """Replace cached steps found in the store with ``("recall", i)``, and drop what fed
+    only them.
+
+    Walks each sequence from its end, so ``recall(i, key)`` is asked only for steps whose
+    output is actually needed, and a hit upstream of another hit is never fetched.
+    ``recall`` returns whether the value was found (and keeps it, for the walk).
+    """
+
+    def visit(shape: Shape) -> tuple[Shape, bool]:
+        kind, body = shape
+        if kind == "step":
+            key = keys.get(body)
+            if steps[body].cache and key is not None and recall(body, key):
+                return ("recall", body), False
+            return shape, True
+        if kind == "seq":
+            kept: list[Shape] = []
+            for part in reversed(body):
+                pruned, needs_input = visit(part)
+                kept.append(pruned)
+                if not needs_input:
+                    return _seq(kept[::-1]), False
+            return _seq(kept[::-1]), True
+        visited = [visit(branch) for branch in body]
+        return ("par", tuple(p for p, _ in visited)), any(n for _, n in visited)
+
+    return visit(shape)[0]
+
+
+def _seq(parts: list[Shape]) -> Shape:
+    return parts[0] if len(parts) == 1 else ("seq", tuple(parts))
+
+
+# -- 4. grouping -------------------------------------------------------------------------
+
+
+def host_of(shape: Shape, steps: tuple[Step, ...]) -> str | None:
+    """The host every step of ``shape`` is placed on, or ``None`` when local or mixed."""
+    kind, body = shape
+    if kind == "step":
+        return steps[body].host
+    if kind in ("recall", "remote"):
+        return None
+    hosts = {host_of(part, steps) for part in body}
+    return hosts.pop() if len(hosts) == 1 else None
+
+
+def group(shape: Shape, steps: tuple[Step, ...]) -> Shape:
+    """Fold every maximal run of consecutive parts on one host into ``("remote", host, part)``."""
+    whole = host_of(shape, steps)
+    if whole is not None:
+        return ("remote", (whole, shape))
+    kind, body = shape
+    if kind in ("step", "recall"):
+        return shape
+    if kind == "par":
+        return ("par", tuple(group(branch, steps) for branch in body))
+    out: list[Shape] = []
+    run: list[Shape] = []
+    run_host: str | None = None
+
+    def close() -> None:
+        if run:
+            out.append(("remote", (run_host, _seq(run[:]))))
+            run.clear()
+
+    for part in body:
+        host = host_of(part, steps)
+        if host is not None and host == run_host:
+            run.append(part)
+            continue
+        close()
+        run_host = host
+        if host is not None:
+            run.append(part)
+        else:
+            out.append(group(part, steps))
+    close()
+    return _seq(out)
+
+
+# -- 5. compiling ------------------------------------------------------------------------
+
+
+def compile(steps: tuple[Step, ...], shape: Shape, *, recalled_keys: dict[int, str] | None = None) -> Plan:
+    """Number the values and list the operations, each after everything it reads."""
+    ops: list[Op] = []
+    counter = [0]
+    recalled_keys = recalled_keys or {}
+
+    def fresh() -> int:
+        counter[0] += 1
+        return counter[0]
+
+    def emit(shape: Shape, source: int) -> int:
+        kind, body = shape
+        if kind == "step":
+            target = fresh()
+            ops.append(Run(body, source, target))
+            return target
+        if kind == "recall":
+            target = fresh()
+            ops.append(Recall(body, recalled_keys.get(body, ""), target))
+            return target
+        if kind == "remote":
+            host, inner = body
+            target = fresh()
+            ops.append(Remote(host, inner, source, target))
+            return target
+        if kind == "seq":
+            for part in body:
+                source = emit(part, source)
+            return source
+        sources = tuple(emit(branch, source) for branch in body)
+        target = fresh()
+        ops.append(Join(sources, target))
+        return target
+
+    output = emit(shape, 0)
+    return Plan(steps, tuple(ops), output)
+
+
+def _indices(shape: Shape):
+    kind, body = shape
+    if kind in ("step", "recall"):
+        yield body
+    elif kind == "remote":
+        yield from _indices(body[1])
+    else:
+        for part in body:
+            yield from _indices(part)
