@@ -80,6 +80,40 @@ class NodeFailed(SomatizeError):
         return text
 
 
+# -- across processes and machines ------------------------------------------------------
+
+
+class FabricError(SomatizeError):
+    """Base of the errors about talking to brokers and workers."""
+
+
+class ProtocolError(FabricError):
+    """Bytes arrived that are not a valid message (the peer's fault, not yours).
+
+    ``why`` is the sentence to send back in a ``Refused``.
+    """
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class Refused(FabricError):
+    """A worker or broker refused what was sent; the message is its sentence."""
+
+
+class Unreachable(FabricError):
+    """Nobody answered at an address within the deadline."""
+
+
+class Broken(FabricError):
+    """The peer went away (killed, crashed, cut off) while something was in flight."""
+
+
+class Closed(FabricError):
+    """Something was used after this side closed it."""
+
+
 # -- values and codecs ------------------------------------------------------------------
 
 
