@@ -1,0 +1,740 @@
+"""The wire, without a socket: messages to frames and back, and everything malformed refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from somatize import Node, wire
+from somatize.codec import Opaque, codec, readable_kinds
+from somatize.errors import ProtocolError, Unwritable
+from somatize.wire import (
+    ANSWERS,
+    MAX_FACT,
+    MAX_FACT_TEXT,
+    MAX_FRAMES,
+    MAX_NAME,
+    MAX_SHAPE_DEPTH,
+    MAX_TEXT,
+    REQUESTS,
+    TERMINAL,
+    WIRE_VERSION,
+    Bye,
+    Done,
+    Failed,
+    Hello,
+    Hosts,
+    Listed,
+    Located,
+    NodeSpec,
+    Provision,
+    Ready,
+    Recipe,
+    Refused,
+    Runtime,
+    Saw,
+    Send,
+    Where,
+    Work,
+    compatible,
+    decode,
+    encode,
+    peek_kinds,
+)
+
+codec_module = importlib.import_module("somatize.codec")
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+OTHER = "sha256:" + "f" * 64
+MIB = 1 << 20
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def same(a, b) -> bool:
+    """Equal, and of the same types all the way down (arrays compared by value)."""
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(
+            same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
+    if isinstance(a, np.ndarray):
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.array_equal(a, b)
+        )
+    if isinstance(a, (bytes, memoryview)) and isinstance(b, (bytes, memoryview)):
+        return bytes(a) == bytes(b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def runtime(**changes) -> Runtime:
+    base = Runtime(
+        wire=WIRE_VERSION,
+        python="3.11",
+        somatize="0.1.0",
+        cloudpickle="3.1.1",
+        kinds=("numpy.ndarray", "plain"),
+        mode="",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def recipe() -> Recipe:
+    return Recipe(
+        (
+            NodeSpec("tokenize", False, "project", "myproject.nodes:Tokenize", (3, "x"), {"lower": True}),
+            NodeSpec("embed", True, "network", DIGEST),
+            NodeSpec("pool", True, "project", "myproject.nodes:Pool.Inner", (np.arange(4),)),
+        ),
+        ("seq", (("step", 0), ("par", (("step", 1), ("step", 2))))),
+    )
+
+
+def work(**changes) -> Work:
+    base = Work(
+        ref=7,
+        recipe=recipe(),
+        input={"text": "a b c", "weights": np.linspace(0, 1, 5)},
+        keys={1: DIGEST, 2: OTHER},
+        placement={1: "cuda:0"},
+        memory="/shared/store",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def messages() -> list:
+    return [
+        Hello(runtime()),
+        Hello(runtime(mode="network"), offering="w1"),
+        Provision(DIGEST, b"\x80\x05 an artifact"),
+        work(),
+        work(keys={}, placement={}, memory=None, input=None),
+        Where("w1"),
+        Where("w1", lost=True),
+        Hosts(),
+        Bye(),
+        Ready(runtime(mode="project")),
+        Send(7, (DIGEST, OTHER)),
+        Refused("this worker cannot read values of kind `x`"),
+        Refused("no", ref=7),
+        Done(7, [1, 2.5, "three", b"four"], {1: np.ones((2, 3), np.float32), 2: "kept"}, 4120),
+        Done(0, None, {}, 0),
+        Failed(7, "embed raised ValueError: bad", "embed", "ValueError", "Traceback (most recent call last):\n..."),
+        Failed(7, "the worker ran out of memory", None, "MemoryError", ""),
+        Saw(7, {"fact": "ran", "node": "embed", "took_us": "4120"}),
+        Located("w1", "direct", address="tcp://10.0.0.4:7000", mode="project"),
+        Located("w1", "mount", address="tcp://10.0.0.4:7000", mode="network", mount="/dev/shm/somatize"),
+        Located("w1", "relayed", address="tcp://head:5555", mode="project", ended="killed by SIGKILL"),
+        Located("w1", "inprocess"),
+        Listed({"w1": "network", "here": "inprocess"}),
+    ]
+
+
+def as_bytes(frames) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+def header_of(frames) -> dict:
+    return msgpack.unpackb(bytes(frames[0]), raw=False)
+
+
+def with_header(frames, **changes) -> list:
+    header = header_of(frames)
+    header.update(changes)
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+def refused(frames, *words: str) -> str:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    why = info.value.why
+    assert why == str(info.value)
+    for word in words:
+        assert word in why, why
+    return why
+
+
+# -- round trips ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("msg", messages(), ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    frames = encode(msg)
+    assert isinstance(frames, list) and frames
+    assert all(isinstance(f, (bytes, memoryview)) for f in frames)
+    back = decode(frames)
+    assert same(msg, back), (msg, back)
+    assert same(msg, decode(as_bytes(frames)))
+
+
+def test_every_variant_is_a_request_or_an_answer():
+    names = {type(m).__name__ for m in messages()}
+    assert names == {cls.__name__ for cls in REQUESTS + ANSWERS}
+    assert set(TERMINAL) <= set(ANSWERS)
+    assert all(isinstance(m, wire.Request | wire.Answer) for m in messages())
+
+
+def test_a_header_is_a_map_with_the_version_the_variant_and_every_field():
+    header = header_of(encode(Where("w1")))
+    assert header == {"v": WIRE_VERSION, "t": "Where", "host": "w1", "lost": False}
+    header = header_of(encode(work()))
+    assert set(header) == {"v", "t", "ref", "recipe", "input", "keys", "placement", "memory"}
+    assert header["keys"] == [[1, DIGEST], [2, OTHER]]
+    assert header["recipe"]["shape"] == ["seq", [["step", 0], ["par", [["step", 1], ["step", 2]]]]]
+
+
+def test_arrays_travel_as_frames_and_never_inside_the_header():
+    big = np.random.default_rng(0).integers(0, 255, MIB, dtype=np.uint8)
+    frames = encode(work(input={"image": big}))
+    assert len(frames[0]) < 2048
+    assert big.tobytes()[1000:1064] not in bytes(frames[0])
+    assert [memoryview(f).nbytes for f in frames[1:]] == [MIB, 4 * 8]  # the input, then pool's arg
+    back = decode(frames)
+    assert np.array_equal(back.input["image"], big)
+    assert back.input["image"].flags.writeable
+
+    done = Done(7, big, {1: big[::-1].copy(), 2: big[:10]}, 5)
+    frames = encode(done)
+    assert len(frames[0]) < 1024
+    assert [memoryview(f).nbytes for f in frames[1:]] == [MIB, MIB, 10]
+    back = decode(frames)
+    assert same(done, back)
+
+
+def test_an_artifact_is_frame_one_as_it_is():
+    artifact = bytes(range(256)) * 4096
+    frames = encode(Provision(DIGEST, artifact))
+    assert len(frames) == 2 and frames[1] is artifact
+    assert len(frames[0]) < 200
+    back = decode(frames)
+    assert back.artifact is artifact  # not copied, not checked against the digest here
+    assert "artifact" not in repr(back)
+
+
+def test_frames_may_be_memoryviews_bytearrays_or_frame_objects():
+    class Frame:  # what pyzmq hands over with copy=False
+        def __init__(self, data):
+            self.buffer = memoryview(data)
+
+    msg = work()
+    frames = encode(msg)
+    assert same(msg, decode([Frame(bytes(f)) for f in frames]))
+    assert same(msg, decode([bytearray(f) for f in frames]))
+    assert same(msg, decode(tuple(memoryview(bytes(f)) for f in frames)))
+    with pytest.raises(TypeError):
+        decode(b"".join(as_bytes(frames)))
+    with pytest.raises(TypeError):
+        decode([frames[0], 3])
+
+
+def test_a_shape_from_a_graph_round_trips():
+    class A(Node):
+        def forward(self, x):
+            return x
+
+    g = A().named("a") >> (A().named("b") & A().named("c")) >> A().named("d")
+    nodes = tuple(NodeSpec(s.label, False, "project", "m:A") for s in g.steps)
+    back = decode(encode(work(recipe=Recipe(nodes, g.shape), keys={}, placement={})))
+    assert back.recipe.shape == g.shape
+
+
+def test_runtime_here_states_this_process():
+    here = Runtime.here()
+    assert here.wire == WIRE_VERSION
+    assert here.python.count(".") == 1
+    assert here.somatize and here.cloudpickle
+    assert here.kinds == tuple(readable_kinds())
+    assert Runtime.here(mode="network").mode == "network"
+    with pytest.raises(ValueError):
+        Runtime.here(mode="sideways")
+    assert same(Hello(here), decode(encode(Hello(here))))
+
+
+# -- frames missing, extra, out of order -------------------------------------------------
+
+
+def test_frames_fed_piecemeal_are_refused_until_the_message_is_whole():
+    msg = work(input=np.zeros(1000), recipe=recipe())
+    frames = as_bytes(encode(msg))
+    assert len(frames) == 3
+    refused([], "at least one frame")
+    for k in range(1, len(frames)):
+        refused(frames[:k], "missing")
+    for f in frames[1:]:
+        refused([f])
+    assert same(msg, decode(frames))
+
+
+def test_an_extra_frame_is_refused():
+    frames = as_bytes(encode(work()))
+    refused(frames + [b"stray"], "belongs to no value")
+    refused(encode(Bye()) + [b""], "one frame")
+    refused(as_bytes(encode(Provision(DIGEST, b"a"))) + [b"b"], "two frames")
+    refused(encode(Provision(DIGEST, b"a"))[:1], "two frames")
+
+
+def test_frames_out_of_order_are_refused():
+    frames = as_bytes(encode(work(input=np.zeros(1000))))
+    refused([frames[0], frames[2], frames[1]], "needs")
+    refused(frames[1:] + frames[:1])
+
+
+def test_a_frame_no_value_uses_is_refused_even_when_the_count_is_right():
+    frames = as_bytes(encode(Done(1, np.zeros(3), {}, 0)))
+    header = header_of(frames)
+    header["output"] = 5  # a plain scalar: the array frame is now unused
+    refused([msgpack.packb(header), frames[1]], "belongs to no value")
+
+
+# -- the header ------------------------------------------------------------------------------
+
+
+def test_a_header_that_is_not_messagepack_is_refused():
+    why = refused([b"\xc1\xc1\xc1"], "MessagePack header map", "3 bytes")
+    assert why.startswith("a message must start")
+    refused([b""], "0 bytes")
+    refused([msgpack.packb([1, 2])], "array")
+    refused([msgpack.packb({"v": 1, "t": "Bye"}) + b"\x00"], "MessagePack")
+
+
+def test_a_different_wire_version_says_who_upgrades():
+    frames = encode(Bye())
+    why = refused(with_header(frames, v=7), "speaks wire version 1", "version 7", "upgrade somatize")
+    assert "(this side)" in why
+    why = refused(with_header(frames, v=0), "version 0")
+    assert "(the side that sent it)" in why
+    refused([msgpack.packb({"t": "Bye"})], "wire version `v`")
+    refused(with_header(frames, v="1"), "wire version `v`")
+
+
+def test_an_unknown_variant_is_refused():
+    refused(with_header(encode(Bye()), t="Launch"), "'Launch'", "Bye")
+    refused(with_header(encode(Bye()), t=3), "`t`")
+    refused([msgpack.packb({"v": 1})], "`t`")
+
+
+def test_missing_extra_and_mistyped_fields_are_refused():
+    frames = encode(Where("w1"))
+    header = header_of(frames)
+    del header["lost"]
+    refused([msgpack.packb(header)], "needs the field `lost`")
+    refused(with_header(frames, colour="red"), "no field 'colour'")
+    refused(with_header(frames, lost="yes"), "`Where.lost`", "True or False")
+    refused(with_header(frames, host=None), "`Where.host`", "str")
+    refused(with_header(frames, host=""), "empty")
+    refused(with_header(encode(Refused("x", 1)), ref=-1), "`Refused.ref`")
+    refused(with_header(encode(Refused("x", 1)), ref=2**64 - 1), "`Refused.ref`")
+    refused(with_header(encode(Refused("x", 1)), ref=1.0), "whole number")
+    refused(with_header(encode(Refused("x", 1)), ref=True), "whole number")
+
+
+def test_extension_types_are_refused():
+    frames = encode(Where("w1"))
+    packed = msgpack.packb({"v": 1, "t": "Where", "host": msgpack.ExtType(5, b"x"), "lost": False})
+    refused([packed], "extension")
+    stamp = msgpack.packb({"v": 1, "t": "Where", "host": msgpack.Timestamp(1, 0), "lost": False})
+    refused([stamp], "`Where.host`")
+    refused(with_header(encode(Saw(1, {"a": "b"})), fact={"a": msgpack.ExtType(1, b"")}), "extension")
+    assert decode(frames) == Where("w1")
+
+
+def test_map_keys_that_are_not_text_are_refused():
+    refused([msgpack.packb({b"v": 1, "t": "Bye"}, use_bin_type=True)], "keyed by text")
+    refused([msgpack.packb({1: 1, "v": 1, "t": "Bye"})], "MessagePack")
+    header = header_of(encode(Hello(runtime())))
+    header["runtime"][b"extra"] = 1
+    refused([msgpack.packb(header, use_bin_type=True)], "keyed by text")
+    # {"v": 1, "v": 1, "t": "Bye"}, which no encoder of a dict can write
+    twice = b"\x83\xa1v\x01\xa1v\x01\xa1t\xa3Bye"
+    refused([twice], "twice")
+
+
+def test_fields_over_their_limits_are_refused():
+    refused(with_header(encode(Where("w1")), host="h" * (MAX_NAME + 1)), "`Where.host`", "over the limit")
+    refused(with_header(encode(Refused("x")), why="w" * (MAX_TEXT + 1)), "`Refused.why`")
+    facts = {f"k{i}": "v" for i in range(MAX_FACT + 1)}
+    refused(with_header(encode(Saw(1, {"a": "b"})), fact=facts), "`Saw.fact`", "entries")
+    refused(with_header(encode(Saw(1, {"a": "b"})), fact={"a": "v" * (MAX_FACT_TEXT + 1)}), "Saw.fact['a']")
+    refused(with_header(encode(Saw(1, {"a": "b"})), fact={"a": 1}), "Saw.fact['a']", "str")
+    refused(with_header(encode(Send(1, (DIGEST,))), digests=[]), "1 to")
+    refused(with_header(encode(Send(1, (DIGEST,))), digests=[DIGEST.upper()]), "lowercase hex")
+    refused(with_header(encode(Located("w1", "direct")), path="teleport"), "`Located.path`")
+    refused(with_header(encode(Located("w1", "direct")), mode="fast"), "`Located.mode`")
+    refused(with_header(encode(Located("w1", "direct")), mount="/x"), "only for the \"mount\" path")
+    refused(with_header(encode(Listed({"a": "project"})), hosts={"a": "elsewhere"}), "Listed.hosts['a']")
+    refused(with_header(encode(Hello(runtime())), offering=""), "`Hello.offering`")
+
+
+def test_a_runtime_is_checked_field_by_field():
+    frames = encode(Hello(runtime()))
+    header = header_of(frames)
+    for name, bad, words in [
+        ("python", "three", "major.minor"),
+        ("kinds", "plain", "tuple"),
+        ("kinds", [1], "kinds[0]"),
+        ("mode", "turbo", "mode"),
+        ("wire", -1, "wire"),
+        ("somatize", None, "somatize"),
+    ]:
+        changed = {**header, "runtime": {**header["runtime"], name: bad}}
+        refused([msgpack.packb(changed)], f"Hello.runtime.{name}" if name != "kinds" else "kinds", words)
+    del header["runtime"]["mode"]
+    refused([msgpack.packb(header)], "Hello.runtime", "`mode`")
+
+
+def test_too_many_frames_or_too_big_a_header_are_refused_before_reading(monkeypatch):
+    refused([encode(Bye())[0]] + [b""] * MAX_FRAMES, f"at most {MAX_FRAMES:,} frames")
+    monkeypatch.setattr(wire, "MAX_HEADER", 100)
+    refused([b"\x00" * 101], "the header (frame 0)", "101 bytes")
+    eleven = as_bytes(encode(Provision(DIGEST, b"x" * 11)))
+    monkeypatch.setattr(wire, "MAX_FRAME", 10)
+    refused(eleven, "frame 1 is 11 bytes")
+    with pytest.raises(ValueError, match="11 bytes"):
+        encode(Provision(DIGEST, b"x" * 11))
+    monkeypatch.setattr(wire, "MAX_TOTAL", 50)
+    refused([b"\x00" * 40, b"\x00" * 10, b"\x00"], "in all")
+
+
+# -- Work: the recipe, its shape, keys and placement --------------------------------------
+
+
+def work_header_with(**recipe_changes) -> list:
+    frames = as_bytes(encode(work()))
+    header = header_of(frames)
+    header["recipe"].update(recipe_changes)
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+def deep_shape(depth: int) -> list:
+    shape: list = ["step", 0]
+    for _ in range(depth):
+        shape = ["seq", [shape]]
+    return shape
+
+
+def test_a_recipe_shape_is_checked_all_the_way_down():
+    nodes = header_of(encode(work()))["recipe"]["nodes"]
+    one = nodes[:1]
+    frames = as_bytes(encode(work()))
+
+    def shaped(shape, nodes=one):
+        header = header_of(frames)
+        header["recipe"] = {"nodes": nodes, "shape": shape}
+        header["keys"], header["placement"] = [], []
+        # the dropped nodes' args no longer point at frame 2: rebuild the frames to match
+        return [msgpack.packb(header, use_bin_type=True), frames[1]]
+
+    assert decode(shaped(["step", 0])).recipe.shape == ("step", 0)
+    assert decode(shaped(deep_shape(MAX_SHAPE_DEPTH))).recipe.shape
+    refused(shaped(deep_shape(MAX_SHAPE_DEPTH + 1)), "deep")
+    refused(shaped(deep_shape(200)), "deep")
+    refused(shaped(["step", 1]), "node index from 0 to 0")
+    refused(shaped(["step", -1]), "node index")
+    refused(shaped(["step", "0"]), "node index")
+    refused(shaped(["loop", [["step", 0]]]), '("step", i)')
+    refused(shaped(["seq", []]), "non-empty")
+    refused(shaped(["seq", [["step", 0]], "extra"]), '("step", i)')
+    refused(shaped("step"), '("step", i)')
+    refused(shaped(["step", 0], nodes=one + one), "never uses node 1")
+    refused(shaped(["step", 0], nodes=[]), "1 to")
+
+
+def test_a_recipe_node_is_checked():
+    frames = as_bytes(encode(work()))
+
+    def node_with(i, **changes):
+        header = header_of(frames)
+        header["recipe"]["nodes"][i].update(changes)
+        return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+    refused(node_with(0, source="cloud"), "`Work.recipe.nodes[0].source`")
+    refused(node_with(0, target="not a name"), "package.module:Class")
+    refused(node_with(0, target="pkg.mod:"), "package.module:Class")
+    refused(node_with(0, target="pkg..mod:A"), "package.module:Class")
+    refused(node_with(1, target="sha256:abc"), "`Work.recipe.nodes[1].target`", "64 lowercase hex")
+    refused(node_with(0, label=""), "`Work.recipe.nodes[0].label`")
+    refused(node_with(0, cache=1), "True or False")
+    refused(node_with(0, args=5), "`Work.recipe.nodes[0].args`", "tuple")
+    refused(node_with(0, kwargs=["L"]), "`Work.recipe.nodes[0].kwargs`", "dict")
+    refused(node_with(0, kwargs=["D", 1, 2]), "not a str")
+    refused(node_with(1, args=["T", 1]), "network", "arguments")
+    header = header_of(frames)
+    del header["recipe"]["nodes"][0]["kwargs"]
+    refused([msgpack.packb(header, use_bin_type=True), *frames[1:]], "needs the field `kwargs`")
+
+
+def test_keys_placement_and_memory_are_checked():
+    frames = as_bytes(encode(work()))
+    refused(with_header(frames, keys=[[0, "md5:abc"]]), "`Work.keys[0]`", "sha256")
+    refused(with_header(frames, keys=[[3, DIGEST]]), "names node 3")
+    refused(with_header(frames, keys=[[0, DIGEST], [0, DIGEST]]), "twice")
+    refused(with_header(frames, keys={"0": DIGEST}), "[index, value] pairs")
+    refused(with_header(frames, keys=[["0", DIGEST]]), "[index, value] pairs")
+    refused(with_header(frames, placement=[[0, "x" * 101]]), "`Work.placement[0]`")
+    refused(with_header(frames, placement=[[0, 3]]), "`Work.placement[0]`")
+    refused(with_header(frames, memory=""), "`Work.memory`")
+    refused(with_header(frames, ref=-5), "`Work.ref`")
+
+
+def test_a_value_descriptor_that_lies_is_refused():
+    frames = as_bytes(encode(work(input=np.zeros(10))))
+    header = header_of(frames)
+    refused(with_header(frames, input=["A", "<f8", [11], 0]), "needs 88 bytes")
+    refused(with_header(frames, input=["A", "|O", [10], 0]), "dtype")
+    refused(with_header(frames, input=["Z", 0]), "unknown tag")
+    refused(with_header(frames, input={"a": 1}), "descriptor")
+    refused(with_header(frames, input=["A", "<f8", [10], 1]), "pointed to twice")
+    assert header["input"][-1] == 0
+
+
+# -- peek_kinds: what a worker can refuse before reading -------------------------------------
+
+
+class Reading:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_peek_kinds_names_a_kind_this_process_cannot_read():
+    kind = "test_wire.Reading"
+    codec(kind, Reading, dump=lambda r: r.value.to_bytes(8, "little"), load=lambda b: Reading(int.from_bytes(b, "little")))
+    try:
+        frames = as_bytes(encode(work(input={"r": Reading(5)})))
+        assert decode(frames).input["r"].value == 5
+        done = as_bytes(encode(Done(1, None, {0: Opaque(Reading(2))}, 3)))
+    finally:
+        codec_module._forget(kind)
+    assert peek_kinds(frames) == {"plain", "numpy.ndarray", kind}
+    assert peek_kinds(frames) - set(readable_kinds()) == {kind}
+    refused(frames, f"`{kind}`", "import the module")
+    assert kind in peek_kinds(done)
+    refused(done, f"`{kind}`")
+    assert peek_kinds(encode(Bye())) == set()
+    assert peek_kinds(encode(Provision(DIGEST, b"x"))) == set()
+    with pytest.raises(ProtocolError):
+        peek_kinds(frames[:1])
+    with pytest.raises(ProtocolError):
+        peek_kinds(with_header(frames, ref=-1))
+
+
+# -- encode: a message built wrongly here is the caller's fault -----------------------------
+
+
+def test_encode_refuses_a_message_built_wrongly():
+    with pytest.raises(ValueError, match="`Work.ref`"):
+        encode(work(ref=-1))
+    with pytest.raises(TypeError, match="`Work.ref`"):
+        encode(work(ref="7"))
+    with pytest.raises(TypeError, match="one of the wire's messages"):
+        encode({"t": "Bye"})
+    with pytest.raises(ValueError, match="never uses node 2"):
+        encode(work(recipe=dataclasses.replace(recipe(), shape=("par", (("step", 0), ("step", 1))))))
+    with pytest.raises(ValueError, match="arguments"):
+        encode(work(recipe=Recipe((NodeSpec("n", False, "network", DIGEST, (1,)),), ("step", 0)), keys={}, placement={}))
+    with pytest.raises(TypeError, match="args"):
+        encode(work(recipe=Recipe((NodeSpec("n", False, "project", "m:N", [1]),), ("step", 0)), keys={}, placement={}))
+    with pytest.raises(TypeError, match="kwargs"):
+        encode(work(recipe=Recipe((NodeSpec("n", False, "project", "m:N", (), {1: 2}),), ("step", 0)), keys={}, placement={}))
+    with pytest.raises(ValueError, match="sha256"):
+        encode(Provision("md5:x", b""))
+    with pytest.raises(TypeError, match="artifact"):
+        encode(Provision(DIGEST, "text"))
+    with pytest.raises(ValueError, match="over the limit"):
+        encode(Failed(1, "x", None, "E", "t" * (MAX_TEXT + 1)))
+    with pytest.raises(ValueError, match="surrogate"):
+        encode(Refused("\ud800"))
+    with pytest.raises(ValueError, match="mount"):
+        encode(Located("w1", "mount"))
+
+
+def test_encode_lets_the_codecs_own_errors_through():
+    class Unregistered:
+        pass
+
+    with pytest.raises(Unwritable, match="Unregistered"):
+        encode(work(input=Unregistered()))
+    with pytest.raises(Unwritable):
+        encode(Done(1, None, {0: Unregistered()}, 0))
+
+
+# -- compatible ------------------------------------------------------------------------------
+
+
+def test_compatible_sides_talk():
+    assert compatible(runtime(), runtime(), needs_pickle=False) is None
+    assert compatible(runtime(), runtime(), needs_pickle=True) is None
+    # a different somatize alone is fine while the wire is the same
+    assert compatible(runtime(), runtime(somatize="0.2.0"), needs_pickle=True) is None
+    # without pickles, Python and cloudpickle may differ
+    assert compatible(runtime(), runtime(python="3.12", cloudpickle="3.0.0"), needs_pickle=False) is None
+
+
+def test_a_wire_mismatch_says_which_side_upgrades():
+    why = compatible(runtime(), runtime(wire=2, somatize="0.3.0"), needs_pickle=False, me="this worker", them="the client")
+    assert why is not None
+    assert "this worker speaks wire version 1" in why
+    assert "the client speaks version 2 (somatize 0.3.0)" in why
+    assert why.endswith("upgrade somatize on this worker, the older one")
+    why = compatible(runtime(wire=2), runtime(), needs_pickle=False)
+    assert why.endswith("upgrade somatize on the other side, the older one")
+
+
+def test_network_mode_needs_the_same_python_and_cloudpickle():
+    worker = runtime(python="3.12", cloudpickle="3.1.1")
+    client = runtime(python="3.11", cloudpickle="3.0.0")
+    why = compatible(worker, client, needs_pickle=True, me="this worker", them="the client")
+    assert why == (
+        "this worker runs Python 3.12 and cloudpickle 3.1.1, the client Python 3.11 and "
+        "cloudpickle 3.0.0: network mode unpickles code, which needs the same Python minor "
+        'version and cloudpickle version on both sides; install matching versions or use mode="project"'
+    )
+    assert compatible(runtime(), runtime(cloudpickle="3.0.0"), needs_pickle=True)
+    assert compatible(runtime(), runtime(python="3.12"), needs_pickle=True)
+    why = compatible(runtime(), runtime(cloudpickle=""), needs_pickle=True)
+    assert "the other side cannot import it" in why and "pip install cloudpickle" in why
+
+
+# -- properties: decode returns a message or raises ProtocolError, nothing else -----------
+
+
+def decodes_or_refuses(frames) -> None:
+    try:
+        msg = decode(frames)
+    except ProtocolError as exc:
+        assert isinstance(exc.why, str) and exc.why
+        return
+    assert isinstance(msg, REQUESTS + ANSWERS)
+    encode(msg)  # whatever decode accepts is a message this side could have sent
+
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=64), max_size=5))
+def test_random_frames_decode_or_are_refused(frames):
+    decodes_or_refuses(frames)
+
+
+SAMPLES = [as_bytes(encode(m)) for m in messages()] + [
+    as_bytes(encode(work(input=np.arange(6, dtype=np.int16).reshape(2, 3)))),
+    as_bytes(encode(Done(1, b"x" * 70_000, {0: np.zeros(3, bool)}, 1))),
+]
+
+edits = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 10), st.integers(0, 10**6), st.integers(1, 255)),
+    st.tuples(st.just("cut"), st.integers(0, 10), st.integers(0, 10**6)),
+    st.tuples(st.just("insert"), st.integers(0, 10), st.integers(0, 10**6), st.binary(min_size=1, max_size=8)),
+    st.tuples(st.just("drop"), st.integers(0, 10)),
+    st.tuples(st.just("dup"), st.integers(0, 10)),
+    st.tuples(st.just("swap"), st.integers(0, 10), st.integers(0, 10)),
+)
+
+
+def apply(frames: list[bytes], edit) -> list[bytes]:
+    frames = list(frames)
+    if not frames:
+        return frames
+    op, i, *rest = edit
+    i %= len(frames)
+    f = frames[i]
+    if op == "flip" and f:
+        pos = rest[0] % len(f)
+        frames[i] = f[:pos] + bytes([f[pos] ^ rest[1]]) + f[pos + 1 :]
+    elif op == "cut":
+        frames[i] = f[: rest[0] % (len(f) + 1)]
+    elif op == "insert":
+        pos = rest[0] % (len(f) + 1)
+        frames[i] = f[:pos] + rest[1] + f[pos:]
+    elif op == "drop":
+        del frames[i]
+    elif op == "dup":
+        frames.insert(i, f)
+    elif op == "swap":
+        j = rest[0] % len(frames)
+        frames[i], frames[j] = frames[j], frames[i]
+    return frames
+
+
+@FUZZ
+@given(st.sampled_from(SAMPLES), st.lists(edits, min_size=1, max_size=4))
+def test_mutated_messages_decode_or_are_refused(frames, changes):
+    for change in changes:
+        frames = apply(frames, change)
+    decodes_or_refuses(frames)
+
+
+WORDS = sorted(
+    {"v", "t", "step", "seq", "par", "T", "D", "A", "L", "<f8", "|u1"}
+    | {cls.__name__ for cls in REQUESTS + ANSWERS}
+    | {f.name for cls in (*REQUESTS, *ANSWERS, Runtime, NodeSpec, Recipe) for f in dataclasses.fields(cls)}
+)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=12)
+    | st.sampled_from(WORDS)
+    | st.sampled_from([DIGEST, "m:N", "project", "network", "mount", "3.11"])
+    | st.binary(max_size=12)
+)
+packable = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(WORDS) | st.text(max_size=6), inner, max_size=4),
+    max_leaves=24,
+)
+
+
+@FUZZ
+@given(
+    st.dictionaries(st.sampled_from(WORDS) | st.text(max_size=6), packable, max_size=8),
+    st.none() | st.sampled_from(sorted(cls.__name__ for cls in REQUESTS + ANSWERS)),
+)
+def test_random_header_maps_decode_or_are_refused(header, variant):
+    if variant is not None:  # past the version and the variant, into the fields
+        header.update(v=WIRE_VERSION, t=variant)
+    decodes_or_refuses([msgpack.packb(header, use_bin_type=True)])
+
+
+def paths(x, prefix=()):
+    """Every place inside a header where a value sits."""
+    yield prefix
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from paths(v, (*prefix, k))
+    elif isinstance(x, list):
+        for k, v in enumerate(x):
+            yield from paths(v, (*prefix, k))
+
+
+def replaced(x, path, value):
+    if not path:
+        return value
+    x = dict(x) if isinstance(x, dict) else list(x)
+    x[path[0]] = replaced(x[path[0]], path[1:], value)
+    return x
+
+
+@FUZZ
+@given(st.sampled_from(SAMPLES), st.lists(st.tuples(st.integers(0, 10**6), packable), min_size=1, max_size=3))
+def test_headers_with_fields_replaced_decode_or_are_refused(frames, changes):
+    header = header_of(frames)
+    for where, value in changes:
+        places = [p for p in paths(header) if p[:1] not in ((), ("v",), ("t",))] or [("t",)]
+        header = replaced(header, places[where % len(places)], value)
+    decodes_or_refuses([msgpack.packb(header, use_bin_type=True), *frames[1:]])
