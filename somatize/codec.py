@@ -196,6 +196,13 @@ def codecs_registered() -> list[str]:
     return sorted(_by_kind)
 
 
+def _entries() -> tuple[tuple[str, type, Callable[[Any], bytes], Callable[[bytes], Any]], ...]:
+    """The registered codecs as ``(kind, type, dump, load)``, in registration order (for
+    packing, which carries them to a network-mode worker, and which compares two of these
+    item by item with ``is`` to tell whether the registry changed in between)."""
+    return tuple((c.kind, c.type, c.dump, c.load) for c in _by_kind.values())
+
+
 def _forget(kind: str) -> None:
     """Drop a registered kind (for tests that register their own)."""
     global _by_kind, _by_type

@@ -1,0 +1,492 @@
+"""Packing: how a node travels to a worker (project: a name; network: an artifact) and how
+the worker turns it back into a node. Real cloudpickle, real subprocesses, no mocks."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import cloudpickle
+import packing_nodes
+import pytest
+from packing_nodes import Add, Outer, Slow
+
+from somatize import Node, PlanError, Refused, codec
+from somatize.packing import ARTIFACT_FORMAT, Catalog, Packer, digest_of
+from somatize.wire import NodeSpec
+
+codec_module = importlib.import_module("somatize.codec")
+
+
+def project(target, *args, label="n", **kwargs):
+    return NodeSpec(
+        label=label, cache=False, source="project", target=target, args=args, kwargs=kwargs
+    )
+
+
+def network(digest, label="n"):
+    return NodeSpec(label=label, cache=False, source="network", target=digest)
+
+
+class Evil:
+    """Unpickling one creates a file: proof that something was unpickled."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def run_script(folder: Path, name: str, code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``code`` as ``__main__`` from its own file in ``folder`` (which is also its cwd)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / name
+    script.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+# -- modes -------------------------------------------------------------------------------
+
+
+def test_modes_are_checked_with_a_sentence():
+    for bad in ("Project", "pickle", None, 3):
+        with pytest.raises(ValueError, match='"project".*"network"'):
+            Packer(bad)
+        with pytest.raises(ValueError, match='"project".*"network"'):
+            Catalog(bad)
+    assert Packer("project").mode == "project"
+    assert Catalog("network").mode == "network"
+
+
+def test_send_is_for_network_mode_and_takes_importable_modules():
+    with pytest.raises(ValueError, match="network mode"):
+        Packer("project", send=[packing_nodes])
+    with pytest.raises(ValueError, match="no_such_module_for_send"):
+        Packer("network", send=["no_such_module_for_send"])
+    with pytest.raises(TypeError, match="modules or their names"):
+        Packer("network", send=[3])
+    assert Packer("network", send=["packing_nodes"]).send == (packing_nodes,)
+    assert Packer("network", send=packing_nodes).send == (packing_nodes,)
+
+
+# -- project mode ------------------------------------------------------------------------
+
+
+def test_project_spec_is_a_name_and_plain_arguments():
+    spec = Packer("project").spec(Add(2, scale=3).named("add").cached())
+    assert spec == NodeSpec(
+        label="add",
+        cache=True,
+        source="project",
+        target="packing_nodes:Add",
+        args=(2,),
+        kwargs={"scale": 3},
+    )
+    assert Packer("project").spec(Outer.Inner()).target == "packing_nodes:Outer.Inner"
+    assert Packer("project").spec(Add(1)).label == "Add"
+
+
+def test_project_catalog_builds_what_the_client_has():
+    spec = Packer("project").spec(Add(2, scale=3).named("add"))
+    node = Catalog("project").build(spec)
+    assert type(node) is Add
+    assert node.forward(1) == Add(2, scale=3).forward(1) == 9
+    assert Catalog("project").build(Packer("project").spec(Outer.Inner())).forward(4) == -4
+
+
+def test_project_instances_are_built_once_per_class_and_arguments():
+    catalog = Catalog("project")
+    a = catalog.build(project("packing_nodes:Add", 2, scale=3))
+    assert catalog.build(project("packing_nodes:Add", 2, scale=3, label="other")) is a
+    assert catalog.build(project("packing_nodes:Add", 5, scale=3)) is not a
+    assert catalog.build(project("packing_nodes:Add", 2)) is not a
+    assert Catalog("project").build(project("packing_nodes:Add", 2, scale=3)) is not a
+
+
+def test_project_instances_are_built_once_under_concurrency():
+    catalog = Catalog("project")
+    before = Slow.built
+    got = []
+
+    def build():
+        got.append(catalog.build(project("packing_nodes:Slow", "t")))
+
+    threads = [threading.Thread(target=build) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Slow.built == before + 1
+    assert len(got) == 8 and all(n is got[0] for n in got)
+
+
+def test_project_refuses_main_and_local_classes_on_the_client():
+    class Local(Node):
+        def forward(self, x):
+            return x
+
+    script = type("Script", (Node,), {"__module__": "__main__", "forward": lambda self, x: x})
+    for node, where in ((Local(), "inside a function"), (script(), "__main__")):
+        with pytest.raises(PlanError) as err:
+            Packer("project").spec(node.named("mine"))
+        text = str(err.value)
+        assert "`mine`" in text and where in text
+        assert 'mode="network"' in text and "importable module" in text
+
+
+def test_project_refuses_a_class_its_name_does_not_lead_back_to():
+    ghost = type("Ghost", (Node,), {"__module__": "packing_nodes", "forward": lambda self, x: x})
+    with pytest.raises(PlanError, match="does not lead back"):
+        Packer("project").spec(ghost())
+
+
+def test_project_refuses_arguments_that_cannot_be_written_down():
+    class Model:
+        pass
+
+    with pytest.raises(PlanError) as err:
+        Packer("project").spec(Add(Model()).named("add"))
+    text = str(err.value)
+    assert "`add`" in text and "positional argument 0" in text and "`Model`" in text
+    assert 'mode="network"' in text
+    with pytest.raises(PlanError, match="keyword argument `scale`.*`lock`"):
+        Packer("project").spec(Add(1, scale=threading.Lock()))
+
+
+@pytest.mark.parametrize(
+    "target, make_args",
+    [
+        ("os:system", lambda p: (f"touch {p}",)),
+        ("builtins:eval", lambda p: (f"open({str(p)!r}, 'w')",)),
+        ("builtins:exec", lambda p: (f"open({str(p)!r}, 'w')",)),
+        ("subprocess:Popen", lambda p: (["touch", str(p)],)),
+        ("packing_nodes:Touch", lambda p: (str(p),)),
+        ("packing_nodes:touch", lambda p: (str(p),)),
+        ("pathlib:Path.touch", lambda p: (str(p),)),
+    ],
+)
+def test_project_catalog_calls_nothing_that_is_not_a_node(tmp_path, target, make_args):
+    sentinel = tmp_path / "sentinel"
+    for mode in ("project", "network"):
+        with pytest.raises(Refused, match="not a subclass of `somatize.Node`"):
+            Catalog(mode).build(project(target, *make_args(sentinel)))
+    assert not sentinel.exists()
+
+
+def test_project_catalog_refuses_bad_names_with_a_sentence():
+    catalog = Catalog("project")
+    with pytest.raises(Refused, match="cannot import `no_such_module_xyz`.*install"):
+        catalog.build(project("no_such_module_xyz:Thing"))
+    with pytest.raises(Refused, match="has no `Nope`"):
+        catalog.build(project("packing_nodes:Nope"))
+    for bad in ("packing_nodes.Add", "a:b:c", "os;rm:X", "packing_nodes:Outer.<locals>.X", "", 7):
+        with pytest.raises(Refused, match="package.module:Qualname"):
+            catalog.build(project(bad))
+    with pytest.raises(Refused, match="raised TypeError"):
+        catalog.build(project("packing_nodes:Add"))  # missing its argument
+
+
+def test_project_catalog_never_unpickles(tmp_path):
+    sentinel = tmp_path / "sentinel"
+    evil = pickle.dumps(Evil(sentinel))
+    catalog = Catalog("project")
+    with pytest.raises(Refused, match="project mode and does not accept code by value"):
+        catalog.provision(digest_of(evil), evil)
+    with pytest.raises(Refused, match="project mode"):
+        catalog.missing([network(digest_of(evil))])
+    with pytest.raises(Refused, match="project mode"):
+        catalog.build(network(digest_of(evil)))
+    assert not sentinel.exists()
+    assert catalog.missing([project("packing_nodes:Add", 1)]) == ()
+
+
+# -- network mode, in one process --------------------------------------------------------
+
+
+def test_network_catalog_refuses_bytes_that_do_not_match_their_digest(tmp_path):
+    sentinel = tmp_path / "sentinel"
+    evil = pickle.dumps(Evil(sentinel))
+    other = digest_of(b"something else")
+    catalog = Catalog("network")
+    with pytest.raises(Refused, match="hashes to"):
+        catalog.provision(other, evil)
+    for bad in ("sha256:xyz", "md5:" + "0" * 32, other.upper(), None):
+        with pytest.raises(Refused, match="64 lowercase hex"):
+            catalog.provision(bad, evil)
+    assert not sentinel.exists()
+    assert catalog.missing([network(other)]) == (other,)
+
+
+def test_network_catalog_refuses_what_is_not_an_artifact():
+    catalog = Catalog("network")
+    not_a_node = {"format": ARTIFACT_FORMAT, "node": 3, "codecs": []}
+    bad_codecs = {"format": ARTIFACT_FORMAT, "node": Add(1), "codecs": [("k", 3)]}
+    for payload, why in (
+        ([1, 2], "not a somatize artifact"),
+        ({"format": "other"}, "not a somatize artifact"),
+        (not_a_node, "carries a `int` where a `somatize.Node` belongs"),
+        (bad_codecs, "carries its codecs in a shape"),
+    ):
+        data = cloudpickle.dumps(payload)
+        with pytest.raises(Refused, match=why):
+            catalog.provision(digest_of(data), data)
+    assert catalog.missing([network(digest_of(cloudpickle.dumps(not_a_node)))])
+    with pytest.raises(Refused, match="could not be unpickled"):
+        catalog.provision(digest_of(b"not a pickle"), b"not a pickle")
+
+
+def test_network_round_trip_in_one_process():
+    packer = Packer("network")
+    step = Add(2, scale=3).named("add").cached()
+    spec = packer.spec(step)
+    assert spec.source == "network" and spec.label == "add" and spec.cache
+    assert spec.args == () and spec.kwargs == {}
+    assert spec.target.startswith("sha256:") and len(spec.target) == 71
+    artifact = packer.artifact(spec.target)
+    assert digest_of(artifact) == spec.target
+
+    catalog = Catalog("network")
+    assert catalog.missing([spec, spec, project("packing_nodes:Add", 1)]) == (spec.target,)
+    with pytest.raises(Refused, match="does not hold"):
+        catalog.build(spec)
+    catalog.provision(spec.target, memoryview(artifact))
+    assert catalog.missing([spec]) == ()
+    node = catalog.build(spec)
+    assert node is catalog.build(spec)
+    assert node.forward(1) == 9
+    # a network-mode catalog can import too
+    assert catalog.build(project("packing_nodes:Add", 1)).forward(1) == 2
+
+
+def test_network_catalog_holds_a_bounded_number_of_artifacts():
+    packer = Packer("network")
+    nodes = [Add(i) for i in range(3)]  # the packer keeps an artifact while its node lives
+    specs = [packer.spec(n) for n in nodes]
+    catalog = Catalog("network", held=2)
+    for s in specs:
+        catalog.provision(s.target, packer.artifact(s.target))
+    assert catalog.missing(specs) == (specs[0].target,)
+
+
+def test_a_node_is_pickled_once_and_again_after_a_new_codec():
+    packer = Packer("network")
+    node = Add(1)
+    first = packer.spec(node.named("a")).target
+    for _ in range(20):
+        assert packer.spec(node.named("a")).target == first
+        assert packer.spec(node.named("b").cached()).target == first
+    assert packer.pickles == 1
+    packer.spec(Add(1))
+    assert packer.pickles == 2
+
+    class Extra:
+        pass
+
+    codec("tests.packing.Extra", Extra, dump=lambda e: b"", load=lambda b: Extra())
+    try:
+        second = packer.spec(node).target
+        assert packer.pickles == 3
+        assert second != first
+        with pytest.raises(KeyError):
+            packer.artifact(first)
+        assert packer.spec(node).target == second and packer.pickles == 3
+    finally:
+        codec_module._forget("tests.packing.Extra")
+
+
+def test_an_artifact_is_let_go_with_its_node():
+    packer = Packer("network")
+    node = Add(7)
+    digest = packer.spec(node).target
+    assert packer.artifact(digest)
+    del node
+    gc.collect()
+    with pytest.raises(KeyError):
+        packer.artifact(digest)
+
+
+def test_send_is_undone_even_when_pickling_fails():
+    class Holds(Node):
+        def __init__(self):
+            self.lock = threading.Lock()
+
+    with pytest.raises(PlanError, match="cannot be sent to a network-mode worker"):
+        Packer("network", send=[packing_nodes]).spec(Holds().named("holds"))
+    assert "packing_nodes" not in cloudpickle.list_registry_pickle_by_value()
+    Packer("network", send=["packing_nodes"]).spec(Add(1))
+    assert "packing_nodes" not in cloudpickle.list_registry_pickle_by_value()
+
+
+# -- network mode, across processes ------------------------------------------------------
+
+MAKE = """
+    import dataclasses, json, sys
+    from pathlib import Path
+    from somatize import Node, codec
+    from somatize.packing import Packer
+
+    @dataclasses.dataclass
+    class Reading:
+        value: float
+        unit: str
+
+    codec(
+        "tests.Reading",
+        Reading,
+        dump=lambda r: json.dumps(dataclasses.asdict(r)).encode(),
+        load=lambda raw: Reading(**json.loads(raw)),
+    )
+
+    class Scale(Node):
+        def __init__(self, k):
+            self.k = k
+        def forward(self, xs):
+            return [x * self.k for x in xs]
+
+    class Measure(Node):
+        def __init__(self, unit):
+            self.unit = unit
+        def forward(self, xs):
+            return Reading(float(sum(xs)), self.unit)
+
+    out = Path(sys.argv[1])
+    packer = Packer("network")
+    manifest = {}
+    for name, node in (("scale", Scale(3)), ("measure", Measure("cm"))):
+        spec = packer.spec(node.named(name))
+        (out / spec.target[7:]).write_bytes(packer.artifact(spec.target))
+        manifest[name] = spec.target
+    (out / "manifest.json").write_text(json.dumps(manifest))
+"""
+
+USE = """
+    import importlib.util, json, sys
+    from pathlib import Path
+    from somatize.codec import codecs_registered, dumps, loads
+    from somatize.packing import Catalog
+    from somatize.wire import NodeSpec
+
+    assert importlib.util.find_spec("make") is None, "this process must not see the first one"
+    assert "tests.Reading" not in codecs_registered()
+    where = Path(sys.argv[1])
+    manifest = json.loads((where / "manifest.json").read_text())
+    catalog = Catalog("network")
+    specs = {
+        n: NodeSpec(label=n, cache=False, source="network", target=d) for n, d in manifest.items()
+    }
+    assert catalog.missing(specs.values()) == tuple(manifest.values())
+    for spec in specs.values():
+        catalog.provision(spec.target, (where / spec.target[7:]).read_bytes())
+    assert catalog.missing(specs.values()) == ()
+    scaled = catalog.build(specs["scale"]).forward([1, 2, 3])
+    reading = catalog.build(specs["measure"]).forward(scaled)
+    back = loads(dumps(reading))
+    print(json.dumps({
+        "scaled": scaled,
+        "class": type(reading).__name__,
+        "value": back.value,
+        "unit": back.unit,
+        "same_type": type(back) is type(reading),
+        "kinds": codecs_registered(),
+    }))
+"""
+
+
+def test_a_main_class_and_its_codec_travel_to_a_process_that_cannot_import_them(tmp_path):
+    ok(run_script(tmp_path / "client", "make.py", MAKE, str(tmp_path)))
+    got = json.loads(ok(run_script(tmp_path / "worker", "use.py", USE, str(tmp_path))))
+    assert got["scaled"] == [3, 6, 9]
+    assert got["class"] == "Reading" and got["value"] == 18.0 and got["unit"] == "cm"
+    assert got["same_type"] and "tests.Reading" in got["kinds"]
+
+
+SHIPPED = """
+    from somatize import Node
+
+    def triple(x):
+        return 3 * x
+
+    class Triple(Node):
+        def forward(self, x):
+            return triple(x) + 1
+"""
+
+MAKE_SENT = """
+    import json, sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent / "lib"))
+    import cloudpickle
+    import shipped_nodes_for_packing as shipped
+    from somatize.packing import Packer
+
+    out = Path(sys.argv[1])
+    manifest = {}
+    for name, packer in (
+        ("sent", Packer("network", send=[shipped])),
+        ("named", Packer("network", send=["shipped_nodes_for_packing"])),
+        ("by_reference", Packer("network")),
+    ):
+        node = shipped.Triple()  # a packer keeps an artifact while its node lives
+        spec = packer.spec(node.named(name))
+        (out / spec.target[7:]).write_bytes(packer.artifact(spec.target))
+        manifest[name] = spec.target
+    assert not cloudpickle.list_registry_pickle_by_value()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+"""
+
+USE_SENT = """
+    import importlib.util, json, sys
+    from pathlib import Path
+    from somatize.errors import Refused
+    from somatize.packing import Catalog
+    from somatize.wire import NodeSpec
+
+    assert importlib.util.find_spec("shipped_nodes_for_packing") is None
+    where = Path(sys.argv[1])
+    manifest = json.loads((where / "manifest.json").read_text())
+    got = {}
+    for name, digest in manifest.items():
+        catalog = Catalog("network")
+        try:
+            catalog.provision(digest, (where / digest[7:]).read_bytes())
+        except Refused as exc:
+            got[name] = "refused: " + str(exc)
+            continue
+        spec = NodeSpec(label=name, cache=False, source="network", target=digest)
+        got[name] = catalog.build(spec).forward(4)
+    print(json.dumps(got))
+"""
+
+
+def test_send_makes_a_module_travel_by_value(tmp_path):
+    lib = tmp_path / "client" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "shipped_nodes_for_packing.py").write_text(textwrap.dedent(SHIPPED))
+    ok(run_script(tmp_path / "client", "make_sent.py", MAKE_SENT, str(tmp_path)))
+    got = json.loads(ok(run_script(tmp_path / "worker", "use_sent.py", USE_SENT, str(tmp_path))))
+    assert got["sent"] == 13 and got["named"] == 13
+    refused = got["by_reference"]
+    assert refused.startswith("refused: ")
+    assert "`shipped_nodes_for_packing`" in refused and "send=[...]" in refused
