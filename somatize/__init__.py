@@ -36,6 +36,7 @@ from .errors import (
     Unsettled,
     Unwritable,
 )
+from .fabric import Broker, Worker
 from .facts import Fact, Watchers, fact
 from .graph import Graph, Node, Parallel, Sequence, Step
 from .store import FolderStore, Store
@@ -46,6 +47,7 @@ __all__ = [
     "BadCodec",
     "BadName",
     "Broken",
+    "Broker",
     "Closed",
     "CodecError",
     "DuplicateName",
@@ -75,6 +77,7 @@ __all__ = [
     "Unsettled",
     "Unwritable",
     "Watchers",
+    "Worker",
     "codec",
     "codecs_registered",
     "fact",

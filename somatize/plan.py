@@ -177,6 +177,9 @@ def _check_hosts(steps: tuple[Step, ...], broker: Any) -> None:
                 f"`{step.host}` (it knows: {known}). Add `{step.host}` to the broker's "
                 f"hosts, or place the node on one it knows."
             )
+        check = getattr(broker, "check", None)
+        if check is not None:
+            check(step.host, step)  # can it be packed for that host? (project mode, say)
 
 
 # -- 2. keys -----------------------------------------------------------------------------

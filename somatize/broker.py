@@ -1,0 +1,104 @@
+"""``python -m somatize.broker``: a standalone broker for a head node.
+
+    python -m somatize.broker --listen tcp://0.0.0.0:5555 --hosts hosts.toml --insecure
+
+The host table names each host and how to reach it:
+
+    [hosts.w1]
+    address = "10.0.0.4:7000"      # a worker listening there (Direct)
+    mode = "project"
+
+    [hosts.w2]
+    spawn = ["python", "-m", "somatize.worker"]   # started here on first use
+    mode = "network"
+
+    [hosts.w3]
+    address = "10.0.0.5:7000"
+    mount = "/shared/somatize"     # both ends see this directory (Mount)
+
+Workers that dial in (``python -m somatize.worker --broker URL --offer NAME``) need no
+entry: they are served Relayed under the name they offer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+from .fabric import Worker, sockets
+from .fabric.broker import BrokerServer
+
+
+def read_hosts(path: str | Path) -> dict[str, Worker]:
+    """The host table in ``path`` (TOML), as worker declarations."""
+    with open(path, "rb") as source:
+        table = tomllib.load(source)
+    hosts = table.get("hosts", {})
+    if not isinstance(hosts, dict):
+        raise ValueError(f"{path}: `hosts` must be a table of tables, like [hosts.w1]")
+    out: dict[str, Worker] = {}
+    for name, entry in hosts.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: [hosts.{name}] must be a table")
+        unknown = set(entry) - {"address", "spawn", "mode", "mount"}
+        if unknown:
+            raise ValueError(f"{path}: [hosts.{name}] has unknown keys {sorted(unknown)}; use address, spawn, mode, mount")
+        if ("address" in entry) == ("spawn" in entry):
+            raise ValueError(f"{path}: [hosts.{name}] needs exactly one of `address` or `spawn`")
+        if "address" in entry:
+            out[name] = Worker.at(entry["address"], mode=entry.get("mode", "project"), mount=entry.get("mount"))
+        else:
+            out[name] = Worker.spawn(entry["spawn"], mode=entry.get("mode", "project"), mount=entry.get("mount"))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m somatize.broker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--listen", metavar="URL", default="tcp://127.0.0.1:5555",
+                        help="where clients and dialing workers reach this broker (default tcp://127.0.0.1:5555)")
+    parser.add_argument("--hosts", metavar="FILE.toml", help="the host table")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow listening on an address other machines can reach, with no keys")
+    parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    try:
+        hosts = read_hosts(args.hosts) if args.hosts else {}
+    except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError) as exc:
+        print(f"somatize broker: cannot use the host table: {exc}", file=sys.stderr)
+        return 2
+    url = sockets.tcp_url(args.listen)
+    if not sockets.is_loopback(url):
+        if not args.insecure:
+            print(f"somatize broker: refusing to listen on {url}: anyone who can reach it could use its "
+                  f"workers, and this version has no keys to tell clients apart. Listen on 127.0.0.1, or "
+                  f"pass --insecure on a network you trust.", file=sys.stderr)
+            return 2
+        print(f"somatize broker: WARNING: listening on {url} with no keys (--insecure)", file=sys.stderr)
+    server = BrokerServer(hosts)
+    try:
+        endpoint = server.bind(url)
+    except Exception as exc:
+        print(f"somatize broker: cannot listen on {url}: {exc}", file=sys.stderr)
+        server.close()
+        return 2
+    if args.announce:
+        print(f"somatize-broker ready {endpoint}", flush=True)
+    print(f"somatize broker: listening on {endpoint}; hosts: {', '.join(sorted(hosts)) or 'none yet'}",
+          file=sys.stderr, flush=True)
+
+    def stop(signum: int, frame: object) -> None:
+        server.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Everything that touches ZeroMQ: the broker, worker declarations, the paths, the serve loop.
+
+The engine never imports this package; it hands a remote group to ``Broker.run``.
+"""
+
+from .client import Broker
+from .declare import Worker
+
+__all__ = ["Broker", "Worker"]

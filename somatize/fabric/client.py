@@ -1,0 +1,390 @@
+"""What a graph talks to: a broker, and the channels to the workers it points at.
+
+``Broker.embedded({...})`` starts a broker in a thread of this process, bound on an inproc
+endpoint, and returns once it is bound; ``Broker.at(url)`` talks to a standalone one.
+Either way the client does the same thing: asks where a host is, once per host per
+session, then sends work down the path it was given. For the engine this is one call,
+:meth:`Broker.run`.
+
+A channel is one DEALER socket to one worker (or to the broker, for a relayed host), used
+by one forward at a time; concurrent forwards borrow concurrent channels. A channel that
+breaks is thrown away, so a late answer from a worker that came back is never read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from ..engine import Outcome, Piece, run_piece
+from ..errors import Broken, Closed, NodeFailed, ProtocolError, Refused as RefusedError, Unreachable
+from ..packing import Packer
+from ..wire import (
+    Done,
+    Failed,
+    Hello,
+    Hosts,
+    Listed,
+    Located,
+    Provision,
+    Ready,
+    Recipe,
+    Refused,
+    Runtime,
+    Saw,
+    Send,
+    Where,
+    Work,
+    compatible,
+    decode,
+    encode,
+)
+from . import mount as _mount
+from . import sockets
+from .broker import BrokerServer
+from .declare import Worker
+from .serve import RELAY
+
+_refs = itertools.count(1)
+#: How long a spawned worker may take to start, on top of patience (seconds).
+START_ALLOWANCE = 30.0
+
+
+class Broker:
+    """Resolves the hosts a graph names with ``.at()`` and carries work to them.
+
+    Use as a context manager, or call :meth:`close`: that closes every channel and, for an
+    embedded broker, stops the workers it spawned.
+    """
+
+    def __init__(self, url: str, *, patience: float = sockets.PATIENCE, server: BrokerServer | None = None,
+                 send: dict[str, tuple] | None = None) -> None:
+        self.url = url
+        self.patience = patience
+        self._server = server
+        self._thread: threading.Thread | None = None
+        self._send_by_host = dict(send or {})
+        self._lock = threading.Lock()
+        self._control: zmq.Socket | None = None
+        self._listing: dict[str, str] | None = None
+        self._located: dict[str, Located] = {}
+        self._idle: dict[str, list[_Channel]] = {}
+        self._packers: dict[str, Packer] = {}
+        self._provisioned: dict[str, set[str]] = {}
+        self._closed = False
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def embedded(cls, hosts: dict[str, Worker], *, patience: float = sockets.PATIENCE) -> Broker:
+        """A broker in a thread of this process, exchanging real serialized messages over
+        ``inproc://``. Returns once it is bound."""
+        server = BrokerServer(hosts, patience=patience)
+        url = server.bind(sockets.unique_inproc("broker"))
+        broker = cls(url, patience=patience, server=server, send={h: w.send for h, w in hosts.items()})
+        broker._thread = threading.Thread(target=server.serve, name="somatize-broker", daemon=True)
+        broker._thread.start()
+        return broker
+
+    @classmethod
+    def at(cls, url: str, *, patience: float = sockets.PATIENCE, send: dict[str, list] | None = None) -> Broker:
+        """A standalone broker (``python -m somatize.broker --listen URL``). ``send`` maps a
+        network-mode host to the modules to pickle by value for it."""
+        return cls(sockets.tcp_url(url), patience=patience, send={h: tuple(m) for h, m in (send or {}).items()})
+
+    def __enter__(self) -> Broker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "embedded" if self._server is not None else "at"
+        return f"Broker.{kind}({self.url!r})"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+            control, self._control = self._control, None
+        for channel in channels:
+            channel.close()
+        sockets.close(control)
+        if self._server is not None:
+            self._server.stopping.set()
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self._server.close()
+
+    # -- what the plan asks ------------------------------------------------------------
+    def hosts(self) -> list[str]:
+        return sorted(self._hosts())
+
+    def knows(self, host: str) -> bool:
+        # a worker may have dialed in since the last listing: ask again before saying no
+        return host in self._hosts() or host in self._hosts(refresh=True)
+
+    def check(self, host: str, step: Any) -> None:
+        """Refuse, before anything runs, a node that cannot be packed for ``host``."""
+        mode = self._hosts().get(host)
+        if mode in (None, "inprocess"):
+            return
+        self._packer(host, mode).spec(step)  # packs once; the artifact is kept for the run
+
+    def _hosts(self, *, refresh: bool = False) -> dict[str, str]:
+        if self._listing is None or refresh:
+            answer = self._ask(Hosts(), self.patience * 2)
+            if not isinstance(answer, Listed):
+                raise RefusedError(f"the broker at {self.url} would not list its hosts: {getattr(answer, 'why', answer)}")
+            self._listing = dict(answer.hosts)
+        return self._listing
+
+    # -- what the engine calls ---------------------------------------------------------
+    def run(self, piece: Piece, watch: Any) -> Outcome:
+        """Run a remote group on its host; facts go to ``watch`` as they arrive."""
+        located = self._locate(piece.host)
+        if located.path == "inprocess":
+            try:
+                return run_piece(piece, watch)
+            except NodeFailed as exc:
+                cause = exc.__cause__ or exc
+                raise NodeFailed(
+                    f"node `{exc.node}` on `{piece.host}` raised {type(cause).__name__}: {cause}",
+                    node=exc.node,
+                    error=exc.error,
+                    host=piece.host,
+                ) from cause
+        channel = self._borrow(located)
+        try:
+            outcome = channel.run(piece, watch)
+        except Broken as exc:
+            channel.close()
+            raise self._lost(piece, exc) from exc
+        except BaseException:
+            channel.close()  # its state is unknown: never reuse it
+            raise
+        self._give_back(channel)
+        return outcome
+
+    def _lost(self, piece: Piece, exc: Broken) -> Broken:
+        host = piece.host
+        with self._lock:
+            self._located.pop(host, None)
+            for channel in self._idle.pop(host, []):
+                channel.close()
+        ended = None
+        try:
+            answer = self._ask(Where(host, lost=True), self.patience)
+            if isinstance(answer, Located):
+                ended = answer.ended
+        except (Unreachable, Broken, Closed):
+            pass
+        running = ", ".join(f"`{s.label}`" for s in piece.steps)
+        how = f": {ended}" if ended else f" ({exc})"
+        return Broken(
+            f"the worker for `{host}` went away while running {running}{how}. "
+            f"Nothing was kept from it; a spawned worker is started again on the next forward."
+        )
+
+    # -- rendezvous --------------------------------------------------------------------
+    def _locate(self, host: str) -> Located:
+        located = self._located.get(host)
+        if located is not None:
+            return located
+        answer = self._ask(Where(host), self.patience + START_ALLOWANCE)
+        if isinstance(answer, Refused):
+            raise RefusedError(answer.why)
+        if not isinstance(answer, Located):
+            raise ProtocolError(f"the broker answered `Where` with a `{type(answer).__name__}`")
+        self._located[host] = answer
+        return answer
+
+    def _ask(self, message: Any, timeout: float) -> Any:
+        with self._lock:
+            if self._closed:
+                raise Closed("this broker was closed; make a new one")
+            if self._control is None:
+                self._control = sockets.dealer(self.patience)
+                self._control.connect(self.url)
+            control = self._control
+            with sockets.translated(f"the broker at {self.url}"):
+                control.send_multipart(encode(message))
+                if not sockets.poll(control, timeout):
+                    # a socket that missed an answer would read it later as another's
+                    sockets.close(control)
+                    self._control = None
+                    raise Unreachable(
+                        f"nobody answered at {self.url} within {timeout:.0f} s: is a broker running "
+                        f"there? Start one with `python -m somatize.broker --listen {self.url}`."
+                    )
+                return decode(control.recv_multipart(copy=False))
+
+    # -- channels ----------------------------------------------------------------------
+    def _packer(self, host: str, mode: str) -> Packer:
+        with self._lock:
+            packer = self._packers.get(host)
+            if packer is None:
+                packer = self._packers[host] = Packer(mode, self._send_by_host.get(host, ()))
+            return packer
+
+    def _borrow(self, located: Located) -> _Channel:
+        with self._lock:
+            if self._closed:
+                raise Closed("this broker was closed; make a new one")
+            idle = self._idle.get(located.host)
+            if idle:
+                return idle.pop()
+            provisioned = self._provisioned.setdefault(located.host, set())
+        # a relayed host is reached through the very broker this client talks to
+        address = self.url if located.path == "relayed" else located.address
+        return _Channel(located, address, self._packer(located.host, located.mode), provisioned, self.patience)
+
+    def _give_back(self, channel: _Channel) -> None:
+        with self._lock:
+            if self._closed:
+                channel.close()
+            else:
+                self._idle.setdefault(channel.host, []).append(channel)
+
+
+class _Channel:
+    """One DEALER to one worker (directly, or through the broker for a relayed host)."""
+
+    def __init__(self, located: Located, address: str, packer: Packer, provisioned: set[str], patience: float) -> None:
+        self.host = located.host
+        self.located = located
+        self.packer = packer
+        self.provisioned = provisioned
+        self.patience = patience
+        self.address = address
+        self.prefix = [RELAY, located.host.encode()] if located.path == "relayed" else []
+        self.sock = sockets.dealer(patience)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # an established link dropping
+        self.sock.connect(self.address)
+        self.mounted: list = []
+        self._hello()
+
+    def close(self) -> None:
+        _mount.remove(self.mounted)
+        self.mounted = []
+        if not self.sock.closed:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        sockets.close(self.monitor, self.sock)
+
+    def _send(self, frames: list) -> None:
+        with sockets.translated(f"the worker for `{self.host}` at {self.address}"):
+            self.sock.send_multipart(self.prefix + frames, copy=False)
+
+    def _hello(self) -> None:
+        self._send(encode(Hello(Runtime.here(mode=self.packer.mode))))
+        answer = self._next(deadline=time.monotonic() + self.patience, waiting="to say hello")
+        if isinstance(answer, Refused):
+            self.close()
+            raise RefusedError(f"the worker for `{self.host}` refused this client: {answer.why}")
+        if not isinstance(answer, Ready):
+            self.close()
+            raise ProtocolError(f"the worker for `{self.host}` answered Hello with a `{type(answer).__name__}`")
+        why = compatible(Runtime.here(mode=self.packer.mode), answer.runtime, needs_pickle=self.packer.mode == "network")
+        if why is None and self.packer.mode == "network" and answer.runtime.mode != "network":
+            why = (
+                f"the worker for `{self.host}` runs in {answer.runtime.mode or 'project'} mode and "
+                f"takes no code by value; declare it with mode=\"project\", or start it with --mode network"
+            )
+        if why is not None:
+            self.close()
+            raise RefusedError(why)
+
+    def _next(self, *, deadline: float | None, waiting: str) -> Any:
+        """The next message from the worker; raise if it goes away or the deadline passes."""
+        while True:
+            if sockets.poll(self.sock, 0.05):
+                parts = self.sock.recv_multipart(copy=False)
+                if parts and parts[0].bytes == _mount.MARK:
+                    frames, made = _mount.read(parts, self.located.mount or "")
+                    self.mounted.extend(made)
+                    return decode(frames)
+                return decode(parts)
+            if self.monitor.poll(0, zmq.POLLIN):
+                self.monitor.recv_multipart()
+                raise Broken(f"the connection to {self.address} dropped")
+            if deadline is not None and time.monotonic() > deadline:
+                raise Unreachable(
+                    f"nobody answered at {self.address} for `{self.host}` within {self.patience:.0f} s "
+                    f"{waiting}: is a worker listening there? Start one with "
+                    f"`python -m somatize.worker --listen {self.address.split('://')[-1]}`."
+                )
+
+    def run(self, piece: Piece, watch: Any) -> Outcome:
+        ref = next(_refs)
+        specs = tuple(self.packer.spec(step) for step in piece.steps)
+        placement = {i: s.device for i, s in enumerate(piece.steps) if s.device is not None}
+        work = Work(ref, Recipe(specs, piece.shape), piece.value, dict(piece.keys), placement)
+        frames = encode(work)
+        try:
+            self._provision(tuple(dict.fromkeys(
+                s.target for s in specs if s.source == "network" and s.target not in self.provisioned
+            )))
+            for _ in range(3):
+                self._send_work(frames)
+                answer = self._exchange(ref, watch)
+                if isinstance(answer, Send):
+                    self.provisioned.difference_update(answer.digests)
+                    self._provision(answer.digests)
+                    continue
+                return self._conclude(answer, piece)
+            raise RefusedError(f"the worker for `{self.host}` kept asking for the same artifacts")
+        finally:
+            _mount.remove(self.mounted)
+            self.mounted = []
+
+    def _provision(self, digests: tuple[str, ...]) -> None:
+        for digest in digests:
+            self._send(encode(Provision(digest, self.packer.artifact(digest))))
+            answer = self._next(deadline=None, waiting="to take an artifact")
+            if isinstance(answer, Refused):
+                raise RefusedError(f"the worker for `{self.host}` refused the code sent to it: {answer.why}")
+            if not isinstance(answer, Ready):
+                raise ProtocolError(f"the worker for `{self.host}` answered Provision with a `{type(answer).__name__}`")
+            self.provisioned.add(digest)
+
+    def _send_work(self, frames: list) -> None:
+        if self.located.path == "mount" and len(frames) > 1:
+            frames, made = _mount.write(frames, self.located.mount or "")
+            self.mounted.extend(made)
+        self._send(frames)
+
+    def _exchange(self, ref: int, watch: Any) -> Any:
+        while True:
+            answer = self._next(deadline=None, waiting="")
+            if getattr(answer, "ref", ref) not in (ref, None):
+                continue  # an answer to an exchange this channel already gave up on
+            if isinstance(answer, Saw):
+                watch(answer.fact)
+                continue
+            return answer
+
+    def _conclude(self, answer: Any, piece: Piece) -> Outcome:
+        if isinstance(answer, Done):
+            return Outcome(answer.output, dict(answer.produced))
+        if isinstance(answer, Failed):
+            node = answer.node or ", ".join(s.label for s in piece.steps)
+            where = f"node `{answer.node}` on `{self.host}` raised" if answer.node else f"the work on `{self.host}` ({node}) failed:"
+            raise NodeFailed(
+                f"{where} {answer.why}",
+                node=node,
+                error=answer.error,
+                host=self.host,
+                remote_traceback=answer.traceback or None,
+            )
+        if isinstance(answer, Refused):
+            raise RefusedError(f"the worker for `{self.host}` refused the work: {answer.why}")
+        raise ProtocolError(f"the worker for `{self.host}` answered Work with a `{type(answer).__name__}`")

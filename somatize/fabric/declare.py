@@ -1,0 +1,85 @@
+"""Worker declarations: an address or a command, and how to pack for it. They open nothing.
+
+A graph says ``.at("w1")``; a broker maps ``"w1"`` to one of these. Declaring a worker
+costs nothing: a spawned one is started the first time work is sent to its host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from types import ModuleType
+
+MODES = ("project", "network")
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """Where a host's work runs. Build one with :meth:`spawn`, :meth:`at` or :meth:`inprocess`."""
+
+    how: str  # "spawn" | "at" | "inprocess"
+    argv: tuple[str, ...] = ()
+    address: str = ""
+    mode: str = "project"
+    send: tuple[ModuleType | str, ...] = ()
+    mount: str | None = None
+
+    @classmethod
+    def spawn(
+        cls,
+        argv: Sequence[str],
+        *,
+        mode: str = "network",
+        send: Sequence[ModuleType | str] = (),
+        mount: str | None = None,
+    ) -> Worker:
+        """A child process started from ``argv`` (typically ``[sys.executable, "-m",
+        "somatize.worker"]``) the first time work is sent to its host, and stopped when the
+        broker closes. ``mode="network"`` (the default here) sends nodes as cloudpickle
+        artifacts, with the modules in ``send`` pickled by value; ``mode="project"`` sends
+        them by import name. ``mount`` names a directory both ends see (``/dev/shm/...``
+        on one machine): cargo then goes through files there, not through the socket."""
+        if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
+            raise TypeError(
+                "`Worker.spawn` takes the command as a list of strings, such as "
+                "`[sys.executable, \"-m\", \"somatize.worker\"]`"
+            )
+        return cls("spawn", argv=tuple(argv), mode=_mode(mode), send=tuple(send), mount=_folder(mount))
+
+    @classmethod
+    def at(
+        cls,
+        address: str,
+        *,
+        mode: str = "project",
+        send: Sequence[ModuleType | str] = (),
+        mount: str | None = None,
+    ) -> Worker:
+        """A worker already listening at ``address`` (``"host:7000"`` or
+        ``"tcp://host:7000"``), started with ``python -m somatize.worker --listen ...``."""
+        if not isinstance(address, str) or not address:
+            raise TypeError("`Worker.at` takes an address such as \"10.0.0.4:7000\"")
+        return cls("at", address=address, mode=_mode(mode), send=tuple(send), mount=_folder(mount))
+
+    @classmethod
+    def inprocess(cls) -> Worker:
+        """This very process: the worker's code runs here, on the caller's data, with no
+        copy. Never inferred: only a host registered this way runs in-process."""
+        return cls("inprocess")
+
+
+def _mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(
+            f"a worker's mode is \"project\" (nodes travel by import name; the worker has "
+            f"your code) or \"network\" (nodes travel as cloudpickle artifacts); got {mode!r}"
+        )
+    return mode
+
+
+def _folder(mount: object) -> str | None:
+    if mount is None:
+        return None
+    if not isinstance(mount, str) or not mount:
+        raise TypeError("`mount=` takes a directory path both ends can see, such as \"/dev/shm/somatize\"")
+    return mount

@@ -1,0 +1,314 @@
+"""The worker: one socket, answering Hello, Provision and Work, and never giving up.
+
+A worker holds no state anyone cares about and knows nothing of graphs. It answers on a
+ROUTER it listens on (Direct and Mount) or on a DEALER it dialed to a broker (Relayed).
+Work runs on a small thread pool; facts go back as ``Saw`` the moment they happen, then
+exactly one ``Done`` or ``Failed``. Anything malformed is answered ``Refused`` and the
+loop goes on serving.
+
+Threads never touch the front socket: a job sends its answers to an inproc PULL socket
+that the loop forwards, so every socket is used by exactly one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from ..engine import Piece, format_exception, run_piece
+from ..errors import CodecError, NodeFailed, ProtocolError, Refused as RefusedError
+from ..facts import microseconds
+from ..graph import Step
+from ..packing import Catalog
+from ..wire import (
+    Bye,
+    Done,
+    Failed,
+    Hello,
+    Provision,
+    Ready,
+    Refused,
+    Runtime,
+    Saw,
+    Send,
+    Work,
+    compatible,
+    decode,
+    encode,
+)
+from . import mount as _mount
+from . import sockets
+
+#: Frames that mark a message relayed by a broker: [RELAY, client route, *frames].
+RELAY = b"\x00somatize-relay"
+_MAX_PEERS = 10_000
+
+
+class Server:
+    """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
+
+    def __init__(
+        self,
+        *,
+        mode: str = "project",
+        mount: str | None = None,
+        jobs: int = 4,
+        patience: float = sockets.PATIENCE,
+        parent: int | None = None,
+    ) -> None:
+        self.catalog = Catalog(mode)
+        self.mode = mode
+        self.mount = mount
+        self.patience = patience
+        self.parent = parent
+        self.runtime = Runtime.here(mode=mode)
+        self.served = 0
+        self._jobs = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="somatize-job")
+        self._answers_url = sockets.unique_inproc("answers")
+        self._answers = sockets.pair(zmq.PULL)
+        self._answers.bind(self._answers_url)
+        self._pushes: list[zmq.Socket] = []
+        self._local = threading.local()
+        self._peers: OrderedDict[bytes, Runtime] = OrderedDict()
+        self._front: zmq.Socket | None = None
+        self._offer: str | None = None
+        self.stopping = threading.Event()
+
+    # -- the front socket --------------------------------------------------------------
+    def bind(self, url: str) -> str:
+        """Listen on ``url``; return the real endpoint (a port 0 becomes the chosen one)."""
+        self._front = sockets.router()
+        self._front.bind(url)
+        return sockets.bound_endpoint(self._front)
+
+    def dial(self, broker: str, offer: str) -> None:
+        """Connect to a broker and offer to serve the host called ``offer`` (Relayed)."""
+        self._front = sockets.dealer(self.patience)
+        self._front.connect(broker)
+        self._offer = offer
+        self._announce()
+
+    def _announce(self) -> None:
+        self._front.send_multipart(encode(Hello(self.runtime, offering=self._offer)))
+
+    # -- the loop ----------------------------------------------------------------------
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._front, zmq.POLLIN)
+        poller.register(self._answers, zmq.POLLIN)
+        last_check = last_announce = time.monotonic()
+        try:
+            while not self.stopping.is_set():
+                events = dict(poller.poll(200))
+                if self._answers in events:
+                    self._forward_answers()
+                if self._front in events:
+                    self._receive()
+                now = time.monotonic()
+                if now - last_check >= 1.0:
+                    last_check = now
+                    if self.parent is not None and os.getppid() != self.parent:
+                        break  # whoever spawned us is gone: nobody will ever ask again
+                if self._offer is not None and now - last_announce >= self.patience:
+                    last_announce = now
+                    self._announce()  # a restarted broker learns about us again
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self._offer is not None and self._front is not None and not self._front.closed:
+            try:
+                self._front.send_multipart(encode(Bye()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._jobs.shutdown(wait=True, cancel_futures=True)
+        sockets.close(self._front, self._answers, *self._pushes)
+
+    def _forward_answers(self) -> None:
+        while True:
+            try:
+                parts = self._answers.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._front.send_multipart(parts, copy=False)
+            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
+                print(f"somatize worker: an answer could not be delivered ({exc}); its client is gone", file=sys.stderr)
+
+    def _receive(self) -> None:
+        for _ in range(64):  # bounded, so answers keep flowing under a flood of requests
+            try:
+                parts = self._front.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            route, frames = self._split(parts)
+            if route is None:
+                continue
+            self._handle(route, frames)
+
+    def _split(self, parts: list) -> tuple[list | None, list]:
+        if self._offer is None:  # ROUTER: [identity, *frames]
+            return [parts[0]], parts[1:]
+        if len(parts) >= 2 and parts[0].bytes == RELAY:  # relayed by the broker
+            return [RELAY, parts[1]], parts[2:]
+        # the broker speaking to us directly: Ready to our Hello, or Refused
+        try:
+            message = decode(parts)
+        except ProtocolError:
+            return None, []
+        if isinstance(message, Refused):
+            print(f"somatize worker: the broker refused this worker: {message.why}", file=sys.stderr)
+            self.stopping.set()
+        return None, []
+
+    def _reply(self, route: list, message: Any) -> None:
+        try:
+            self._front.send_multipart(route + encode(message), copy=False)
+        except zmq.ZMQError as exc:
+            print(f"somatize worker: an answer could not be delivered ({exc})", file=sys.stderr)
+
+    # -- requests ----------------------------------------------------------------------
+    def _handle(self, route: list, frames: list) -> None:
+        made: list = []
+        try:
+            if frames and frames[0].bytes == _mount.MARK:
+                if self.mount is None:
+                    raise ProtocolError("this worker sees no shared directory; start it with --mount DIR")
+                frames, made = _mount.read(frames, self.mount)
+            message = decode(frames)
+        except ProtocolError as exc:
+            self._reply(route, Refused(exc.why))
+            return
+        peer = _key(route)
+        if isinstance(message, Hello):
+            self._hello(route, peer, message)
+        elif isinstance(message, Bye):
+            self._peers.pop(peer, None)
+        elif peer not in self._peers:
+            self._reply(route, Refused("say Hello first: this worker has not heard from you"))
+        elif isinstance(message, Provision):
+            self._provision(route, peer, message)
+        elif isinstance(message, Work):
+            self._work(route, message, mounted=bool(made))
+        else:
+            self._reply(route, Refused(f"a worker does not answer a `{type(message).__name__}`"))
+
+    def _hello(self, route: list, peer: bytes, message: Hello) -> None:
+        why = compatible(self.runtime, message.runtime, needs_pickle=False)
+        if why is not None:
+            self._reply(route, Refused(why))
+            return
+        self._peers[peer] = message.runtime
+        self._peers.move_to_end(peer)
+        while len(self._peers) > _MAX_PEERS:
+            self._peers.popitem(last=False)
+        self._reply(route, Ready(self.runtime))
+
+    def _provision(self, route: list, peer: bytes, message: Provision) -> None:
+        if self.mode == "network":
+            why = compatible(self.runtime, self._peers[peer], needs_pickle=True)
+            if why is not None:
+                self._reply(route, Refused(why))
+                return
+        try:
+            self.catalog.provision(message.digest, message.artifact)
+        except RefusedError as exc:
+            self._reply(route, Refused(str(exc)))
+            return
+        self._reply(route, Ready(self.runtime))
+
+    def _work(self, route: list, work: Work, *, mounted: bool) -> None:
+        try:
+            missing = self.catalog.missing(work.recipe.nodes)
+        except RefusedError as exc:
+            self._reply(route, Refused(str(exc), ref=work.ref))
+            return
+        if missing:
+            self._reply(route, Send(work.ref, tuple(missing)))
+            return
+        self.served += 1
+        self._jobs.submit(self._run, route, work, mounted)
+
+    # -- a job, on a pool thread -------------------------------------------------------
+    def _push(self) -> zmq.Socket:
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = sockets.pair(zmq.PUSH)
+            push.connect(self._answers_url)
+            self._local.push = push
+            self._pushes.append(push)
+        return push
+
+    def _run(self, route: list, work: Work, mounted: bool) -> None:
+        push = self._push()
+
+        def watch(fact: dict[str, str]) -> None:
+            fact = {k: _clip(v, 16 << 10) for k, v in fact.items()}
+            push.send_multipart(route + encode(Saw(work.ref, fact)), copy=False)
+
+        started = time.perf_counter_ns()
+        answer: Any
+        try:
+            steps = tuple(
+                Step(
+                    self.catalog.build(spec),
+                    name=spec.label,
+                    cache=spec.cache,
+                    device=work.placement.get(index),
+                )
+                for index, spec in enumerate(work.recipe.nodes)
+            )
+            outcome = run_piece(Piece("", steps, work.recipe.shape, work.input, dict(work.keys)), watch)
+            answer = Done(work.ref, outcome.output, outcome.produced, microseconds(time.perf_counter_ns() - started))
+        except NodeFailed as exc:
+            cause = exc.__cause__ or exc
+            answer = Failed(
+                work.ref,
+                why=_clip(f"{type(cause).__name__}: {cause}", 64 << 10),
+                node=exc.node,
+                error=exc.error,
+                traceback=_clip(format_exception(cause), 512 << 10),
+            )
+        except RefusedError as exc:
+            answer = Refused(str(exc), ref=work.ref)
+        except Exception as exc:  # the worker's own trouble: still an answer, never a hang
+            answer = Failed(
+                work.ref,
+                why=_clip(f"{type(exc).__name__}: {exc}", 64 << 10),
+                node=None,
+                error=type(exc).__name__,
+                traceback=_clip(format_exception(exc), 512 << 10),
+            )
+        try:
+            frames = encode(answer)
+        except (CodecError, ValueError) as exc:  # unwritable, or over a wire limit
+            frames = encode(
+                Failed(
+                    work.ref,
+                    why=_clip(f"what this work produced cannot travel back: {exc}", 64 << 10),
+                    node=None,
+                    error=type(exc).__name__,
+                    traceback="",
+                )
+            )
+        if mounted and self.mount is not None and len(frames) > 1:
+            frames, _ = _mount.write(frames, self.mount)  # the client removes them once read
+        push.send_multipart(route + frames, copy=False)
+
+
+def _key(route: list) -> bytes:
+    return b"/".join(part if isinstance(part, bytes) else part.bytes for part in route)
+
+
+
+def _clip(text: str, limit: int) -> str:
+    """Texts that cross the wire are bounded; a user's huge message is cut, not refused."""
+    return text if len(text) <= limit else text[: limit - 20] + " ... (cut)"

@@ -1,0 +1,128 @@
+"""The one place ZeroMQ sockets are made, configured and closed.
+
+Every socket gets a short linger (closing never blocks on a dead peer), every listening
+socket a maximum message size, every ROUTER ``ROUTER_MANDATORY`` (a reply to a peer that
+is gone raises instead of vanishing), every dialing socket ZMTP heartbeats (a peer that
+stops answering is noticed within ``patience``). ``zmq.ZMQError`` is translated into
+somatize's words (``Closed``, ``Broken``, ``Unreachable``) here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import itertools
+import os
+import threading
+from collections.abc import Iterator
+
+import zmq
+
+from ..errors import Broken, Closed
+
+#: How long a socket may keep unsent messages after close, in milliseconds.
+LINGER_MS = 100
+#: The largest message a listening socket accepts (bytes); above it the peer is cut off.
+MAX_MESSAGE = 16 << 30
+#: How long, by default, a silent peer is waited for before it counts as gone (seconds).
+PATIENCE = 5.0
+
+_counter = itertools.count()
+_lock = threading.Lock()
+
+
+def context() -> zmq.Context:
+    """The process's one ZeroMQ context (inproc endpoints only meet within one)."""
+    return zmq.Context.instance()
+
+
+def unique_inproc(what: str) -> str:
+    return f"inproc://somatize-{what}-{os.getpid()}-{next(_counter)}"
+
+
+def router(*, mandatory: bool = True) -> zmq.Socket:
+    sock = context().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    if mandatory:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return sock
+
+
+def dealer(patience: float = PATIENCE, *, identity: bytes | None = None) -> zmq.Socket:
+    sock = context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    heartbeat(sock, patience)
+    return sock
+
+
+def heartbeat(sock: zmq.Socket, patience: float) -> None:
+    """ZMTP heartbeats: ping every patience/4, drop the connection after patience of silence."""
+    interval = max(100, int(patience * 1000 / 4))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(patience * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(patience * 1000))
+
+
+def pair(kind: int) -> zmq.Socket:
+    sock = context().socket(kind)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    return sock
+
+
+def close(*socks: zmq.Socket | None) -> None:
+    for sock in socks:
+        if sock is not None and not sock.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.close(linger=LINGER_MS)
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The real endpoint after a bind (port 0 becomes the port the kernel chose)."""
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def tcp_url(address: str) -> str:
+    """``"7000"``, ``"host:7000"`` or ``"tcp://host:7000"`` as a ZeroMQ URL (host defaults
+    to 127.0.0.1)."""
+    if "://" in address:
+        return address
+    if ":" not in address:
+        return f"tcp://127.0.0.1:{address}"
+    host, _, port = address.rpartition(":")
+    return f"tcp://{host or '127.0.0.1'}:{port}"
+
+
+def is_loopback(url: str) -> bool:
+    """Whether binding ``url`` exposes it only to this machine."""
+    if url.startswith(("inproc://", "ipc://")):
+        return True
+    host = url.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def translated(where: str) -> Iterator[None]:
+    """Turn ZeroMQ's errors into somatize's, naming ``where``."""
+    try:
+        yield
+    except zmq.ZMQError as exc:
+        if exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
+            raise Closed(f"{where}: the connection was closed on this side") from exc
+        if exc.errno == zmq.EHOSTUNREACH:
+            raise Broken(f"{where}: the peer is no longer connected") from exc
+        raise Broken(f"{where}: {exc}") from exc
+
+
+def poll(sock: zmq.Socket, timeout: float) -> bool:
+    """Whether a message is waiting on ``sock`` within ``timeout`` seconds."""
+    return bool(sock.poll(int(timeout * 1000), zmq.POLLIN))

@@ -1,0 +1,81 @@
+"""``python -m somatize.worker``: serve work for a broker's clients.
+
+    python -m somatize.worker --listen 7000                 # 127.0.0.1:7000, Direct
+    python -m somatize.worker --listen 0.0.0.0:7000 --insecure
+    python -m somatize.worker --broker tcp://head:5555 --offer w1   # dial in: Relayed
+    python -m somatize.worker --listen 7000 --mount /dev/shm/somatize   # Mount
+
+The worker holds no state you care about and knows nothing of your graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+from .fabric import sockets
+from .fabric.serve import Server
+from .fabric.spawn import ANNOUNCE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m somatize.worker", description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--listen", metavar="[HOST:]PORT", help="listen here (host defaults to 127.0.0.1)")
+    where.add_argument("--broker", metavar="URL", help="dial in to this broker instead (needs --offer)")
+    parser.add_argument("--offer", metavar="NAME", help="the host name to serve when dialing in to a broker")
+    parser.add_argument("--mode", choices=("project", "network"), default="project",
+                        help="project: nodes arrive by import name (default); network: also accept code by value")
+    parser.add_argument("--mount", metavar="DIR", help="a directory shared with the clients, for cargo")
+    parser.add_argument("--jobs", type=int, default=4, metavar="N", help="work run at once (default 4)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow listening on an address other machines can reach, with no keys")
+    parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.broker and not args.offer:
+        parser.error("--broker needs --offer NAME: the host name this worker serves")
+    server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent)
+    if args.broker:
+        server.dial(sockets.tcp_url(args.broker), args.offer)
+        where_text = f"dialed {args.broker} offering `{args.offer}`"
+    else:
+        url = sockets.tcp_url(args.listen or "127.0.0.1:7000")
+        if not sockets.is_loopback(url):
+            if not args.insecure:
+                print(
+                    f"somatize worker: refusing to listen on {url}: anyone who can reach it could send "
+                    f"work here{' and run code by value' if args.mode == 'network' else ''}, and this "
+                    f"version has no keys to tell clients apart. Listen on 127.0.0.1 (the default) and "
+                    f"reach it through an SSH tunnel, or pass --insecure on a network you trust.",
+                    file=sys.stderr,
+                )
+                return 2
+            print(f"somatize worker: WARNING: listening on {url} with no keys (--insecure): "
+                  f"anyone who can reach it can send work", file=sys.stderr)
+        try:
+            endpoint = server.bind(url)
+        except Exception as exc:
+            print(f"somatize worker: cannot listen on {url}: {exc}", file=sys.stderr)
+            server.close()
+            return 2
+        where_text = f"listening on {endpoint}"
+        if args.announce:
+            print(ANNOUNCE + endpoint, flush=True)
+    if not args.announce:
+        print(f"somatize worker: {args.mode} mode, {where_text}", file=sys.stderr, flush=True)
+
+    def stop(signum: int, frame: object) -> None:
+        server.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Nodes the fabric tests send to workers (by value with send=[this module], or by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from somatize import Node
+
+
+class Add(Node):
+    def __init__(self, n: int = 1) -> None:
+        self.n = n
+
+    def forward(self, x):
+        return x + self.n
+
+
+class Scale(Node):
+    def __init__(self, factor: float = 2.0) -> None:
+        self.factor = factor
+
+    def forward(self, x):
+        return np.asarray(x) * self.factor
+
+
+class Sleep(Node):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x
+
+
+class Boom(Node):
+    def forward(self, x):
+        raise ValueError("remote trouble")
+
+
+class Pid(Node):
+    def forward(self, x):
+        return os.getpid()
+
+
+class Count(Node):
+    """Counts its calls in a file, so a test can tell whether it ran anywhere."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def forward(self, x):
+        with open(self.path, "a") as out:
+            out.write("x\n")
+        return np.arange(3) + x
