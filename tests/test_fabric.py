@@ -297,3 +297,45 @@ def test_a_class_from_main_and_a_notebook_codec_run_on_a_spawned_network_worker(
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"out": 42.0, "hosts": ["w1", None]}
+
+
+# -- relayed: through the broker, a window at a time ------------------------------------
+
+
+def rss_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+@pytest.fixture
+def relayed(processes):
+    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"])
+    processes([*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--mode", "network"], announce=None)
+    with Broker.at(hub.endpoint, send={"w1": [fabric_nodes]}) as broker:
+        wait_for_host(broker, "w1")
+        broker.hub = hub
+        yield broker
+
+
+def test_relayed_cargo_bigger_than_a_chunk_crosses_both_ways(relayed):
+    x = np.random.default_rng(7).standard_normal(5_000_000)  # 40 MB: streamed in chunks
+    np.testing.assert_array_equal(Scale(2.0).named("scale").at("w1").forward(x, broker=relayed), x * 2.0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the broker's memory from /proc")
+def test_relaying_a_gibibyte_keeps_the_broker_within_its_window(relayed):
+    from somatize.fabric.stream import WINDOW
+
+    g = Sleep(0).named("echo").at("w1")
+    g.forward(np.zeros(1 << 20, np.uint8), broker=relayed)  # warm: everything imported, connected
+    pid = relayed.hub.pid
+    before = rss_kib(pid, "VmRSS")
+    x = np.ones(1 << 30, np.uint8)
+    out = g.forward(x, broker=relayed)
+    assert out.nbytes == 1 << 30 and int(out[::4096].sum()) == (1 << 30) // 4096
+    del x, out
+    growth = (rss_kib(pid, "VmHWM") - before) * 1024
+    assert growth < 4 * WINDOW, f"the broker grew by {growth >> 20} MiB relaying 2 GiB"

@@ -45,6 +45,7 @@ from ..wire import (
 )
 from . import mount as _mount
 from . import sockets
+from . import stream as _stream
 from .broker import BrokerServer
 from .declare import Worker
 from .serve import RELAY
@@ -268,6 +269,9 @@ class _Channel:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # an established link dropping
         self.sock.connect(self.address)
         self.mounted: list = []
+        self._outgoing: _stream.Outgoing | None = None
+        self._incoming: dict[bytes, _stream.Incoming] = {}
+        self._early: list = []
         self._hello()
 
     def close(self) -> None:
@@ -281,8 +285,29 @@ class _Channel:
         sockets.close(self.monitor, self.sock)
 
     def _send(self, frames: list) -> None:
+        if self.prefix and _stream.worth_streaming(frames):
+            self._stream_out(frames)  # relayed: never more than a window in the broker
+            return
+        self._raw(frames)
+
+    def _raw(self, frames: list) -> None:
         with sockets.translated(f"the worker for `{self.host}` at {self.address}"):
             self.sock.send_multipart(self.prefix + frames, copy=False)
+
+    def _stream_out(self, frames: list) -> None:
+        out = self._outgoing = _stream.Outgoing(_stream.new_id(), frames)
+        try:
+            self._raw(out.begin())
+            while True:
+                for chunk in out.chunks():
+                    self._raw(chunk)
+                if out.finished:
+                    return
+                message = self._pump(deadline=None, waiting="")  # a credit, most likely
+                if message is not None:
+                    self._early.append(message)  # an answer before the end (a refusal)
+        finally:
+            self._outgoing = None
 
     def _hello(self) -> None:
         self._send(encode(Hello(Runtime.here(mode=self.packer.mode))))
@@ -305,14 +330,19 @@ class _Channel:
 
     def _next(self, *, deadline: float | None, waiting: str) -> Any:
         """The next message from the worker; raise if it goes away or the deadline passes."""
+        if self._early:
+            return self._early.pop(0)
+        while True:
+            message = self._pump(deadline=deadline, waiting=waiting)
+            if message is not None:
+                return message
+
+    def _pump(self, *, deadline: float | None, waiting: str) -> Any:
+        """Take in one raw message: a whole answer (returned), or a piece of a stream (None)."""
         while True:
             if sockets.poll(self.sock, 0.05):
                 parts = self.sock.recv_multipart(copy=False)
-                if parts and parts[0].bytes == _mount.MARK:
-                    frames, made = _mount.read(parts, self.located.mount or "")
-                    self.mounted.extend(made)
-                    return decode(frames)
-                return decode(parts)
+                break
             if self.monitor.poll(0, zmq.POLLIN):
                 self.monitor.recv_multipart()
                 raise Broken(f"the connection to {self.address} dropped")
@@ -322,6 +352,32 @@ class _Channel:
                     f"{waiting}: is a worker listening there? Start one with "
                     f"`python -m somatize.worker --listen {self.address.split('://')[-1]}`."
                 )
+        marker = parts[0].bytes if parts else b""
+        if marker == _mount.MARK:
+            frames, made = _mount.read(parts, self.located.mount or "")
+            self.mounted.extend(made)
+            return decode(frames)
+        if marker == _stream.MARK:
+            return self._stream_in(parts)
+        return decode(parts)
+
+    def _stream_in(self, parts: list) -> Any:
+        kind, sid, payload = _stream.parse(parts)
+        if kind == _stream.CREDIT:
+            if self._outgoing is not None and self._outgoing.sid == sid:
+                self._outgoing.grant(payload)  # type: ignore[arg-type]
+            return None
+        if kind == _stream.BEGIN:
+            self._incoming[sid] = _stream.Incoming(sid, payload)  # type: ignore[arg-type]
+            return None
+        incoming = self._incoming.get(sid)
+        if incoming is None:
+            raise ProtocolError("a stream chunk arrived for a stream that never began")
+        self._raw(_stream.credit(sid, incoming.add(payload)))  # type: ignore[arg-type]
+        if not incoming.complete:
+            return None
+        del self._incoming[sid]
+        return decode(incoming.frames)
 
     def run(self, piece: Piece, watch: Any) -> Outcome:
         ref = next(_refs)

@@ -45,10 +45,12 @@ from ..wire import (
 )
 from . import mount as _mount
 from . import sockets
+from . import stream as _stream
 
 #: Frames that mark a message relayed by a broker: [RELAY, client route, *frames].
 RELAY = b"\x00somatize-relay"
 _MAX_PEERS = 10_000
+_MAX_STREAMS = 8  # relayed messages being received at once
 
 
 class Server:
@@ -79,6 +81,8 @@ class Server:
         self._peers: OrderedDict[bytes, Runtime] = OrderedDict()
         self._front: zmq.Socket | None = None
         self._offer: str | None = None
+        self._incoming: dict[bytes, _stream.Incoming] = {}
+        self._outgoing: dict[bytes, tuple[list, _stream.Outgoing]] = {}
         self.stopping = threading.Event()
 
     # -- the front socket --------------------------------------------------------------
@@ -138,10 +142,55 @@ class Server:
                 parts = self._answers.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            try:
-                self._front.send_multipart(parts, copy=False)
-            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
-                print(f"somatize worker: an answer could not be delivered ({exc}); its client is gone", file=sys.stderr)
+            width = 1 if self._offer is None else 2
+            route, frames = parts[:width], parts[width:]
+            if self._offer is not None and _stream.worth_streaming(frames):
+                out = _stream.Outgoing(_stream.new_id(), frames)
+                self._outgoing[_key(route) + b"#" + out.sid] = (route, out)
+                self._send(route + out.begin())
+                self._drain(route, out)
+                continue
+            self._send(parts)
+
+    def _send(self, parts: list) -> None:
+        try:
+            self._front.send_multipart(parts, copy=False)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
+            print(f"somatize worker: an answer could not be delivered ({exc}); its client is gone", file=sys.stderr)
+
+    def _drain(self, route: list, out: _stream.Outgoing) -> None:
+        for chunk in out.chunks():
+            self._send(route + chunk)
+        if out.finished:
+            self._outgoing.pop(_key(route) + b"#" + out.sid, None)
+
+    def _stream_in(self, route: list, frames: list) -> None:
+        key = b""
+        try:
+            kind, sid, payload = _stream.parse(frames)
+            key = _key(route) + b"#" + sid
+            if kind == _stream.CREDIT:
+                pending = self._outgoing.get(key)
+                if pending is not None:
+                    pending[1].grant(payload)  # type: ignore[arg-type]
+                    self._drain(*pending)
+                return
+            if kind == _stream.BEGIN:
+                if len(self._incoming) >= _MAX_STREAMS:
+                    raise ProtocolError("this worker is already receiving as many relayed messages as it takes; try again")
+                self._incoming[key] = _stream.Incoming(sid, payload)  # type: ignore[arg-type]
+                return
+            incoming = self._incoming.get(key)
+            if incoming is None:
+                raise ProtocolError("a stream chunk arrived for a stream that never began")
+            self._send(route + _stream.credit(sid, incoming.add(payload)))  # type: ignore[arg-type]
+        except ProtocolError as exc:
+            self._incoming.pop(key, None)  # what came of it so far is dropped, never guessed at
+            self._reply(route, Refused(exc.why))
+            return
+        if incoming.complete:
+            del self._incoming[key]
+            self._handle(route, incoming.frames)
 
     def _receive(self) -> None:
         for _ in range(64):  # bounded, so answers keep flowing under a flood of requests
@@ -151,6 +200,9 @@ class Server:
                 return
             route, frames = self._split(parts)
             if route is None:
+                continue
+            if frames and _head(frames[0]) == _stream.MARK:
+                self._stream_in(route, frames)
                 continue
             self._handle(route, frames)
 
@@ -179,7 +231,7 @@ class Server:
     def _handle(self, route: list, frames: list) -> None:
         made: list = []
         try:
-            if frames and frames[0].bytes == _mount.MARK:
+            if frames and _head(frames[0]) == _mount.MARK:
                 if self.mount is None:
                     raise ProtocolError("this worker sees no shared directory; start it with --mount DIR")
                 frames, made = _mount.read(frames, self.mount)
@@ -312,3 +364,9 @@ def _key(route: list) -> bytes:
 def _clip(text: str, limit: int) -> str:
     """Texts that cross the wire are bounded; a user's huge message is cut, not refused."""
     return text if len(text) <= limit else text[: limit - 20] + " ... (cut)"
+
+
+def _head(frame: object) -> bytes:
+    """The first bytes of a frame, enough to tell a mark (zmq frames and bytearrays alike)."""
+    view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)  # type: ignore[union-attr, arg-type]
+    return bytes(view) if view.nbytes <= 32 else b""
