@@ -23,13 +23,12 @@ entry: they are served Relayed under the name they offer.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
-from .fabric import Worker, sockets
+from .fabric import Worker, command, sockets
 from .fabric.broker import BrokerServer
 
 
@@ -72,32 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"somatize broker: cannot use the host table: {exc}", file=sys.stderr)
         return 2
     url = sockets.tcp_url(args.listen)
-    if not sockets.is_loopback(url):
-        if not args.insecure:
-            print(f"somatize broker: refusing to listen on {url}: anyone who can reach it could use its "
-                  f"workers, and this version has no keys to tell clients apart. Listen on 127.0.0.1, or "
-                  f"pass --insecure on a network you trust.", file=sys.stderr)
-            return 2
-        print(f"somatize broker: WARNING: listening on {url} with no keys (--insecure)", file=sys.stderr)
+    if not command.may_listen(url, insecure=args.insecure, who="broker", risk="use its workers"):
+        return 2
     server = BrokerServer(hosts)
-    try:
-        endpoint = server.bind(url)
-    except Exception as exc:
-        print(f"somatize broker: cannot listen on {url}: {exc}", file=sys.stderr)
-        server.close()
+    endpoint = command.bind(server, url, who="broker")
+    if endpoint is None:
         return 2
     if args.announce:
         print(f"somatize-broker ready {endpoint}", flush=True)
     print(f"somatize broker: listening on {endpoint}; hosts: {', '.join(sorted(hosts)) or 'none yet'}",
           file=sys.stderr, flush=True)
-
-    def stop(signum: int, frame: object) -> None:
-        server.stopping.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    server.serve()
-    return 0
+    return command.serve_until_signalled(server)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ The worker holds no state you care about and knows nothing of your graph.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Sequence
 
-from .fabric import sockets
+from .fabric import command, sockets
 from .fabric.serve import Server
 from .fabric.spawn import ANNOUNCE
 
@@ -44,37 +43,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         where_text = f"dialed {args.broker} offering `{args.offer}`"
     else:
         url = sockets.tcp_url(args.listen or "127.0.0.1:7000")
-        if not sockets.is_loopback(url):
-            if not args.insecure:
-                print(
-                    f"somatize worker: refusing to listen on {url}: anyone who can reach it could send "
-                    f"work here{' and run code by value' if args.mode == 'network' else ''}, and this "
-                    f"version has no keys to tell clients apart. Listen on 127.0.0.1 (the default) and "
-                    f"reach it through an SSH tunnel, or pass --insecure on a network you trust.",
-                    file=sys.stderr,
-                )
-                return 2
-            print(f"somatize worker: WARNING: listening on {url} with no keys (--insecure): "
-                  f"anyone who can reach it can send work", file=sys.stderr)
-        try:
-            endpoint = server.bind(url)
-        except Exception as exc:
-            print(f"somatize worker: cannot listen on {url}: {exc}", file=sys.stderr)
+        risk = "send work here" + (" and run code by value" if args.mode == "network" else "")
+        if not command.may_listen(url, insecure=args.insecure, who="worker", risk=risk):
             server.close()
+            return 2
+        endpoint = command.bind(server, url, who="worker")
+        if endpoint is None:
             return 2
         where_text = f"listening on {endpoint}"
         if args.announce:
             print(ANNOUNCE + endpoint, flush=True)
     if not args.announce:
         print(f"somatize worker: {args.mode} mode, {where_text}", file=sys.stderr, flush=True)
-
-    def stop(signum: int, frame: object) -> None:
-        server.stopping.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    server.serve()
-    return 0
+    return command.serve_until_signalled(server)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,7 @@ class Broker:
         host = piece.host
         with self._lock:
             self._located.pop(host, None)
+            self._provisioned.pop(host, None)  # a worker started afresh holds no artifacts
             for channel in self._idle.pop(host, []):
                 channel.close()
         ended = None
