@@ -14,6 +14,7 @@ machines, without changing the graph; keep what was computed, and be told what h
 from .codec import Opaque, codec, codecs_registered
 from .errors import (
     BadCodec,
+    BadKeys,
     BadName,
     Broken,
     Closed,
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BadCodec",
+    "BadKeys",
     "BadName",
     "Broken",
     "Broker",

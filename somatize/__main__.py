@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -21,7 +22,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="where to keep cached values (default: a temporary folder, removed afterwards)",
     )
 
+    make_keys = commands.add_parser(
+        "keys",
+        help="make CURVE key pairs: NAME.key (public, to share) and NAME.key_secret (0600, to keep)",
+    )
+    make_keys.add_argument("folder", metavar="DIR", help="where to write them")
+    make_keys.add_argument("names", metavar="NAME", nargs="*", help="one pair per name (default: this machine's name)")
+
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        return _keys(args.folder, args.names or [socket.gethostname()])
     if args.command == "demo":
         if args.store:
             return demo.main(args.store)
@@ -29,6 +39,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return demo.main(folder)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2
+
+
+def _keys(folder: str, names: list[str]) -> int:
+    from .errors import BadKeys
+    from .fabric.curve import make_pair
+
+    for name in names:
+        try:
+            public, secret = make_pair(folder, name)
+        except BadKeys as exc:
+            print(f"somatize keys: {exc}", file=sys.stderr)
+            return 2
+        print(f"{public}  (public: give it to whoever must recognise `{name}`)")
+        print(f"{secret}  (secret, mode 0600: keep it on `{name}` only)")
+    return 0
 
 
 if __name__ == "__main__":

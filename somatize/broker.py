@@ -15,6 +15,7 @@ The host table names each host and how to reach it:
     [hosts.w3]
     address = "10.0.0.5:7000"
     mount = "/shared/somatize"     # both ends see this directory (Mount)
+    key = "keys/w3.key"            # its CURVE public key, when it listens with --key/--allow
 
 Workers that dial in (``python -m somatize.worker --broker URL --offer NAME``) need no
 entry: they are served Relayed under the name they offer.
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .fabric import Worker, command, sockets
+from .fabric.curve import Keys, read_public
 from .fabric.broker import BrokerServer
 
 
@@ -43,13 +45,17 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
     for name, entry in hosts.items():
         if not isinstance(entry, dict):
             raise ValueError(f"{path}: [hosts.{name}] must be a table")
-        unknown = set(entry) - {"address", "spawn", "mode", "mount"}
+        unknown = set(entry) - {"address", "spawn", "mode", "mount", "key"}
         if unknown:
-            raise ValueError(f"{path}: [hosts.{name}] has unknown keys {sorted(unknown)}; use address, spawn, mode, mount")
+            raise ValueError(f"{path}: [hosts.{name}] has unknown keys {sorted(unknown)}; use address, spawn, mode, mount, key")
         if ("address" in entry) == ("spawn" in entry):
             raise ValueError(f"{path}: [hosts.{name}] needs exactly one of `address` or `spawn`")
         if "address" in entry:
-            out[name] = Worker.at(entry["address"], mode=entry.get("mode", "project"), mount=entry.get("mount"))
+            keys = None
+            if "key" in entry:  # the worker's public key: clients check they reached the right one
+                public = read_public(Path(path).parent / entry["key"])
+                keys = Keys(public=b"", secret=b"", server_key=public)
+            out[name] = Worker.at(entry["address"], mode=entry.get("mode", "project"), mount=entry.get("mount"), keys=keys)
         else:
             out[name] = Worker.spawn(entry["spawn"], mode=entry.get("mode", "project"), mount=entry.get("mount"))
     return out
@@ -60,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--listen", metavar="URL", default="tcp://127.0.0.1:5555",
                         help="where clients and dialing workers reach this broker (default tcp://127.0.0.1:5555)")
     parser.add_argument("--hosts", metavar="FILE.toml", help="the host table")
+    command.key_options(parser)
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening on an address other machines can reach, with no keys")
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
@@ -71,10 +78,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"somatize broker: cannot use the host table: {exc}", file=sys.stderr)
         return 2
     url = sockets.tcp_url(args.listen)
-    if not command.may_listen(url, insecure=args.insecure, who="broker", risk="use its workers"):
+    keys = command.server_keys(args, "broker")
+    if keys is False:
+        return 2
+    if not command.may_listen(url, insecure=args.insecure, who="broker", risk="use its workers", keyed=keys is not None):
         return 2
     server = BrokerServer(hosts)
-    endpoint = command.bind(server, url, who="broker")
+    endpoint = command.bind(server, url, who="broker", keys=keys)
     if endpoint is None:
         return 2
     if args.announce:

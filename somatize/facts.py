@@ -27,7 +27,7 @@ ENGINE = frozenset({"ran", "failed", "recalled", "kept", "items", "left", "finis
 CLOSING = frozenset({"finished", "broke"})
 
 
-def fact(kind: str, **fields: object) -> Fact:
+def fact(kind: str, /, **fields: object) -> Fact:
     """Build a fact of ``kind``; fields that are ``None`` are left out, the rest become text.
 
     >>> fact("ran", node="tokenize", took_us=4120)

@@ -339,7 +339,8 @@ class Located:
     ``path`` is ``"inprocess"``, ``"direct"``, ``"relayed"`` or ``"mount"``; ``address`` the
     worker's endpoint (direct, mount) or the broker's (relayed); ``mode`` its packing mode;
     ``mount`` the shared directory, for ``"mount"`` only; ``ended`` how a lost worker ended
-    (``"killed by SIGKILL"``), when known.
+    (``"killed by SIGKILL"``), when known; ``key`` the worker's CURVE public key (Z85, 40
+    characters) when it listens with one, so the client can check whom it reached.
     """
 
     host: str
@@ -348,6 +349,7 @@ class Located:
     mode: str = ""
     mount: str | None = None
     ended: str | None = None
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -1137,6 +1139,9 @@ def _check_saw(m: Saw) -> None:
         _text(v, f"Saw.fact[{_shown(k)}]", MAX_FACT_TEXT, empty=True)
 
 
+_Z85 = set("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
 def _check_located(m: Located) -> None:
     _text(m.host, "Located.host", MAX_NAME)
     _choice(m.path, "Located.path", _PATHS)
@@ -1150,6 +1155,9 @@ def _check_located(m: Located) -> None:
         raise _Bad(f'`Located.mount` is only for the "mount" path, and this path is "{m.path}"')
     if m.ended is not None:
         _text(m.ended, "Located.ended", MAX_NAME)
+    _text(m.key, "Located.key", 40, empty=True)
+    if m.key and (len(m.key) != 40 or not set(m.key) <= _Z85):
+        raise _Bad("`Located.key` is a CURVE public key: 40 characters of Z85 text")
 
 
 def _check_listed(m: Listed) -> None:

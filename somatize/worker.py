@@ -14,7 +14,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .errors import BadKeys
 from .fabric import command, sockets
+from .fabric.curve import Keys
 from .fabric.serve import Server
 from .fabric.spawn import ANNOUNCE
 
@@ -29,6 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="project: nodes arrive by import name (default); network: also accept code by value")
     parser.add_argument("--mount", metavar="DIR", help="a directory shared with the clients, for cargo")
     parser.add_argument("--jobs", type=int, default=4, metavar="N", help="work run at once (default 4)")
+    command.key_options(parser)
+    parser.add_argument("--broker-key", metavar="FILE.key", help="the broker's public key, when dialing in with --key")
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening on an address other machines can reach, with no keys")
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
@@ -37,17 +41,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.broker and not args.offer:
         parser.error("--broker needs --offer NAME: the host name this worker serves")
-    server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent)
     if args.broker:
-        server.dial(sockets.tcp_url(args.broker), args.offer)
+        keys = None
+        if args.key or args.broker_key:
+            try:
+                keys = Keys.client(args.key, server=args.broker_key) if args.key and args.broker_key else None
+            except BadKeys as exc:
+                print(f"somatize worker: {exc}", file=sys.stderr)
+                return 2
+            if keys is None:
+                print("somatize worker: dialing in with keys needs --key (this worker's pair) and "
+                      "--broker-key (the broker's public key)", file=sys.stderr)
+                return 2
+        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent)
+        server.dial(sockets.tcp_url(args.broker), args.offer, keys=keys)
         where_text = f"dialed {args.broker} offering `{args.offer}`"
     else:
         url = sockets.tcp_url(args.listen or "127.0.0.1:7000")
-        risk = "send work here" + (" and run code by value" if args.mode == "network" else "")
-        if not command.may_listen(url, insecure=args.insecure, who="worker", risk=risk):
-            server.close()
+        keys = command.server_keys(args, "worker")
+        if keys is False:
             return 2
-        endpoint = command.bind(server, url, who="worker")
+        risk = "send work here" + (" and run code by value" if args.mode == "network" else "")
+        if not command.may_listen(url, insecure=args.insecure, who="worker", risk=risk, keyed=keys is not None):
+            return 2
+        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent)
+        endpoint = command.bind(server, url, who="worker", keys=keys)
         if endpoint is None:
             return 2
         where_text = f"listening on {endpoint}"

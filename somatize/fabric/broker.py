@@ -21,6 +21,7 @@ import zmq
 from ..errors import ProtocolError, Refused as RefusedError
 from ..wire import Bye, Hello, Hosts, Listed, Located, Ready, Refused, Runtime, Where, compatible, decode, encode
 from . import sockets
+from .curve import Guard, Keys, as_server
 from .declare import Worker
 from .serve import RELAY
 from .spawn import Child
@@ -55,11 +56,15 @@ class BrokerServer:
         self.endpoint = ""
         self.stopping = threading.Event()
         self._front: zmq.Socket | None = None
+        self._guard: Guard | None = None
         self._lock = threading.Lock()
 
-    def bind(self, url: str) -> str:
+    def bind(self, url: str, *, keys: Keys | None = None) -> str:
         self._front = sockets.router()
         sockets.heartbeat(self._front, self.patience)
+        if keys is not None:
+            self._guard = Guard(sockets.context(), keys)
+            as_server(self._front, keys)
         self._front.bind(url)
         self.endpoint = sockets.bound_endpoint(self._front)
         return self.endpoint
@@ -86,6 +91,13 @@ class BrokerServer:
         for child in children:
             child.stop()
         sockets.close(self._front)
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
+
+    def reload(self) -> None:
+        if self._guard is not None:
+            self._guard.reload()
 
     def _send(self, parts: list) -> None:
         try:
@@ -164,7 +176,10 @@ class BrokerServer:
             return Located(host, "inprocess")
         path = "mount" if declared.mount else "direct"
         if declared.how == "at":
-            return Located(host, path, address=sockets.tcp_url(declared.address), mode=declared.mode, mount=declared.mount)
+            return Located(
+                host, path, address=sockets.tcp_url(declared.address), mode=declared.mode,
+                mount=declared.mount, key=declared.server_key(),
+            )
         with self._lock:
             child = self.children.get(host)
             if child is None:

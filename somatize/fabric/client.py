@@ -47,10 +47,14 @@ from . import mount as _mount
 from . import sockets
 from . import stream as _stream
 from .broker import BrokerServer
+from .curve import Keys, as_client
 from .declare import Worker
 from .serve import RELAY
 
 _refs = itertools.count(1)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 #: How long a spawned worker may take to start, on top of patience (seconds).
 START_ALLOWANCE = 30.0
 
@@ -63,9 +67,12 @@ class Broker:
     """
 
     def __init__(self, url: str, *, patience: float = sockets.PATIENCE, server: BrokerServer | None = None,
-                 send: dict[str, tuple] | None = None) -> None:
+                 send: dict[str, tuple] | None = None, keys: Keys | None = None,
+                 host_keys: dict[str, Keys] | None = None) -> None:
         self.url = url
         self.patience = patience
+        self.keys = keys
+        self._host_keys = dict(host_keys or {})
         self._server = server
         self._thread: threading.Thread | None = None
         self._send_by_host = dict(send or {})
@@ -85,16 +92,33 @@ class Broker:
         ``inproc://``. Returns once it is bound."""
         server = BrokerServer(hosts, patience=patience)
         url = server.bind(sockets.unique_inproc("broker"))
-        broker = cls(url, patience=patience, server=server, send={h: w.send for h, w in hosts.items()})
+        broker = cls(
+            url,
+            patience=patience,
+            server=server,
+            send={h: w.send for h, w in hosts.items()},
+            host_keys={h: w.keys for h, w in hosts.items() if w.keys is not None},
+        )
         broker._thread = threading.Thread(target=server.serve, name="somatize-broker", daemon=True)
         broker._thread.start()
         return broker
 
     @classmethod
-    def at(cls, url: str, *, patience: float = sockets.PATIENCE, send: dict[str, list] | None = None) -> Broker:
+    def at(
+        cls,
+        url: str,
+        *,
+        patience: float = sockets.PATIENCE,
+        send: dict[str, list] | None = None,
+        keys: Keys | None = None,
+    ) -> Broker:
         """A standalone broker (``python -m somatize.broker --listen URL``). ``send`` maps a
-        network-mode host to the modules to pickle by value for it."""
-        return cls(sockets.tcp_url(url), patience=patience, send={h: tuple(m) for h, m in (send or {}).items()})
+        network-mode host to the modules to pickle by value for it. ``keys`` (from
+        ``Keys.client(secret, server=the broker's .key)``) when the broker listens with CURVE;
+        the same keys then reach its workers, whose public keys the broker reports."""
+        if keys is not None and (not isinstance(keys, Keys) or keys.server_key is None):
+            raise TypeError("`keys=` takes `Keys.client(secret_file, server=the broker's .key file)`")
+        return cls(sockets.tcp_url(url), patience=patience, send={h: tuple(m) for h, m in (send or {}).items()}, keys=keys)
 
     def __enter__(self) -> Broker:
         return self
@@ -213,6 +237,8 @@ class Broker:
                 raise Closed("this broker was closed; make a new one")
             if self._control is None:
                 self._control = sockets.dealer(self.patience)
+                if self.keys is not None:
+                    as_client(self._control, self.keys, None)
                 self._control.connect(self.url)
             control = self._control
             with sockets.translated(f"the broker at {self.url}"):
@@ -245,7 +271,26 @@ class Broker:
             provisioned = self._provisioned.setdefault(located.host, set())
         # a relayed host is reached through the very broker this client talks to
         address = self.url if located.path == "relayed" else located.address
-        return _Channel(located, address, self._packer(located.host, located.mode), provisioned, self.patience)
+        keys, server_key = self._keys_for(located)
+        return _Channel(
+            located, address, self._packer(located.host, located.mode), provisioned, self.patience,
+            keys=keys, server_key=server_key,
+        )
+
+    def _keys_for(self, located: Located) -> tuple[Keys | None, bytes | None]:
+        if located.path == "relayed":
+            return self.keys, None  # the broker's key, as for the control socket
+        declared = self._host_keys.get(located.host)
+        if declared is not None:
+            return declared, declared.server_key
+        if located.key:
+            if self.keys is None:
+                raise RefusedError(
+                    f"the worker for `{located.host}` listens with CURVE keys and this client has "
+                    f"none: pass `keys=Keys.client(\"me.key_secret\", server=...)` to `Broker.at`"
+                )
+            return self.keys, located.key.encode()
+        return None, None
 
     def _give_back(self, channel: _Channel) -> None:
         with self._lock:
@@ -258,7 +303,17 @@ class Broker:
 class _Channel:
     """One DEALER to one worker (directly, or through the broker for a relayed host)."""
 
-    def __init__(self, located: Located, address: str, packer: Packer, provisioned: set[str], patience: float) -> None:
+    def __init__(
+        self,
+        located: Located,
+        address: str,
+        packer: Packer,
+        provisioned: set[str],
+        patience: float,
+        *,
+        keys: Keys | None = None,
+        server_key: bytes | None = None,
+    ) -> None:
         self.host = located.host
         self.located = located
         self.packer = packer
@@ -267,7 +322,10 @@ class _Channel:
         self.address = address
         self.prefix = [RELAY, located.host.encode()] if located.path == "relayed" else []
         self.sock = sockets.dealer(patience)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # an established link dropping
+        if keys is not None:
+            as_client(self.sock, keys, server_key)
+        # an established link dropping, or a server refusing our key
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self.sock.connect(self.address)
         self.mounted: list = []
         self._outgoing: _stream.Outgoing | None = None
@@ -345,7 +403,13 @@ class _Channel:
                 parts = self.sock.recv_multipart(copy=False)
                 break
             if self.monitor.poll(0, zmq.POLLIN):
-                self.monitor.recv_multipart()
+                event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
+                if event & _HANDSHAKE_FAILED:
+                    raise RefusedError(
+                        f"the worker for `{self.host}` at {self.address} refused this client's "
+                        f"credentials: its CURVE keys do not match (is this client's public key in "
+                        f"the worker's allow-list, and is the worker's public key the one given here?)"
+                    )
                 raise Broken(f"the connection to {self.address} dropped")
             if deadline is not None and time.monotonic() > deadline:
                 raise Unreachable(

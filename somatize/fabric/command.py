@@ -1,24 +1,50 @@
-"""What ``python -m somatize.worker`` and ``python -m somatize.broker`` share: the rule
-about where they may listen, binding with a sentence on failure, and stopping on a signal."""
+"""What ``python -m somatize.worker`` and ``python -m somatize.broker`` share: keys, the rule
+about where they may listen, binding with a sentence on failure, stopping on a signal and
+reloading the allow-list on SIGHUP."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 from typing import Any
 
+from ..errors import BadKeys
 from . import sockets
+from .curve import Keys
 
 
-def may_listen(url: str, *, insecure: bool, who: str, risk: str) -> bool:
-    """Loopback is always fine; anywhere else needs ``--insecure``, which warns every start."""
-    if sockets.is_loopback(url):
+def key_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--key", metavar="FILE.key_secret", help="this side's CURVE key pair (from `python -m somatize keys`)")
+    parser.add_argument("--allow", metavar="DIR", help="the folder of client public keys (.key) allowed in")
+
+
+def server_keys(args: argparse.Namespace, who: str) -> Keys | None | bool:
+    """The keys to listen with, None for none, or False after saying why they cannot be used."""
+    if args.key is None and args.allow is None:
+        return None
+    if args.key is None or args.allow is None:
+        print(f"somatize {who}: --key and --allow go together: a key pair to prove who this is, "
+              f"and the folder of client keys it lets in", file=sys.stderr)
+        return False
+    try:
+        return Keys.server(args.key, allow=args.allow)
+    except BadKeys as exc:
+        print(f"somatize {who}: {exc}", file=sys.stderr)
+        return False
+
+
+def may_listen(url: str, *, insecure: bool, who: str, risk: str, keyed: bool = False) -> bool:
+    """Loopback is always fine; anywhere else needs keys, or ``--insecure`` (which warns at
+    every start)."""
+    if sockets.is_loopback(url) or keyed:
         return True
     if not insecure:
         print(
-            f"somatize {who}: refusing to listen on {url}: anyone who can reach it could {risk}, "
-            f"and this version has no keys to tell clients apart. Listen on 127.0.0.1 (the "
-            f"default) and reach it through an SSH tunnel, or pass --insecure on a network you trust.",
+            f"somatize {who}: refusing to listen on {url}: anyone who can reach it could {risk}. "
+            f"Give it keys (--key FILE.key_secret --allow CLIENT_KEYS_DIR; make them with "
+            f"`python -m somatize keys DIR`), listen on 127.0.0.1 (the default) and reach it "
+            f"through an SSH tunnel, or pass --insecure on a network you trust.",
             file=sys.stderr,
         )
         return False
@@ -27,10 +53,10 @@ def may_listen(url: str, *, insecure: bool, who: str, risk: str) -> bool:
     return True
 
 
-def bind(server: Any, url: str, *, who: str) -> str | None:
+def bind(server: Any, url: str, *, who: str, keys: Keys | None = None) -> str | None:
     """Bind ``server`` on ``url``; on failure say why, close it, and return None."""
     try:
-        return server.bind(url)
+        return server.bind(url, keys=keys)
     except Exception as exc:
         print(f"somatize {who}: cannot listen on {url}: {exc}", file=sys.stderr)
         server.close()
@@ -43,7 +69,11 @@ def serve_until_signalled(server: Any) -> int:
     def stop(signum: int, frame: object) -> None:
         server.stopping.set()
 
+    def reload(signum: int, frame: object) -> None:
+        server.reload()
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, reload)  # read the allow-list again
     server.serve()
     return 0

@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Sequence
 from types import ModuleType
 
+from .curve import Keys
+
 MODES = ("project", "network")
 
 
@@ -23,6 +25,13 @@ class Worker:
     mode: str = "project"
     send: tuple[ModuleType | str, ...] = ()
     mount: str | None = None
+    keys: Keys | None = None  # for `at`: this client's keys, with the worker's public key
+
+    def server_key(self) -> str:
+        """The worker's CURVE public key as text, when the declaration carries one."""
+        if self.keys is None or self.keys.server_key is None:
+            return ""
+        return self.keys.server_key.decode()
 
     @classmethod
     def spawn(
@@ -54,12 +63,16 @@ class Worker:
         mode: str = "project",
         send: Sequence[ModuleType | str] = (),
         mount: str | None = None,
+        keys: Keys | None = None,
     ) -> Worker:
         """A worker already listening at ``address`` (``"host:7000"`` or
-        ``"tcp://host:7000"``), started with ``python -m somatize.worker --listen ...``."""
+        ``"tcp://host:7000"``), started with ``python -m somatize.worker --listen ...``.
+        ``keys=Keys.client("me.key_secret", server="w1.key")`` when it listens with CURVE."""
         if not isinstance(address, str) or not address:
             raise TypeError("`Worker.at` takes an address such as \"10.0.0.4:7000\"")
-        return cls("at", address=address, mode=_mode(mode), send=tuple(send), mount=_folder(mount))
+        if keys is not None and (not isinstance(keys, Keys) or keys.server_key is None):
+            raise TypeError("`keys=` takes `Keys.client(secret_file, server=the worker's .key file)`")
+        return cls("at", address=address, mode=_mode(mode), send=tuple(send), mount=_folder(mount), keys=keys)
 
     @classmethod
     def inprocess(cls) -> Worker:

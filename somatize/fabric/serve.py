@@ -45,6 +45,7 @@ from ..wire import (
 )
 from . import mount as _mount
 from . import sockets
+from .curve import Guard, Keys, as_client, as_server
 from . import stream as _stream
 
 #: Frames that mark a message relayed by a broker: [RELAY, client route, *frames].
@@ -80,21 +81,29 @@ class Server:
         self._local = threading.local()
         self._peers: OrderedDict[bytes, Runtime] = OrderedDict()
         self._front: zmq.Socket | None = None
+        self._guard: Guard | None = None
         self._offer: str | None = None
         self._incoming: dict[bytes, _stream.Incoming] = {}
         self._outgoing: dict[bytes, tuple[list, _stream.Outgoing]] = {}
         self.stopping = threading.Event()
 
     # -- the front socket --------------------------------------------------------------
-    def bind(self, url: str) -> str:
-        """Listen on ``url``; return the real endpoint (a port 0 becomes the chosen one)."""
+    def bind(self, url: str, *, keys: Keys | None = None) -> str:
+        """Listen on ``url``; return the real endpoint (a port 0 becomes the chosen one).
+        With ``keys`` only clients whose public key is in ``keys.allow`` get through."""
         self._front = sockets.router()
+        if keys is not None:
+            self._guard = Guard(sockets.context(), keys)
+            as_server(self._front, keys)
         self._front.bind(url)
         return sockets.bound_endpoint(self._front)
 
-    def dial(self, broker: str, offer: str) -> None:
-        """Connect to a broker and offer to serve the host called ``offer`` (Relayed)."""
+    def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
+        """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
+        With ``keys``, ``keys.server_key`` is the broker's public key."""
         self._front = sockets.dealer(self.patience)
+        if keys is not None:
+            as_client(self._front, keys, None)
         self._front.connect(broker)
         self._offer = offer
         self._announce()
@@ -126,8 +135,16 @@ class Server:
         finally:
             self.close()
 
+    def reload(self) -> None:
+        """Read the allow-list of client keys again (a key removed is refused from now on)."""
+        if self._guard is not None:
+            self._guard.reload()
+
     def close(self) -> None:
         self.stopping.set()
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
         if self._offer is not None and self._front is not None and not self._front.closed:
             try:
                 self._front.send_multipart(encode(Bye()), zmq.NOBLOCK)

@@ -1,0 +1,159 @@
+"""CURVE keys: who may talk to a worker or a broker that others can reach.
+
+A worker that accepts code by value is a remote shell for whoever reaches its port, so a
+worker or broker listening anywhere but loopback needs a key pair of its own and a folder
+of the client public keys it allows (ZeroMQ CURVE, checked by a ZAP authenticator on the
+same context). Accepting any client key is not offered. Clients hold their own pair and the
+server's public key.
+
+Key files use ZeroMQ's certificate format (``NAME.key`` public, ``NAME.key_secret``
+secret); a secret key file anyone but its owner can read is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import stat
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from ..errors import BadKeys
+
+
+def make_pair(folder: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """Write ``NAME.key`` and ``NAME.key_secret`` (0600) in ``folder``; return their paths."""
+    if not name or "/" in name or name.startswith("."):
+        raise BadKeys(f"a key's name is a plain file name, like the host it belongs to; got {name!r}")
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.curve_keypair()
+    public_path, secret_path = root / f"{name}.key", root / f"{name}.key_secret"
+    for path in (public_path, secret_path):
+        if path.exists():
+            raise BadKeys(f"{path} already exists; remove it first if you mean to replace that key")
+    _write(public_path, _certificate(public, None), 0o644)
+    _write(secret_path, _certificate(public, secret), 0o600)
+    return public_path, secret_path
+
+
+def _certificate(public: bytes, secret: bytes | None) -> str:
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lines = [
+        f"#   ****  Generated on {stamp} by somatize  ****",
+        "#   ZeroMQ CURVE " + ("**Secret** Certificate: keep it to yourself" if secret else "Public Certificate"),
+        "metadata",
+        "curve",
+        f'    public-key = "{public.decode()}"',
+    ]
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    # created with its final mode: a secret is never readable by others, even for a moment
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+def read_public(path: str | os.PathLike[str]) -> bytes:
+    try:
+        public, _ = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise BadKeys(f"cannot read a CURVE public key from {path}: {exc}") from exc
+    if not public:
+        raise BadKeys(f"{path} holds no public key")
+    return public
+
+
+def read_secret(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """``(public, secret)`` from a secret key file, refused if others can read it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise BadKeys(f"cannot read the secret key {path}: {exc}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise BadKeys(
+            f"the secret key {path} can be read by others (mode {stat.S_IMODE(mode):04o}): whoever "
+            f"reads it can pass for its owner. Run `chmod 600 {path}` and start again."
+        )
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise BadKeys(f"cannot read a CURVE key pair from {path}: {exc}") from exc
+    if not secret:
+        raise BadKeys(f"{path} holds no secret key: pass the `.key_secret` file, not the `.key` one")
+    return public, secret
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Keys:
+    """One side's CURVE keys. Build with :meth:`client` or :meth:`server`."""
+
+    public: bytes
+    secret: bytes
+    server_key: bytes | None = None  # a client's: the public key of whom it connects to
+    allow: Path | None = None  # a server's: the folder of client public keys it accepts
+
+    def __repr__(self) -> str:  # never show a secret
+        role = "server" if self.allow is not None else "client"
+        return f"Keys.{role}(public={self.public.decode()!r})"
+
+    @classmethod
+    def client(cls, secret_file: str | os.PathLike[str], *, server: str | os.PathLike[str] | bytes | None = None) -> Keys:
+        """This client's pair, and the server's public key (a ``.key`` file or its Z85 text).
+        For ``Broker.at`` the server key is the broker's; the workers' come from the broker."""
+        public, secret = read_secret(secret_file)
+        server_key = server if isinstance(server, bytes) or server is None else read_public(server)
+        return cls(public, secret, server_key=server_key)
+
+    @classmethod
+    def server(cls, secret_file: str | os.PathLike[str], *, allow: str | os.PathLike[str]) -> Keys:
+        """This server's pair, and the folder of client ``.key`` files it allows."""
+        public, secret = read_secret(secret_file)
+        folder = Path(allow)
+        if not folder.is_dir():
+            raise BadKeys(f"the allow-list {folder} is not a folder of client `.key` files")
+        return cls(public, secret, allow=folder)
+
+    def with_server(self, server_key: bytes) -> Keys:
+        return dataclasses.replace(self, server_key=server_key)
+
+
+class Guard:
+    """A ZAP authenticator on the process's context, allowing the keys in one folder."""
+
+    def __init__(self, context: zmq.Context, keys: Keys) -> None:
+        assert keys.allow is not None
+        self.keys = keys
+        self._auth = ThreadAuthenticator(context)
+        self._auth.start()
+        self.reload()
+
+    def reload(self) -> None:
+        """Read the allow-list again: a key taken out of the folder is refused from now on."""
+        self._auth.configure_curve(domain="*", location=str(self.keys.allow))
+
+    def close(self) -> None:
+        self._auth.stop()
+
+
+def as_server(sock: zmq.Socket, keys: Keys) -> None:
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_server = True
+
+
+def as_client(sock: zmq.Socket, keys: Keys, server_key: bytes | None) -> None:
+    key = server_key or keys.server_key
+    if key is None:
+        raise BadKeys("a client with keys needs the server's public key: pass `server=` to `Keys.client`")
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_serverkey = key

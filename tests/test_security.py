@@ -1,0 +1,233 @@
+"""Safe by default: keys, allow-lists, refusals that reach no handler, and no code by value
+where it is not allowed. Real worker processes, real CURVE handshakes, real files."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from conftest import WORKER, env_with_tests
+from fabric_nodes import Add, Count
+from somatize import BadKeys, Broker, Refused, Unreachable, Unwritable, Worker
+from somatize.codec import dumps
+from somatize.fabric import sockets
+from somatize.fabric.curve import Keys, make_pair
+from somatize.wire import Hello, Provision, Refused as RefusedAnswer, Runtime, decode, encode
+
+
+@pytest.fixture
+def keyring(tmp_path):
+    """A worker's pair, a good client's pair in the allow-list, and a stranger's pair."""
+    folder = tmp_path / "keys"
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    worker_public, worker_secret = make_pair(folder, "w1")
+    me_public, me_secret = make_pair(folder, "me")
+    _, stranger_secret = make_pair(folder, "stranger")
+    (allow / "me.key").write_bytes(me_public.read_bytes())
+    return {
+        "worker_public": worker_public,
+        "worker_secret": worker_secret,
+        "me_secret": me_secret,
+        "stranger_secret": stranger_secret,
+        "allow": allow,
+    }
+
+
+def keyed_worker(processes, keyring, *extra):
+    return processes(
+        [*WORKER, "--listen", "127.0.0.1:0", "--announce", "--key", str(keyring["worker_secret"]),
+         "--allow", str(keyring["allow"]), *extra],
+        env=env_with_tests(),
+    )
+
+
+def client(keyring, endpoint, secret="me_secret", *, patience=2.0):
+    keys = Keys.client(keyring[secret], server=keyring["worker_public"])
+    return Broker.embedded({"w1": Worker.at(endpoint, mode="project", keys=keys)}, patience=patience)
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+
+def test_keys_command_writes_a_public_and_a_private_secret_key(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "somatize", "keys", str(tmp_path), "w1"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "w1.key").exists()
+    assert (os.stat(tmp_path / "w1.key_secret").st_mode & 0o777) == 0o600
+    Keys.server(tmp_path / "w1.key_secret", allow=tmp_path)  # loads
+
+
+def test_a_secret_key_others_can_read_is_refused_with_the_fix(keyring):
+    os.chmod(keyring["me_secret"], 0o644)
+    with pytest.raises(BadKeys, match=r"can be read by others.*chmod 600"):
+        Keys.client(keyring["me_secret"], server=keyring["worker_public"])
+
+
+def test_a_worker_with_a_readable_secret_key_does_not_start(keyring):
+    os.chmod(keyring["worker_secret"], 0o640)
+    done = subprocess.run(
+        [*WORKER, "--listen", "127.0.0.1:0", "--key", str(keyring["worker_secret"]), "--allow", str(keyring["allow"])],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert done.returncode == 2 and "chmod 600" in done.stderr
+
+
+def test_keys_are_never_shown():
+    public, secret = zmq.curve_keypair()
+    assert secret.decode() not in repr(Keys(public, secret))
+
+
+# -- binding --------------------------------------------------------------------------
+
+
+def test_listening_beyond_loopback_needs_keys_or_insecure(keyring, processes):
+    refused = subprocess.run([*WORKER, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "--key" in refused.stderr and "--insecure" in refused.stderr
+    keyed = processes([*WORKER, "--listen", "0.0.0.0:0", "--announce", "--key", str(keyring["worker_secret"]),
+                       "--allow", str(keyring["allow"])])
+    assert keyed.endpoint.startswith("tcp://0.0.0.0:")
+    loose = subprocess.Popen([*WORKER, "--listen", "0.0.0.0:0", "--insecure"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = loose.stderr.readline()  # the warning comes first, at every start
+    finally:
+        loose.terminate()
+        loose.communicate(timeout=10)
+    assert "WARNING" in line and "--insecure" in line
+
+
+def test_the_broker_follows_the_same_rule():
+    done = subprocess.run([sys.executable, "-m", "somatize.broker", "--listen", "tcp://0.0.0.0:0"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "refusing to listen" in done.stderr
+
+
+# -- who gets in ------------------------------------------------------------------------
+
+
+def test_an_allowed_key_works(keyring, processes):
+    worker = keyed_worker(processes, keyring)
+    with client(keyring, worker.endpoint) as broker:
+        assert (Add(1).named("a").at("w1") >> Add(2).named("b").at("w1")).forward(1, broker=broker) == 4
+
+
+def test_an_unknown_key_is_refused_and_reaches_no_handler(keyring, processes, tmp_path):
+    worker = keyed_worker(processes, keyring)
+    sentinel = tmp_path / "ran"
+    with client(keyring, worker.endpoint, "stranger_secret") as broker:
+        with pytest.raises((Refused, Unreachable)) as info:
+            Count(str(sentinel)).named("count").at("w1").forward(1, broker=broker)
+    assert "credentials" in str(info.value) or "nobody answered" in str(info.value)
+    assert not sentinel.exists()
+    with client(keyring, worker.endpoint) as broker:  # the worker is still serving
+        assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2
+
+
+def test_a_client_without_curve_is_refused_and_reaches_no_handler(keyring, processes, tmp_path):
+    worker = keyed_worker(processes, keyring)
+    sentinel = tmp_path / "ran"
+    with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}, patience=1.5) as broker:
+        with pytest.raises((Refused, Unreachable)):
+            Count(str(sentinel)).named("count").at("w1").forward(1, broker=broker)
+    assert not sentinel.exists()
+
+
+def test_raw_zmtp_bytes_reach_no_handler(keyring, processes):
+    worker = keyed_worker(processes, keyring)
+    host, port = worker.endpoint.split("://")[1].rsplit(":", 1)
+    hello = encode(Hello(Runtime.here(mode="network")))[0]
+    hello = bytes(hello)
+    for payload in (
+        b"\x01\x00" + bytes([len(hello) + 1, 0]) + hello,  # ZMTP 1.0: empty identity, then a frame
+        b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\x00" * 16,  # a 3.0 greeting asking NULL
+        os.urandom(512),
+    ):
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(payload)
+            raw.settimeout(1.0)
+            try:
+                answer = raw.recv(4096)
+            except (TimeoutError, ConnectionResetError):
+                answer = b""
+            assert b"Ready" not in answer  # whatever it said, it was not the worker answering
+    assert worker.popen.poll() is None
+    with client(keyring, worker.endpoint) as broker:
+        assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2
+
+
+def test_a_key_taken_out_of_the_allow_list_is_refused_after_a_reload(keyring, processes):
+    worker = keyed_worker(processes, keyring)
+    with client(keyring, worker.endpoint) as broker:
+        assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2
+    (keyring["allow"] / "me.key").unlink()
+    os.kill(worker.pid, signal.SIGHUP)
+    time.sleep(0.5)
+    with client(keyring, worker.endpoint, patience=1.5) as broker:
+        with pytest.raises((Refused, Unreachable)):
+            Add(1).named("a").at("w1").forward(1, broker=broker)
+
+
+# -- code by value only where allowed ----------------------------------------------------
+
+
+class Gadget:
+    """A pickle that would create a file when loaded."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_project_mode_worker_never_unpickles_a_provision(processes, tmp_path):
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce"], env=env_with_tests())
+    sentinel = tmp_path / "pwned"
+    artifact = pickle.dumps(Gadget(str(sentinel)))
+    sock = sockets.dealer(2.0)
+    try:
+        sock.connect(worker.endpoint)
+        sock.send_multipart(encode(Hello(Runtime.here(mode="network"))))
+        assert sockets.poll(sock, 5)
+        sock.recv_multipart()
+        import hashlib
+
+        sock.send_multipart(encode(Provision("sha256:" + hashlib.sha256(artifact).hexdigest(), artifact)))
+        assert sockets.poll(sock, 5)
+        answer = decode(sock.recv_multipart())
+    finally:
+        sockets.close(sock)
+    assert isinstance(answer, RefusedAnswer) and "project mode" in answer.why
+    assert not sentinel.exists()
+
+
+# -- errors never carry the contents of values -----------------------------------------
+
+
+def test_errors_name_types_never_contents():
+    class Secretive:
+        def __init__(self):
+            self.password = "hunter2-very-secret"
+
+        def __repr__(self):
+            return f"Secretive({self.password})"
+
+    with pytest.raises(Unwritable) as info:
+        dumps({"config": Secretive()})
+    assert "Secretive" in str(info.value) and "hunter2" not in str(info.value)
+    from somatize import ProtocolError
+
+    junk = [b"\x81\xa1v\xa8hunter2!"]
+    with pytest.raises(ProtocolError) as bad:
+        decode(junk)
+    assert "hunter2" not in str(bad.value)
