@@ -40,6 +40,7 @@ from .errors import (
 from .fabric import Broker, Worker
 from .facts import Fact, Watchers, fact
 from .graph import Graph, Node, Parallel, Sequence, Step
+from .record import Recorder
 from .store import FolderStore, Store
 
 __version__ = "0.1.0"
@@ -67,6 +68,7 @@ __all__ = [
     "Parallel",
     "PlanError",
     "ProtocolError",
+    "Recorder",
     "Refused",
     "Sequence",
     "SomatizeError",

@@ -97,6 +97,16 @@ class Watchers:
     def __iter__(self):
         return iter(self._each)
 
+    def for_forward(self) -> Watchers:
+        """The watchers of one forward: a watcher that keeps per-forward state (a
+        ``Recorder``) gives its own, through its ``for_forward()``."""
+        each = tuple(w.for_forward() if hasattr(w, "for_forward") else w for w in self._each)
+        if all(a is b for a, b in zip(each, self._each)):
+            return self
+        fresh = Watchers()
+        fresh._each = each
+        return fresh
+
     def __call__(self, f: Fact) -> None:
         for position, watcher in enumerate(self._each):
             try:

@@ -31,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="project: nodes arrive by import name (default); network: also accept code by value")
     parser.add_argument("--mount", metavar="DIR", help="a directory shared with the clients, for cargo")
     parser.add_argument("--jobs", type=int, default=4, metavar="N", help="work run at once (default 4)")
+    parser.add_argument("--store", metavar="DIR", help="a store to report to (with --reporting)")
+    parser.add_argument("--reporting", type=float, metavar="SECONDS",
+                        help="say what this worker does (load, memory, slices) on this clock: "
+                             "into --store under machine/NAME, and down open connections as `said`")
+    parser.add_argument("--machine", metavar="NAME", help="the name to report under (default: this machine's)")
     command.key_options(parser)
     parser.add_argument("--broker-key", metavar="FILE.key", help="the broker's public key, when dialing in with --key")
     parser.add_argument("--insecure", action="store_true",
@@ -53,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("somatize worker: dialing in with keys needs --key (this worker's pair) and "
                       "--broker-key (the broker's public key)", file=sys.stderr)
                 return 2
-        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent)
+        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent,
+                        store=args.store, reporting=args.reporting, machine=args.machine)
         server.dial(sockets.tcp_url(args.broker), args.offer, keys=keys)
         where_text = f"dialed {args.broker} offering `{args.offer}`"
     else:
@@ -64,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         risk = "send work here" + (" and run code by value" if args.mode == "network" else "")
         if not command.may_listen(url, insecure=args.insecure, who="worker", risk=risk, keyed=keys is not None):
             return 2
-        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent)
+        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent,
+                        store=args.store, reporting=args.reporting, machine=args.machine)
         endpoint = command.bind(server, url, who="worker", keys=keys)
         if endpoint is None:
             return 2

@@ -13,6 +13,7 @@ that the loop forwards, so every socket is used by exactly one thread.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -23,10 +24,12 @@ from typing import Any
 import zmq
 
 from ..engine import Piece, format_exception, run_piece
-from ..errors import CodecError, NodeFailed, ProtocolError, Refused as RefusedError
-from ..facts import microseconds
+from ..errors import CodecError, NodeFailed, ProtocolError, Refused as RefusedError, SomatizeError
+from ..facts import fact, microseconds
 from ..graph import Step
 from ..packing import Catalog
+from ..record import report, self_report
+from ..store import FolderStore
 from ..wire import (
     Bye,
     Done,
@@ -65,6 +68,9 @@ class Server:
         jobs: int = 4,
         patience: float = sockets.PATIENCE,
         parent: int | None = None,
+        store: str | None = None,
+        reporting: float | None = None,
+        machine: str | None = None,
     ) -> None:
         self.catalog = Catalog(mode)
         self.mode = mode
@@ -73,6 +79,12 @@ class Server:
         self.parent = parent
         self.runtime = Runtime.here(mode=mode)
         self.served = 0
+        # what the worker says about itself: into a store on a clock (an idle worker's
+        # connection is one nobody reads), and down an open connection as a `said` fact
+        self.reporting = reporting
+        self.store = FolderStore(store) if store is not None else None
+        self.machine = machine or socket.gethostname()
+        self._said_at = 0.0
         self._jobs = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="somatize-job")
         self._answers_url = sockets.unique_inproc("answers")
         self._answers = sockets.pair(zmq.PULL)
@@ -117,6 +129,7 @@ class Server:
         poller.register(self._front, zmq.POLLIN)
         poller.register(self._answers, zmq.POLLIN)
         last_check = last_announce = time.monotonic()
+        last_report = 0.0
         try:
             while not self.stopping.is_set():
                 events = dict(poller.poll(200))
@@ -129,11 +142,30 @@ class Server:
                     last_check = now
                     if self.parent is not None and os.getppid() != self.parent:
                         break  # whoever spawned us is gone: nobody will ever ask again
+                if self.store is not None and self.reporting and now - last_report >= self.reporting:
+                    last_report = now
+                    self._report()
                 if self._offer is not None and now - last_announce >= self.patience:
                     last_announce = now
                     self._announce()  # a restarted broker learns about us again
         finally:
             self.close()
+
+    def _report(self) -> None:
+        try:
+            report(self.store, self.machine, self_report(self.served))
+        except (OSError, SomatizeError) as exc:  # a full disk must not stop the serving
+            print(f"somatize worker: could not report to the store: {exc}", file=sys.stderr)
+
+    def _said(self) -> dict[str, str] | None:
+        """A `said` fact for the connection, at most once per reporting period."""
+        if not self.reporting:
+            return None
+        now = time.monotonic()
+        if now - self._said_at < self.reporting:
+            return None
+        self._said_at = now
+        return fact("said", **self_report(self.served))
 
     def reload(self) -> None:
         """Read the allow-list of client keys again (a key removed is refused from now on)."""
@@ -323,6 +355,9 @@ class Server:
             fact = {k: _clip(v, 16 << 10) for k, v in fact.items()}
             push.send_multipart(route + encode(Saw(work.ref, fact)), copy=False)
 
+        said = self._said()
+        if said is not None:
+            watch(said)
         started = time.perf_counter_ns()
         answer: Any
         try:
