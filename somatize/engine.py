@@ -79,7 +79,7 @@ def _shared_pool() -> ThreadPoolExecutor:
 def forward(graph: Any, x: Any, *, broker: Any = None, store: Any = None, watching: Any = None) -> Any:
     """Run ``graph`` on ``x``: check, plan, walk, and say ``finished`` or ``broke``."""
     graph = as_graph(graph)
-    watch = Watchers(watching)  # a watcher that cannot be called is refused first
+    watch = Watchers(watching).for_forward()  # a watcher that cannot be called is refused first
     check(graph, broker=broker, store=store)
     started = time.perf_counter_ns()
     try:
