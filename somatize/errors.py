@@ -114,6 +114,10 @@ class Closed(FabricError):
     """Something was used after this side closed it."""
 
 
+class Busy(FabricError):
+    """A peer is connected and alive, and has not answered within a long deadline."""
+
+
 class BadKeys(FabricError, ValueError):
     """A CURVE key file is missing, malformed, or readable by others."""
 

@@ -30,7 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("project", "network"), default="project",
                         help="project: nodes arrive by import name (default); network: also accept code by value")
     parser.add_argument("--mount", metavar="DIR", help="a directory shared with the clients, for cargo")
-    parser.add_argument("--jobs", type=int, default=4, metavar="N", help="work run at once (default 4)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="pieces of work run at once: 1 (the default) runs them one after the "
+                             "other on the serving thread, the fastest; N > 1 runs them on N threads")
     parser.add_argument("--store", metavar="DIR", help="a store to report to (with --reporting)")
     parser.add_argument("--reporting", type=float, metavar="SECONDS",
                         help="say what this worker does (load, memory, slices) on this clock: "

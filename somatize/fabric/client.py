@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from ..engine import Outcome, Piece, run_piece
-from ..errors import Broken, Closed, NodeFailed, ProtocolError, Refused as RefusedError, Unreachable
+from ..errors import Broken, Busy, Closed, NodeFailed, ProtocolError, Refused as RefusedError, Unreachable
 from ..packing import Packer
 from ..wire import (
     Done,
@@ -57,6 +57,8 @@ _HANDSHAKE_FAILED = (
 )
 #: How long a spawned worker may take to start, on top of patience (seconds).
 START_ALLOWANCE = 30.0
+#: A connected worker that does not answer Hello within this many patiences is Busy.
+BUSY_FACTOR = 11
 
 
 class Broker:
@@ -325,7 +327,10 @@ class _Channel:
         if keys is not None:
             as_client(self.sock, keys, server_key)
         # an established link dropping, or a server refusing our key
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
+        self.linked = False  # the ZeroMQ handshake completed: someone is there
         self.sock.connect(self.address)
         self.mounted: list = []
         self._outgoing: _stream.Outgoing | None = None
@@ -404,6 +409,9 @@ class _Channel:
                 break
             if self.monitor.poll(0, zmq.POLLIN):
                 event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.linked = True
+                    continue
                 if event & _HANDSHAKE_FAILED:
                     raise RefusedError(
                         f"the worker for `{self.host}` at {self.address} refused this client's "
@@ -411,7 +419,13 @@ class _Channel:
                         f"the worker's allow-list, and is the worker's public key the one given here?)"
                     )
                 raise Broken(f"the connection to {self.address} dropped")
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and self.linked and time.monotonic() > deadline + self.patience * BUSY_FACTOR:
+                raise Busy(
+                    f"the worker for `{self.host}` at {self.address} is connected and alive, and has "
+                    f"not answered {waiting} for {self.patience * (BUSY_FACTOR + 1):.0f} s: it is busy "
+                    f"with other work (it runs one piece at a time unless started with --jobs N)"
+                )
+            if deadline is not None and not self.linked and time.monotonic() > deadline:
                 raise Unreachable(
                     f"nobody answered at {self.address} for `{self.host}` within {self.patience:.0f} s "
                     f"{waiting}: is a worker listening there? Start one with "

@@ -65,7 +65,7 @@ class Server:
         *,
         mode: str = "project",
         mount: str | None = None,
-        jobs: int = 4,
+        jobs: int = 1,
         patience: float = sockets.PATIENCE,
         parent: int | None = None,
         store: str | None = None,
@@ -85,6 +85,7 @@ class Server:
         self.store = FolderStore(store) if store is not None else None
         self.machine = machine or socket.gethostname()
         self._said_at = 0.0
+        self._inline = jobs == 1
         self._jobs = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="somatize-job")
         self._answers_url = sockets.unique_inproc("answers")
         self._answers = sockets.pair(zmq.PULL)
@@ -191,15 +192,20 @@ class Server:
                 parts = self._answers.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            width = 1 if self._offer is None else 2
-            route, frames = parts[:width], parts[width:]
-            if self._offer is not None and _stream.worth_streaming(frames):
-                out = _stream.Outgoing(_stream.new_id(), frames)
-                self._outgoing[_key(route) + b"#" + out.sid] = (route, out)
-                self._send(route + out.begin())
-                self._drain(route, out)
-                continue
-            self._send(parts)
+            self._deliver(parts)
+
+    def _deliver(self, parts: list) -> None:
+        """Send an answer (route + frames) to its client; on a relayed route a big one
+        goes as a stream under the client's credit."""
+        width = 1 if self._offer is None else 2
+        route, frames = parts[:width], parts[width:]
+        if self._offer is not None and _stream.worth_streaming(frames):
+            out = _stream.Outgoing(_stream.new_id(), frames)
+            self._outgoing[_key(route) + b"#" + out.sid] = (route, out)
+            self._send(route + out.begin())
+            self._drain(route, out)
+            return
+        self._send(parts)
 
     def _send(self, parts: list) -> None:
         try:
@@ -336,7 +342,13 @@ class Server:
             self._reply(route, Send(work.ref, tuple(missing)))
             return
         self.served += 1
-        self._jobs.submit(self._run, route, work, mounted)
+        if self._inline:
+            # one piece of work at a time, on this thread: no hop there and back. Requests
+            # wait in the socket meanwhile; the connection itself stays alive (libzmq's own
+            # thread answers heartbeats), so a client sees a busy worker, not a dead one.
+            self._run(route, work, mounted, self._deliver)
+        else:
+            self._jobs.submit(self._run, route, work, mounted, None)
 
     # -- a job, on a pool thread -------------------------------------------------------
     def _push(self) -> zmq.Socket:
@@ -348,12 +360,16 @@ class Server:
             self._pushes.append(push)
         return push
 
-    def _run(self, route: list, work: Work, mounted: bool) -> None:
-        push = self._push()
+    def _run(self, route: list, work: Work, mounted: bool, deliver: Any) -> None:
+        if deliver is None:  # on a pool thread: answers go through the loop
+            push = self._push()
+
+            def deliver(parts: list) -> None:
+                push.send_multipart(parts, copy=False)
 
         def watch(fact: dict[str, str]) -> None:
             fact = {k: _clip(v, 16 << 10) for k, v in fact.items()}
-            push.send_multipart(route + encode(Saw(work.ref, fact)), copy=False)
+            deliver(route + encode(Saw(work.ref, fact)))
 
         said = self._said()
         if said is not None:
@@ -405,7 +421,7 @@ class Server:
             )
         if mounted and self.mount is not None and len(frames) > 1:
             frames, _ = _mount.write(frames, self.mount)  # the client removes them once read
-        push.send_multipart(route + frames, copy=False)
+        deliver(route + frames)
 
 
 def _key(route: list) -> bytes:
