@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from somatize.errors import BadCodec, Unreadable, Unwritable
+from somatize.errors import BadCodec, CodecError, Unreadable, Unwritable
 
 __all__ = [
     "MAX_DEPTH",
@@ -443,6 +443,8 @@ def _too_deep() -> Unwritable:
 def _dump(entry: _Codec, v: Any) -> memoryview | bytes:
     try:
         raw = entry.dump(v)
+    except CodecError:
+        raise  # the codec's own sentence (a sparse tensor: "call .to_dense()") says it best
     except Exception as exc:
         raise Unwritable(
             f"the codec for `{entry.kind}` raised {type(exc).__name__} while writing a "

@@ -15,6 +15,7 @@ The engine never imports ZeroMQ. A remote group is handed to the broker as a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -196,9 +197,10 @@ class _Walk:
                         settle(index, result)
                     continue
                 pool = _shared_pool()
+                carried = _carried()
                 while ready:
                     index = ready.pop(0)
-                    pool.submit(self._async, finished, index, ops[index], _inputs(ops[index], values))
+                    pool.submit(self._async, finished, index, ops[index], _inputs(ops[index], values), carried)
                     in_flight += 1
             if failure is not None:
                 ready.clear()  # start nothing new; wait for what is running
@@ -214,9 +216,11 @@ class _Walk:
             raise failure
         return values[self.plan.output]
 
-    def _async(self, finished: queue.SimpleQueue, index: int, op: Any, value: Any) -> None:
+    def _async(self, finished: queue.SimpleQueue, index: int, op: Any, value: Any, carried: Any) -> None:
         try:
-            finished.put((index, True, self._do(op, value)))
+            with _within(carried):
+                result = self._do(op, value)
+            finished.put((index, True, result))
         except BaseException as exc:
             finished.put((index, False, exc))
 
@@ -316,6 +320,19 @@ def _recall(store: Any, key: str, step: Step) -> Any:
         return _NOTHING
 
 
+def _carried() -> Any:
+    """What a branch on a pool thread must share with the caller's thread: torch's grad
+    mode is per thread, and `with torch.no_grad(): g.forward(x)` means every branch."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.is_grad_enabled()
+
+
+def _within(carried: Any) -> Any:
+    if carried is None:
+        return contextlib.nullcontext()
+    return sys.modules["torch"].set_grad_enabled(carried)
+
+
 def _sources(op: Any) -> tuple[int, ...]:
     if isinstance(op, Join):
         return op.sources
@@ -350,6 +367,12 @@ def _place(value: Any, device: str) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, tuple):
+        if type(value) is tuple:
+            return tuple(_place(v, device) for v in value)
+        if callable(getattr(type(value), "to", None)):  # PackedSequence moves itself
+            return value.to(device)
+        if hasattr(value, "_fields"):  # a namedtuple stays one
+            return type(value)._make(_place(v, device) for v in value)
         return tuple(_place(v, device) for v in value)
     if isinstance(value, list):
         return [_place(v, device) for v in value]
