@@ -69,7 +69,9 @@ def read(parts: Sequence[bytes | memoryview], folder: str | os.PathLike[str]) ->
                 if size == 0:
                     frames.append(b"")
                 else:
-                    frames.append(memoryview(mmap.mmap(source.fileno(), size, access=mmap.ACCESS_READ)))
+                    # a private, copy-on-write mapping: the reader gets writable arrays
+                    # without a copy, and its writes never reach the file or the sender
+                    frames.append(memoryview(mmap.mmap(source.fileno(), size, access=mmap.ACCESS_COPY)))
         except OSError as exc:
             raise ProtocolError(
                 f"a mounted message names `{path.name}`, which cannot be read in {root}: "
