@@ -76,11 +76,9 @@ class BrokerServer:
                 if not sockets.poll(self._front, 0.2):
                     continue
                 for _ in range(256):
-                    try:
-                        parts = self._front.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+                    if not self._front.get(zmq.EVENTS) & zmq.POLLIN:
                         break
-                    self._handle(parts)
+                    self._handle(self._front.recv_multipart(copy=False))
         finally:
             self.close()
 

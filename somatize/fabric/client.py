@@ -331,6 +331,9 @@ class _Channel:
             zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
         self.linked = False  # the ZeroMQ handshake completed: someone is there
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
         self.sock.connect(self.address)
         self.mounted: list = []
         self._outgoing: _stream.Outgoing | None = None
@@ -404,10 +407,11 @@ class _Channel:
     def _pump(self, *, deadline: float | None, waiting: str) -> Any:
         """Take in one raw message: a whole answer (returned), or a piece of a stream (None)."""
         while True:
-            if sockets.poll(self.sock, 0.05):
+            # a message already waiting is taken without polling: the common case, cheaply
+            if self.sock.get(zmq.EVENTS) & zmq.POLLIN or self.sock in dict(self._poller.poll(50)):
                 parts = self.sock.recv_multipart(copy=False)
                 break
-            if self.monitor.poll(0, zmq.POLLIN):
+            if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
                 event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.linked = True

@@ -187,12 +187,8 @@ class Server:
         sockets.close(self._front, self._answers, *self._pushes)
 
     def _forward_answers(self) -> None:
-        while True:
-            try:
-                parts = self._answers.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._deliver(parts)
+        while self._answers.get(zmq.EVENTS) & zmq.POLLIN:
+            self._deliver(self._answers.recv_multipart(copy=False))
 
     def _deliver(self, parts: list) -> None:
         """Send an answer (route + frames) to its client; on a relayed route a big one
@@ -249,10 +245,9 @@ class Server:
 
     def _receive(self) -> None:
         for _ in range(64):  # bounded, so answers keep flowing under a flood of requests
-            try:
-                parts = self._front.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not self._front.get(zmq.EVENTS) & zmq.POLLIN:
                 return
+            parts = self._front.recv_multipart(copy=False)
             route, frames = self._split(parts)
             if route is None:
                 continue
