@@ -231,3 +231,69 @@ def test_errors_name_types_never_contents():
     with pytest.raises(ProtocolError) as bad:
         decode(junk)
     assert "hunter2" not in str(bad.value)
+
+
+# -- torch: nothing in a store is ever unpickled --------------------------------------------
+
+GADGET_SCRIPT = r'''
+import pickle, struct, sys
+import msgpack
+import torch
+import somatize.torch  # noqa: F401  (the tensor codec)
+from somatize import FolderStore, Node, Unreadable
+from somatize.codec import dumps, loads
+
+sentinel, folder = sys.argv[1], sys.argv[2]
+
+class Gadget:
+    def __reduce__(self):
+        return (open, (sentinel, "w"))
+
+class Make(Node):
+    def forward(self, x):
+        return torch.zeros(3)
+
+def with_frame(written, frame):
+    """The written form of a tensor, its data replaced by `frame` (kind torch.Tensor kept)."""
+    size = struct.unpack_from("<I", written, 4)[0]
+    descriptor, _ = msgpack.unpackb(written[8:8 + size], raw=False)
+    header = msgpack.packb([descriptor, [len(frame)]], use_bin_type=True)
+    head = b"SMZ1" + struct.pack("<I", len(header)) + header
+    return head + b"\0" * (-len(head) % 16) + frame
+
+gadget = pickle.dumps(Gadget())
+# the control: the same surgery with the tensor's own bytes reads back, so a refusal below
+# is the tensor codec refusing the payload, not a mangled written form
+from somatize.torch import dump_tensor
+assert torch.equal(loads(with_frame(bytes(dumps(torch.zeros(3))), bytes(dump_tensor(torch.ones(3))))), torch.ones(3))
+store = FolderStore(folder)
+g = Make().named("make").cached().frozen()
+g.forward(1, store=store)
+(name, _), = store.scan("cache/")
+for payload in (gadget, b"PK\x03\x04" + gadget):  # a bare pickle, and one dressed as torch.save's zip
+    store.put(name, {"node": "make"}, with_frame(bytes(dumps(torch.zeros(3))), payload))
+    try:
+        loads(store.fetch(name))
+    except Unreadable:
+        pass
+    else:
+        raise SystemExit("a gadget was read back as a value")
+    out = g.forward(1, store=store)  # cannot be recalled: computed again, never unpickled
+    assert torch.equal(out, torch.zeros(3))
+print("ok")
+'''
+
+
+def test_a_gadget_pickle_in_the_store_never_runs_even_with_weights_only_forced_off(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "gadget.py"
+    script.write_text(GADGET_SCRIPT)
+    sentinel = tmp_path / "pwned"
+    env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    done = subprocess.run(
+        [sys.executable, str(script), str(sentinel), str(tmp_path / "store")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert not sentinel.exists()
