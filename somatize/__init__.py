@@ -38,7 +38,7 @@ from .errors import (
     Unsettled,
     Unwritable,
 )
-from .fabric import Broker, Worker
+from .fabric import Broker, Keys, Worker
 from .facts import Fact, Watchers, fact
 from .graph import Graph, Node, Parallel, Sequence, Step
 from .record import Recorder
@@ -60,6 +60,7 @@ __all__ = [
     "Fact",
     "FolderStore",
     "Graph",
+    "Keys",
     "Missing",
     "Nameless",
     "NoStore",

@@ -62,7 +62,7 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m somatize.broker", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=command.prog("somatize.broker"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--listen", metavar="URL", default="tcp://127.0.0.1:5555",
                         help="where clients and dialing workers reach this broker (default tcp://127.0.0.1:5555)")
     parser.add_argument("--hosts", metavar="FILE.toml", help="the host table")

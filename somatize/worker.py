@@ -22,7 +22,7 @@ from .fabric.spawn import ANNOUNCE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m somatize.worker", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=command.prog("somatize.worker"), description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--listen", metavar="[HOST:]PORT", help="listen here (host defaults to 127.0.0.1)")
     where.add_argument("--broker", metavar="URL", help="dial in to this broker instead (needs --offer)")

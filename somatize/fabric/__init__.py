@@ -4,6 +4,7 @@ The engine never imports this package; it hands a remote group to ``Broker.run``
 """
 
 from .client import Broker
+from .curve import Keys
 from .declare import Worker
 
-__all__ = ["Broker", "Worker"]
+__all__ = ["Broker", "Keys", "Worker"]

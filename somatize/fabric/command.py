@@ -5,6 +5,7 @@ reloading the allow-list on SIGHUP."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Any
@@ -12,6 +13,12 @@ from typing import Any
 from ..errors import BadKeys
 from . import sockets
 from .curve import Keys
+
+
+def prog(module: str) -> str:
+    """How the command was called: its console script's name, or ``python -m module``."""
+    called = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return called if called.startswith("somatize-") else f"python -m {module}"
 
 
 def key_options(parser: argparse.ArgumentParser) -> None:
