@@ -27,6 +27,16 @@ from .serve import RELAY
 from .spawn import Child
 
 
+#: Hosts that may dial in at once (a `Listed` answer must fit in one message).
+MAX_DIALED = 1000
+
+
+def _some(names: Any, most: int = 20) -> str:
+    names = sorted(names)
+    shown = ", ".join(f"`{n[:60]}`" for n in names[:most]) or "none"
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 class _Dialed:
     """A worker that dialed in and offered a host."""
 
@@ -56,11 +66,15 @@ class BrokerServer:
         self.endpoint = ""
         self.stopping = threading.Event()
         self._front: zmq.Socket | None = None
+        self._drops: zmq.Socket | None = None
         self._guard: Guard | None = None
         self._lock = threading.Lock()
 
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
         self._front = sockets.router()
+        # a connection dropping (a dialed-in worker killed, or silent past the heartbeat)
+        # makes the broker check which of its dialed-in workers are still there
+        self._drops = self._front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sockets.heartbeat(self._front, self.patience)
         if keys is not None:
             self._guard = Guard(sockets.context(), keys)
@@ -73,6 +87,11 @@ class BrokerServer:
     def serve(self) -> None:
         try:
             while not self.stopping.is_set():
+                self._expire()
+                if self._drops is not None and self._drops.get(zmq.EVENTS) & zmq.POLLIN:
+                    while self._drops.get(zmq.EVENTS) & zmq.POLLIN:
+                        self._drops.recv_multipart()
+                    self._probe()
                 if not sockets.poll(self._front, 0.2):
                     continue
                 for _ in range(256):
@@ -88,7 +107,12 @@ class BrokerServer:
             children, self.children = list(self.children.values()), {}
         for child in children:
             child.stop()
-        sockets.close(self._front)
+        if self._front is not None and self._drops is not None and not self._front.closed:
+            try:
+                self._front.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        sockets.close(self._drops, self._front)
         if self._guard is not None:
             self._guard.close()
             self._guard = None
@@ -104,7 +128,11 @@ class BrokerServer:
             print(f"somatize broker: a message could not be delivered ({exc})", file=sys.stderr)
 
     def _answer(self, route: Any, message: Any) -> None:
-        self._send([route, *encode(message)])
+        try:
+            frames = encode(message)
+        except (ValueError, TypeError) as exc:  # over a wire limit: say so, and keep serving
+            frames = encode(Refused(f"the broker's answer did not fit in a message: {exc}"[:1000]))
+        self._send([route, *frames])
 
     def _handle(self, parts: list) -> None:
         if len(parts) < 2:
@@ -148,8 +176,27 @@ class BrokerServer:
             if known is not None and known.route == route.bytes:
                 known.seen = time.monotonic()
                 return  # a keepalive: nothing to say
+            if known is None and len(self.dialed) >= MAX_DIALED:
+                self._answer(route, Refused(f"this broker already serves {MAX_DIALED} dialed-in hosts"))
+                return
             self.dialed[hello.offering] = _Dialed(route.bytes, hello.runtime)
         self._answer(route, Ready(self.runtime))
+
+    def _expire(self) -> None:
+        """A dialed-in worker announces itself every `patience`; one silent for three is gone."""
+        now = time.monotonic()
+        for name, dialed in list(self.dialed.items()):
+            if now - dialed.seen > 3 * self.patience:
+                del self.dialed[name]
+
+    def _probe(self) -> None:
+        """Send each dialed-in worker a Ready; ROUTER_MANDATORY says which are gone."""
+        hello = encode(Ready(self.runtime))
+        for name, dialed in list(self.dialed.items()):
+            try:
+                self._front.send_multipart([dialed.route, *hello], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                del self.dialed[name]
 
     def _forget(self, route: bytes) -> None:
         for name, dialed in list(self.dialed.items()):
@@ -167,8 +214,7 @@ class BrokerServer:
         if declared is None:
             dialed = self.dialed.get(host)
             if dialed is None:
-                known = ", ".join(f"`{h}`" for h in sorted(self._listing())) or "none"
-                return Refused(f"this broker knows no host `{host}` (it knows: {known})")
+                return Refused(f"this broker knows no host `{host}` (it knows: {_some(self._listing())})")
             return Located(host, "relayed", address=self.endpoint, mode=dialed.runtime.mode or "project")
         if declared.how == "inprocess":
             return Located(host, "inprocess")
@@ -183,9 +229,9 @@ class BrokerServer:
             if child is None:
                 child = self.children[host] = Child(host, declared.argv, mode=declared.mode, mount=declared.mount)
             if where.lost:
-                child.settle(0.5)  # a killed child may still be on its way out
+                child.settle(0.2)  # a killed child may still be on its way out
                 ended = child.ended() if not child.running else "stopped answering while still running"
-                child.stop()  # whatever state it is in, the next forward starts a fresh one
+                child.kill()  # no grace for one that stopped answering; the next forward starts afresh
                 return Located(host, path, address=child.address, mode=declared.mode, mount=declared.mount, ended=ended)
             if not child.running:
                 try:

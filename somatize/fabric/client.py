@@ -192,28 +192,31 @@ class Broker:
             outcome = channel.run(piece, watch)
         except Broken as exc:
             channel.close()
-            raise self._lost(piece, exc) from exc
+            raise self._lost(piece, located, exc) from exc
         except BaseException:
             channel.close()  # its state is unknown: never reuse it
             raise
         self._give_back(channel)
         return outcome
 
-    def _lost(self, piece: Piece, exc: Broken) -> Broken:
+    def _lost(self, piece: Piece, located: Located, exc: Broken) -> Broken:
         host = piece.host
         with self._lock:
             self._located.pop(host, None)
             self._provisioned.pop(host, None)  # a worker started afresh holds no artifacts
             for channel in self._idle.pop(host, []):
                 channel.close()
-        ended = None
+        running = ", ".join(f"`{s.label}`" for s in piece.steps)
         try:
             answer = self._ask(Where(host, lost=True), self.patience)
-            if isinstance(answer, Located):
-                ended = answer.ended
         except (Unreachable, Broken, Closed):
-            pass
-        running = ", ".join(f"`{s.label}`" for s in piece.steps)
+            if located.path == "relayed":
+                return Broken(
+                    f"the broker at {self.url} went away while relaying to `{host}`, which was "
+                    f"running {running}; nothing was kept from it"
+                )
+            answer = None
+        ended = answer.ended if isinstance(answer, Located) else None
         how = f": {ended}" if ended else f" ({exc})"
         return Broken(
             f"the worker for `{host}` went away while running {running}{how}. "
@@ -277,7 +280,13 @@ class Broker:
         return _Channel(
             located, address, self._packer(located.host, located.mode), provisioned, self.patience,
             keys=keys, server_key=server_key,
+            still_there=(lambda: self._still_there(located.host)) if located.path == "relayed" else None,
         )
+
+    def _still_there(self, host: str) -> bool:
+        """Whether the broker still has a worker serving ``host`` (relayed work is waited
+        on through the broker, which is the one that sees a dialed-in worker go)."""
+        return isinstance(self._ask(Where(host), self.patience * 2), Located)
 
     def _keys_for(self, located: Located) -> tuple[Keys | None, bytes | None]:
         if located.path == "relayed":
@@ -315,6 +324,7 @@ class _Channel:
         *,
         keys: Keys | None = None,
         server_key: bytes | None = None,
+        still_there: Any = None,
     ) -> None:
         self.host = located.host
         self.located = located
@@ -331,6 +341,8 @@ class _Channel:
             zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
         self.linked = False  # the ZeroMQ handshake completed: someone is there
+        self.still_there = still_there
+        self._checked = time.monotonic()
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
@@ -423,6 +435,10 @@ class _Channel:
                         f"the worker's allow-list, and is the worker's public key the one given here?)"
                     )
                 raise Broken(f"the connection to {self.address} dropped")
+            if self.still_there is not None and time.monotonic() - self._checked > self.patience:
+                self._checked = time.monotonic()
+                if not self.still_there():
+                    raise Broken(f"the worker serving `{self.host}` through the broker is gone")
             if deadline is not None and self.linked and time.monotonic() > deadline + self.patience * BUSY_FACTOR:
                 raise Busy(
                     f"the worker for `{self.host}` at {self.address} is connected and alive, and has "

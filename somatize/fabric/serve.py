@@ -6,13 +6,16 @@ Work runs on a small thread pool; facts go back as ``Saw`` the moment they happe
 exactly one ``Done`` or ``Failed``. Anything malformed is answered ``Refused`` and the
 loop goes on serving.
 
-Threads never touch the front socket: a job sends its answers to an inproc PULL socket
-that the loop forwards, so every socket is used by exactly one thread.
+Only the serving thread touches the front socket. Answers and facts, from whatever thread
+(a job on the pool, a parallel branch of a piece), go into one first-in-first-out outbox,
+so a piece's facts always leave before its ``Done``; a thread other than the serving one
+wakes the loop through an inproc socket of its own.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import sys
 import threading
@@ -79,6 +82,7 @@ class Server:
         self.parent = parent
         self.runtime = Runtime.here(mode=mode)
         self.served = 0
+        self.dropped = 0
         # what the worker says about itself: into a store on a clock (an idle worker's
         # connection is one nobody reads), and down an open connection as a `said` fact
         self.reporting = reporting
@@ -92,6 +96,8 @@ class Server:
         self._answers.bind(self._answers_url)
         self._pushes: list[zmq.Socket] = []
         self._local = threading.local()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._owner = threading.get_ident()
         self._peers: OrderedDict[bytes, Runtime] = OrderedDict()
         self._front: zmq.Socket | None = None
         self._guard: Guard | None = None
@@ -126,6 +132,7 @@ class Server:
 
     # -- the loop ----------------------------------------------------------------------
     def serve(self) -> None:
+        self._owner = threading.get_ident()
         poller = zmq.Poller()
         poller.register(self._front, zmq.POLLIN)
         poller.register(self._answers, zmq.POLLIN)
@@ -141,6 +148,7 @@ class Server:
                 now = time.monotonic()
                 if now - last_check >= 1.0:
                     last_check = now
+                    self._expire_streams(now)
                     if self.parent is not None and os.getppid() != self.parent:
                         break  # whoever spawned us is gone: nobody will ever ask again
                 if self.store is not None and self.reporting and now - last_report >= self.reporting:
@@ -188,7 +196,24 @@ class Server:
 
     def _forward_answers(self) -> None:
         while self._answers.get(zmq.EVENTS) & zmq.POLLIN:
-            self._deliver(self._answers.recv_multipart(copy=False))
+            self._answers.recv()  # a wake-up: what to send is in the outbox
+        self._flush()
+
+    def _post(self, parts: list) -> None:
+        """Queue an answer from any thread; the serving thread sends it in order."""
+        self._outbox.put(parts)
+        if threading.get_ident() == self._owner:
+            self._flush()
+        else:
+            self._push().send(b"")
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                parts = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._deliver(parts)
 
     def _deliver(self, parts: list) -> None:
         """Send an answer (route + frames) to its client; on a relayed route a big one
@@ -204,10 +229,26 @@ class Server:
         self._send(parts)
 
     def _send(self, parts: list) -> None:
+        # never blocks: a peer that stops reading must not stall everyone else's answers
         try:
-            self._front.send_multipart(parts, copy=False)
+            self._front.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._dropped("its client is not reading its answers (its queue is full)")
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
-            print(f"somatize worker: an answer could not be delivered ({exc}); its client is gone", file=sys.stderr)
+            self._dropped(f"its client is gone ({exc})")
+
+    def _dropped(self, why: str) -> None:
+        self.dropped += 1
+        if self.dropped == 1 or self.dropped % 1000 == 0:
+            print(f"somatize worker: an answer could not be delivered: {why} "
+                  f"({self.dropped} so far)", file=sys.stderr)
+
+    def _expire_streams(self, now: float) -> None:
+        """Streams nobody has moved for a while belong to clients that went away."""
+        idle = 3 * self.patience
+        for table in (self._incoming, self._outgoing):
+            for key in [k for k, v in table.items() if now - _touched(v) > idle]:
+                del table[key]
 
     def _drain(self, route: list, out: _stream.Outgoing) -> None:
         for chunk in out.chunks():
@@ -272,10 +313,7 @@ class Server:
         return None, []
 
     def _reply(self, route: list, message: Any) -> None:
-        try:
-            self._front.send_multipart(route + encode(message), copy=False)
-        except zmq.ZMQError as exc:
-            print(f"somatize worker: an answer could not be delivered ({exc})", file=sys.stderr)
+        self._send(route + encode(message))
 
     # -- requests ----------------------------------------------------------------------
     def _handle(self, route: list, frames: list) -> None:
@@ -341,9 +379,9 @@ class Server:
             # one piece of work at a time, on this thread: no hop there and back. Requests
             # wait in the socket meanwhile; the connection itself stays alive (libzmq's own
             # thread answers heartbeats), so a client sees a busy worker, not a dead one.
-            self._run(route, work, mounted, self._deliver)
+            self._run(route, work, mounted)
         else:
-            self._jobs.submit(self._run, route, work, mounted, None)
+            self._jobs.submit(self._run, route, work, mounted)
 
     # -- a job, on a pool thread -------------------------------------------------------
     def _push(self) -> zmq.Socket:
@@ -355,16 +393,10 @@ class Server:
             self._pushes.append(push)
         return push
 
-    def _run(self, route: list, work: Work, mounted: bool, deliver: Any) -> None:
-        if deliver is None:  # on a pool thread: answers go through the loop
-            push = self._push()
-
-            def deliver(parts: list) -> None:
-                push.send_multipart(parts, copy=False)
-
-        def watch(fact: dict[str, str]) -> None:
+    def _run(self, route: list, work: Work, mounted: bool) -> None:
+        def watch(fact: dict[str, str]) -> None:  # from any thread of the piece
             fact = {k: _clip(v, 16 << 10) for k, v in fact.items()}
-            deliver(route + encode(Saw(work.ref, fact)))
+            self._post(route + encode(Saw(work.ref, fact)))
 
         said = self._said()
         if said is not None:
@@ -416,7 +448,7 @@ class Server:
             )
         if mounted and self.mount is not None and len(frames) > 1:
             frames, _ = _mount.write(frames, self.mount)  # the client removes them once read
-        deliver(route + frames)
+        self._post(route + frames)
 
 
 def _key(route: list) -> bytes:
@@ -433,3 +465,8 @@ def _head(frame: object) -> bytes:
     """The first bytes of a frame, enough to tell a mark (zmq frames and bytearrays alike)."""
     view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)  # type: ignore[union-attr, arg-type]
     return bytes(view) if view.nbytes <= 32 else b""
+
+
+def _touched(entry: object) -> float:
+    stream = entry[1] if isinstance(entry, tuple) else entry
+    return stream.touched  # type: ignore[union-attr]

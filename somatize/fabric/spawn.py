@@ -85,6 +85,17 @@ class Child:
             return f"killed by {name}"
         return f"exited with code {code}"
 
+    def kill(self) -> None:
+        """SIGKILL at once and reap (for a child that stopped answering: no grace to wait)."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            try:
+                process.kill()
+                process.wait(STOP_GRACE)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.stop()
+
     def stop(self) -> None:
         """Terminate, wait a moment, then kill; always reaped."""
         process = self.process

@@ -6,14 +6,16 @@ then chunks of the frames laid end to end. The receiver grants ``credit`` as it 
 chunks, and the sender stops whenever ``WINDOW`` bytes are unacknowledged: the broker
 holds at most a window of this stream, however large the cargo.
 
-The sizes in a ``begin`` are checked against the wire's limits before the receiver
-allocates anything. Pure data and counting: the sockets belong to the caller.
+The sizes in a ``begin`` are checked against the wire's limits, and a frame's memory is
+taken only when its first chunk arrives: announcing costs a sender nothing it has not
+sent. Pure data and counting: the sockets belong to the caller.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Iterator, Sequence
 
 import msgpack
@@ -49,6 +51,7 @@ class Outgoing:
         self._chunks = self._cut()
         self._next: memoryview | None = None
         self.finished = False
+        self.touched = time.monotonic()
 
     def begin(self) -> list:
         sizes = [v.nbytes for v in self.views]
@@ -75,6 +78,7 @@ class Outgoing:
 
     def grant(self, amount: int) -> None:
         self.credit += amount
+        self.touched = time.monotonic()
 
 
 class Incoming:
@@ -93,23 +97,28 @@ class Incoming:
         ):
             raise ProtocolError("a stream's begin states frame sizes beyond what this side accepts")
         self.sid = sid
-        self.frames = [bytearray(size) for size in sizes]
+        self.sizes = sizes
+        self.frames: list[bytearray] = []  # filled in order, each allocated on its first chunk
         self._frame = 0
         self._offset = 0
+        self.touched = time.monotonic()
         self._skip_empty()
 
     @property
     def complete(self) -> bool:
-        return self._frame >= len(self.frames)
+        return self._frame >= len(self.sizes)
 
     def add(self, data: memoryview) -> int:
         """Place one chunk; return how many bytes to grant back."""
         data = memoryview(data).cast("B")
-        if self.complete or self._offset + data.nbytes > len(self.frames[self._frame]):
+        if self.complete or self._offset + data.nbytes > self.sizes[self._frame]:
             raise ProtocolError("a stream sent a chunk that does not fit the sizes it announced")
+        if len(self.frames) == self._frame:
+            self.frames.append(bytearray(self.sizes[self._frame]))
         frame = self.frames[self._frame]
         frame[self._offset : self._offset + data.nbytes] = data
         self._offset += data.nbytes
+        self.touched = time.monotonic()
         if self._offset == len(frame):
             self._frame += 1
             self._offset = 0
@@ -117,7 +126,8 @@ class Incoming:
         return data.nbytes
 
     def _skip_empty(self) -> None:
-        while self._frame < len(self.frames) and len(self.frames[self._frame]) == 0:
+        while self._frame < len(self.sizes) and self.sizes[self._frame] == 0:
+            self.frames.append(bytearray())
             self._frame += 1
 
 
