@@ -1,0 +1,320 @@
+"""The five cases, measured on somatize and on the raw-pyzmq floor, each returning rows.
+
+Every case warms up first (the first forward spawns the worker and sends the artifact),
+then measures contenders in alternating blocks so a neighbour's load lands on all alike.
+Nothing here asserts a timing: a row says PASS or MISS against its target and that is all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+import paths
+from children import Child
+from floor import ANNOUNCE, Floor
+from nodes import Echo, Inc
+from somatize import Broker, FolderStore, Recorder, Worker
+from somatize.record import curve, forwards
+from table import (
+    Row,
+    at_least,
+    at_most,
+    best_block,
+    gbps,
+    interleaved,
+    median,
+    ms,
+    p99,
+    ratio,
+    repeated,
+    size,
+    us,
+)
+
+FLOOR = [sys.executable, str(Path(__file__).with_name("floor.py"))]
+SMALL = b"x" * 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    calls: int  # (a) round trips per contender
+    sizes: tuple[int, ...]  # (b) bytes per array
+    reps: int  # (b) round trips per contender and size
+    graphs: int  # (c) forwards of the small graph per contender
+    chains: int  # (d) forwards of the 200-node chain
+    records: int  # (e) forwards recorded
+    blocks: int = 10
+
+    @classmethod
+    def full(cls) -> Settings:
+        return cls(calls=4000, sizes=(64 << 20, 256 << 20), reps=7, graphs=4000, chains=200, records=10_000)
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(calls=50, sizes=(1 << 20,), reps=3, graphs=200, chains=10, records=200, blocks=2)
+
+
+@dataclasses.dataclass
+class Floors:
+    """What the raw-pyzmq floor measured, for the other systems' rows to compare with."""
+
+    small: float | None = None  # (a) median seconds per round trip
+    arrays: dict[int, float] = dataclasses.field(default_factory=dict)  # (b) GB/s by size
+
+
+@contextlib.contextmanager
+def floor() -> Iterator[Floor]:
+    """The raw echo server in a subprocess, and a client connected to it."""
+    with Child(FLOOR, announce=ANNOUNCE) as server:
+        client = Floor(server.endpoint)
+        client.server_pid = server.pid
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+# -- (a) one small forward, Direct, sequential ----------------------------------------------
+
+
+def small_forward(settings: Settings, floors: Floors) -> list[Row]:
+    echo = Echo().named("echo").at("w1")
+    with floor() as raw, paths.direct() as broker:
+        for _ in range(max(20, settings.calls // 20)):  # warm: spawned, provisioned, connected
+            echo.forward(SMALL, broker=broker)
+            raw.small(SMALL)
+        assert echo.forward(SMALL, broker=broker) == SMALL
+        samples = interleaved(
+            {"raw": lambda: raw.small(SMALL), "somatize": lambda: echo.forward(SMALL, broker=broker)},
+            settings.calls,
+            settings.blocks,
+        )
+        made = paths.pickles(broker)
+    calls = len(samples["somatize"]) + max(20, settings.calls // 20) + 1
+    floor_median = median(samples["raw"])
+    floors.small = floor_median
+    mine = median(samples["somatize"])
+    quiet_floor, quiet_mine = (best_block(samples[name], settings.blocks) for name in ("raw", "somatize"))
+    return [
+        Row("a", "raw pyzmq DEALER->ROUTER, 100 B", f"{us(floor_median)} median, {us(p99(samples['raw']))} p99",
+            verdict="floor"),
+        Row("a", "somatize Direct, 1 node, 100 B", f"{us(mine)} median, {us(p99(samples['somatize']))} p99",
+            f"raw {us(floor_median)}", ratio(mine / floor_median), "<= 2x", at_most(mine / floor_median, 2.0)),
+        Row("a", "the same, least disturbed block of each", f"{us(quiet_mine)} median",
+            f"raw {us(quiet_floor)}", ratio(quiet_mine / quiet_floor), "<= 2x", at_most(quiet_mine / quiet_floor, 2.0)),
+        Row("a", f"artifact pickles after {calls} calls", str(made), target="= 1",
+            verdict="PASS" if made == 1 else "MISS"),
+    ]
+
+
+# -- (b) big arrays and tensors, round trip ------------------------------------------------
+
+
+def _values(nbytes: int) -> dict[str, Callable[[], object]]:
+    """Makers of the values to send, by kind: NumPy always, torch when somatize.torch loads."""
+    kinds: dict[str, Callable[[], object]] = {"numpy": lambda: np.ones(nbytes // 4, np.float32)}
+    try:
+        import somatize.torch  # noqa: F401  (registers the tensor codec)
+        import torch
+    except Exception:  # not installed, or in progress: the rows say so
+        return kinds
+    kinds["torch"] = lambda: torch.ones(nbytes // 4, dtype=torch.float32)
+    return kinds
+
+
+def torch_missing() -> str | None:
+    try:
+        import somatize.torch  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:60]
+    return None
+
+
+def big_arrays(settings: Settings, floors: Floors) -> list[Row]:
+    echo = Echo().named("echo").at("w1")
+    rows: list[Row] = []
+    with floor() as raw, paths.direct() as d, paths.mount() as m, paths.relayed() as r:
+        brokers = {"Direct": d, "Mount": m, "Relayed": r}
+        for nbytes in settings.sizes:
+            made = {kind: make() for kind, make in _values(nbytes).items()}
+            x = made["numpy"]
+            contenders: dict[str, Callable[[], object]] = {"raw": functools.partial(raw.array, x)}
+            for kind, value in made.items():
+                for path, broker in brokers.items():
+                    contenders[f"{path} {kind}"] = functools.partial(echo.forward, value, broker=broker)
+            for name, call in contenders.items():  # warm, and check what came back
+                out = call()
+                if not (name == "raw" or type(out) is type(made[name.split()[1]])):
+                    raise AssertionError(f"{name}: a {type(out).__name__} came back")
+                if int(np.asarray(out[-1:])[0]) != 1 or out.nbytes != nbytes:
+                    raise AssertionError(f"{name}: the value came back changed")
+                del out
+            samples = interleaved(contenders, settings.reps, settings.reps)
+            speed = {name: gbps(nbytes, median(s)) for name, s in samples.items()}
+            floors.arrays[nbytes] = speed["raw"]
+            rows.append(Row("b", f"raw pyzmq zero-copy echo, {size(nbytes)}", f"{speed['raw']:.2f} GB/s",
+                            verdict="floor"))
+            for kind in made:
+                direct, mounted, relay = (speed[f"{p} {kind}"] for p in brokers)
+                raw_text = f"raw {speed['raw']:.2f} GB/s"
+                rows += [
+                    Row("b", f"Direct, {kind} {size(nbytes)}", f"{direct:.2f} GB/s", raw_text,
+                        ratio(direct / speed["raw"]), ">= 0.8x", at_least(direct / speed["raw"], 0.8)),
+                    Row("b", f"Mount (/dev/shm), {kind} {size(nbytes)}", f"{mounted:.2f} GB/s", raw_text,
+                        ratio(mounted / speed["raw"]), ">= 3x", at_least(mounted / speed["raw"], 3.0)),
+                    Row("b", f"Relayed, {kind} {size(nbytes)}", f"{relay:.2f} GB/s", f"Direct {direct:.2f} GB/s",
+                        ratio(relay / direct), ">= 0.5x Direct", at_least(relay / direct, 0.5)),
+                ]
+            if "torch" not in made:
+                rows.append(Row("b", f"torch {size(nbytes)}", "skipped", verdict=f"somatize.torch: {torch_missing()}"))
+            del made, x, contenders
+        rows.append(Row("b", "artifact pickles (Direct, Mount, Relayed)",
+                        ", ".join(str(paths.pickles(b)) for b in brokers.values()), target="= 1 each",
+                        verdict="PASS" if all(paths.pickles(b) == 1 for b in brokers.values()) else "MISS"))
+    return rows
+
+
+# -- (c) an InProcess host against no host ---------------------------------------------------
+
+
+def inprocess(settings: Settings, floors: Floors) -> list[Row]:
+    bare = Inc().named("i1") >> Inc().named("i2") >> Inc().named("i3")
+    hosted = Inc().named("i1").at("here") >> Inc().named("i2").at("here") >> Inc().named("i3").at("here")
+    with Broker.embedded({"here": Worker.inprocess()}) as broker:
+        for _ in range(max(20, settings.graphs // 20)):
+            bare.forward(0)
+            hosted.forward(0, broker=broker)
+        assert bare.forward(0) == hosted.forward(0, broker=broker) == 3
+        samples = interleaved(
+            {"bare": lambda: bare.forward(0), "hosted": lambda: hosted.forward(0, broker=broker)},
+            settings.graphs,
+            settings.blocks,
+        )
+    plain, there = median(samples["bare"]), median(samples["hosted"])
+    return [
+        Row("c", "no host, 3-node chain", f"{us(plain)} per forward", verdict=""),
+        Row("c", "InProcess host, same chain", f"{us(there)} per forward", f"no host {us(plain)}",
+            ratio(there / plain), "<= 1.1x", at_most(there / plain, 1.1)),
+    ]
+
+
+# -- (d) the engine's own cost per node ------------------------------------------------------
+
+CHAIN = 200
+
+
+def engine_overhead(settings: Settings, floors: Floors) -> list[Row]:
+    steps = [Inc() for _ in range(CHAIN)]
+    graph = functools.reduce(lambda a, b: a >> b, steps)
+
+    def loop() -> int:
+        x = 0
+        for node in steps:
+            x = node.forward(x)
+        return x
+
+    for _ in range(3):
+        assert graph.forward(0) == loop() == CHAIN
+    samples = interleaved({"engine": lambda: graph.forward(0), "loop": loop}, settings.chains, settings.blocks)
+    engine, plain = median(samples["engine"]) / CHAIN, median(samples["loop"]) / CHAIN
+    return [
+        Row("d", f"Python loop over {CHAIN} forwards", f"{us(plain)} per node"),
+        Row("d", f"engine, {CHAIN}-node local chain", f"{us(engine)} per node", f"loop {us(plain)}",
+            f"+{us(engine - plain)}/node"),
+    ]
+
+
+# -- (e) reading the record ------------------------------------------------------------------
+
+
+class Counting:
+    """A store that counts what is asked of it, and hands every call to the real one."""
+
+    def __init__(self, store: FolderStore) -> None:
+        self.store = store
+        self.scans = self.fetches = self.puts = 0
+
+    def put(self, name, record, blob=None):
+        self.puts += 1
+        return self.store.put(name, record, blob)
+
+    def scan(self, prefix):
+        self.scans += 1
+        return self.store.scan(prefix)
+
+    def fetch(self, name):
+        self.fetches += 1
+        return self.store.fetch(name)
+
+    def reset(self) -> None:
+        self.scans = self.fetches = self.puts = 0
+
+
+def _write(store: Counting, run: str, records: int, summarising: tuple[str, ...]) -> None:
+    recorder = Recorder(store, run=run, summarising=summarising)
+    for number in range(records):
+        recorder({"fact": "ran", "node": "step", "took_us": "7"})
+        recorder({"fact": "finished", "took_us": "12"})
+        recorder({"fact": "loss", "value": repr(1.0 / (number + 1))})  # filed into that forward
+
+
+def record_readers(settings: Settings, floors: Floors) -> list[Row]:
+    folder = tempfile.mkdtemp(prefix="somatize-bench-store-")
+    rows: list[Row] = []
+    try:
+        store = Counting(FolderStore(folder))
+        started = time.perf_counter()
+        # setup, not measured: every put fsyncs, so the two runs are written side by side
+        writers = [
+            threading.Thread(target=_write, args=(store, "summarised", settings.records, ("loss",))),
+            threading.Thread(target=_write, args=(store, "plain", settings.records, ())),
+        ]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join()
+        wrote, puts = time.perf_counter() - started, store.puts
+        n = settings.records
+        reads = [
+            ("forwards(), summarised run", lambda: forwards(store, "summarised"), "1 scan, 0 fetches"),
+            ("curve(), summarised run", lambda: curve(store, "summarised"), "1 scan, 0 fetches"),
+            ("curve(), unsummarised run", lambda: curve(store, "plain"), ""),
+        ]
+        for what, read, target in reads:
+            out = read()
+            if len(out) != n:
+                raise AssertionError(f"{what}: {len(out)} entries for {n} forwards")
+            store.reset()
+            read()
+            scans, fetches = store.scans, store.fetches
+            times = repeated(read, 3 if n > 1000 else 5)
+            verdict = ""
+            if target:
+                verdict = "PASS" if (scans, fetches) == (1, 0) else "MISS"
+            rows.append(Row("e", f"{what}, {n:,} forwards", f"{ms(median(times))}; {scans} scan, {fetches:,} fetches",
+                            target=target, verdict=verdict))
+        rows.append(Row("e", "writing both runs (setup, not measured)",
+                        f"{wrote:.1f} s: {2 * n:,} forwards, {puts:,} puts"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
+CASES: dict[str, Callable[[Settings, Floors], list[Row]]] = {
+    "a": small_forward,
+    "b": big_arrays,
+    "c": inprocess,
+    "d": engine_overhead,
+    "e": record_readers,
+}

@@ -1,0 +1,151 @@
+"""Ray and Dask, doing what cases (a), (b) and (d) ask of somatize, when they are installed.
+
+Each system is started on its own, after somatize's cases, and shut down before the next:
+their background processes would otherwise load the two cores under somatize's numbers.
+The equivalents chosen are each system's idiomatic one:
+
+- (a) Ray: a call on an actor holding the node. Dask: ``client.submit(...).result()`` on a
+  one-process, one-thread ``LocalCluster``.
+- (b) the same, with the array as the argument and the answer. Dask gets it ``scatter``-ed
+  to the worker first (what Dask advises for big arguments), in the timed part.
+- (d) Dask only: a chain of 200 ``dask.delayed`` calls on the local threaded scheduler.
+  Ray has no local graph engine to compare.
+
+A system that is not installed, or fails to start, gives rows that say so.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from cases import CHAIN, SMALL, Floors, Settings
+from table import Row, gbps, interleaved, median, p99, ratio, repeated, size, us
+
+
+def _small_rows(system: str, samples: list[float], floors: Floors) -> list[Row]:
+    mine = median(samples)
+    against = ratio(mine / floors.small) if floors.small else ""
+    return [Row("a", f"{system}, 100 B round trip", f"{us(mine)} median, {us(p99(samples))} p99",
+                f"raw {us(floors.small)}" if floors.small else "", against)]
+
+
+def _array_rows(system: str, speeds: dict[int, float], floors: Floors, how: str) -> list[Row]:
+    rows = []
+    for nbytes, speed in speeds.items():
+        raw = floors.arrays.get(nbytes)
+        rows.append(Row("b", f"{system} {how}, numpy {size(nbytes)}", f"{speed:.2f} GB/s",
+                        f"raw {raw:.2f} GB/s" if raw else "", ratio(speed / raw) if raw else ""))
+    return rows
+
+
+def _missing(system: str, cases: str, why: str) -> list[Row]:
+    return [Row(case, system, "-", verdict=why) for case in cases]
+
+
+def ray(settings: Settings, floors: Floors, cases: str) -> list[Row]:
+    wanted = "".join(c for c in "ab" if c in cases)
+    if not wanted:
+        return []
+    try:
+        import ray as _ray
+    except ImportError:
+        return _missing("Ray", wanted, "not installed")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        _ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+                  configure_logging=False)
+    except Exception as exc:
+        return _missing("Ray", wanted, f"did not start: {type(exc).__name__}")
+    rows: list[Row] = []
+    try:
+        class Echo:  # defined here, so it travels by value: Ray's workers cannot import this file
+            def forward(self, x):
+                return x
+
+        actor = _ray.remote(num_cpus=1)(Echo).remote()
+
+        def call(x):
+            return _ray.get(actor.forward.remote(x))
+
+        if "a" in wanted:
+            for _ in range(max(20, settings.calls // 20)):
+                call(SMALL)
+            rows += _small_rows("Ray actor call", repeated(functools.partial(call, SMALL), settings.calls), floors)
+        if "b" in wanted:
+            rows += _array_rows("Ray", _speeds(call, settings), floors, "actor call")
+    finally:
+        _ray.shutdown()
+    return rows
+
+
+def dask(settings: Settings, floors: Floors, cases: str) -> list[Row]:
+    wanted = "".join(c for c in "abd" if c in cases)
+    if not wanted:
+        return []
+    try:
+        import dask as _dask
+        from distributed import Client, LocalCluster
+    except ImportError:
+        return _missing("Dask", wanted, "not installed")
+    def echo(x):  # local functions travel by value: Dask's worker cannot import this file
+        return x
+
+    def inc(x):
+        return x + 1
+
+    rows: list[Row] = []
+    if "a" in wanted or "b" in wanted:
+        try:
+            cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                                   silence_logs=logging.ERROR)
+        except Exception as exc:
+            rows += _missing("Dask", wanted.replace("d", ""), f"did not start: {type(exc).__name__}")
+        else:
+            try:
+                with Client(cluster) as client:
+                    if "a" in wanted:
+
+                        def call():
+                            return client.submit(echo, SMALL, pure=False).result()
+
+                        for _ in range(max(20, settings.calls // 20)):
+                            call()
+                        rows += _small_rows("Dask submit", repeated(call, settings.calls), floors)
+                    if "b" in wanted:
+
+                        def big(x):
+                            return client.submit(echo, client.scatter(x, direct=True, hash=False), pure=False).result()
+
+                        rows += _array_rows("Dask", _speeds(big, settings), floors, "scatter+submit")
+            finally:
+                cluster.close()
+    if "d" in wanted:
+        chain = functools.reduce(lambda x, _: _dask.delayed(inc)(x), range(CHAIN), 0)
+        run: Callable[[], object] = functools.partial(chain.compute, scheduler="threads")
+        assert run() == CHAIN
+        samples = repeated(run, settings.chains)
+        rows.append(Row("d", f"Dask delayed, {CHAIN}-node chain (threads)", f"{us(median(samples) / CHAIN)} per node"))
+    return rows
+
+
+def _speeds(call: Callable[[np.ndarray], object], settings: Settings) -> dict[int, float]:
+    speeds = {}
+    for nbytes in settings.sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        out = call(x)  # warm
+        if out.nbytes != nbytes:
+            raise AssertionError("the array came back changed")
+        del out
+        samples = interleaved({"it": functools.partial(call, x)}, settings.reps, settings.reps)["it"]
+        speeds[nbytes] = gbps(nbytes, median(samples))
+        del x
+    return speeds
+
+
+#: Each system, and the cases it has an equivalent for.
+SYSTEMS = {"Ray": (ray, "ab"), "Dask": (dask, "abd")}
