@@ -100,7 +100,7 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
     ``broke``: the forward belongs to the client, which closes it.
     """
     plan = compile(piece.steps, piece.shape)
-    walk = _Walk(plan, Watchers(watch), keys=piece.keys, produced={})
+    walk = _Walk(plan, watch if isinstance(watch, Watchers) else Watchers(watch), keys=piece.keys, produced={})
     output = walk.run(piece.value)
     return Outcome(output, walk.produced)
 
@@ -271,7 +271,9 @@ class _Walk:
         )
         host = op.host
         started = time.perf_counter_ns()
-        outcome = self.broker.run(piece, lambda f: self.watch(elsewhere(f, host)))
+        # with nobody watching, say so: a worker then sends no facts back at all
+        watch = (lambda f: self.watch(elsewhere(f, host))) if self.watch else None
+        outcome = self.broker.run(piece, watch)
         self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started)))
         for number, produced in outcome.produced.items():
             step = piece.steps[number]

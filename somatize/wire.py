@@ -250,6 +250,8 @@ class Work:
     """Node index -> the device it runs on (``.on(...)``)."""
     memory: str | None = None
     """A store path the worker can also see, or None."""
+    watched: bool = True
+    """Whether anyone watches this work's facts; when nobody does, no ``Saw`` is sent."""
 
 
 @dataclass(frozen=True)
@@ -525,6 +527,7 @@ def _work_header(msg: Work, parts: Any) -> dict[str, Any]:
     fields["keys"] = [[i, k] for i, k in msg.keys.items()]
     fields["placement"] = [[i, d] for i, d in msg.placement.items()]
     fields["memory"] = msg.memory
+    fields["watched"] = msg.watched
     return fields
 
 
@@ -833,7 +836,7 @@ def _parse_runtime(m: Any, where: str) -> Runtime:
 
 
 def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
-    ref, recipe, input_, keys, placement, memory = _take(h, Work, "Work")
+    ref, recipe, input_, keys, placement, memory, watched = _take(h, Work, "Work")
     input_slot = _slot(input_, descriptors)
     raw_nodes, shape = _take(recipe, Recipe, "Work.recipe")
     if type(raw_nodes) is not list:
@@ -859,6 +862,7 @@ def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
         _pairs(keys, "Work.keys"),
         _pairs(placement, "Work.placement"),
         memory,
+        watched,
     )
 
 
@@ -1006,6 +1010,8 @@ def _check_work(m: Work) -> None:
     _by_node(m.placement, "Work.placement", len(nodes), lambda v, w: _text(v, w, _MAX_DEVICE))
     if m.memory is not None:
         _text(m.memory, "Work.memory", MAX_PATH)
+    if type(m.watched) is not bool:
+        raise _Bad(f"`Work.watched` has to be a bool, and it is {_a(m.watched)}", TypeError)
 
 
 def _node(n: Any, where: str) -> None:

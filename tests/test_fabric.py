@@ -339,3 +339,29 @@ def test_relaying_a_gibibyte_keeps_the_broker_within_its_window(relayed):
     del x, out
     growth = (rss_kib(pid, "VmHWM") - before) * 1024
     assert growth < 4 * WINDOW, f"the broker grew by {growth >> 20} MiB relaying 2 GiB"
+
+
+def test_work_nobody_watches_sends_no_facts_back(processes):
+    from somatize.fabric import sockets
+    from somatize.packing import Packer
+    from somatize.wire import Done, Hello, Recipe, Runtime, Saw, Work, decode, encode
+
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce"], env=env_with_tests())
+    spec = Packer("project").spec(Add(1).named("a").steps[0])
+    sock = sockets.dealer(2.0)
+    try:
+        sock.connect(worker.endpoint)
+        sock.send_multipart(encode(Hello(Runtime.here(mode="project"))))
+        assert sockets.poll(sock, 10)
+        sock.recv_multipart()
+        answers = {}
+        for watched in (True, False):
+            sock.send_multipart(encode(Work(1, Recipe((spec,), ("step", 0)), 1, watched=watched)))
+            kinds = []
+            while not kinds or kinds[-1] is not Done:
+                assert sockets.poll(sock, 10)
+                kinds.append(type(decode(sock.recv_multipart())))
+            answers[watched] = kinds
+    finally:
+        sockets.close(sock)
+    assert answers == {True: [Saw, Done], False: [Done]}

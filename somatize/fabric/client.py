@@ -482,7 +482,7 @@ class _Channel:
         ref = next(_refs)
         specs = tuple(self.packer.spec(step) for step in piece.steps)
         placement = {i: s.device for i, s in enumerate(piece.steps) if s.device is not None}
-        work = Work(ref, Recipe(specs, piece.shape), piece.value, dict(piece.keys), placement)
+        work = Work(ref, Recipe(specs, piece.shape), piece.value, dict(piece.keys), placement, watched=watch is not None)
         frames = encode(work)
         try:
             self._provision(tuple(dict.fromkeys(
@@ -523,7 +523,8 @@ class _Channel:
             if getattr(answer, "ref", ref) not in (ref, None):
                 continue  # an answer to an exchange this channel already gave up on
             if isinstance(answer, Saw):
-                watch(answer.fact)
+                if watch is not None:
+                    watch(answer.fact)
                 continue
             return answer
 

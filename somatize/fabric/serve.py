@@ -398,8 +398,11 @@ class Server:
             fact = {k: _clip(v, 16 << 10) for k, v in fact.items()}
             self._post(route + encode(Saw(work.ref, fact)))
 
+        if not work.watched:
+            watch = None  # nobody on the other side looks: send no facts at all
+
         said = self._said()
-        if said is not None:
+        if said is not None and watch is not None:
             watch(said)
         started = time.perf_counter_ns()
         answer: Any
