@@ -137,6 +137,10 @@ class _Codec:
     load: Callable[[bytes], Any]
 
 
+#: The library's own kinds whose `load` takes any buffer and copies what it keeps, so no
+#: bytes are made for them first (a registered codec is promised bytes).
+_TAKES_BUFFERS = frozenset({"torch.Tensor"})
+
 _lock = threading.Lock()
 # Replaced whole under the lock; readers take one dict lookup and never see half a change.
 _by_kind: dict[str, _Codec] = {}
@@ -724,7 +728,9 @@ class _Reader:
             return _arrow_load(kind, self.views[i])
         entry = self.codecs[kind]
         raw = self.frames[i]
-        if type(raw) is not bytes:  # `load` is promised bytes
+        if kind in _TAKES_BUFFERS:
+            raw = self.views[i]  # the library's own loader copies once itself
+        elif type(raw) is not bytes:  # `load` is promised bytes
             raw = self.views[i].tobytes()
         try:
             loaded = entry.load(raw)

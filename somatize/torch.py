@@ -108,7 +108,7 @@ _DTYPE_WORDS = (
 # -- the codec ---------------------------------------------------------------------------
 
 
-def dump_tensor(t: torch.Tensor) -> bytearray:
+def dump_tensor(t: torch.Tensor) -> memoryview:
     """``t`` in the written form above. Copies the data once, straight into the result
     (from any device, from any strides), and never pickles."""
     _little_endian("written down")
@@ -116,14 +116,14 @@ def dump_tensor(t: torch.Tensor) -> bytearray:
     shape = tuple(t.shape)
     head = _header(name, shape)
     nbytes = t.numel() * t.element_size()
-    out = bytearray(len(head) + nbytes)
-    out[: len(head)] = head
+    out = torch.empty(len(head) + nbytes, dtype=torch.uint8)  # not zero-filled: all of it is written
+    written = out.numpy()
+    written[: len(head)] = np.frombuffer(head, np.uint8)
     if nbytes:
-        # a writable view of the tail of `out`, shaped like `t`: copy_ does the device
-        # transfer and the strides in the one copy
-        tail = torch.frombuffer(out, dtype=torch.uint8, offset=len(head))
-        tail.view(t.dtype).view(shape).copy_(t.detach())
-    return out
+        # the tail of `out`, shaped like `t`: copy_ does the device transfer and the
+        # strides in the one copy
+        out[len(head) :].view(t.dtype).view(shape).copy_(t.detach())
+    return memoryview(written)
 
 
 def load_tensor(raw: bytes | bytearray | memoryview) -> torch.Tensor:
