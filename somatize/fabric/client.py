@@ -385,6 +385,8 @@ class _Channel:
                 message = self._pump(deadline=None, waiting="")  # a credit, most likely
                 if message is not None:
                     self._early.append(message)  # an answer before the end (a refusal)
+                    if isinstance(message, (Refused, Failed, Done)):
+                        return  # the worker gave up on this message: no credit will come
         finally:
             self._outgoing = None
 

@@ -7,8 +7,9 @@ chunks, and the sender stops whenever ``WINDOW`` bytes are unacknowledged: the b
 holds at most a window of this stream, however large the cargo.
 
 The sizes in a ``begin`` are checked against the wire's limits, and a frame's memory is
-taken only when its first chunk arrives: announcing costs a sender nothing it has not
-sent. Pure data and counting: the sockets belong to the caller.
+taken only once all its chunks have arrived (they are held as received until then):
+announcing costs a sender nothing it has not sent. Pure data and counting: the sockets
+belong to the caller.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class Incoming:
             raise ProtocolError("a stream's begin states frame sizes beyond what this side accepts")
         self.sid = sid
         self.sizes = sizes
-        self.frames: list[bytearray] = []  # filled in order, each allocated on its first chunk
+        self.frames: list = []  # completed frames, in order
+        self._chunks: list[memoryview] = []  # of the frame being received
         self._frame = 0
         self._offset = 0
         self.touched = time.monotonic()
@@ -113,13 +115,12 @@ class Incoming:
         data = memoryview(data).cast("B")
         if self.complete or self._offset + data.nbytes > self.sizes[self._frame]:
             raise ProtocolError("a stream sent a chunk that does not fit the sizes it announced")
-        if len(self.frames) == self._frame:
-            self.frames.append(bytearray(self.sizes[self._frame]))
-        frame = self.frames[self._frame]
-        frame[self._offset : self._offset + data.nbytes] = data
+        self._chunks.append(data)
         self._offset += data.nbytes
         self.touched = time.monotonic()
-        if self._offset == len(frame):
+        if self._offset == self.sizes[self._frame]:
+            self.frames.append(_joined(self._chunks, self._offset))
+            self._chunks = []
             self._frame += 1
             self._offset = 0
             self._skip_empty()
@@ -129,6 +130,17 @@ class Incoming:
         while self._frame < len(self.sizes) and self.sizes[self._frame] == 0:
             self.frames.append(bytearray())
             self._frame += 1
+
+
+def _joined(chunks: list[memoryview], size: int) -> memoryview | bytearray:
+    if len(chunks) == 1:
+        return chunks[0]  # the received frame itself: no copy
+    whole = bytearray(size)
+    at = 0
+    for chunk in chunks:
+        whole[at : at + chunk.nbytes] = chunk
+        at += chunk.nbytes
+    return whole
 
 
 def credit(sid: bytes, amount: int) -> list:
