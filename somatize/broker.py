@@ -67,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where clients and dialing workers reach this broker (default tcp://127.0.0.1:5555)")
     parser.add_argument("--hosts", metavar="FILE.toml", help="the host table")
     command.key_options(parser)
+    command.patience_option(parser)
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening on an address other machines can reach, with no keys")
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not command.may_listen(url, insecure=args.insecure, who="broker", risk="use its workers", keyed=keys is not None):
         return 2
-    server = BrokerServer(hosts)
+    server = BrokerServer(hosts, patience=args.patience)
     endpoint = command.bind(server, url, who="broker", keys=keys)
     if endpoint is None:
         return 2

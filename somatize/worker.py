@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "into --store under machine/NAME, and down open connections as `said`")
     parser.add_argument("--machine", metavar="NAME", help="the name to report under (default: this machine's)")
     command.key_options(parser)
+    command.patience_option(parser)
     parser.add_argument("--broker-key", metavar="FILE.key", help="the broker's public key, when dialing in with --key")
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening on an address other machines can reach, with no keys")
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("somatize worker: dialing in with keys needs --key (this worker's pair) and "
                       "--broker-key (the broker's public key)", file=sys.stderr)
                 return 2
-        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent,
+        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent, patience=args.patience,
                         store=args.store, reporting=args.reporting, machine=args.machine)
         server.dial(sockets.tcp_url(args.broker), args.offer, keys=keys)
         where_text = f"dialed {args.broker} offering `{args.offer}`"
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         risk = "send work here" + (" and run code by value" if args.mode == "network" else "")
         if not command.may_listen(url, insecure=args.insecure, who="worker", risk=risk, keyed=keys is not None):
             return 2
-        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent,
+        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent, patience=args.patience,
                         store=args.store, reporting=args.reporting, machine=args.machine)
         endpoint = command.bind(server, url, who="worker", keys=keys)
         if endpoint is None:

@@ -286,7 +286,10 @@ class Broker:
     def _still_there(self, host: str) -> bool:
         """Whether the broker still has a worker serving ``host`` (relayed work is waited
         on through the broker, which is the one that sees a dialed-in worker go)."""
-        return isinstance(self._ask(Where(host), self.patience * 2), Located)
+        try:
+            return isinstance(self._ask(Where(host), self.patience * 2), Located)
+        except (Unreachable, Broken, Closed):
+            return False  # the broker itself is gone: so is the way to the worker
 
     def _keys_for(self, located: Located) -> tuple[Keys | None, bytes | None]:
         if located.path == "relayed":

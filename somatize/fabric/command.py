@@ -21,6 +21,12 @@ def prog(module: str) -> str:
     return called if called.startswith("somatize-") else f"python -m {module}"
 
 
+def patience_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--patience", type=float, default=sockets.PATIENCE, metavar="SECONDS",
+                        help=f"how long a silent peer is waited for before it counts as gone "
+                             f"(default {sockets.PATIENCE:g})")
+
+
 def key_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", metavar="FILE.key_secret", help="this side's CURVE key pair (from `python -m somatize keys`)")
     parser.add_argument("--allow", metavar="DIR", help="the folder of client public keys (.key) allowed in")

@@ -122,9 +122,6 @@ class Keys:
             raise BadKeys(f"the allow-list {folder} is not a folder of client `.key` files")
         return cls(public, secret, allow=folder)
 
-    def with_server(self, server_key: bytes) -> Keys:
-        return dataclasses.replace(self, server_key=server_key)
-
 
 class Guard:
     """A ZAP authenticator on the process's context, allowing the keys in one folder."""

@@ -32,7 +32,6 @@ class Child:
         self.mount = mount
         self.process: subprocess.Popen | None = None
         self.address = ""
-        self.starts = 0
 
     @property
     def running(self) -> bool:
@@ -48,7 +47,6 @@ class Child:
         except OSError as exc:
             raise Refused(f"the worker for `{self.host}` could not be started from {list(self.argv)}: {exc}") from exc
         self.process = process
-        self.starts += 1
         line = _first_line(process, START_DEADLINE)
         if line is None or not line.startswith(ANNOUNCE):
             ended = self.ended() if process.poll() is not None else None
@@ -104,6 +102,7 @@ class Child:
         if process.poll() is None:
             try:
                 process.terminate()
+                os.kill(process.pid, signal.SIGCONT)  # a stopped child acts on SIGTERM only once resumed
                 process.wait(STOP_GRACE)
             except subprocess.TimeoutExpired:
                 process.kill()

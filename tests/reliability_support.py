@@ -1,0 +1,391 @@
+"""What the reliability tests share: processes watched from outside, and a fuzzer.
+
+``Proc`` starts a command (a worker, a broker, a client script), reads the line it announces
+itself with, sends its stderr to a file (read at any time, never a pipe that fills and
+stalls the child), and is always reaped: ``stop()`` resumes a stopped child before asking
+it to end, and kills it when it will not.
+
+``Fuzzer`` makes the frames of one multipart message at a time, from a seeded generator:
+random frame lists, and real messages (built with ``somatize.wire.encode``) mutated the ways
+libzmq's own fuzzers mutate theirs (bytes flipped, frames truncated, dropped, duplicated,
+extended) plus a structure-aware mutation of the MessagePack header.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import selectors
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def child_env() -> dict:
+    """This environment, with somatize and the tests folder importable in a child."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (or another /proc status field), in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"/proc/{pid}/status has no {field}")
+
+
+class Proc:
+    """A child process; its first stdout line holding ``announce`` gives its endpoint."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        logs: Path,
+        env: dict | None = None,
+        announce: str | None = "ready ",
+        stdin: bool = False,
+        deadline: float = 30.0,
+    ) -> None:
+        self.argv = argv
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log = logs / f"stderr-{time.monotonic_ns()}-{os.getpid()}.txt"
+        self._err = open(self.log, "wb")  # noqa: SIM115 - the child writes to it until stop()
+        self.popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=env,
+        )
+        self.endpoint = ""
+        if announce is not None:
+            line = self.line(deadline)
+            if announce not in line:
+                self.stop()
+                raise RuntimeError(f"{argv} did not announce itself: {line!r}\n{self.stderr()}")
+            self.endpoint = line.split(announce, 1)[1].strip()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def line(self, deadline: float = 30.0) -> str:
+        """The next line on its stdout, or what came of it within ``deadline`` seconds."""
+        assert self.popen.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self.popen.stdout, selectors.EVENT_READ)
+        data = b""
+        until = time.monotonic() + deadline
+        try:
+            while b"\n" not in data and time.monotonic() < until:
+                if selector.select(max(0.0, until - time.monotonic())):
+                    chunk = os.read(self.popen.stdout.fileno(), 1)
+                    if not chunk:
+                        break
+                    data += chunk
+        finally:
+            selector.close()
+        return data.decode(errors="replace")
+
+    def tell(self, text: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(text.encode())
+        self.popen.stdin.flush()
+
+    def stderr(self) -> str:
+        self._err.flush()
+        return self.log.read_text(errors="replace")
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            os.kill(self.pid, signum)
+
+    def stop(self, grace: float = 5.0) -> int:
+        """End it (SIGCONT, SIGTERM, then SIGKILL) and reap it; return its exit code."""
+        if self.popen.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGCONT)  # a stopped child cannot act on SIGTERM
+                self.popen.send_signal(signal.SIGTERM)
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(grace)
+            except ProcessLookupError:
+                pass
+        for stream in (self.popen.stdin, self.popen.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        self._err.close()
+        return self.popen.returncode
+
+
+def crashed(returncode: int | None) -> bool:
+    """Whether an exit code says the process crashed (anything but 0, or our own SIGTERM)."""
+    return returncode not in (None, 0, -signal.SIGTERM)
+
+
+# -- the fuzzer ----------------------------------------------------------------------------
+
+#: The biggest stream a fuzzed ``begin`` may announce (see ``Fuzzer.safe``).
+SAFE_STREAM = 1 << 20
+
+_EDGE_VALUES: list[Any] = [
+    None, True, False, 0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -(2**63), 2**64 - 1,
+    0.5, float("nan"), float("inf"), "", "x", "sha256:" + "0" * 64, "a" * 5000, "\u00e9\u4e2d",
+    b"", b"\x00" * 40, [], [1], [[[[]]]], {}, {"t": "Work"}, ["step", 0], ["seq", []],
+    ["par", [["step", 0], ["step", 99]]], ["T"], ["N", "<f8", [2, 2], 0], ["B", 0], ["B", 7],
+]
+
+
+class Fuzzer:
+    """Seeded frames for one multipart message at a time.
+
+    ``corpus`` is a list of real messages, each a list of frames. ``relay`` (for a broker)
+    puts ``[RELAY, host]`` in front of some of them, so the broker forwards them to a worker.
+    """
+
+    def __init__(self, seed: int, corpus: list[list[bytes]], *, relay: tuple[bytes, bytes] | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.corpus = corpus
+        self.relay = relay
+        self.counts = {"random": 0, "mutated": 0, "structural": 0, "valid": 0}
+
+    def message(self) -> list[bytes]:
+        roll = self.rng.random()
+        if roll < 0.25:
+            self.counts["random"] += 1
+            frames = self.random_frames()
+        elif roll < 0.45:
+            self.counts["structural"] += 1
+            frames = self.structural(list(self.rng.choice(self.corpus)))
+        elif roll < 0.95:
+            self.counts["mutated"] += 1
+            frames = self.mutate(list(self.rng.choice(self.corpus)))
+        else:
+            self.counts["valid"] += 1
+            frames = list(self.rng.choice(self.corpus))
+        if self.relay is not None and self.rng.random() < 0.3:
+            frames = [self.relay[0], self.relay[1], *frames]
+        return self.safe(frames) or [b""]
+
+    def random_frames(self) -> list[bytes]:
+        rng = self.rng
+        out = []
+        for _ in range(rng.choice([1, 1, 1, 2, 2, 3, 5, 9])):
+            size = rng.choice([0, 1, 2, 8, 30, 100, 1000, 70_000])
+            frame = rng.randbytes(rng.randint(0, size))
+            if rng.random() < 0.3:  # something MessagePack-shaped
+                frame = msgpack.packb({"v": rng.choice([1, 0, 2]), "t": rng.choice(["Hello", "Work", "Zap", "Where"])}) + frame[:20]
+            out.append(frame)
+        return out
+
+    def mutate(self, frames: list[bytes]) -> list[bytes]:
+        rng = self.rng
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            if not frames:
+                frames = [b""]
+            i = rng.randrange(len(frames))
+            frame = bytearray(frames[i])
+            how = rng.choice(["flip", "flip", "truncate", "drop", "duplicate", "extend", "insert", "swap", "splice", "empty"])
+            if how == "flip" and frame:
+                for _ in range(rng.choice([1, 1, 2, 8])):
+                    frame[rng.randrange(len(frame))] ^= 1 << rng.randrange(8)
+                frames[i] = bytes(frame)
+            elif how == "truncate":
+                frames[i] = bytes(frame[: rng.randrange(len(frame) + 1)])
+            elif how == "drop" and len(frames) > 1:
+                del frames[i]
+            elif how == "duplicate":
+                frames.insert(i, frames[i])
+            elif how == "extend":
+                frames[i] = bytes(frame) + rng.randbytes(rng.choice([1, 7, 100, 5000]))
+            elif how == "insert":
+                frames.insert(rng.randrange(len(frames) + 1), rng.randbytes(rng.choice([0, 3, 64])))
+            elif how == "swap" and len(frames) > 1:
+                j = rng.randrange(len(frames))
+                frames[i], frames[j] = frames[j], frames[i]
+            elif how == "splice":
+                other = rng.choice(self.corpus)
+                frames[i] = other[rng.randrange(len(other))]
+            elif how == "empty":
+                frames[i] = b""
+        return frames
+
+    def structural(self, frames: list[bytes]) -> list[bytes]:
+        """Decode the header, replace one value deep inside it, encode it again."""
+        try:
+            header = msgpack.unpackb(frames[0], strict_map_key=False)
+        except Exception:  # noqa: BLE001 - not MessagePack: mutate its bytes instead
+            return self.mutate(frames)
+        holders = []
+
+        def walk(x: Any) -> None:
+            if isinstance(x, dict):
+                for k in list(x):
+                    holders.append((x, k))
+                    walk(x[k])
+            elif isinstance(x, list):
+                for k in range(len(x)):
+                    holders.append((x, k))
+                    walk(x[k])
+
+        walk(header)
+        if not holders:
+            return self.mutate(frames)
+        holder, key = self.rng.choice(holders)
+        roll = self.rng.random()
+        if roll < 0.7:
+            holder[key] = self.rng.choice(_EDGE_VALUES)
+        elif roll < 0.85 and isinstance(holder, dict):
+            del holder[key]
+            if self.rng.random() < 0.5:
+                holder["extra"] = self.rng.choice(_EDGE_VALUES)
+        else:
+            holder[key] = [holder[key]] * self.rng.choice([2, 3, 50])
+        return [msgpack.packb(header, use_bin_type=self.rng.random() < 0.8), *frames[1:]]
+
+    @staticmethod
+    def safe(frames: list[bytes]) -> list[bytes]:
+        """Keep a stream's ``begin`` from announcing more than ``SAFE_STREAM`` bytes.
+
+        A worker allocates a frame's whole announced size when its first chunk arrives (a
+        bug tested on its own, with a modest size): a mutated size could ask this shared
+        machine for gibibytes. Every other frame goes out as the fuzzer made it.
+        """
+        from somatize.fabric import stream
+
+        for at in range(min(3, len(frames))):
+            if bytes(frames[at][:32]) == stream.MARK:
+                rest = frames[at:]
+                if len(rest) >= 4 and bytes(rest[1]) == stream.BEGIN:
+                    try:
+                        sizes = msgpack.unpackb(rest[3])
+                        ok = isinstance(sizes, list) and sum(
+                            s for s in sizes if isinstance(s, int) and s > 0
+                        ) <= SAFE_STREAM and len(sizes) <= 1000
+                    except Exception:  # noqa: BLE001
+                        ok = True  # refused before anything is allocated
+                    if not ok:
+                        frames = [*frames[:at + 3], msgpack.packb([SAFE_STREAM // 2]), *frames[at + 4:]]
+                break
+        return frames
+
+
+def corpus(packers: dict) -> list[list[bytes]]:
+    """Real messages of every variant (and stream pieces), as frames, to mutate."""
+    from somatize.fabric import stream
+    from somatize.wire import (
+        Bye,
+        Done,
+        Failed,
+        Hello,
+        Hosts,
+        Listed,
+        Located,
+        Provision,
+        Ready,
+        Recipe,
+        Refused,
+        Runtime,
+        Saw,
+        Send,
+        Where,
+        Work,
+        encode,
+    )
+
+    network, project, nodes = packers["network"], packers["project"], packers["nodes"]
+    here = Runtime.here(mode="network")
+    net_specs = tuple(network.spec(n) for n in nodes)
+    proj_specs = tuple(project.spec(n) for n in nodes)
+    digest = net_specs[0].target
+    messages: list[Any] = [
+        Hello(here),
+        Hello(Runtime.here(mode="project")),
+        Hello(here, offering="fuzzed"),
+        Provision(digest, network.artifact(digest)),
+        Provision(net_specs[1].target, network.artifact(net_specs[1].target)),
+        Work(1, Recipe(net_specs[:1], ("step", 0)), 41),
+        Work(2, Recipe(net_specs, ("seq", (("step", 0), ("step", 1)))), np.arange(12.0).reshape(3, 4)),
+        Work(3, Recipe(net_specs, ("par", (("step", 0), ("step", 1)))), {"a": [1, 2, 3], "b": b"x" * 70_000},
+             keys={0: "sha256:" + "a" * 64}, placement={1: "cpu"}),
+        Work(4, Recipe(proj_specs, ("seq", (("step", 1), ("step", 0)))), "text"),
+        Where("w1"), Where("nowhere", lost=True), Hosts(), Bye(),
+        Ready(here), Send(5, (digest,)), Refused("no", ref=3), Done(6, np.ones(5), {0: 1}, 12),
+        Failed(7, "why", "a", "ValueError", "tb"), Saw(8, {"fact": "ran", "node": "a"}),
+        Located("w1", "direct", address="tcp://127.0.0.1:1", mode="network"), Listed({"w1": "network"}),
+    ]
+    frames = [list(encode(m)) for m in messages]
+    frames = [[bytes(memoryview(f)) for f in m] for m in frames]
+    frames += [
+        [stream.MARK, stream.BEGIN, b"fz-1", msgpack.packb([100, 5000])],
+        [stream.MARK, b"chunk", b"fz-1", b"y" * 100],
+        [stream.MARK, stream.CREDIT, b"fz-1", (4096).to_bytes(8, "little")],
+    ]
+    return frames
+
+
+# -- scripts run as child processes --------------------------------------------------------
+
+#: A client process for the load test: ``url host client count log``; one forward to warm
+#: up, "ready", then on "go" its forwards, then one JSON line with what it measured.
+LOAD_CLIENT = """if True:
+    import json, sys, time
+    from somatize import Broker
+    from reliability_nodes import Tag, tag_of
+    url, host, client, count, log = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    with Broker.at(url) as broker:
+        g = Tag(log).named("tag").at(host)
+        assert g.forward(f"warm:{client}", broker=broker)[0] == f"warm:{client}"
+        print("ready", flush=True)
+        sys.stdin.readline()
+        latencies, wrong = [], []
+        for i in range(count):
+            x = f"{client}:{i}"
+            started = time.perf_counter()
+            out = g.forward(x, broker=broker)
+            latencies.append(time.perf_counter() - started)
+            if list(out) != [x, tag_of(x)]:
+                wrong.append([x, repr(out)[:200]])
+    print(json.dumps({"latencies": latencies, "wrong": wrong}), flush=True)
+"""
+
+#: A store writer that says when each put begins and ends: ``root seed``; runs until killed.
+STORE_WRITER = """if True:
+    import hashlib, random, sys
+    from somatize.store import FolderStore
+    root, seed = sys.argv[1], int(sys.argv[2])
+    store = FolderStore(root)
+    rng = random.Random(seed)
+    print("ready", flush=True)
+    n = 0
+    while True:
+        name = "crash/%d" % rng.randrange(5)
+        size = rng.choice([0, 10, 4096, 100_000, 1 << 20, 3 << 20])
+        blob = None if rng.random() < 0.1 else rng.randbytes(size)
+        sha = "none" if blob is None else hashlib.sha256(blob).hexdigest()
+        record = {"writer": str(seed), "n": str(n), "size": str(size), "sha": sha}
+        print("begin", n, flush=True)
+        store.put(name, record, blob if n % 2 else ([blob[: size // 3], blob[size // 3 :]] if blob else blob))
+        print("end", n, flush=True)
+        n += 1
+"""

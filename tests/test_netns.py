@@ -1,0 +1,165 @@
+"""Several hosts, for real: network namespaces joined by veth pairs, one process per host.
+
+    client (c) --- 10.200.1.0/24 --- broker (b) --- 10.200.4.0/24 --- worker w2
+        |
+        +--------- 10.200.3.0/24 --- worker w1
+
+The client reaches w1 directly and the broker; it has no route to w2, which reaches only the
+broker (w2 routes 10.200.1.0/24 through b to reach the broker's address; b forwards
+nothing). So w1 is served Direct, and w2 serves Relayed by dialing in to the broker
+(``--broker URL --offer w2``); a Direct attempt at w2's own listening address fails with a
+sentence naming it. Every address is inside namespaces made here; names carry this
+process's pid, so parallel runs never collide; every process and namespace is removed after,
+pass or fail. Needs root and ``ip``; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import BROKER, WORKER
+from reliability_support import Proc, child_env
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
+
+CLIENT = """if True:
+    import json, socket, sys, time
+    import zmq
+    from fabric_nodes import Add
+    from somatize import Broker, Unreachable
+    from somatize.wire import Where, decode, encode
+    url, unreachable = sys.argv[1], sys.argv[2]
+    out = {}
+    host, port = unreachable.split("://")[1].rsplit(":", 1)
+    probe = socket.socket()
+    probe.settimeout(3)
+    try:
+        probe.connect((host, int(port)))
+        out["w2_by_tcp"] = "connected"
+    except OSError as exc:
+        out["w2_by_tcp"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        probe.close()
+    ask = zmq.Context.instance().socket(zmq.DEALER)
+    ask.linger = 0
+    ask.connect(url)
+    def where(name):
+        ask.send_multipart(encode(Where(name)))
+        assert ask.poll(10_000), "the broker did not answer"
+        located = decode(ask.recv_multipart())
+        return [located.path, located.address]
+    with Broker.at(url, patience=2.0) as broker:
+        until = time.monotonic() + 30
+        while not broker.knows("w2"):
+            assert time.monotonic() < until, "w2 never dialed in"
+            time.sleep(0.1)
+        out["w1"] = Add(1).named("a").at("w1").forward(1, broker=broker)
+        out["w1_where"] = where("w1")
+        out["w2"] = Add(2).named("b").at("w2").forward(1, broker=broker)
+        out["w2_where"] = where("w2")
+        started = time.monotonic()
+        try:
+            Add(3).named("c").at("w2-direct").forward(1, broker=broker)
+            out["w2_direct"] = "it worked"
+        except Exception as exc:
+            out["w2_direct"] = f"{type(exc).__name__}: {exc}"
+        out["w2_direct_s"] = time.monotonic() - started
+    ask.close()
+    print(json.dumps(out), flush=True)
+"""
+
+
+def ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+class Hosts:
+    """Four namespaces (c, b, w1, w2) wired as the module says; ``run`` starts a process in one."""
+
+    LINKS = (  # (namespace, device, address) on each end of a veth pair
+        (("c", "tob", "10.200.1.1/24"), ("b", "toc", "10.200.1.2/24")),
+        (("c", "tow", "10.200.3.1/24"), ("w1", "toc", "10.200.3.2/24")),
+        (("b", "tow", "10.200.4.1/24"), ("w2", "tob", "10.200.4.2/24")),
+    )
+
+    def __init__(self, logs) -> None:
+        self.logs = logs
+        self.names = {role: f"smz{os.getpid()}{role}" for role in ("c", "b", "w1", "w2")}
+        self.made: list[str] = []
+        self.procs: list[Proc] = []
+
+    def build(self) -> None:
+        for name in self.names.values():
+            ip("netns", "add", name)
+            self.made.append(name)
+            ip("-n", name, "link", "set", "lo", "up")
+        for (a, dev_a, addr_a), (b, dev_b, addr_b) in self.LINKS:
+            ip("-n", self.names[a], "link", "add", dev_a, "type", "veth", "peer", "name", dev_b, "netns", self.names[b])
+            for role, dev, addr in ((a, dev_a, addr_a), (b, dev_b, addr_b)):
+                ip("-n", self.names[role], "addr", "add", addr, "dev", dev)
+                ip("-n", self.names[role], "link", "set", dev, "up")
+        ip("-n", self.names["w2"], "route", "add", "10.200.1.0/24", "via", "10.200.4.1")
+        ip("netns", "exec", self.names["b"], "sysctl", "-qw", "net.ipv4.ip_forward=0")
+
+    def run(self, role: str, argv: list[str], **options) -> Proc:
+        options.setdefault("env", child_env())
+        process = Proc(["ip", "netns", "exec", self.names[role], *argv], logs=self.logs, **options)
+        self.procs.append(process)
+        return process
+
+    def remove(self) -> None:
+        for process in reversed(self.procs):
+            process.stop()
+        for name in self.made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30, check=False)
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("making network namespaces needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("needs `ip` (iproute2) to make network namespaces")
+    made = Hosts(tmp_path / "logs")
+    try:
+        made.build()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        made.remove()
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    try:
+        yield made
+    finally:
+        made.remove()
+
+
+@pytest.mark.timeout(120)
+def test_direct_where_a_route_exists_relayed_where_none_does(hosts, tmp_path):
+    w1 = hosts.run("w1", [*WORKER, "--listen", "10.200.3.2:0", "--announce", "--insecure"])
+    w2_listening = hosts.run("w2", [*WORKER, "--listen", "10.200.4.2:0", "--announce", "--insecure"])
+    table = tmp_path / "hosts.toml"
+    table.write_text(
+        f'[hosts.w1]\naddress = "{w1.endpoint}"\nmode = "project"\n\n'
+        f'[hosts.w2-direct]\naddress = "{w2_listening.endpoint}"\nmode = "project"\n'
+    )
+    hub = hosts.run("b", [*BROKER, "--listen", "tcp://10.200.1.2:0", "--announce", "--insecure", "--hosts", str(table)])
+    hosts.run("w2", [*WORKER, "--broker", hub.endpoint, "--offer", "w2"], announce=None)
+    client = hosts.run("c", [sys.executable, "-c", CLIENT, hub.endpoint, w2_listening.endpoint], announce=None)
+    line = client.line(90.0)
+    assert line, f"the client said nothing:\n{client.stderr()[-3000:]}"
+    seen = json.loads(line)
+    print(f"\n[netns] {seen}")
+
+    assert "connected" not in seen["w2_by_tcp"]  # the topology: no route from c to w2
+    assert seen["w1"] == 2 and seen["w1_where"] == ["direct", w1.endpoint]
+    assert seen["w2"] == 3 and seen["w2_where"][0] == "relayed"
+    assert seen["w2_direct"].startswith("Unreachable: ")
+    assert w2_listening.endpoint in seen["w2_direct"]  # the sentence names the address
+    for process in hosts.procs[:-1]:
+        assert process.alive, process.stderr()[-2000:]
