@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 import msgpack
+import numpy as np
 
 from ..errors import ProtocolError
 from ..wire import MAX_FRAME, MAX_FRAMES, MAX_TOTAL
@@ -132,15 +133,15 @@ class Incoming:
             self._frame += 1
 
 
-def _joined(chunks: list[memoryview], size: int) -> memoryview | bytearray:
+def _joined(chunks: list[memoryview], size: int) -> memoryview:
     if len(chunks) == 1:
         return chunks[0]  # the received frame itself: no copy
-    whole = bytearray(size)
+    whole = np.empty(size, np.uint8)  # every byte is written below: no zero-fill first
     at = 0
     for chunk in chunks:
-        whole[at : at + chunk.nbytes] = chunk
+        whole[at : at + chunk.nbytes] = np.frombuffer(chunk, np.uint8)
         at += chunk.nbytes
-    return whole
+    return memoryview(whole)
 
 
 def credit(sid: bytes, amount: int) -> list:
