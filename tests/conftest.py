@@ -7,6 +7,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,26 +19,53 @@ BROKER = [sys.executable, "-m", "somatize.broker"]
 
 
 class Process:
-    """A child process whose first stdout line announces its endpoint; reaped on stop()."""
+    """A child process; its first stdout line holding ``announce`` gives its endpoint.
 
-    def __init__(self, argv: list[str], *, env: dict | None = None, announce: str | None = "ready ") -> None:
+    Its stderr goes to a file under ``logs``, never a pipe: a chatty child can never block
+    on a pipe nobody reads. ``stop()`` resumes a stopped child before ending it, and reaps it.
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        logs: Path | None = None,
+        env: dict | None = None,
+        announce: str | None = "ready ",
+        stdin: bool = False,
+        deadline: float = 30.0,
+    ) -> None:
         self.argv = argv
+        logs = Path(logs) if logs is not None else Path(tempfile.mkdtemp(prefix="somatize-test-"))
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log = logs / f"stderr-{time.monotonic_ns()}-{os.getpid()}.txt"
+        self._err = open(self.log, "wb")  # noqa: SIM115 - the child writes to it until stop()
         self.popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            argv,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=env,
         )
         self.endpoint = ""
         if announce is not None:
-            line = self._line(20.0)
+            line = self.line(deadline)
             if announce not in line:
                 self.stop()
-                raise RuntimeError(f"{argv} did not announce itself: {line!r} {self.stderr()}")
+                raise RuntimeError(f"{argv} did not announce itself: {line!r}\n{self.stderr()}")
             self.endpoint = line.split(announce, 1)[1].strip()
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
-    def _line(self, deadline: float) -> str:
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def line(self, deadline: float = 30.0) -> str:
+        """The next line on its stdout, or what came of it within ``deadline`` seconds."""
+        assert self.popen.stdout is not None
         selector = selectors.DefaultSelector()
         selector.register(self.popen.stdout, selectors.EVENT_READ)
         data = b""
@@ -53,32 +81,48 @@ class Process:
             selector.close()
         return data.decode(errors="replace")
 
-    def stderr(self) -> str:
-        if self.popen.poll() is None:
-            return ""
-        return self.popen.stderr.read().decode(errors="replace")
+    def tell(self, text: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(text.encode())
+        self.popen.stdin.flush()
 
-    def stop(self) -> int:
+    def stderr(self) -> str:
+        self._err.flush()
+        return self.log.read_text(errors="replace")
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            os.kill(self.pid, signum)
+
+    def stop(self, grace: float = 5.0) -> int:
+        """End it (SIGCONT, SIGTERM, then SIGKILL) and reap it; return its exit code."""
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
             try:
-                self.popen.wait(5)
+                os.kill(self.pid, signal.SIGCONT)  # a stopped child cannot act on SIGTERM
+                self.popen.send_signal(signal.SIGTERM)
+                self.popen.wait(grace)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
-                self.popen.wait(5)
-        for stream in (self.popen.stdout, self.popen.stderr):
+                self.popen.wait(grace)
+            except ProcessLookupError:
+                pass
+        for stream in (self.popen.stdin, self.popen.stdout):
             if stream is not None:
-                stream.close()
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        self._err.close()
         return self.popen.returncode
 
 
 @pytest.fixture
-def processes():
+def processes(tmp_path):
     """Start processes with ``processes(argv, ...)``; every one is stopped and reaped after."""
     started: list[Process] = []
 
     def start(argv: list[str], **options) -> Process:
-        process = Process(argv, **options)
+        process = Process(argv, logs=tmp_path / "logs", **options)
         started.append(process)
         return process
 

@@ -1,9 +1,8 @@
 """What the reliability tests share: processes watched from outside, and a fuzzer.
 
-``Proc`` starts a command (a worker, a broker, a client script), reads the line it announces
-itself with, sends its stderr to a file (read at any time, never a pipe that fills and
-stalls the child), and is always reaped: ``stop()`` resumes a stopped child before asking
-it to end, and kills it when it will not.
+``Proc`` is conftest's ``Process``: it starts a command (a worker, a broker, a client
+script), reads the line it announces itself with, sends its stderr to a file (read at any
+time, never a pipe that fills and stalls the child), and is always reaped.
 
 ``Fuzzer`` makes the frames of one multipart message at a time, from a seeded generator:
 random frame lists, and real messages (built with ``somatize.wire.encode``) mutated the ways
@@ -15,15 +14,14 @@ from __future__ import annotations
 
 import os
 import random
-import selectors
 import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
+
+from conftest import Process
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -45,97 +43,9 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
     raise AssertionError(f"/proc/{pid}/status has no {field}")
 
 
-class Proc:
-    """A child process; its first stdout line holding ``announce`` gives its endpoint."""
+# The one process helper of the suite lives in conftest; this module's name for it stays.
+Proc = Process
 
-    def __init__(
-        self,
-        argv: list[str],
-        *,
-        logs: Path,
-        env: dict | None = None,
-        announce: str | None = "ready ",
-        stdin: bool = False,
-        deadline: float = 30.0,
-    ) -> None:
-        self.argv = argv
-        logs.mkdir(parents=True, exist_ok=True)
-        self.log = logs / f"stderr-{time.monotonic_ns()}-{os.getpid()}.txt"
-        self._err = open(self.log, "wb")  # noqa: SIM115 - the child writes to it until stop()
-        self.popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            env=env,
-        )
-        self.endpoint = ""
-        if announce is not None:
-            line = self.line(deadline)
-            if announce not in line:
-                self.stop()
-                raise RuntimeError(f"{argv} did not announce itself: {line!r}\n{self.stderr()}")
-            self.endpoint = line.split(announce, 1)[1].strip()
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def line(self, deadline: float = 30.0) -> str:
-        """The next line on its stdout, or what came of it within ``deadline`` seconds."""
-        assert self.popen.stdout is not None
-        selector = selectors.DefaultSelector()
-        selector.register(self.popen.stdout, selectors.EVENT_READ)
-        data = b""
-        until = time.monotonic() + deadline
-        try:
-            while b"\n" not in data and time.monotonic() < until:
-                if selector.select(max(0.0, until - time.monotonic())):
-                    chunk = os.read(self.popen.stdout.fileno(), 1)
-                    if not chunk:
-                        break
-                    data += chunk
-        finally:
-            selector.close()
-        return data.decode(errors="replace")
-
-    def tell(self, text: str) -> None:
-        assert self.popen.stdin is not None
-        self.popen.stdin.write(text.encode())
-        self.popen.stdin.flush()
-
-    def stderr(self) -> str:
-        self._err.flush()
-        return self.log.read_text(errors="replace")
-
-    def signal(self, signum: int) -> None:
-        if self.alive:
-            os.kill(self.pid, signum)
-
-    def stop(self, grace: float = 5.0) -> int:
-        """End it (SIGCONT, SIGTERM, then SIGKILL) and reap it; return its exit code."""
-        if self.popen.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGCONT)  # a stopped child cannot act on SIGTERM
-                self.popen.send_signal(signal.SIGTERM)
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(grace)
-            except ProcessLookupError:
-                pass
-        for stream in (self.popen.stdin, self.popen.stdout):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-        self._err.close()
-        return self.popen.returncode
 
 
 def crashed(returncode: int | None) -> bool:
