@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from typing import Any
 
 import zmq
@@ -85,6 +86,7 @@ class Broker:
         self._idle: dict[str, list[_Channel]] = {}
         self._packers: dict[str, Packer] = {}
         self._provisioned: dict[str, set[str]] = {}
+        self._packable: weakref.WeakSet = weakref.WeakSet()
         self._closed = False
 
     # -- construction ------------------------------------------------------------------
@@ -159,10 +161,13 @@ class Broker:
 
     def check(self, host: str, step: Any) -> None:
         """Refuse, before anything runs, a node that cannot be packed for ``host``."""
+        if step in self._packable:
+            return  # declarations never change: once packable, always packable here
         mode = self._hosts().get(host)
         if mode in (None, "inprocess"):
             return
         self._packer(host, mode).spec(step)  # packs once; the artifact is kept for the run
+        self._packable.add(step)
 
     def _hosts(self, *, refresh: bool = False) -> dict[str, str]:
         if self._listing is None or refresh:
