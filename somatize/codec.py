@@ -517,20 +517,18 @@ def _frame_views(frames: Sequence[bytes | bytearray | memoryview]) -> list[memor
         raise Unreadable(
             f"frames have to be a sequence of buffers; they were a `{type(frames).__name__}`"
         )
-    views = []
-    for i, f in enumerate(frames):
-        try:
-            mv = memoryview(f)
-        except TypeError:
-            raise Unreadable(f"frame {i} is a `{type(f).__name__}`, not a buffer") from None
-        if mv.ndim != 1 or mv.format != "B":
-            if not mv.c_contiguous:
-                raise Unreadable(f"frame {i} is not contiguous in memory")
-            mv = mv.cast("B")
-        elif not mv.c_contiguous:
-            raise Unreadable(f"frame {i} is not contiguous in memory")
-        views.append(mv)
-    return views
+    return [_bytes_of(f, f"frame {i}") for i, f in enumerate(frames)]
+
+
+def _bytes_of(data: Any, what: str) -> memoryview:
+    """``data`` as a flat, contiguous view of bytes, or ``Unreadable`` naming ``what``."""
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise Unreadable(f"{what} is a `{type(data).__name__}`, not a buffer") from None
+    if not mv.c_contiguous:
+        raise Unreadable(f"{what} is not contiguous in memory")
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
 class _Checker:
@@ -781,14 +779,7 @@ def decode(descriptor: Any, frames: Sequence[bytes | bytearray | memoryview]) ->
 def loads(data: bytes | bytearray | memoryview) -> Any:
     """The value whose written form ``data`` is. Frames are read in place: arrays are views
     of ``data`` when it is writable (a ``bytearray``), copies otherwise."""
-    try:
-        mv = memoryview(data)
-    except TypeError:
-        raise Unreadable(f"loads reads bytes, and it was given a `{type(data).__name__}`") from None
-    if mv.ndim != 1 or mv.format != "B":
-        if not mv.c_contiguous:
-            raise Unreadable("loads reads a contiguous buffer")
-        mv = mv.cast("B")
+    mv = _bytes_of(data, "what loads was given")
     total = mv.nbytes
     if total < _FIXED.size or mv[:4] != _MAGIC:
         raise Unreadable("these bytes are not somatize's written form: they do not start with SMZ1")

@@ -12,26 +12,10 @@ import time
 import numpy as np
 import pytest
 
+from fabric_nodes import Add, Sleep
 from somatize import FolderStore, Node, NodeFailed, codec
 from somatize.codec import _forget, loads
 from somatize.keys import PREFIX
-
-
-class Add(Node):
-    def __init__(self, n: int = 1) -> None:
-        self.n = n
-
-    def forward(self, x):
-        return x + self.n
-
-
-class Sleep(Node):
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def forward(self, x):
-        time.sleep(self.seconds)
-        return x
 
 
 class Meet(Node):

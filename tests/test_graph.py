@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from somatize import (
@@ -72,7 +74,7 @@ def test_a_suffix_leaves_the_declaration_it_came_from_alone():
     plain = Add().named("a")
     cached = plain.cached()
     assert plain.cache is False and cached.cache is True
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plain.name = "b"  # declarations are immutable
 
 

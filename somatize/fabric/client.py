@@ -399,7 +399,8 @@ class _Channel:
             self._outgoing = None
 
     def _hello(self) -> None:
-        self._send(encode(Hello(Runtime.here(mode=self.packer.mode))))
+        mine = Runtime.here(mode=self.packer.mode)
+        self._send(encode(Hello(mine)))
         answer = self._next(deadline=time.monotonic() + self.patience, waiting="to say hello")
         if isinstance(answer, Refused):
             self.close()
@@ -407,7 +408,7 @@ class _Channel:
         if not isinstance(answer, Ready):
             self.close()
             raise ProtocolError(f"the worker for `{self.host}` answered Hello with a `{type(answer).__name__}`")
-        why = compatible(Runtime.here(mode=self.packer.mode), answer.runtime, needs_pickle=self.packer.mode == "network")
+        why = compatible(mine, answer.runtime, needs_pickle=self.packer.mode == "network")
         if why is None and self.packer.mode == "network" and answer.runtime.mode != "network":
             why = (
                 f"the worker for `{self.host}` runs in {answer.runtime.mode or 'project'} mode and "

@@ -62,11 +62,15 @@ def _write(path: Path, text: str, mode: int) -> None:
         out.write(text)
 
 
-def read_public(path: str | os.PathLike[str]) -> bytes:
+def _certificate_of(path: str | os.PathLike[str], what: str) -> tuple[bytes, bytes | None]:
     try:
-        public, _ = zmq.auth.load_certificate(str(path))
+        return zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
-        raise BadKeys(f"cannot read a CURVE public key from {path}: {exc}") from exc
+        raise BadKeys(f"cannot read a CURVE {what} from {path}: {exc}") from exc
+
+
+def read_public(path: str | os.PathLike[str]) -> bytes:
+    public, _ = _certificate_of(path, "public key")
     if not public:
         raise BadKeys(f"{path} holds no public key")
     return public
@@ -83,10 +87,7 @@ def read_secret(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
             f"the secret key {path} can be read by others (mode {stat.S_IMODE(mode):04o}): whoever "
             f"reads it can pass for its owner. Run `chmod 600 {path}` and start again."
         )
-    try:
-        public, secret = zmq.auth.load_certificate(str(path))
-    except (OSError, ValueError) as exc:
-        raise BadKeys(f"cannot read a CURVE key pair from {path}: {exc}") from exc
+    public, secret = _certificate_of(path, "key pair")
     if not secret:
         raise BadKeys(f"{path} holds no secret key: pass the `.key_secret` file, not the `.key` one")
     return public, secret
