@@ -186,7 +186,7 @@ def ceilings(nbytes: int = 64 << 20) -> str:
 
 _FRAME = re.compile(r"^(?P<name>.+?) \((?P<where>[^()]*)\)$")
 #: Frames that mark a sample as taken inside the part of a process that is measured.
-_INSIDE = ("measured (", "Server.serve (", "BrokerServer.serve (")
+_INSIDE = ("measured (", "WorkerLoop.serve (", "BrokerLoop.serve (")
 #: Leaves where a thread waits rather than works (py-spy here samples idle threads too).
 _WAITING = ("Poller.poll", "Socket.poll", "select", "EpollSelector.select", "Popen._wait", "Popen.wait",
             "Event.wait", "Condition.wait", "sleep", "Thread.join")

@@ -11,7 +11,8 @@ machines, without changing the graph; keep what was computed, and be told what h
     g.forward("a b c", store=FolderStore("./.somatize"), watching=print)
 """
 
-from .codec import Opaque, codec, codecs_registered
+from . import codec  # the module, which registers a codec when called: codec(kind, T, dump=, load=)
+from .codec import Opaque, codecs_registered
 from .errors import (
     BadCodec,
     BadKeys,
@@ -27,6 +28,7 @@ from .errors import (
     NodeFailed,
     NoStore,
     NotAWatcher,
+    Overdue,
     PlanError,
     ProtocolError,
     Refused,
@@ -68,6 +70,7 @@ __all__ = [
     "NodeFailed",
     "NotAWatcher",
     "Opaque",
+    "Overdue",
     "Parallel",
     "PlanError",
     "ProtocolError",

@@ -16,6 +16,8 @@ The host table names each host and how to reach it:
     address = "10.0.0.5:7000"
     mount = "/shared/somatize"     # both ends see this directory (Mount)
     key = "keys/w3.key"            # its CURVE public key, when it listens with --key/--allow
+    deadline = 600                 # seconds one piece of work may run there (on a spawned
+                                   # host, one stuck longer is stopped when a client reports it)
 
 Workers that dial in (``python -m somatize.worker --broker URL --offer NAME``) need no
 entry: they are served Relayed under the name they offer.
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from .fabric import Worker, command, sockets
 from .fabric.curve import Keys, read_public
-from .fabric.broker import BrokerServer
+from .fabric.broker_loop import BrokerLoop
 
 
 def read_hosts(path: str | Path) -> dict[str, Worker]:
@@ -45,9 +47,11 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
     for name, entry in hosts.items():
         if not isinstance(entry, dict):
             raise ValueError(f"{path}: [hosts.{name}] must be a table")
-        unknown = set(entry) - {"address", "spawn", "mode", "mount", "key"}
+        unknown = set(entry) - {"address", "spawn", "mode", "mount", "key", "deadline"}
         if unknown:
-            raise ValueError(f"{path}: [hosts.{name}] has unknown keys {sorted(unknown)}; use address, spawn, mode, mount, key")
+            raise ValueError(
+                f"{path}: [hosts.{name}] has unknown keys {sorted(unknown)}; use address, spawn, mode, mount, key, deadline"
+            )
         if ("address" in entry) == ("spawn" in entry):
             raise ValueError(f"{path}: [hosts.{name}] needs exactly one of `address` or `spawn`")
         if "address" in entry:
@@ -55,9 +59,11 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
             if "key" in entry:  # the worker's public key: clients check they reached the right one
                 public = read_public(Path(path).parent / entry["key"])
                 keys = Keys(public=b"", secret=b"", server_key=public)
-            out[name] = Worker.at(entry["address"], mode=entry.get("mode", "project"), mount=entry.get("mount"), keys=keys)
+            out[name] = Worker.at(entry["address"], mode=entry.get("mode", "project"), mount=entry.get("mount"), keys=keys,
+                                  deadline=entry.get("deadline"))
         else:
-            out[name] = Worker.spawn(entry["spawn"], mode=entry.get("mode", "project"), mount=entry.get("mount"))
+            out[name] = Worker.spawn(entry["spawn"], mode=entry.get("mode", "project"), mount=entry.get("mount"),
+                                     deadline=entry.get("deadline"))
     return out
 
 
@@ -66,7 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--listen", metavar="URL", default="tcp://127.0.0.1:5555",
                         help="where clients and dialing workers reach this broker (default tcp://127.0.0.1:5555)")
     parser.add_argument("--hosts", metavar="FILE.toml", help="the host table")
-    command.key_options(parser)
+    command.key_options(parser, workers=True)
+    parser.add_argument("--bindings", metavar="FILE.json",
+                        help="keep which worker key owns which dialed-in host name in this file, so a "
+                             "restarted broker gives each name back only to its key (written 0600)")
     command.patience_option(parser)
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening on an address other machines can reach, with no keys")
@@ -84,7 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not command.may_listen(url, insecure=args.insecure, who="broker", risk="use its workers", keyed=keys is not None):
         return 2
-    server = BrokerServer(hosts, patience=args.patience)
+    try:
+        server = BrokerLoop(hosts, patience=args.patience, bindings=args.bindings)
+    except (OSError, ValueError) as exc:
+        print(f"somatize broker: cannot use the bindings file: {exc}", file=sys.stderr)
+        return 2
     endpoint = command.bind(server, url, who="broker", keys=keys)
     if endpoint is None:
         return 2

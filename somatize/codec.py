@@ -40,7 +40,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import struct
+import sys
 import threading
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,15 +56,20 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NDIM",
     "MAX_NODES",
+    "Checked",
     "Opaque",
+    "build",
+    "check",
     "codec",
     "codecs_registered",
     "decode",
     "dumps",
     "encode",
+    "forget",
     "kinds_in",
     "loads",
     "readable_kinds",
+    "registry",
     "written_parts",
 ]
 
@@ -200,19 +207,24 @@ def codecs_registered() -> list[str]:
     return sorted(_by_kind)
 
 
-def _entries() -> tuple[tuple[str, type, Callable[[Any], bytes], Callable[[bytes], Any]], ...]:
+def registry() -> tuple[tuple[str, type, Callable[[Any], bytes], Callable[[bytes], Any]], ...]:
     """The registered codecs as ``(kind, type, dump, load)``, in registration order (for
     packing, which carries them to a network-mode worker, and which compares two of these
     item by item with ``is`` to tell whether the registry changed in between)."""
     return tuple((c.kind, c.type, c.dump, c.load) for c in _by_kind.values())
 
 
-def _forget(kind: str) -> None:
-    """Drop a registered kind (for tests that register their own)."""
+def forget(kind: str) -> None:
+    """Drop a registered kind, so bytes of it are unreadable again (a test that registers
+    its own kinds, a notebook that registered one by mistake). Unknown kinds are ignored."""
     global _by_kind, _by_type
     with _lock:
         _by_kind = {k: c for k, c in _by_kind.items() if k != kind}
         _by_type = {t: c for t, c in _by_type.items() if c.kind != kind}
+
+
+_entries = registry  # the names packing and some tests used; the public ones are above
+_forget = forget
 
 
 def readable_kinds() -> list[str]:
@@ -533,15 +545,37 @@ def _bytes_of(data: Any, what: str) -> memoryview:
 
 class _Checker:
     """Walks a descriptor once and refuses anything malformed or over a limit, before any
-    value is built. ``views`` is None when there are no frames to hold it against."""
+    value is built. ``views`` is None when there are no frames to hold it against; when
+    there are, what each frame has to hold is noted on the walk and checked after it
+    (``frames_hold``), so a descriptor's own faults are named before its frames'."""
 
-    __slots__ = ("views", "kinds", "used", "nodes")
+    __slots__ = ("views", "kinds", "used", "nodes", "holds")
 
     def __init__(self, views: list[memoryview] | None) -> None:
         self.views = views
         self.kinds: set[str] = set()
         self.used: set[int] = set()
         self.nodes = 0
+        self.holds: list[tuple[Any, ...]] = []
+
+    def frames_hold(self) -> None:
+        """Each frame holds what its node says: an array's size and bools, Arrow's streams."""
+        views = self.views
+        for hold in self.holds:
+            if hold[0] == "A":
+                _, dt, shape, count, i = hold
+                have = views[i].nbytes
+                need = count * dt.itemsize
+                if need != have:
+                    raise Unreadable(
+                        f"an array of dtype `{dt}` and shape {_shape_text(shape)} needs {need} "
+                        f"bytes, and frame {i} holds {have}"
+                    )
+                if dt.kind == "b" and have and np.frombuffer(views[i], np.uint8).max() > 1:
+                    raise Unreadable("a NumPy bool array holds bytes other than 0 or 1")
+            else:
+                _, kind, i = hold
+                _arrow_check(kind, views[i])
 
     def count(self) -> None:
         self.nodes += 1
@@ -608,7 +642,9 @@ class _Checker:
                 raise Unreadable(f"a {what} node names its kind with a non-empty str")
             if kind in _BUILTIN_KINDS and (tag == "O" or kind not in _ARROW_KINDS):
                 raise Unreadable(f"a {what} node cannot name the built-in kind `{kind}`")
-            self.frame(d[2], what)
+            i = self.frame(d[2], what)
+            if kind in _ARROW_KINDS and self.views is not None:
+                self.holds.append(("C", kind, i))
             self.kinds.add(kind)
         else:
             shown = repr(tag) if type(tag) is str and len(tag) <= 8 else f"a `{type(tag).__name__}`"
@@ -649,7 +685,8 @@ class _Checker:
             raise Unreadable(f"a {what} node points to a frame with something other than an index")
         if self.views is not None and i >= len(self.views):
             raise Unreadable(
-                f"a {what} node points to frame {i}, and there are {len(self.views)} frames"
+                f"a {what} node points to frame {i}, and there are only {len(self.views)}: "
+                f"frames are missing"
             )
         if i in self.used:
             raise Unreadable(f"frame {i} is pointed to twice; each frame holds one value")
@@ -671,17 +708,8 @@ class _Checker:
             if bound >= _MAX_NBYTES:
                 raise Unreadable(f"an array of shape {_shape_text(shape)} is too big to exist")
         i = self.frame(d[3], "array")
-        if self.views is None:
-            return
-        have = self.views[i].nbytes
-        need = count * dt.itemsize
-        if need != have:
-            raise Unreadable(
-                f"an array of dtype `{dt}` and shape {_shape_text(shape)} needs {need} bytes, "
-                f"and frame {i} holds {have}"
-            )
-        if dt.kind == "b" and have and np.frombuffer(self.views[i], np.uint8).max() > 1:
-            raise Unreadable("a NumPy bool array holds bytes other than 0 or 1")
+        if self.views is not None:
+            self.holds.append(("A", dt, shape, count, i))
 
 
 def _shape_text(shape: list[Any]) -> str:
@@ -739,6 +767,63 @@ class _Reader:
         return Opaque(loaded) if tag == "O" else loaded
 
 
+class Checked:
+    """A descriptor that :func:`check` has passed, with what it found: the kinds its values
+    use and the frames they point to. :func:`build` takes one and checks nothing again."""
+
+    __slots__ = ("descriptor", "frames", "views", "kinds", "used")
+
+    def __init__(self, descriptor: Any, frames: Any, views: list[memoryview] | None, checker: _Checker):
+        self.descriptor = descriptor
+        self.frames = frames
+        self.views = views
+        self.kinds: frozenset[str] = frozenset(checker.kinds)
+        """The kinds the values use (``"plain"``, ``"numpy.ndarray"``, a registered kind...)."""
+        self.used: frozenset[int] = frozenset(checker.used)
+        """The frames the values point to, by index."""
+
+    def __repr__(self) -> str:
+        return f"<Checked: kinds {sorted(self.kinds)}, {len(self.used)} frames>"
+
+
+def check(descriptor: Any, frames: Sequence[bytes | bytearray | memoryview] | None) -> Checked:
+    """Check a descriptor once, against its frames, building nothing: node shapes, limits,
+    dtypes, frame indices (each frame used once), that every array's size matches its frame,
+    and that Arrow bytes are an uncompressed IPC stream. Raises ``Unreadable``.
+
+    With ``frames=None`` the descriptor alone is checked (what a receiver can know from a
+    header before its frames matter), and the result cannot be built.
+    """
+    views = None if frames is None else _frame_views(frames)
+    checker = _Checker(views)
+    checker.node(descriptor, 0)
+    checker.frames_hold()
+    return Checked(descriptor, frames, views, checker)
+
+
+def build(checked: Checked) -> Any:
+    """The value that a descriptor :func:`check` passed with its frames stands for.
+
+    Nothing is checked again; this is how a reader that checks first (the wire, before it
+    answers anything) reads each value once. Raises ``Unreadable`` for a kind this process
+    cannot read, or a registered codec's ``load`` that fails.
+    """
+    if type(checked) is not Checked or checked.views is None:
+        raise TypeError("build takes what check(descriptor, frames) returned, with its frames")
+    codecs = {}
+    for kind in checked.kinds:
+        if kind in _ARROW_KINDS:
+            _pyarrow(kind)
+        elif kind not in _BUILTIN_KINDS:
+            codecs[kind] = _codec_for_kind(kind)
+    try:
+        return _Reader(checked.views, checked.frames, codecs).value(checked.descriptor)
+    except Unreadable:
+        raise
+    except (ValueError, TypeError, MemoryError) as exc:  # checked above; a last guard
+        raise Unreadable(f"the value could not be built: {type(exc).__name__}") from exc
+
+
 def kinds_in(descriptor: Any) -> set[str]:
     """The kinds a descriptor uses, so a receiver can refuse what it cannot read before it
     reads anything. Raises ``Unreadable`` when the descriptor is malformed."""
@@ -759,21 +844,7 @@ def decode(descriptor: Any, frames: Sequence[bytes | bytearray | memoryview]) ->
     """
     if type(descriptor) in _INLINE_TYPES:  # the common small case: a bare scalar
         return descriptor
-    views = _frame_views(frames)
-    checker = _Checker(views)
-    checker.node(descriptor, 0)
-    codecs = {}
-    for kind in checker.kinds:
-        if kind in _ARROW_KINDS:
-            _pyarrow(kind)
-        elif kind not in _BUILTIN_KINDS:
-            codecs[kind] = _codec_for_kind(kind)
-    try:
-        return _Reader(views, frames, codecs).value(descriptor)
-    except Unreadable:
-        raise
-    except (ValueError, TypeError, MemoryError) as exc:  # checked above; a last guard
-        raise Unreadable(f"the value could not be built: {type(exc).__name__}") from exc
+    return build(check(descriptor, frames))
 
 
 def loads(data: bytes | bytearray | memoryview) -> Any:
@@ -852,6 +923,87 @@ def _arrow_dump(v: Any) -> memoryview | bytes:
     return _byte_view(sink.getvalue())
 
 
+def _arrow_check(kind: str, view: memoryview) -> None:
+    """Refuse Arrow bytes that are not an uncompressed IPC stream, reading only each
+    message's metadata. A compressed body states its own decompressed size, which is how
+    66 KB could ask for gigabytes; this codec never writes compressed streams, so it reads
+    none, and nothing is decompressed or allocated here."""
+    pa, ipc = _pyarrow(kind)
+    try:
+        reader = ipc.MessageReader.open_stream(pa.py_buffer(view))
+        while True:
+            try:
+                message = reader.read_next_message()
+            except StopIteration:
+                return
+            what = _ipc_compressed(memoryview(message.metadata))
+            if what:
+                raise Unreadable(
+                    f"bytes of kind `{kind}` are a {what}, which this side does not read: a "
+                    f"compressed body names its own size once decompressed, so it is refused "
+                    f"before anything is decompressed. Send the RecordBatch or Table itself: "
+                    f"somatize writes it uncompressed"
+                )
+    except Unreadable:
+        raise
+    except Exception as exc:
+        raise Unreadable(
+            f"bytes of kind `{kind}` are not a valid Arrow IPC stream ({type(exc).__name__})"
+        ) from exc
+
+
+_SCHEMA, _DICTIONARY_BATCH, _RECORD_BATCH = 1, 2, 3  # Arrow's MessageHeader union
+
+
+def _ipc_compressed(meta: memoryview) -> str:
+    """What is wrong with an Arrow IPC message's metadata (a ``Message`` flatbuffer), or
+    "" when nothing is: a compressed body, or a message that is no part of a stream of
+    record batches. Field numbers are those of Arrow's ``Message.fbs``."""
+    message = _fb_table(meta, _fb_u(meta, "<I", 0))
+    at = _fb_field(meta, message, 1)  # header_type (the union's type byte)
+    header_type = _fb_u(meta, "<B", message[0] + at) if at else 0
+    if header_type == _SCHEMA:
+        return ""
+    if header_type not in (_DICTIONARY_BATCH, _RECORD_BATCH):
+        return f"Arrow IPC message of type {header_type} (not a schema or a record batch)"
+    header = _fb_child(meta, message, 2)
+    if header_type == _DICTIONARY_BATCH:
+        header = _fb_child(meta, header, 1)  # DictionaryBatch.data, a RecordBatch
+    if _fb_field(meta, header, 3):  # RecordBatch.compression
+        return "compressed Arrow IPC stream"
+    return ""
+
+
+def _fb_u(buf: memoryview, fmt: str, pos: int) -> int:
+    size = struct.calcsize(fmt)
+    if pos < 0 or pos + size > len(buf):
+        raise ValueError("the IPC metadata points outside itself")
+    return struct.unpack_from(fmt, buf, pos)[0]
+
+
+def _fb_table(buf: memoryview, pos: int) -> tuple[int, int, int]:
+    """A flatbuffer table at ``pos``: (its position, its vtable's, the vtable's length)."""
+    vtable = pos - _fb_u(buf, "<i", pos)
+    return pos, vtable, _fb_u(buf, "<H", vtable)
+
+
+def _fb_field(buf: memoryview, table: tuple[int, int, int], n: int) -> int:
+    """Where field ``n`` of a table sits, relative to the table; 0 when it is absent."""
+    pos, vtable, length = table
+    if 4 + 2 * n + 2 > length:
+        return 0
+    return _fb_u(buf, "<H", vtable + 4 + 2 * n)
+
+
+def _fb_child(buf: memoryview, table: tuple[int, int, int], n: int) -> tuple[int, int, int]:
+    """The table that field ``n`` (an offset) of ``table`` points to."""
+    at = _fb_field(buf, table, n)
+    if not at:
+        raise ValueError("the IPC metadata lacks a table it needs")
+    pos = table[0] + at
+    return _fb_table(buf, pos + _fb_u(buf, "<I", pos))
+
+
 def _arrow_load(kind: str, view: memoryview) -> Any:
     pa, ipc = _pyarrow(kind)
     try:
@@ -873,3 +1025,18 @@ def _arrow_load(kind: str, view: memoryview) -> Any:
             f"bytes of kind `{kind}` are not a valid Arrow IPC stream ({type(exc).__name__})"
         ) from exc
     return out
+
+
+class _Module(types.ModuleType):
+    """``somatize.codec`` is this module, and calling it registers a codec: the package
+    exports the module, so ``import somatize.codec`` never finds a function in its place,
+    and ``from somatize import codec; codec("kind", T, dump=..., load=...)`` still reads
+    as the one call it is."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return codec(*args, **kwargs)
+
+    __call__.__doc__ = codec.__doc__
+
+
+sys.modules[__name__].__class__ = _Module

@@ -11,6 +11,11 @@ store that refuses a write costs one line on stderr, and the answer is still rig
 The engine never imports ZeroMQ. A remote group is handed to the broker as a
 :class:`Piece` through one call, ``broker.run(piece, watch)``, which returns an
 :class:`Outcome`; a worker runs the same piece with :func:`run_piece`.
+
+A forward may be given a deadline. Every wait for another process is bounded by it (the
+broker raises ``Overdue``); a node running in this process cannot be interrupted (Python
+has no safe way to stop a thread), so for local nodes the deadline is checked before each
+one starts, and one that never returns holds its forward.
 """
 
 from __future__ import annotations
@@ -28,12 +33,36 @@ from typing import Any
 
 from . import keys as _keys
 from .codec import loads, written_parts
-from .errors import CodecError, Missing, NodeFailed, SomatizeError
+from .errors import CodecError, Missing, NodeFailed, Overdue, SomatizeError
 from .facts import Watchers, elsewhere, fact, microseconds
 from .graph import Graph, Shape, Step, as_graph
 from .plan import Join, Plan, Recall, Remote, Run, check, compile, group, keys_for, prune
 
 # -- what crosses to a broker ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadline:
+    """When something has to be done by: ``seconds`` as given, ``until`` on the clock of
+    ``time.monotonic()``, and ``whose`` it is, for messages ("the forward's")."""
+
+    seconds: float
+    until: float
+    whose: str = "the forward's"
+
+    @classmethod
+    def after(cls, seconds: float, whose: str = "the forward's") -> Deadline:
+        return cls(seconds, time.monotonic() + seconds, whose)
+
+    def left(self) -> float:
+        """Seconds left; negative once it has passed."""
+        return self.until - time.monotonic()
+
+    def sooner(self, other: Deadline | None) -> Deadline:
+        return self if other is None or self.until <= other.until else other
+
+    def __str__(self) -> str:
+        return f"{self.whose} deadline of {self.seconds:g} s"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +75,8 @@ class Piece:
     shape: Shape
     value: Any
     keys: dict[int, str]
+    deadline: Deadline | None = None
+    """The forward's deadline; the broker may make it sooner with the host's own."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,14 +108,22 @@ def _shared_pool() -> ThreadPoolExecutor:
 # -- entry points ------------------------------------------------------------------------
 
 
-def forward(graph: Any, x: Any, *, broker: Any = None, store: Any = None, watching: Any = None) -> Any:
-    """Run ``graph`` on ``x``: check, plan, walk, and say ``finished`` or ``broke``."""
+def forward(
+    graph: Any, x: Any, *, broker: Any = None, store: Any = None, watching: Any = None, deadline: float | None = None
+) -> Any:
+    """Run ``graph`` on ``x``: check, plan, walk, and say ``finished`` or ``broke``.
+
+    ``deadline`` (seconds, from this call) bounds every wait for a worker: past it the
+    forward raises ``Overdue``. Nodes in this process are not interrupted; the deadline is
+    checked before each starts.
+    """
     graph = as_graph(graph)
+    until = None if deadline is None else Deadline.after(_seconds(deadline))
     watch = Watchers(watching).for_forward()  # a watcher that cannot be called is refused first
     check(graph, broker=broker, store=store)
     started = time.perf_counter_ns()
     try:
-        walk = _Walk.prepare(graph, x, broker=broker, store=store, watch=watch)
+        walk = _Walk.prepare(graph, x, broker=broker, store=store, watch=watch, deadline=until)
         output = walk.run(x)
     except BaseException as exc:
         watch(fact("broke", error=_describe(exc), took_us=microseconds(time.perf_counter_ns() - started)))
@@ -119,8 +158,10 @@ class _Walk:
         broker: Any = None,
         recalled: dict[int, Any] | None = None,
         produced: dict[int, Any] | None = None,
+        deadline: Deadline | None = None,
     ) -> None:
         self.plan = plan
+        self.deadline = deadline
         self.watch = watch
         self.keys = keys
         self.store = store
@@ -130,7 +171,9 @@ class _Walk:
         self.produced = produced
 
     @classmethod
-    def prepare(cls, graph: Graph, x: Any, *, broker: Any, store: Any, watch: Watchers) -> _Walk:
+    def prepare(
+        cls, graph: Graph, x: Any, *, broker: Any, store: Any, watch: Watchers, deadline: Deadline | None = None
+    ) -> _Walk:
         steps = graph.steps
         keys: dict[int, str] = {}
         if store is not None and any(step.cache for step in steps):
@@ -152,7 +195,7 @@ class _Walk:
 
         shape = prune(graph.shape, steps, keys, recall) if keys else graph.shape
         plan = compile(steps, group(shape, steps), recalled_keys=keys)
-        return cls(plan, watch, keys=keys, store=store, broker=broker, recalled=recalled)
+        return cls(plan, watch, keys=keys, store=store, broker=broker, recalled=recalled, deadline=deadline)
 
     # -- scheduling --------------------------------------------------------------------
     def run(self, x: Any) -> Any:
@@ -186,6 +229,8 @@ class _Walk:
                     ready.append(consumer)
 
         while ready or in_flight:
+            if failure is None and ready and self.deadline is not None and self.deadline.left() < 0:
+                failure = self._overdue([ops[i] for i in ready])  # None: nothing local to start
             if failure is None and ready:
                 if len(ready) == 1 and in_flight == 0:
                     index = ready.pop()
@@ -215,6 +260,21 @@ class _Walk:
         if failure is not None:
             raise failure
         return values[self.plan.output]
+
+    def _overdue(self, ops: list[Any]) -> Overdue | None:
+        """The deadline passed between operations: an ``Overdue`` naming the local nodes
+        that would start next (remote ones are the broker's to refuse, naming their host)."""
+        labels = [f"`{self.plan.steps[op.step].label}`" for op in ops if isinstance(op, Run)]
+        deadline = self.deadline
+        if not labels or deadline is None:
+            return None
+        late = deadline.seconds - deadline.left()
+        return Overdue(
+            f"this forward ran past {deadline} ({late:.1f} s had passed) before {', '.join(labels)} could "
+            f"start in this process, so it stopped there; a node running in this process cannot "
+            f"be interrupted, so the deadline is checked between them. Give it a longer deadline, "
+            f"or put the slow node on a worker with .at(host), where a deadline bounds the wait"
+        )
 
     def _async(self, finished: queue.SimpleQueue, index: int, op: Any, value: Any, carried: Any) -> None:
         try:
@@ -268,6 +328,7 @@ class _Walk:
             shape=_renumber(op.shape, renumber),
             value=value,
             keys={renumber[i]: self.keys[i] for i in indices if i in self.keys and self.plan.steps[i].cache},
+            deadline=self.deadline,
         )
         host = op.host
         started = time.perf_counter_ns()
@@ -303,11 +364,22 @@ class _Walk:
 # -- helpers -----------------------------------------------------------------------------
 
 _NOTHING = object()
+# what the codec reads back for a type it writes as another (all bytes-likes as bytes)
+_READ_BACK_AS = {"bytearray": "bytes", "memoryview": "bytes"}
 
 
 def _recall(store: Any, key: str, step: Step) -> Any:
+    """What was kept under ``key``, or ``_NOTHING``: a miss, a store that cannot read it,
+    or an entry whose value is not of the kind its record says was kept (then one line on
+    stderr), all of which make the node run."""
+    name = _keys.cache_name(key)
+    record: Any = None
     try:
-        blob = store.fetch(_keys.cache_name(key))
+        entry = getattr(store, "entry", None)
+        if entry is not None:  # the record and the blob from one read, so they belong together
+            record, blob = entry(name)
+        else:
+            blob = store.fetch(name)
     except Missing:
         return _NOTHING
     except (OSError, SomatizeError) as exc:
@@ -316,10 +388,27 @@ def _recall(store: Any, key: str, step: Step) -> Any:
     if blob is None:
         return _NOTHING
     try:
-        return loads(blob)
+        found = loads(blob)
     except CodecError as exc:
         _say(f"what was kept for `{step.label}` cannot be read back, so it runs: {type(exc).__name__}: {exc}")
         return _NOTHING
+    if record is not None:
+        expected, kind = record.get("type"), type(found).__name__
+        if _READ_BACK_AS.get(expected, expected) != kind:
+            _say(
+                f"what was kept for `{step.label}` under {key} is a `{kind}` and its record says "
+                f"a `{expected}` was kept, so it is not used and `{step.label}` runs again"
+            )
+            return _NOTHING
+    return found
+
+
+def _seconds(deadline: Any) -> float:
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+        raise TypeError(f"`deadline=` takes seconds as a number, like `deadline=30`; it was given a `{type(deadline).__name__}`")
+    if not 0 < deadline < float("inf"):
+        raise ValueError(f"`deadline=` takes a positive, finite number of seconds; it was given {deadline!r}")
+    return float(deadline)
 
 
 def _carried() -> Any:

@@ -118,6 +118,10 @@ class Busy(FabricError):
     """A peer is connected and alive, and has not answered within a long deadline."""
 
 
+class Overdue(FabricError, TimeoutError):
+    """A forward ran past its deadline: the message names the node(s), the host and the time."""
+
+
 class BadKeys(FabricError, ValueError):
     """A CURVE key file is missing, malformed, or readable by others."""
 

@@ -100,6 +100,7 @@ class Graph:
         broker: Any = None,
         store: Store | None = None,
         watching: Watcher | list[Watcher] | None = None,
+        deadline: float | None = None,
     ) -> Any:
         """Run the graph on ``x`` and return its output.
 
@@ -107,10 +108,16 @@ class Graph:
         what ``.cached()`` nodes produce; ``watching`` is a callable (or a list of them)
         told every fact as it happens. Everything that can be checked is checked before
         any node runs.
+
+        ``deadline`` is in seconds from this call: past it the forward raises ``Overdue``
+        naming the nodes, the host and the time, and a spawned worker still stuck in them is
+        started afresh on the next forward. It bounds every wait for a worker; a node
+        running in this process cannot be interrupted (Python cannot stop a thread safely),
+        so there it is checked before each node starts.
         """
         from .engine import forward
 
-        return forward(self, x, broker=broker, store=store, watching=watching)
+        return forward(self, x, broker=broker, store=store, watching=watching, deadline=deadline)
 
     # -- structure -------------------------------------------------------------------
     @functools.cached_property

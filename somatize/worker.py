@@ -4,20 +4,24 @@
     python -m somatize.worker --listen 0.0.0.0:7000 --insecure
     python -m somatize.worker --broker tcp://head:5555 --offer w1   # dial in: Relayed
     python -m somatize.worker --listen 7000 --mount /dev/shm/somatize   # Mount
+    python -m somatize.worker --listen 7000 --project ~/src/myproject   # import from there
 
-The worker holds no state you care about and knows nothing of your graph.
+The worker holds no state you care about and knows nothing of your graph. Its working
+directory is not on its import path (a module someone leaves there is never imported);
+``--project DIR`` puts a folder of your code there.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from .errors import BadKeys
 from .fabric import command, sockets
 from .fabric.curve import Keys
-from .fabric.serve import Server
+from .fabric.worker_loop import WorkerLoop
 from .fabric.spawn import ANNOUNCE
 
 
@@ -31,8 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="project: nodes arrive by import name (default); network: also accept code by value")
     parser.add_argument("--mount", metavar="DIR", help="a directory shared with the clients, for cargo")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="pieces of work run at once: 1 (the default) runs them one after the "
-                             "other on the serving thread, the fastest; N > 1 runs them on N threads")
+                        help="pieces of work run at once (default 1: on the serving thread, the "
+                             "fastest; N > 1: on N threads); work past them is answered `busy` at "
+                             "once, never queued")
     parser.add_argument("--store", metavar="DIR", help="a store to report to (with --reporting)")
     parser.add_argument("--reporting", type=float, metavar="SECONDS",
                         help="say what this worker does (load, memory, slices) on this clock: "
@@ -41,11 +46,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     command.key_options(parser)
     command.patience_option(parser)
     parser.add_argument("--broker-key", metavar="FILE.key", help="the broker's public key, when dialing in with --key")
+    parser.add_argument("--project", metavar="DIR", action="append", default=[],
+                        help="a folder to import nodes from (may repeat); the working directory "
+                             "is not on the import path otherwise")
     parser.add_argument("--insecure", action="store_true",
-                        help="allow listening on an address other machines can reach, with no keys")
+                        help="allow listening on, or dialing, an address other machines can reach, with no keys")
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not _import_path(args.project):
+        return 2
 
     if args.broker and not args.offer:
         parser.error("--broker needs --offer NAME: the host name this worker serves")
@@ -61,9 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("somatize worker: dialing in with keys needs --key (this worker's pair) and "
                       "--broker-key (the broker's public key)", file=sys.stderr)
                 return 2
-        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent, patience=args.patience,
-                        store=args.store, reporting=args.reporting, machine=args.machine)
-        server.dial(sockets.tcp_url(args.broker), args.offer, keys=keys)
+        url = sockets.tcp_url(args.broker)
+        if keys is None and not _may_dial(url, insecure=args.insecure, mode=args.mode):
+            return 2
+        server = WorkerLoop(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent, patience=args.patience,
+                        store=args.store, reporting=args.reporting, machine=args.machine, exit_when_stuck=True)
+        server.dial(url, args.offer, keys=keys)
         where_text = f"dialed {args.broker} offering `{args.offer}`"
     else:
         url = sockets.tcp_url(args.listen or "127.0.0.1:7000")
@@ -73,8 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         risk = "send work here" + (" and run code by value" if args.mode == "network" else "")
         if not command.may_listen(url, insecure=args.insecure, who="worker", risk=risk, keyed=keys is not None):
             return 2
-        server = Server(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent, patience=args.patience,
-                        store=args.store, reporting=args.reporting, machine=args.machine)
+        server = WorkerLoop(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent, patience=args.patience,
+                        store=args.store, reporting=args.reporting, machine=args.machine, exit_when_stuck=True)
         endpoint = command.bind(server, url, who="worker", keys=keys)
         if endpoint is None:
             return 2
@@ -83,7 +96,51 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(ANNOUNCE + endpoint, flush=True)
     if not args.announce:
         print(f"somatize worker: {args.mode} mode, {where_text}", file=sys.stderr, flush=True)
-    return command.serve_until_signalled(server)
+    code = command.serve_until_signalled(server)
+    if server.running():
+        # a node that never returns holds its thread: end now, without waiting on it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _import_path(projects: list[str]) -> bool:
+    """Take the working directory off the import path (``python -m`` puts it first), and put
+    the ``--project`` folders there instead; False after saying why one cannot be used."""
+    here = os.getcwd()
+    if sys.path and not sys.flags.safe_path and sys.path[0] in ("", ".", here):
+        del sys.path[0]
+    folders = []
+    for project in projects:
+        folder = os.path.abspath(os.path.expanduser(project))
+        if not os.path.isdir(folder):
+            print(f"somatize worker: --project {project}: no such folder; give the folder your "
+                  f"nodes' modules are imported from", file=sys.stderr)
+            return False
+        folders.append(folder)
+    sys.path[:0] = folders
+    return True
+
+
+def _may_dial(url: str, *, insecure: bool, mode: str) -> bool:
+    """Dialing a broker on another machine with no keys needs ``--insecure``, like listening."""
+    if sockets.is_loopback(url):
+        return True
+    risk = "send work to this worker" + (" and run code by value on it" if mode == "network" else "")
+    if not insecure:
+        print(
+            f"somatize worker: refusing to dial {url} with no keys: the connection would be neither "
+            f"encrypted nor authenticated, so anyone who can reach it or sit in between could {risk}. "
+            f"Give it keys (--key FILE.key_secret for this worker and --broker-key BROKER.key for "
+            f"the broker's public key; make them with `python -m somatize keys DIR`), reach the "
+            f"broker through an SSH tunnel to 127.0.0.1, or pass --insecure on a network you trust.",
+            file=sys.stderr,
+        )
+        return False
+    print(f"somatize worker: WARNING: dialing {url} with no keys (--insecure): anyone who can reach "
+          f"the connection could {risk}", file=sys.stderr)
+    return True
 
 
 if __name__ == "__main__":

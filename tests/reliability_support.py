@@ -7,7 +7,10 @@ time, never a pipe that fills and stalls the child), and is always reaped.
 ``Fuzzer`` makes the frames of one multipart message at a time, from a seeded generator:
 random frame lists, and real messages (built with ``somatize.wire.encode``) mutated the ways
 libzmq's own fuzzers mutate theirs (bytes flipped, frames truncated, dropped, duplicated,
-extended) plus a structure-aware mutation of the MessagePack header.
+extended) plus a structure-aware mutation of the MessagePack header. The real messages
+include the carriers (``Relay``, ``Begin``, ``Chunk``, ``Credit``, ``Mounted``), so their
+headers are mutated like any other; for a broker some messages also go out inside a
+``Relay`` to a worker that dialed in, which then gets the mutated message as its cargo.
 """
 
 from __future__ import annotations
@@ -55,14 +58,18 @@ def crashed(returncode: int | None) -> bool:
 
 # -- the fuzzer ----------------------------------------------------------------------------
 
-#: The biggest stream a fuzzed ``begin`` may announce (see ``Fuzzer.safe``).
+#: The biggest stream a fuzzed ``Begin`` may announce (see ``Fuzzer.safe``).
 SAFE_STREAM = 1 << 20
+#: The stream number of every stream piece in the corpus: a fuzzed ``Chunk`` or ``Credit``
+#: can meet a fuzzed ``Begin``.
+FUZZ_SID = 77
 
 _EDGE_VALUES: list[Any] = [
     None, True, False, 0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -(2**63), 2**64 - 1,
     0.5, float("nan"), float("inf"), "", "x", "sha256:" + "0" * 64, "a" * 5000, "\u00e9\u4e2d",
     b"", b"\x00" * 40, [], [1], [[[[]]]], {}, {"t": "Work"}, ["step", 0], ["seq", []],
     ["par", [["step", 0], ["step", 99]]], ["T"], ["N", "<f8", [2, 2], 0], ["B", 0], ["B", 7],
+    "Relay", "Begin", "Chunk", "Credit", "Mounted", [1 << 40], [0, 1 << 33], FUZZ_SID,
 ]
 
 
@@ -70,14 +77,15 @@ class Fuzzer:
     """Seeded frames for one multipart message at a time.
 
     ``corpus`` is a list of real messages, each a list of frames. ``relay`` (for a broker)
-    puts ``[RELAY, host]`` in front of some of them, so the broker forwards them to a worker.
+    is a host name: some messages go out inside ``Relay(host=relay)``, so the broker
+    forwards them to the worker serving it.
     """
 
-    def __init__(self, seed: int, corpus: list[list[bytes]], *, relay: tuple[bytes, bytes] | None = None) -> None:
+    def __init__(self, seed: int, corpus: list[list[bytes]], *, relay: str | None = None) -> None:
         self.rng = random.Random(seed)
         self.corpus = corpus
         self.relay = relay
-        self.counts = {"random": 0, "mutated": 0, "structural": 0, "valid": 0}
+        self.counts = {"random": 0, "mutated": 0, "structural": 0, "valid": 0, "relayed": 0, "tamed": 0}
 
     def message(self) -> list[bytes]:
         roll = self.rng.random()
@@ -94,8 +102,11 @@ class Fuzzer:
             self.counts["valid"] += 1
             frames = list(self.rng.choice(self.corpus))
         if self.relay is not None and self.rng.random() < 0.3:
-            frames = [self.relay[0], self.relay[1], *frames]
-        return self.safe(frames) or [b""]
+            self.counts["relayed"] += 1
+            frames = relayed(self.relay, frames or [b""])
+        tamed = self.safe(frames)
+        self.counts["tamed"] += tamed is not frames
+        return tamed or [b""]
 
     def random_frames(self) -> list[bytes]:
         rng = self.rng
@@ -104,7 +115,8 @@ class Fuzzer:
             size = rng.choice([0, 1, 2, 8, 30, 100, 1000, 70_000])
             frame = rng.randbytes(rng.randint(0, size))
             if rng.random() < 0.3:  # something MessagePack-shaped
-                frame = msgpack.packb({"v": rng.choice([1, 0, 2]), "t": rng.choice(["Hello", "Work", "Zap", "Where"])}) + frame[:20]
+                variant = rng.choice(["Hello", "Work", "Zap", "Where", "Relay", "Begin", "Chunk", "Credit", "Mounted"])
+                frame = msgpack.packb({"v": rng.choice([1, 0, 2]), "t": variant}) + frame[:20]
             out.append(frame)
         return out
 
@@ -175,46 +187,67 @@ class Fuzzer:
 
     @staticmethod
     def safe(frames: list[bytes]) -> list[bytes]:
-        """Keep a stream's ``begin`` from announcing more than ``SAFE_STREAM`` bytes.
+        """Keep a stream's ``Begin`` from announcing more than ``SAFE_STREAM`` bytes.
 
-        A worker allocates a frame's whole announced size when its first chunk arrives (a
-        bug tested on its own, with a modest size): a mutated size could ask this shared
-        machine for gibibytes. Every other frame goes out as the fuzzer made it.
+        A worker takes a frame's memory only once all its chunks have arrived (tested on
+        its own, with modest sizes: ``test_a_stream_does_not_make_a_worker_allocate_what_it_announces``);
+        should that ever regress, a mutated size could ask this shared machine for
+        gibibytes. So a ``Begin`` the target would accept, at the top or inside ``Relay``
+        envelopes, is made to announce ``SAFE_STREAM // 2`` bytes when it announces more
+        than ``SAFE_STREAM`` (or more than 1,000 frames). Every other message goes out as
+        the fuzzer made it.
         """
-        from somatize.fabric import stream
+        from somatize.errors import ProtocolError
+        from somatize.wire import Begin, Relay, decode, encode, variant_of
 
-        for at in range(min(3, len(frames))):
-            if bytes(frames[at][:32]) == stream.MARK:
-                rest = frames[at:]
-                if len(rest) >= 4 and bytes(rest[1]) == stream.BEGIN:
-                    try:
-                        sizes = msgpack.unpackb(rest[3])
-                        ok = isinstance(sizes, list) and sum(
-                            s for s in sizes if isinstance(s, int) and s > 0
-                        ) <= SAFE_STREAM and len(sizes) <= 1000
-                    except Exception:  # noqa: BLE001
-                        ok = True  # refused before anything is allocated
-                    if not ok:
-                        frames = [*frames[:at + 3], msgpack.packb([SAFE_STREAM // 2]), *frames[at + 4:]]
-                break
+        at = 0
+        while at < len(frames):
+            try:
+                variant = variant_of(frames[at:])
+            except ProtocolError:
+                return frames  # refused before anything is allocated
+            if variant is Relay:
+                at += 1  # its cargo is the frames after its header
+                continue
+            if variant is not Begin:
+                return frames
+            try:
+                begin = decode(frames[at:])
+            except ProtocolError:
+                return frames  # refused before anything is allocated
+            if sum(begin.sizes) > SAFE_STREAM or len(begin.sizes) > 1000:
+                tamed = bytes(memoryview(encode(Begin(begin.sid, (SAFE_STREAM // 2,)))[0]))
+                frames = [*frames[:at], tamed, *frames[at + 1:]]
+            return frames
         return frames
 
 
-def corpus(packers: dict) -> list[list[bytes]]:
-    """Real messages of every variant (and stream pieces), as frames, to mutate."""
-    from somatize.fabric import stream
+def relayed(host: str, frames: list) -> list[bytes]:
+    """``frames`` inside a ``Relay`` for the worker serving ``host``, as a client sends it to a broker."""
+    from somatize.wire import Relay, encode
+
+    return [bytes(memoryview(f)) for f in encode(Relay(host=host, inner=tuple(frames)))]
+
+
+def corpus(packers: dict, *, host: str = "w1") -> list[list[bytes]]:
+    """Real messages of every variant, carriers included (``host``: the one relays name), as frames, to mutate."""
     from somatize.wire import (
+        Begin,
         Bye,
+        Chunk,
+        Credit,
         Done,
         Failed,
         Hello,
         Hosts,
         Listed,
         Located,
+        Mounted,
         Provision,
         Ready,
         Recipe,
-        Refused,
+        Refusal,
+        Relay,
         Runtime,
         Saw,
         Send,
@@ -228,30 +261,40 @@ def corpus(packers: dict) -> list[list[bytes]]:
     net_specs = tuple(network.spec(n) for n in nodes)
     proj_specs = tuple(project.spec(n) for n in nodes)
     digest = net_specs[0].target
+    work = Work(1, Recipe(net_specs[:1], ("step", 0)), 41)
+    done = Done(6, np.ones(5), {0: 1}, 12)
     messages: list[Any] = [
         Hello(here),
         Hello(Runtime.here(mode="project")),
         Hello(here, offering="fuzzed"),
         Provision(digest, network.artifact(digest)),
         Provision(net_specs[1].target, network.artifact(net_specs[1].target)),
-        Work(1, Recipe(net_specs[:1], ("step", 0)), 41),
+        work,
         Work(2, Recipe(net_specs, ("seq", (("step", 0), ("step", 1)))), np.arange(12.0).reshape(3, 4)),
         Work(3, Recipe(net_specs, ("par", (("step", 0), ("step", 1)))), {"a": [1, 2, 3], "b": b"x" * 70_000},
              keys={0: "sha256:" + "a" * 64}, placement={1: "cpu"}),
         Work(4, Recipe(proj_specs, ("seq", (("step", 1), ("step", 0)))), "text"),
         Where("w1"), Where("nowhere", lost=True), Hosts(), Bye(),
-        Ready(here), Send(5, (digest,)), Refused("no", ref=3), Done(6, np.ones(5), {0: 1}, 12),
+        Ready(here), Send(5, (digest,)), Refusal("no", ref=3), done,
         Failed(7, "why", "a", "ValueError", "tb"), Saw(8, {"fact": "ran", "node": "a"}),
         Located("w1", "direct", address="tcp://127.0.0.1:1", mode="network"), Listed({"w1": "network"}),
+        # a stream's pieces, each a message of its own, all for one stream number
+        Begin(FUZZ_SID, (100, 5000)),
+        Begin(FUZZ_SID, (SAFE_STREAM // 2,)),
+        Chunk(FUZZ_SID, b"y" * 100),
+        Credit(FUZZ_SID, 4096),
+        # envelopes: what a client sends a broker, and what only a broker and a worker say
+        Relay(host=host, inner=tuple(encode(Hello(here)))),
+        Relay(host=host, inner=tuple(encode(work))),
+        Relay(host=host, inner=tuple(encode(Begin(FUZZ_SID, (100, 5000))))),
+        Relay(host=host, inner=tuple(encode(Chunk(FUZZ_SID, b"y" * 100)))),
+        Relay(exchange=1, tenant="route:00", inner=tuple(encode(Hello(here)))),
+        Relay(exchange=3, inner=tuple(encode(done))),
+        # cargo said to lie in a shared folder
+        Mounted((f"{os.getpid()}-{'0' * 32}-0",), bytes(memoryview(encode(work)[0]))),
     ]
     frames = [list(encode(m)) for m in messages]
-    frames = [[bytes(memoryview(f)) for f in m] for m in frames]
-    frames += [
-        [stream.MARK, stream.BEGIN, b"fz-1", msgpack.packb([100, 5000])],
-        [stream.MARK, b"chunk", b"fz-1", b"y" * 100],
-        [stream.MARK, stream.CREDIT, b"fz-1", (4096).to_bytes(8, "little")],
-    ]
-    return frames
+    return [[bytes(memoryview(f)) for f in m] for m in frames]
 
 
 # -- scripts run as child processes --------------------------------------------------------

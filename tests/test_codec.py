@@ -95,7 +95,7 @@ def kind():
 
     yield make
     for name in made:
-        codec_module._forget(name)
+        codec_module.forget(name)
 
 
 # -- strategies --------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def reading_codec():
         load=lambda raw: Reading(**json.loads(raw)),
     )
     yield "myproject.Reading"
-    codec_module._forget("myproject.Reading")
+    codec_module.forget("myproject.Reading")
 
 
 @pytest.mark.parametrize("trip", ROUND_TRIPS)
@@ -866,3 +866,45 @@ def test_other_arrow_values_are_unwritable():
     pa = pytest.importorskip("pyarrow")
     with pytest.raises(Unwritable, match="`Int64Array`"):
         encode(pa.array([1, 2]))
+
+
+def test_arrow_metadata_that_points_outside_itself_is_unreadable():
+    pa = pytest.importorskip("pyarrow")
+    _, frames = encode(pa.record_batch({"n": [1, 2, 3]}))
+    raw = bytes(frames[0])
+    for cut in (4, 12, 40, len(raw) // 2, len(raw) - 9):  # the last 8: the optional end mark
+        with pytest.raises(Unreadable):
+            decode(["C", "arrow.RecordBatch", 0], [raw[:cut]])
+    rng = np.random.default_rng(5)
+    for _ in range(200):  # flipped bytes: read, or refused with Unreadable, nothing else
+        junk = bytearray(raw)
+        junk[rng.integers(0, len(junk))] ^= int(rng.integers(1, 256))
+        try:
+            decode(["C", "arrow.RecordBatch", 0], [bytes(junk)])
+        except Unreadable:
+            pass
+
+
+# -- check, then build: a reader that checks first reads each value once -------------------
+
+
+def test_check_then_build_reads_a_value_once_checked():
+    value = {"a": np.arange(6).reshape(2, 3), "b": [1, "two", b"x" * 70_000], "c": np.float32(1.5)}
+    descriptor, frames = encode(value)
+    checked = codec_module.check(descriptor, frames)
+    assert checked.kinds == {"plain", "numpy.ndarray", "numpy.generic"}
+    assert checked.used == {0, 1}
+    assert same(codec_module.build(checked), decode(descriptor, frames))
+    assert "numpy.ndarray" in repr(checked)
+    # the descriptor alone: its kinds and frames are known, and it cannot be built
+    alone = codec_module.check(descriptor, None)
+    assert alone.kinds == checked.kinds and alone.used == checked.used
+    with pytest.raises(TypeError, match="with its frames"):
+        codec_module.build(alone)
+    with pytest.raises(TypeError):
+        codec_module.build((descriptor, frames))
+    # frames are held to what the descriptor says at check time, not at build time
+    with pytest.raises(Unreadable, match="needs 48 bytes"):
+        codec_module.check(descriptor, [frames[0][:8], frames[1]])
+    with pytest.raises(Unreadable, match="frames are missing"):
+        codec_module.check(descriptor, frames[:1])

@@ -71,6 +71,8 @@ def on_this_machine(argv: list[str], etc: Path) -> list[str]:
             arg = sys.executable
         elif arg.startswith("/etc/somatize"):
             arg = str(etc) + arg.removeprefix("/etc/somatize")
+        elif arg.startswith("/var/lib/somatize"):  # the unit's StateDirectory
+            arg = str(etc) + "/state" + arg.removeprefix("/var/lib/somatize")
         elif re.fullmatch(r"(tcp://)?0\.0\.0\.0:\d+", arg):
             arg = re.sub(r":\d+$", ":0", arg)
         out.append(arg)
@@ -127,7 +129,7 @@ def test_a_head_node_a_listening_worker_and_a_slurm_worker_serve_a_client(tmp_pa
     hand_out(mine / "me.key", gpu1 / "allow")
     hand_out(head / "keys" / "broker.key", mine)
     hand_out(gpu1 / "keys" / f"{socket.gethostname()}.key", head / "keys", "gpu1.key")
-    hand_out(mine / "slurm.key", head / "allow")
+    hand_out(mine / "slurm.key", head / "allow-workers")  # a worker key: it offers hosts
     keys(tmp_path / "gpu2", "gpu2")  # the example table's other machine, not started here
     hand_out(tmp_path / "gpu2" / "gpu2.key", head / "keys")
 
@@ -231,7 +233,7 @@ def test_the_units_run_the_documented_commands():
         assert argv[:3] == [INSTALLED_PYTHON, "-m", program]
         assert "--key" in argv and "--allow" in argv and "--insecure" not in argv
         text = unit.read_text()
-        assert re.search(r"^Restart=on-failure$", text, re.M)
+        assert re.search(r"^Restart=always$", text, re.M)
         assert re.search(r"^User=somatize$", text, re.M)
         assert re.search(r"^ExecReload=/bin/kill -HUP \$MAINPID$", text, re.M)
 

@@ -14,7 +14,7 @@ import pytest
 
 from fabric_nodes import Add, Sleep
 from somatize import FolderStore, Node, NodeFailed, codec
-from somatize.codec import _forget, loads
+from somatize.codec import _forget, dumps, loads
 from somatize.keys import PREFIX
 
 
@@ -165,6 +165,42 @@ def test_a_cached_frozen_node_is_kept_then_recalled(tmp_path):
     assert second.kinds() == ["recalled", "ran", "finished"]
     assert second[0] == {"fact": "recalled", "node": "embed", "key": kept["key"]}
     assert [name for name, _ in store.scan("cache/")] == ["cache/" + kept["key"]]
+
+
+def test_a_kept_entry_of_another_kind_than_its_record_says_is_a_miss_and_runs_again(tmp_path, capfd):
+    store = FolderStore(tmp_path)
+    calls: list = []
+    g = Counted(calls).named("embed").cached().frozen()
+    first = Collect()
+    expected = g.forward(2, store=store, watching=first)
+    key = first[1]["key"]
+    name = "cache/" + key
+    assert store.record(name)["type"] == "ndarray"
+    store.put(name, store.record(name), dumps("forged"))  # the record still says ndarray
+    capfd.readouterr()
+    second = Collect()
+    np.testing.assert_array_equal(g.forward(2, store=store, watching=second), expected)
+    assert calls == [2, 2]  # recomputed, not recalled
+    assert second.kinds() == ["ran", "kept", "finished"]
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "`embed`" in err[0] and key in err[0] and "`str`" in err[0] and "`ndarray`" in err[0]
+    third = Collect()
+    g.forward(2, store=store, watching=third)  # what was kept again is what is recalled
+    assert third.kinds() == ["recalled", "finished"] and calls == [2, 2]
+
+
+def test_bytes_likes_kept_come_back_as_bytes_and_are_recalled(tmp_path):
+    class Raw(Node):
+        def forward(self, x):
+            return bytearray(b"abc")
+
+    store = FolderStore(tmp_path)
+    g = Raw().named("raw").cached().frozen()
+    g.forward(1, store=store)
+    seen = Collect()
+    assert g.forward(1, store=store, watching=seen) == b"abc"
+    assert seen.kinds() == ["recalled", "finished"]
 
 
 def test_another_input_is_another_key(tmp_path):

@@ -327,7 +327,7 @@ def test_relayed_cargo_bigger_than_a_chunk_crosses_both_ways(relayed):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the broker's memory from /proc")
 def test_relaying_a_gibibyte_keeps_the_broker_within_its_window(relayed):
-    from somatize.fabric.stream import WINDOW
+    from somatize.fabric.streams import WINDOW
 
     g = Sleep(0).named("echo").at("w1")
     g.forward(np.zeros(1 << 20, np.uint8), broker=relayed)  # warm: everything imported, connected

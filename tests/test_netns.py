@@ -149,7 +149,7 @@ def test_direct_where_a_route_exists_relayed_where_none_does(hosts, tmp_path):
         f'[hosts.w2-direct]\naddress = "{w2_listening.endpoint}"\nmode = "project"\n'
     )
     hub = hosts.run("b", [*BROKER, "--listen", "tcp://10.200.1.2:0", "--announce", "--insecure", "--hosts", str(table)])
-    hosts.run("w2", [*WORKER, "--broker", hub.endpoint, "--offer", "w2"], announce=None)
+    hosts.run("w2", [*WORKER, "--broker", hub.endpoint, "--offer", "w2", "--insecure"], announce=None)
     client = hosts.run("c", [sys.executable, "-c", CLIENT, hub.endpoint, w2_listening.endpoint], announce=None)
     line = client.line(90.0)
     assert line, f"the client said nothing:\n{client.stderr()[-3000:]}"

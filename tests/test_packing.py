@@ -19,7 +19,7 @@ import packing_nodes
 import pytest
 from packing_nodes import Add, Outer, Slow
 
-from somatize import Node, PlanError, Refused, codec
+from somatize import Node, NodeFailed, PlanError, Refused, codec
 from somatize.packing import ARTIFACT_FORMAT, Catalog, Packer, digest_of
 from somatize.wire import NodeSpec
 
@@ -288,6 +288,75 @@ def test_network_catalog_holds_a_bounded_number_of_artifacts():
     for s in specs:
         catalog.provision(s.target, packer.artifact(s.target))
     assert catalog.missing(specs) == (specs[0].target,)
+
+
+def test_network_catalog_holds_a_bounded_number_of_artifact_bytes():
+    packer = Packer("network")
+    nodes = [Add(i) for i in range(3)]
+    specs = [packer.spec(n) for n in nodes]
+    sizes = [len(packer.artifact(s.target)) for s in specs]
+    catalog = Catalog("network", held_bytes=sizes[1] + sizes[2])
+    for s in specs:
+        catalog.provision(s.target, packer.artifact(s.target))
+    assert catalog.missing(specs) == (specs[0].target,)
+    assert catalog.held_bytes == sizes[1] + sizes[2]
+    alone = Catalog("network", held_bytes=1)  # the newest is kept, whatever its size
+    alone.provision(specs[0].target, packer.artifact(specs[0].target))
+    assert alone.missing(specs[:1]) == ()
+
+
+def test_project_instances_are_bounded_by_the_bytes_of_their_arguments():
+    catalog = Catalog("project", built_bytes=5000)
+    specs = [project("packing_nodes:Add", str(i) * 2000) for i in range(3)]
+    first = catalog.build(specs[0])
+    for spec in specs[1:]:
+        catalog.build(spec)
+    assert catalog.built_bytes <= 5000
+    assert catalog.build(specs[0]) is not first  # dropped, so built again
+    assert catalog.build(specs[0]) is catalog.build(specs[0])
+
+
+def test_project_refuses_main_modules_on_both_sides():
+    script = type("Script", (Node,), {"__module__": "tool.__main__", "forward": lambda self, x: x})
+    with pytest.raises(PlanError, match=r"`tool.__main__`"):
+        Packer("project").spec(script().named("tool"))
+    catalog = Catalog("project")
+    for target in ("unittest.__main__:TestProgram", "__main__:Node"):
+        with pytest.raises(Refused, match=r"a `__main__` module, which a project-mode worker does not import"):
+            catalog.build(project(target, label="main"))
+    assert "unittest.__main__" not in sys.modules  # refused before anything was imported
+
+
+def test_what_an_import_or_a_constructor_raises_fails_the_node_not_the_worker(tmp_path, monkeypatch):
+    (tmp_path / "quits_at_import.py").write_text("raise SystemExit(2)\n")
+    (tmp_path / "quits_when_built.py").write_text(textwrap.dedent("""
+        from somatize import Node
+        class Interrupts(Node):
+            def __init__(self):
+                raise KeyboardInterrupt("from a constructor")
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    catalog = Catalog("project")
+    with pytest.raises(NodeFailed, match=r"SystemExit: 2, while importing `quits_at_import`") as info:
+        catalog.build(project("quits_at_import:Anything", label="quits"))
+    assert info.value.node == "quits" and info.value.error == "SystemExit"
+    with pytest.raises(NodeFailed, match=r"KeyboardInterrupt: from a constructor, while building `built`") as info:
+        catalog.build(project("quits_when_built:Interrupts", label="built"))
+    assert info.value.node == "built" and info.value.error == "KeyboardInterrupt"
+    assert catalog.build(project("packing_nodes:Add", 1)).forward(1) == 2
+
+
+class Exits:
+    """Unpickling one raises SystemExit."""
+
+    def __reduce__(self):
+        return (sys.exit, (3,))
+
+
+def test_an_artifact_that_exits_when_unpickled_is_refused():
+    payload = cloudpickle.dumps(Exits())
+    with pytest.raises(Refused, match=r"could not be unpickled here \(SystemExit: 3\)"):
+        Catalog("network").provision(digest_of(payload), payload)
 
 
 def test_a_node_is_pickled_once_and_again_after_a_new_codec():

@@ -20,7 +20,7 @@ from somatize import BadKeys, Broker, Refused, Unreachable, Unwritable, Worker
 from somatize.codec import dumps
 from somatize.fabric import sockets
 from somatize.fabric.curve import Keys, make_pair
-from somatize.wire import Hello, Provision, Refused as RefusedAnswer, Runtime, decode, encode
+from somatize.wire import Hello, Provision, Refusal, Runtime, decode, encode
 
 
 @pytest.fixture
@@ -166,12 +166,20 @@ def test_raw_zmtp_bytes_reach_no_handler(keyring, processes):
 
 
 def test_a_key_taken_out_of_the_allow_list_is_refused_after_a_reload(keyring, processes):
+    """Attack: revoking a key (SIGHUP) left its open connections served."""
     worker = keyed_worker(processes, keyring)
     with client(keyring, worker.endpoint) as broker:
         assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2
-    (keyring["allow"] / "me.key").unlink()
-    os.kill(worker.pid, signal.SIGHUP)
-    time.sleep(0.5)
+        (keyring["allow"] / "me.key").unlink()
+        os.kill(worker.pid, signal.SIGHUP)
+        until = time.monotonic() + 15
+        while True:  # the same open connection: refused once the worker's handler has run
+            try:
+                Add(1).named("a").at("w1").forward(1, broker=broker)
+            except Refused as exc:
+                assert "no longer allowed" in str(exc)
+                break
+            assert time.monotonic() < until, "the revoked key's open connection was still served"
     with client(keyring, worker.endpoint, patience=1.5) as broker:
         with pytest.raises((Refused, Unreachable)):
             Add(1).named("a").at("w1").forward(1, broker=broker)
@@ -207,7 +215,7 @@ def test_a_project_mode_worker_never_unpickles_a_provision(processes, tmp_path):
         answer = decode(sock.recv_multipart())
     finally:
         sockets.close(sock)
-    assert isinstance(answer, RefusedAnswer) and "project mode" in answer.why
+    assert isinstance(answer, Refusal) and "project mode" in answer.why
     assert not sentinel.exists()
 
 

@@ -16,27 +16,36 @@ from somatize.codec import Opaque, codec, readable_kinds
 from somatize.errors import ProtocolError, Unwritable
 from somatize.wire import (
     ANSWERS,
+    CARRIERS,
     MAX_FACT,
     MAX_FACT_TEXT,
+    MAX_FRAME,
     MAX_FRAMES,
+    MAX_HEADER,
     MAX_NAME,
     MAX_SHAPE_DEPTH,
     MAX_TEXT,
     REQUESTS,
+    MAX_TOTAL,
     TERMINAL,
     WIRE_VERSION,
+    Begin,
     Bye,
+    Chunk,
+    Credit,
     Done,
     Failed,
     Hello,
     Hosts,
     Listed,
     Located,
+    Mounted,
     NodeSpec,
     Provision,
     Ready,
     Recipe,
-    Refused,
+    Refusal,
+    Relay,
     Runtime,
     Saw,
     Send,
@@ -46,6 +55,7 @@ from somatize.wire import (
     decode,
     encode,
     peek_kinds,
+    variant_of,
 )
 
 codec_module = importlib.import_module("somatize.codec")
@@ -129,8 +139,8 @@ def messages() -> list:
         Bye(),
         Ready(runtime(mode="project")),
         Send(7, (DIGEST, OTHER)),
-        Refused("this worker cannot read values of kind `x`"),
-        Refused("no", ref=7),
+        Refusal("this worker cannot read values of kind `x`"),
+        Refusal("no", ref=7),
         Done(7, [1, 2.5, "three", b"four"], {1: np.ones((2, 3), np.float32), 2: "kept"}, 4120),
         Done(0, None, {}, 0),
         Failed(7, "embed raised ValueError: bad", "embed", "ValueError", "Traceback (most recent call last):\n..."),
@@ -141,6 +151,25 @@ def messages() -> list:
         Located("w1", "relayed", address="tcp://head:5555", mode="project", ended="killed by SIGKILL"),
         Located("w1", "inprocess"),
         Listed({"w1": "network", "here": "inprocess"}),
+        Ready(runtime(), busy_us=2_500_000),
+    ]
+
+
+MOUNT_FILE = "0123456789abcdef" * 2 + "-3"
+
+
+def carriers() -> list:
+    return [
+        Relay(host="w1", inner=tuple(encode(work()))),
+        Relay(exchange=12, tenant="k:Abc123", inner=(bytes(encode(Bye())[0]),)),
+        Relay(inner=(b"anything at all", b"")),
+        Begin(1, (120, 4 << 20, 0)),
+        Begin(2**63 - 1, (10,)),
+        Chunk(5, b"\x00" * 1000),
+        Chunk(5, b""),
+        Credit(5, 4 << 20),
+        Mounted((MOUNT_FILE, "4242-" + MOUNT_FILE), b"\x84\xa1v\x01 an inner header"),
+        Mounted((), b""),
     ]
 
 
@@ -171,7 +200,7 @@ def refused(frames, *words: str) -> str:
 # -- round trips ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("msg", messages(), ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", messages() + carriers(), ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg):
     frames = encode(msg)
     assert isinstance(frames, list) and frames
@@ -186,11 +215,14 @@ def test_every_variant_is_a_request_or_an_answer():
     assert names == {cls.__name__ for cls in REQUESTS + ANSWERS}
     assert set(TERMINAL) <= set(ANSWERS)
     assert all(isinstance(m, wire.Request | wire.Answer) for m in messages())
+    assert {type(m) for m in carriers()} == set(CARRIERS)
+    assert all(isinstance(m, wire.Carrier) for m in carriers())
+    assert not set(CARRIERS) & set(REQUESTS + ANSWERS)
 
 
 def test_a_header_is_a_map_with_the_version_the_variant_and_every_field():
     header = header_of(encode(Where("w1")))
-    assert header == {"v": WIRE_VERSION, "t": "Where", "host": "w1", "lost": False}
+    assert header == {"v": WIRE_VERSION, "t": "Where", "host": "w1", "lost": False, "waited_us": 0}
     header = header_of(encode(work()))
     assert set(header) == {"v", "t", "ref", "recipe", "input", "keys", "placement", "memory", "watched"}
     assert header["keys"] == [[1, DIGEST], [2, OTHER]]
@@ -264,6 +296,159 @@ def test_runtime_here_states_this_process():
     assert same(Hello(here), decode(encode(Hello(here))))
 
 
+# -- carriers: a message around another one, or a piece of one --------------------------
+
+
+def test_a_relay_carries_its_inner_frames_untouched_and_unread():
+    inner = as_bytes(encode(work(input=np.zeros(1000))))
+    frames = encode(Relay(host="w1", inner=tuple(inner)))
+    assert len(frames) == 1 + len(inner)
+    assert all(a is b for a, b in zip(frames[1:], inner))
+    assert header_of(frames) == {"v": WIRE_VERSION, "t": "Relay", "host": "w1", "exchange": 0, "tenant": ""}
+    back = decode(frames)
+    assert type(back.inner) is tuple and all(a is b for a, b in zip(back.inner, inner))
+    assert same(decode(list(back.inner)), work(input=np.zeros(1000)))
+    # never decoded: junk inside is the business of whoever opens the envelope
+    junk = decode(encode(Relay(exchange=3, inner=(b"\xc1 not a header", b"x"))))
+    assert junk.inner == (b"\xc1 not a header", b"x")
+    assert "inner" not in repr(junk)  # a relayed payload never lands in a log line
+    # a relaying side passes on the frames a socket gave it, zmq.Frame objects included
+    zmq = pytest.importorskip("zmq")
+    received = [zmq.Frame(bytes(f)) for f in inner]
+    passed_on = encode(Relay(exchange=1, tenant="t", inner=tuple(received)))
+    assert [bytes(f) for f in passed_on[1:]] == inner
+    assert same(decode(list(decode(passed_on + []).inner)), work(input=np.zeros(1000)))
+    refused(encode(Relay(inner=(b"x",)))[:1], "carries none")
+    with pytest.raises(ValueError, match="Relay.inner"):
+        encode(Relay(host="w1"))
+    with pytest.raises(TypeError, match=r"Relay.inner\[1\]"):
+        encode(Relay(inner=(b"x", "text")))
+
+
+def test_a_relay_header_is_checked():
+    frames = as_bytes(encode(Relay(host="w1", inner=(b"x",))))
+    refused(with_header(frames, host="h" * (MAX_NAME + 1)), "`Relay.host`", "over the limit")
+    refused(with_header(frames, exchange=-1), "`Relay.exchange`")
+    refused(with_header(frames, exchange=2**63), "`Relay.exchange`")
+    refused(with_header(frames, tenant=7), "`Relay.tenant`")
+    refused(with_header(frames, inner=[]), "no field 'inner'")
+
+
+def test_a_stream_begins_with_sizes_inside_the_limits():
+    frames = as_bytes(encode(Begin(9, (100, 200))))
+    refused(with_header(frames, sid=0), "`Begin.sid`", "from 1")
+    refused(with_header(frames, sid=2**63), "`Begin.sid`")
+    refused(with_header(frames, sid=True), "`Begin.sid`", "whole number")
+    refused(with_header(frames, sizes=[]), "`Begin.sizes`", "1 to")
+    refused(with_header(frames, sizes=[1] * (MAX_FRAMES + 1)), "`Begin.sizes`", f"{MAX_FRAMES:,}")
+    refused(with_header(frames, sizes=[10, -1]), "`Begin.sizes[1]`")
+    refused(with_header(frames, sizes=[10, MAX_FRAME + 1]), "`Begin.sizes[1]`")
+    refused(with_header(frames, sizes=[MAX_HEADER + 1, 10]), "`Begin.sizes[0]`")
+    refused(with_header(frames, sizes=[10] + [MAX_FRAME] * 3), "add up", f"{MAX_TOTAL:,}")
+    refused(with_header(frames, sizes=10), "`Begin.sizes`", "tuple")
+    refused(frames + [b"x"], "one frame")
+    with pytest.raises(ValueError, match="Begin.sid"):
+        encode(Begin(0, (1,)))
+
+
+def test_a_chunk_is_its_header_and_one_frame_of_data():
+    data = bytes(range(256)) * 100
+    frames = encode(Chunk(7, data))
+    assert len(frames) == 2 and frames[1] is data
+    assert decode(frames).data is data
+    assert "data" not in repr(decode(frames))
+    refused(frames[:1], "two frames")
+    refused(frames + [b"more"], "two frames")
+    refused(with_header(as_bytes(frames), sid=-7), "`Chunk.sid`")
+    view = decode([frames[0], memoryview(bytearray(data))]).data
+    assert isinstance(view, memoryview) and bytes(view) == data
+
+
+def test_credit_is_a_stream_and_a_size():
+    frames = as_bytes(encode(Credit(7, 1 << 20)))
+    refused(with_header(frames, amount=-1), "`Credit.amount`")
+    refused(with_header(frames, amount=MAX_TOTAL + 1), "`Credit.amount`")
+    refused(with_header(frames, amount=1.5), "`Credit.amount`", "whole number")
+    refused(with_header(frames, sid=0), "`Credit.sid`")
+
+
+def test_mounted_names_only_files_the_mount_makes():
+    frames = as_bytes(encode(Mounted((MOUNT_FILE,), b"inner header")))
+    assert decode(frames).header == b"inner header"
+    for bad in ["../../etc/passwd", "/etc/passwd", MOUNT_FILE + "/x", "." + MOUNT_FILE, MOUNT_FILE.upper(), "x" * 65, ""]:
+        refused(with_header(frames, files=[bad]), "Mounted.files[0]")
+    refused(with_header(frames, files=[MOUNT_FILE] * MAX_FRAMES), "`Mounted.files`", "over the limit")
+    refused(with_header(frames, files=MOUNT_FILE), "`Mounted.files`", "tuple")
+    refused(frames[:1], "two frames")
+    refused(frames + [b""], "two frames")
+    with pytest.raises(ValueError, match="Mounted.files"):
+        encode(Mounted(("passwd",), b""))
+
+
+def test_mounted_carries_a_header_no_bigger_than_a_header(monkeypatch):
+    frames = as_bytes(encode(Mounted((MOUNT_FILE,), b"h" * 101)))
+    monkeypatch.setattr(wire.limits, "MAX_HEADER", 100)
+    refused(frames, "frame 1", "101 bytes")
+
+
+def test_ready_says_how_long_the_oldest_work_has_run():
+    assert Ready(runtime()).busy_us == 0
+    frames = as_bytes(encode(Ready(runtime(), busy_us=7)))
+    assert header_of(frames)["busy_us"] == 7
+    refused(with_header(frames, busy_us=-1), "`Ready.busy_us`")
+    refused(with_header(frames, busy_us="7"), "`Ready.busy_us`", "whole number")
+    refused(with_header(frames, busy_us=None), "`Ready.busy_us`")
+    with pytest.raises(TypeError, match="Ready.busy_us"):
+        encode(Ready(runtime(), busy_us=False))
+
+
+# -- variant_of: which message, from its header's `v` and `t` alone --------------------------
+
+
+@pytest.mark.parametrize("msg", messages() + carriers(), ids=lambda m: type(m).__name__)
+def test_variant_of_names_every_message(msg):
+    assert variant_of(encode(msg)) is type(msg)
+    assert variant_of(encode(msg)[:1]) is type(msg)  # frame 0 alone
+
+
+def test_variant_of_reads_no_value_and_no_other_field():
+    frames = as_bytes(encode(work()))
+    lying = with_header(frames, input=["A", "<f8", [10**9], 0], ref=-1, recipe="not one")
+    assert variant_of(lying) is Work
+    with pytest.raises(ProtocolError):
+        decode(lying)
+    # a header whose other fields would take gigabytes to build costs nothing here
+    huge = msgpack.packb({"v": WIRE_VERSION, "t": "Work", "input": [[]] * 1_000_000})
+    assert variant_of([huge]) is Work
+
+
+def test_variant_of_refuses_what_is_not_a_header():
+    def no(frames, *words):
+        with pytest.raises(ProtocolError) as info:
+            variant_of(frames)
+        for word in words:
+            assert word in info.value.why, info.value.why
+
+    no([], "at least one frame")
+    no([b""], "MessagePack header map")
+    no([b"\xc1"], "MessagePack header map")
+    no([msgpack.packb([1, "Work"])], "MessagePack header map")
+    no([msgpack.packb({"t": "Work"})], "wire version")
+    no([msgpack.packb({"v": WIRE_VERSION + 1, "t": "Work"})], "upgrade somatize")
+    no([msgpack.packb({"v": "1", "t": "Work"})], "wire version")
+    no([msgpack.packb({"v": WIRE_VERSION, "t": "Steal"})], "'Steal'")
+    no([msgpack.packb({"v": WIRE_VERSION, "t": ["Work"]})], "`t`")
+    no([msgpack.packb({"v": WIRE_VERSION})], "`t`")
+    no([msgpack.packb({1: 1, "v": WIRE_VERSION, "t": "Work"})], "keyed by text")
+    no([b"\x83\xa1v\x01\xa1v\x01\xa1t\xa3Bye"], "twice")
+    no([msgpack.packb({"v": WIRE_VERSION, "t": "Work"})[:-2]], "MessagePack header map")
+    no([b"\x00" * (MAX_HEADER + 1)], "the header (frame 0)")
+    many = {f"k{i}": 0 for i in range(100)}
+    no([msgpack.packb({**many, "v": WIRE_VERSION, "t": "Work"})], "first 16 keys")
+    with pytest.raises(TypeError):
+        variant_of(b"frames")
+
+
 # -- frames missing, extra, out of order -------------------------------------------------
 
 
@@ -313,7 +498,7 @@ def test_a_header_that_is_not_messagepack_is_refused():
 
 def test_a_different_wire_version_says_who_upgrades():
     frames = encode(Bye())
-    why = refused(with_header(frames, v=7), "speaks wire version 1", "version 7", "upgrade somatize")
+    why = refused(with_header(frames, v=7), f"speaks wire version {WIRE_VERSION}", "version 7", "upgrade somatize")
     assert "(this side)" in why
     why = refused(with_header(frames, v=0), "version 0")
     assert "(the side that sent it)" in why
@@ -324,7 +509,7 @@ def test_a_different_wire_version_says_who_upgrades():
 def test_an_unknown_variant_is_refused():
     refused(with_header(encode(Bye()), t="Launch"), "'Launch'", "Bye")
     refused(with_header(encode(Bye()), t=3), "`t`")
-    refused([msgpack.packb({"v": 1})], "`t`")
+    refused([msgpack.packb({"v": WIRE_VERSION})], "`t`")
 
 
 def test_missing_extra_and_mistyped_fields_are_refused():
@@ -336,17 +521,17 @@ def test_missing_extra_and_mistyped_fields_are_refused():
     refused(with_header(frames, lost="yes"), "`Where.lost`", "True or False")
     refused(with_header(frames, host=None), "`Where.host`", "str")
     refused(with_header(frames, host=""), "empty")
-    refused(with_header(encode(Refused("x", 1)), ref=-1), "`Refused.ref`")
-    refused(with_header(encode(Refused("x", 1)), ref=2**64 - 1), "`Refused.ref`")
-    refused(with_header(encode(Refused("x", 1)), ref=1.0), "whole number")
-    refused(with_header(encode(Refused("x", 1)), ref=True), "whole number")
+    refused(with_header(encode(Refusal("x", 1)), ref=-1), "`Refusal.ref`")
+    refused(with_header(encode(Refusal("x", 1)), ref=2**64 - 1), "`Refusal.ref`")
+    refused(with_header(encode(Refusal("x", 1)), ref=1.0), "whole number")
+    refused(with_header(encode(Refusal("x", 1)), ref=True), "whole number")
 
 
 def test_extension_types_are_refused():
     frames = encode(Where("w1"))
-    packed = msgpack.packb({"v": 1, "t": "Where", "host": msgpack.ExtType(5, b"x"), "lost": False})
+    packed = msgpack.packb({"v": WIRE_VERSION, "t": "Where", "host": msgpack.ExtType(5, b"x"), "lost": False, "waited_us": 0})
     refused([packed], "extension")
-    stamp = msgpack.packb({"v": 1, "t": "Where", "host": msgpack.Timestamp(1, 0), "lost": False})
+    stamp = msgpack.packb({"v": WIRE_VERSION, "t": "Where", "host": msgpack.Timestamp(1, 0), "lost": False, "waited_us": 0})
     refused([stamp], "`Where.host`")
     refused(with_header(encode(Saw(1, {"a": "b"})), fact={"a": msgpack.ExtType(1, b"")}), "extension")
     assert decode(frames) == Where("w1")
@@ -365,7 +550,7 @@ def test_map_keys_that_are_not_text_are_refused():
 
 def test_fields_over_their_limits_are_refused():
     refused(with_header(encode(Where("w1")), host="h" * (MAX_NAME + 1)), "`Where.host`", "over the limit")
-    refused(with_header(encode(Refused("x")), why="w" * (MAX_TEXT + 1)), "`Refused.why`")
+    refused(with_header(encode(Refusal("x")), why="w" * (MAX_TEXT + 1)), "`Refusal.why`")
     facts = {f"k{i}": "v" for i in range(MAX_FACT + 1)}
     refused(with_header(encode(Saw(1, {"a": "b"})), fact=facts), "`Saw.fact`", "entries")
     refused(with_header(encode(Saw(1, {"a": "b"})), fact={"a": "v" * (MAX_FACT_TEXT + 1)}), "Saw.fact['a']")
@@ -398,14 +583,14 @@ def test_a_runtime_is_checked_field_by_field():
 
 def test_too_many_frames_or_too_big_a_header_are_refused_before_reading(monkeypatch):
     refused([encode(Bye())[0]] + [b""] * MAX_FRAMES, f"at most {MAX_FRAMES:,} frames")
-    monkeypatch.setattr(wire, "MAX_HEADER", 100)
+    monkeypatch.setattr(wire.limits, "MAX_HEADER", 100)
     refused([b"\x00" * 101], "the header (frame 0)", "101 bytes")
     eleven = as_bytes(encode(Provision(DIGEST, b"x" * 11)))
-    monkeypatch.setattr(wire, "MAX_FRAME", 10)
+    monkeypatch.setattr(wire.limits, "MAX_FRAME", 10)
     refused(eleven, "frame 1 is 11 bytes")
     with pytest.raises(ValueError, match="11 bytes"):
         encode(Provision(DIGEST, b"x" * 11))
-    monkeypatch.setattr(wire, "MAX_TOTAL", 50)
+    monkeypatch.setattr(wire.limits, "MAX_TOTAL", 50)
     refused([b"\x00" * 40, b"\x00" * 10, b"\x00"], "in all")
 
 
@@ -517,7 +702,7 @@ def test_peek_kinds_names_a_kind_this_process_cannot_read():
         assert decode(frames).input["r"].value == 5
         done = as_bytes(encode(Done(1, None, {0: Opaque(Reading(2))}, 3)))
     finally:
-        codec_module._forget(kind)
+        codec_module.forget(kind)
     assert peek_kinds(frames) == {"plain", "numpy.ndarray", kind}
     assert peek_kinds(frames) - set(readable_kinds()) == {kind}
     refused(frames, f"`{kind}`", "import the module")
@@ -556,7 +741,7 @@ def test_encode_refuses_a_message_built_wrongly():
     with pytest.raises(ValueError, match="over the limit"):
         encode(Failed(1, "x", None, "E", "t" * (MAX_TEXT + 1)))
     with pytest.raises(ValueError, match="surrogate"):
-        encode(Refused("\ud800"))
+        encode(Refusal("\ud800"))
     with pytest.raises(ValueError, match="mount"):
         encode(Located("w1", "mount"))
 
@@ -584,12 +769,12 @@ def test_compatible_sides_talk():
 
 
 def test_a_wire_mismatch_says_which_side_upgrades():
-    why = compatible(runtime(), runtime(wire=2, somatize="0.3.0"), needs_pickle=False, me="this worker", them="the client")
+    why = compatible(runtime(), runtime(wire=WIRE_VERSION + 1, somatize="0.3.0"), needs_pickle=False, me="this worker", them="the client")
     assert why is not None
-    assert "this worker speaks wire version 1" in why
-    assert "the client speaks version 2 (somatize 0.3.0)" in why
+    assert f"this worker speaks wire version {WIRE_VERSION}" in why
+    assert f"the client speaks version {WIRE_VERSION + 1} (somatize 0.3.0)" in why
     assert why.endswith("upgrade somatize on this worker, the older one")
-    why = compatible(runtime(wire=2), runtime(), needs_pickle=False)
+    why = compatible(runtime(wire=WIRE_VERSION + 1), runtime(), needs_pickle=False)
     assert why.endswith("upgrade somatize on the other side, the older one")
 
 
@@ -617,8 +802,18 @@ def decodes_or_refuses(frames) -> None:
     except ProtocolError as exc:
         assert isinstance(exc.why, str) and exc.why
         return
-    assert isinstance(msg, REQUESTS + ANSWERS)
+    assert isinstance(msg, REQUESTS + ANSWERS + CARRIERS)
     encode(msg)  # whatever decode accepts is a message this side could have sent
+    assert variant_of(frames) is type(msg)
+
+
+def names_or_refuses(frames) -> None:
+    try:
+        cls = variant_of(frames)
+    except ProtocolError as exc:
+        assert isinstance(exc.why, str) and exc.why
+        return
+    assert cls in REQUESTS + ANSWERS + CARRIERS
 
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -628,9 +823,10 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 @given(st.lists(st.binary(max_size=64), max_size=5))
 def test_random_frames_decode_or_are_refused(frames):
     decodes_or_refuses(frames)
+    names_or_refuses(frames)
 
 
-SAMPLES = [as_bytes(encode(m)) for m in messages()] + [
+SAMPLES = [as_bytes(encode(m)) for m in messages() + carriers()] + [
     as_bytes(encode(work(input=np.arange(6, dtype=np.int16).reshape(2, 3)))),
     as_bytes(encode(Done(1, b"x" * 70_000, {0: np.zeros(3, bool)}, 1))),
 ]
@@ -676,12 +872,13 @@ def test_mutated_messages_decode_or_are_refused(frames, changes):
     for change in changes:
         frames = apply(frames, change)
     decodes_or_refuses(frames)
+    names_or_refuses(frames)
 
 
 WORDS = sorted(
     {"v", "t", "step", "seq", "par", "T", "D", "A", "L", "<f8", "|u1"}
-    | {cls.__name__ for cls in REQUESTS + ANSWERS}
-    | {f.name for cls in (*REQUESTS, *ANSWERS, Runtime, NodeSpec, Recipe) for f in dataclasses.fields(cls)}
+    | {cls.__name__ for cls in REQUESTS + ANSWERS + CARRIERS}
+    | {f.name for cls in (*REQUESTS, *ANSWERS, *CARRIERS, Runtime, NodeSpec, Recipe) for f in dataclasses.fields(cls)}
 )
 scalars = (
     st.none()
@@ -690,7 +887,7 @@ scalars = (
     | st.floats(allow_nan=True)
     | st.text(max_size=12)
     | st.sampled_from(WORDS)
-    | st.sampled_from([DIGEST, "m:N", "project", "network", "mount", "3.11"])
+    | st.sampled_from([DIGEST, "m:N", "project", "network", "mount", "3.11", MOUNT_FILE])
     | st.binary(max_size=12)
 )
 packable = st.recursive(
@@ -703,12 +900,15 @@ packable = st.recursive(
 @FUZZ
 @given(
     st.dictionaries(st.sampled_from(WORDS) | st.text(max_size=6), packable, max_size=8),
-    st.none() | st.sampled_from(sorted(cls.__name__ for cls in REQUESTS + ANSWERS)),
+    st.none() | st.sampled_from(sorted(cls.__name__ for cls in REQUESTS + ANSWERS + CARRIERS)),
+    st.lists(st.binary(max_size=16), max_size=2),
 )
-def test_random_header_maps_decode_or_are_refused(header, variant):
+def test_random_header_maps_decode_or_are_refused(header, variant, after):
     if variant is not None:  # past the version and the variant, into the fields
         header.update(v=WIRE_VERSION, t=variant)
-    decodes_or_refuses([msgpack.packb(header, use_bin_type=True)])
+    frames = [msgpack.packb(header, use_bin_type=True), *after]
+    decodes_or_refuses(frames)
+    names_or_refuses(frames)
 
 
 def paths(x, prefix=()):
@@ -738,3 +938,82 @@ def test_headers_with_fields_replaced_decode_or_are_refused(frames, changes):
         places = [p for p in paths(header) if p[:1] not in ((), ("v",), ("t",))] or [("t",)]
         header = replaced(header, places[where % len(places)], value)
     decodes_or_refuses([msgpack.packb(header, use_bin_type=True), *frames[1:]])
+
+
+# -- the package: one public surface, modules that import nothing private from each other ----
+
+
+def test_the_package_exports_every_public_name_from_one_place():
+    import somatize.wire as package
+
+    public = {name for name in dir(package) if not name.startswith("_")}
+    modules = {"checks", "limits", "messages", "reading", "writing", "annotations"}
+    assert set(package.__all__) == public - modules
+    for name in package.__all__:
+        obj = getattr(package, name)
+        if isinstance(obj, type) or callable(obj) and hasattr(obj, "__module__"):
+            assert obj.__module__ == "somatize.wire", name
+    assert {"Relay", "Begin", "Chunk", "Credit", "Mounted", "CARRIERS", "variant_of"} <= set(package.__all__)
+
+
+def test_no_module_of_the_wire_imports_a_private_name():
+    import ast
+    from pathlib import Path
+
+    import somatize.wire as package
+
+    for path in [*Path(package.__file__).parent.glob("*.py"), Path(codec_module.__file__)]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("somatize")):
+                private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+                assert not private, f"{path.name} imports {private} from {node.module}"
+
+
+def test_a_lower_limit_in_limits_holds_for_reading_and_writing(monkeypatch):
+    monkeypatch.setattr(wire.limits, "MAX_NAME", 3)
+    with pytest.raises(ValueError, match="over the limit of 3"):
+        encode(Where("four"))
+    monkeypatch.undo()
+    frames = encode(Where("four"))
+    monkeypatch.setattr(wire.limits, "MAX_NAME", 3)
+    refused(frames, "`Where.host`", "over the limit of 3")
+
+
+# -- items: what a header declares is counted before it is built ----------------------------
+
+
+def items_in(x) -> int:
+    if isinstance(x, list):
+        return 1 + len(x) + sum(items_in(v) for v in x)
+    if isinstance(x, dict):
+        return 1 + 2 * len(x) + sum(items_in(k) + items_in(v) for k, v in x.items())
+    return 0
+
+
+@FUZZ
+@given(packable, st.integers(1, 40))
+def test_items_are_counted_exactly_and_only_in_long_headers(value, limit):
+    from somatize.wire.checks import Bad, count_items
+
+    frame = msgpack.packb(value, use_bin_type=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wire.limits, "MAX_ITEMS", limit)
+        try:
+            count_items(frame)
+            counted = "passed"
+        except Bad as exc:
+            counted = exc.why
+    if len(frame) <= limit or items_in(value) <= limit:
+        assert counted == "passed"
+    else:
+        assert counted == f"declares over {limit:,} items (arrays, maps and their entries)"
+
+
+@FUZZ
+@given(st.sampled_from(SAMPLES), st.lists(edits, max_size=3), st.integers(2, 64))
+def test_with_few_items_allowed_decode_still_refuses_only_with_protocol_errors(frames, changes, limit):
+    for change in changes:
+        frames = apply(frames, change)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wire.limits, "MAX_ITEMS", limit)
+        decodes_or_refuses(frames)

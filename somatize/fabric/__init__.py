@@ -3,8 +3,8 @@
 The engine never imports this package; it hands a remote group to ``Broker.run``.
 """
 
-from .client import Broker
+from .broker import Broker
 from .curve import Keys
-from .declare import Worker
+from .worker import Worker
 
 __all__ = ["Broker", "Keys", "Worker"]

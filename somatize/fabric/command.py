@@ -27,21 +27,28 @@ def patience_option(parser: argparse.ArgumentParser) -> None:
                              f"(default {sockets.PATIENCE:g})")
 
 
-def key_options(parser: argparse.ArgumentParser) -> None:
+def key_options(parser: argparse.ArgumentParser, *, workers: bool = False) -> None:
     parser.add_argument("--key", metavar="FILE.key_secret", help="this side's CURVE key pair (from `python -m somatize keys`)")
     parser.add_argument("--allow", metavar="DIR", help="the folder of client public keys (.key) allowed in")
+    if workers:
+        parser.add_argument("--allow-workers", metavar="DIR",
+                            help="the folder of worker public keys (.key) that may dial in and offer hosts; "
+                                 "a key only in --allow may ask for hosts but never offer one")
 
 
 def server_keys(args: argparse.Namespace, who: str) -> Keys | None | bool:
     """The keys to listen with, None for none, or False after saying why they cannot be used."""
     if args.key is None and args.allow is None:
+        if getattr(args, "allow_workers", None) is not None:
+            print(f"somatize {who}: --allow-workers needs --key and --allow", file=sys.stderr)
+            return False
         return None
     if args.key is None or args.allow is None:
         print(f"somatize {who}: --key and --allow go together: a key pair to prove who this is, "
               f"and the folder of client keys it lets in", file=sys.stderr)
         return False
     try:
-        return Keys.server(args.key, allow=args.allow)
+        return Keys.server(args.key, allow=args.allow, workers=getattr(args, "allow_workers", None))
     except BadKeys as exc:
         print(f"somatize {who}: {exc}", file=sys.stderr)
         return False
@@ -83,7 +90,10 @@ def serve_until_signalled(server: Any) -> int:
         server.stopping.set()
 
     def reload(signum: int, frame: object) -> None:
-        server.reload()
+        try:
+            server.reload()
+        except BadKeys as exc:  # a folder broken meanwhile: keep serving with the old list, loudly
+            print(f"somatize: the allow-list was not reloaded, the old one stays: {exc}", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

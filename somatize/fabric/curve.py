@@ -101,6 +101,7 @@ class Keys:
     secret: bytes
     server_key: bytes | None = None  # a client's: the public key of whom it connects to
     allow: Path | None = None  # a server's: the folder of client public keys it accepts
+    workers: Path | None = None  # a broker's: the folder of worker keys that may offer hosts
 
     def __repr__(self) -> str:  # never show a secret
         role = "server" if self.allow is not None else "client"
@@ -115,31 +116,96 @@ class Keys:
         return cls(public, secret, server_key=server_key)
 
     @classmethod
-    def server(cls, secret_file: str | os.PathLike[str], *, allow: str | os.PathLike[str]) -> Keys:
-        """This server's pair, and the folder of client ``.key`` files it allows."""
+    def server(
+        cls,
+        secret_file: str | os.PathLike[str],
+        *,
+        allow: str | os.PathLike[str],
+        workers: str | os.PathLike[str] | None = None,
+    ) -> Keys:
+        """This server's pair, the folder of client ``.key`` files it allows (they may ask
+        and send work), and, for a broker, the folder of worker keys that may also offer
+        hosts. Each folder must be writable by its owner only, and every key in it readable."""
         public, secret = read_secret(secret_file)
-        folder = Path(allow)
-        if not folder.is_dir():
-            raise BadKeys(f"the allow-list {folder} is not a folder of client `.key` files")
-        return cls(public, secret, allow=folder)
+        folders = [Path(allow)] + ([Path(workers)] if workers is not None else [])
+        for folder in folders:
+            read_allowed(folder)  # refuse now what a reload would refuse later
+        return cls(public, secret, allow=folders[0], workers=folders[1] if workers is not None else None)
+
+
+def read_allowed(folder: Path) -> set[str]:
+    """The Z85 public keys of the ``.key`` files in ``folder``, refusing a folder others may
+    write to (whoever can add a file there lets anyone in) and a key file that cannot be read."""
+    try:
+        info = os.stat(folder)
+    except OSError as exc:
+        raise BadKeys(f"the allow-list {folder} cannot be read: {exc}") from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise BadKeys(f"the allow-list {folder} is not a folder of client `.key` files")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise BadKeys(
+            f"the allow-list {folder} can be written by others (mode {stat.S_IMODE(info.st_mode):04o}): "
+            f"whoever adds a key there is let in. Run `chmod go-w {folder}` and start again."
+        )
+    keys: set[str] = set()
+    for path in sorted(folder.iterdir()):
+        if path.suffix != ".key" or not path.is_file():
+            continue
+        keys.add(read_public(path).decode())
+    return keys
 
 
 class Guard:
-    """A ZAP authenticator on the process's context, allowing the keys in one folder."""
+    """A ZAP authenticator on the process's context, allowing the keys in the allow folders.
+
+    ``roles(user)`` says what an authenticated peer may do now, from the User-Id ZeroMQ
+    attaches to each message it received (the peer's Z85 public key): ``{"client"}``,
+    ``{"client", "worker"}``, or nothing once its key was taken out and the folders
+    re-read — so a revoked key's open connections are refused from that moment too.
+    A folder is a folder: ``*`` is a name like any other, never "any key".
+    """
 
     def __init__(self, context: zmq.Context, keys: Keys) -> None:
         assert keys.allow is not None
         self.keys = keys
+        self.clients: set[str] = set()
+        self.workers: set[str] = set()
+        self.reload()
         self._auth = ThreadAuthenticator(context)
         self._auth.start()
-        self.reload()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:  # asked by the authenticator thread
+        text = key.decode() if isinstance(key, bytes) else str(key)
+        return text in self.clients or text in self.workers
 
     def reload(self) -> None:
-        """Read the allow-list again: a key taken out of the folder is refused from now on."""
-        self._auth.configure_curve(domain="*", location=str(self.keys.allow))
+        """Read the allow folders again: a key taken out is refused from now on, on open
+        connections too. A folder that cannot be used now raises ``BadKeys`` and leaves
+        the lists as they were."""
+        clients = read_allowed(self.keys.allow)  # type: ignore[arg-type]
+        workers = read_allowed(self.keys.workers) if self.keys.workers is not None else set()
+        self.clients, self.workers = clients, workers
+
+    def roles(self, user: str) -> frozenset[str]:
+        if user in self.workers:
+            return frozenset(("client", "worker")) if user in self.clients else frozenset(("worker",))
+        return frozenset(("client",)) if user in self.clients else frozenset()
+
+    def allowed(self) -> set[str]:
+        return self.clients | self.workers
 
     def close(self) -> None:
         self._auth.stop()
+
+
+def user_of(frame: object) -> str:
+    """The CURVE key (Z85) ZeroMQ authenticated for the peer that sent ``frame`` (a frame
+    received with ``copy=False``); ``""`` where the socket has no keys."""
+    try:
+        return frame.get("User-Id") or ""  # type: ignore[attr-defined]
+    except (zmq.ZMQError, AttributeError):
+        return ""
 
 
 def as_server(sock: zmq.Socket, keys: Keys) -> None:

@@ -1,82 +1,102 @@
-"""The Mount path's cargo: frames written to a directory both ends see.
+"""The Mount path's cargo: frames written to a folder both ends see, not sent on the socket.
 
-Only control crosses ZeroMQ: ``[MARK, header, manifest]``, where the manifest lists the
-files holding frames 1..n. Files are written atomically (temp name, then rename) so the
-reader never maps half of one, and they are named by a random token so two exchanges never
-meet. The client, which survives the exchange either way, removes the files of both
-directions once the terminal answer has been read, also when the work failed.
+Only control crosses ZeroMQ: a ``Mounted`` message carrying the inner message's header and
+the names of the files holding its frames 1..n. The client, which survives the exchange
+either way, removes the files of both directions once the terminal answer has been read,
+also when the work failed.
+
+Who may reach the folder, and what stops everyone else: only this user. A folder is made
+0700 when it does not exist; one owned by another user, or writable by group or others, is
+refused before anything is written or read (a writer could plant links there). A file is
+created 0600 with ``O_EXCL`` (never through a name someone planted), and read with
+``O_NOFOLLOW``, then checked to be a regular file with one link, owned by this user, before
+it is mapped: a symbolic link, a FIFO or another user's file named in a message is a
+``ProtocolError``, never followed. So the worker and its clients run as one user.
+
+A file is named ``{pid}-{tag}{random}-{n}``: the pid and a tag of the machine (hostname and
+pid namespace) of the client that owns the exchange, so that a killed client's cargo is
+known. It is swept from a folder by the first ``write`` or ``read`` of each process in that
+folder, and each time a spawned worker is started there (``spawn.Child.start``): files of
+this machine whose owner's pid is dead are removed. A worker answering names its files for
+the client (``write(..., answering=request)``), so they are swept with the client's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import mmap
 import os
 import re
 import secrets
+import socket
+import stat
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import msgpack
+from ..errors import ProtocolError, Refused
+from ..wire import Mounted, encode
 
-from ..errors import ProtocolError
+#: A cargo file's name: the owner's pid, then a 32-hex token (an 8-hex machine tag and 24
+#: random), then the frame's number.
+NAME = re.compile(r"(\d{1,10})-([0-9a-f]{8})[0-9a-f]{24}-\d{1,6}")
 
-MARK = b"\x00somatize-mount"
-_NAME = re.compile(r"[0-9a-f]{32}-\d{1,6}")
-_MAX_FILES = 100_000
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never hangs us
+_OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_swept: set[str] = set()
+_lock = threading.Lock()
 
 
-def write(frames: Sequence[bytes | memoryview], folder: str | os.PathLike[str]) -> tuple[list, list[Path]]:
-    """Write ``frames[1:]`` to ``folder``; return the message to send and the files made."""
-    root = Path(folder)
-    token = secrets.token_hex(16)
+def write(
+    frames: Sequence[bytes | memoryview], folder: str | os.PathLike[str], *, answering: Mounted | None = None
+) -> tuple[list, list[Path]]:
+    """Write ``frames[1:]`` to files in ``folder``; return the frames of the ``Mounted``
+    message to send in their place, and the files made. With ``answering`` (the mounted
+    request being answered), the files are named for that request's owner."""
+    root = private(folder)
+    prefix = _owner_prefix(answering) or f"{os.getpid()}-{_tag()}"
+    token = prefix + secrets.token_hex(12)
     names: list[str] = []
     made: list[Path] = []
+    directory = _open_folder(root)
     try:
         for number, frame in enumerate(frames[1:]):
             name = f"{token}-{number}"
-            final = root / name
-            temp = root / f".{name}.tmp"
-            with open(temp, "wb") as out:
+            made.append(root / name)  # before the open: a half-written file is removed too
+            descriptor = os.open(name, _OPEN_WRITE, 0o600, dir_fd=directory)
+            with open(descriptor, "wb", closefd=True) as out:
                 out.write(frame)
-            os.replace(temp, final)
             names.append(name)
-            made.append(final)
     except BaseException:
         remove(made)
         raise
-    manifest = msgpack.packb(names, use_bin_type=True)
-    return [MARK, frames[0], manifest], made
+    finally:
+        os.close(directory)
+    # the names are sent only once every file is complete: a reader never maps half of one
+    return encode(Mounted(tuple(names), header=frames[0])), made
 
 
-def read(parts: Sequence[bytes | memoryview], folder: str | os.PathLike[str]) -> tuple[list, list[Path]]:
-    """The frames a mounted message stands for (header, then each file mapped read-only)."""
-    if len(parts) != 3:
-        raise ProtocolError("a mounted message has three frames: the mark, the header and the manifest")
+def read(msg: Mounted, folder: str | os.PathLike[str]) -> tuple[list, list[Path]]:
+    """The frames ``msg`` stands for (its header, then each file mapped read-only, copy on
+    write), and the files. A name that is not a regular file of this user's, or a folder
+    that is not this user's alone, is a ``ProtocolError``: the sender is owed a ``Refused``."""
     try:
-        names = msgpack.unpackb(bytes(parts[2]), raw=False, max_array_len=_MAX_FILES, max_str_len=64)
-    except Exception as exc:
-        raise ProtocolError("the manifest of a mounted message is not a MessagePack list of file names") from exc
-    if not isinstance(names, list) or not all(isinstance(n, str) and _NAME.fullmatch(n) for n in names):
-        raise ProtocolError("the manifest of a mounted message names files that the mount never made")
-    root = Path(folder)
-    frames: list = [parts[1]]
-    paths = [root / name for name in names]
-    for path in paths:
-        try:
-            with open(path, "rb") as source:
-                size = os.fstat(source.fileno()).st_size
-                if size == 0:
-                    frames.append(b"")
-                else:
-                    # a private, copy-on-write mapping: the reader gets writable arrays
-                    # without a copy, and its writes never reach the file or the sender
-                    frames.append(memoryview(mmap.mmap(source.fileno(), size, access=mmap.ACCESS_COPY)))
-        except OSError as exc:
-            raise ProtocolError(
-                f"a mounted message names `{path.name}`, which cannot be read in {root}: "
-                f"do both ends see the same directory?"
-            ) from exc
+        root = private(folder)
+    except Refused as exc:
+        raise ProtocolError(str(exc)) from exc
+    for name in msg.files:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ProtocolError(f"a mounted message names `{str(name)[:80]}`, which is not a file the mount makes")
+    frames: list = [msg.header]
+    paths = [root / name for name in msg.files]
+    directory = _open_folder(root)
+    try:
+        for path in paths:
+            frames.append(_map(directory, root, path.name))
+    finally:
+        os.close(directory)
     return frames, paths
 
 
@@ -84,3 +104,151 @@ def remove(paths: Sequence[Path]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def private(folder: str | os.PathLike[str]) -> Path:
+    """``folder``, made 0700 if it does not exist, checked to be this user's alone, and
+    swept of dead clients' cargo the first time this process uses it. ``Refused`` if it
+    belongs to someone else or others may write there."""
+    root = Path(folder)
+    try:
+        if not os.path.lexists(root):
+            root.parent.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700)
+    except FileExistsError:
+        pass  # made meanwhile: checked below like any other
+    except OSError as exc:
+        raise Refused(f"the mount folder {root} could not be made: {exc}; give `mount=` a folder you can create") from exc
+    why = unsafe(root)
+    if why:
+        raise Refused(why)
+    key = str(root)
+    with _lock:
+        first = key not in _swept
+        _swept.add(key)
+    if first:
+        sweep(root)
+    return root
+
+
+def unsafe(folder: str | os.PathLike[str]) -> str | None:
+    """Why ``folder`` (which exists) may not hold cargo, as a sentence, or None when it may."""
+    root = Path(folder)
+    me = os.geteuid()
+    try:
+        link = os.lstat(root)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid != me:
+            return (f"the mount folder {root} is a symbolic link made by user {link.st_uid}, not by you; "
+                    f"give `mount=` a folder of your own")
+        info = os.stat(root)
+    except OSError as exc:
+        return f"the mount folder {root} cannot be used: {exc}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"the mount folder {root} is not a directory; give `mount=` a folder"
+    if info.st_uid != me:
+        return (f"the mount folder {root} belongs to user {info.st_uid}, not to you (user {me}): cargo there "
+                f"could be read or replaced by its owner; give `mount=` a folder of your own, such as a new "
+                f"one in /dev/shm, and it is made 0700")
+    if info.st_mode & 0o022:
+        return (f"the mount folder {root} is writable by {'group and others' if info.st_mode & 0o002 else 'its group'} "
+                f"(mode {stat.S_IMODE(info.st_mode):04o}): anyone who may write there could plant links for the "
+                f"worker to read; run `chmod 700 {root}`, or give `mount=` a new folder and it is made 0700")
+    return None
+
+
+def sweep(folder: str | os.PathLike[str]) -> list[str]:
+    """Remove the cargo of this machine's dead clients from ``folder``; return the names."""
+    root = Path(folder)
+    tag, me = _tag(), os.geteuid()
+    gone: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return gone
+    dead: dict[int, bool] = {}
+    for name in names:
+        match = NAME.fullmatch(name)
+        if match is None or match.group(2) != tag:
+            continue
+        pid = int(match.group(1))
+        if pid not in dead:
+            dead[pid] = not _alive(pid)
+        if not dead[pid]:
+            continue
+        with contextlib.suppress(OSError):
+            if os.lstat(root / name).st_uid == me:
+                os.unlink(root / name)
+                gone.append(name)
+    return gone
+
+
+def _owner_prefix(msg: Mounted | None) -> str | None:
+    match = NAME.fullmatch(msg.files[0]) if msg is not None and msg.files else None
+    return f"{match.group(1)}-{match.group(2)}" if match else None
+
+
+def _map(directory: int, root: Path, name: str) -> bytes | memoryview:
+    try:
+        descriptor = os.open(name, _OPEN_READ, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise ProtocolError(
+                f"a mounted message names `{name}` in {root}, which is a symbolic link: cargo is never "
+                f"read through a link (someone who may write in that folder planted it)"
+            ) from exc
+        raise ProtocolError(
+            f"a mounted message names `{name}`, which cannot be read in {root} ({exc.strerror}): "
+            f"do both ends see the same directory?"
+        ) from exc
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise ProtocolError(f"a mounted message names `{name}` in {root}, which is not a regular file: refused")
+        if info.st_uid != os.geteuid() or info.st_nlink != 1:
+            raise ProtocolError(
+                f"a mounted message names `{name}` in {root}, which "
+                + (f"belongs to user {info.st_uid}, not to this one" if info.st_uid != os.geteuid()
+                   else f"has {info.st_nlink} links (cargo has one)")
+                + ": refused; the worker and its clients run as one user"
+            )
+        if info.st_size == 0:
+            return b""
+        # a private, copy-on-write mapping: the reader gets writable arrays without a
+        # copy, and its writes never reach the file or the sender
+        return memoryview(mmap.mmap(descriptor, info.st_size, access=mmap.ACCESS_COPY))
+    finally:
+        os.close(descriptor)
+
+
+def _open_folder(root: Path) -> int:
+    try:
+        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Refused(f"the mount folder {root} cannot be opened: {exc}") from exc
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+_TAG: str | None = None
+
+
+def _tag() -> str:
+    """8 hex digits naming this machine and pid namespace: pids are compared only within it."""
+    global _TAG
+    if _TAG is None:
+        try:
+            namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+        except OSError:
+            namespace = ""
+        _TAG = hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:8]
+    return _TAG

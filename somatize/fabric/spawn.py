@@ -1,25 +1,43 @@
 """Spawned workers: started on first use, watched, described when they end, always reaped.
 
-A child is started as ``argv + ["--listen", "127.0.0.1:0", "--announce", ...]``; it binds a
-port the kernel picks and prints one line with its endpoint, which is read with a
-deadline. Everything it prints afterwards is passed on, prefixed with the host's name.
+A child is started as ``argv + ["--listen", "ipc:///.../w.sock", "--announce", ...]`` and
+prints one line with its endpoint, which is read with a deadline and must be the socket it
+was given. Everything it prints afterwards is passed on, prefixed with the host's name.
+
+Who may reach a child: only this user's processes. Its socket lies in a fresh 0700
+directory this process makes (``tempfile.mkdtemp`` under ``$XDG_RUNTIME_DIR``, else the
+temporary folder), so the kernel refuses another user's ``connect`` before a byte is read;
+no TCP port is opened for anyone to find in ``/proc/net/tcp``. (An ipc round trip costs no
+more than a TCP one on loopback, and needs no keys to hand over.) The directory is removed
+when the child is stopped or killed, also when it died on its own; one left by a parent
+that was itself killed is removed by the next ``start`` that finds its socket dead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import selectors
+import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from ..errors import Refused
+from . import mount as _mount
 
 ANNOUNCE = "somatize-worker ready "
 START_DEADLINE = 30.0
 STOP_GRACE = 1.5
+#: The longest socket path used: the kernel's limit is 107 characters.
+MAX_SOCKET_PATH = 100
+_DIRECTORY = re.compile(r"somatize-(\d+)-[a-z0-9_]+")
 
 
 class Child:
@@ -32,31 +50,50 @@ class Child:
         self.mount = mount
         self.process: subprocess.Popen | None = None
         self.address = ""
+        self.directory: str | None = None  # the private directory holding the child's socket
 
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
     def start(self) -> str:
-        """Start the child and return its endpoint, or raise ``Refused`` saying why not."""
-        command = [*self.argv, "--listen", "127.0.0.1:0", "--announce", "--mode", self.mode, "--parent", str(os.getpid())]
+        """Start the child (stopping one still running) and return its endpoint, or raise
+        ``Refused`` saying why not."""
+        self.stop()  # a child that died on its own leaves a directory to remove
+        if self.mount:
+            _mount.private(self.mount)  # made 0700 or refused, before the child sees it
+            _mount.sweep(self.mount)
+        self.directory = private_directory()
+        url = f"ipc://{self.directory}/w.sock"
+        command = [*self.argv, "--listen", url, "--announce", "--mode", self.mode, "--parent", str(os.getpid())]
+        if self.mode == "project":
+            # the spawner's own folder is the project its nodes come from (a notebook's modules
+            # beside it); a worker puts no other working directory on its import path
+            command += ["--project", os.getcwd()]
         if self.mount:
             command += ["--mount", self.mount]
         try:
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, bufsize=0)
         except OSError as exc:
+            self.stop()
             raise Refused(f"the worker for `{self.host}` could not be started from {list(self.argv)}: {exc}") from exc
         self.process = process
         line = _first_line(process, START_DEADLINE)
-        if line is None or not line.startswith(ANNOUNCE):
+        if line is None or line != ANNOUNCE + url:
             ended = self.ended() if process.poll() is not None else None
             self.stop()
+            if line is not None and line.startswith(ANNOUNCE):
+                raise Refused(
+                    f"the worker for `{self.host}` listens on {line[len(ANNOUNCE):]}, not on the private "
+                    f"socket {url} it was given: {list(self.argv)} has to pass `--listen` on to "
+                    f"`python -m somatize.worker`"
+                )
             raise Refused(
                 f"the worker for `{self.host}` did not start: {list(self.argv)} "
                 + (f"{ended} (its stderr is above)" if ended else f"said nothing usable within {START_DEADLINE:.0f} s")
                 + "; check that it runs `python -m somatize.worker`"
             )
-        self.address = line[len(ANNOUNCE):].strip()
+        self.address = url
         threading.Thread(target=_relay_output, args=(process, self.host), daemon=True, name=f"somatize-{self.host}-out").start()
         return self.address
 
@@ -95,11 +132,9 @@ class Child:
         self.stop()
 
     def stop(self) -> None:
-        """Terminate, wait a moment, then kill; always reaped."""
+        """Terminate, wait a moment, then kill; always reaped; its socket's directory removed."""
         process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
+        if process is not None and process.poll() is None:
             try:
                 process.terminate()
                 os.kill(process.pid, signal.SIGCONT)  # a stopped child acts on SIGTERM only once resumed
@@ -109,8 +144,77 @@ class Child:
                 process.wait(STOP_GRACE)
             except ProcessLookupError:
                 pass
-        if process.stdout is not None:
+        if process is not None and process.stdout is not None:
             process.stdout.close()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)  # also after a SIGKILL: the child removed nothing
+            self.directory = None
+
+
+def private_directory() -> str:
+    """A new directory only this user may enter, for one child's socket; stale ones of
+    dead parents are removed on the way."""
+    bases = [os.environ.get("XDG_RUNTIME_DIR", ""), tempfile.gettempdir(), "/tmp"]
+    for base in bases:
+        if not base or not os.path.isdir(base) or len(base) + 40 > MAX_SOCKET_PATH:
+            continue
+        if base == bases[0] and not _own_private(base):
+            continue  # an $XDG_RUNTIME_DIR inherited from another user (after `su`)
+        _sweep_directories(base)
+        return tempfile.mkdtemp(prefix=f"somatize-{os.getpid()}-", dir=base)  # 0700, a name nobody chose
+    raise Refused(
+        "no folder for a spawned worker's socket: $XDG_RUNTIME_DIR, $TMPDIR and /tmp are missing or have "
+        f"paths too long for a socket (over {MAX_SOCKET_PATH - 40} characters); set TMPDIR to a short one"
+    )
+
+
+def _own_private(path: str) -> bool:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o077
+
+
+def _sweep_directories(base: str) -> None:
+    """Remove this user's socket directories whose parent is dead and whose socket is too."""
+    me = os.geteuid()
+    try:
+        entries = os.scandir(base)
+    except OSError:
+        return
+    with entries:
+        for entry in entries:
+            match = _DIRECTORY.fullmatch(entry.name)
+            if match is None or int(match.group(1)) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                info = entry.stat(follow_symlinks=False)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != me or _alive(int(match.group(1))):
+                    continue
+                if _answers(os.path.join(entry.path, "w.sock")):
+                    continue  # a worker still listens: a parent of another pid namespace, say
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def _first_line(process: subprocess.Popen, deadline: float) -> str | None:

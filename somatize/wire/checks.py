@@ -1,0 +1,530 @@
+"""The checks every message passes, whichever way it goes.
+
+``encode`` runs them on a message built here (a failure is the caller's bug, raised as the
+``TypeError`` or ``ValueError`` that ``Bad.kind`` names); ``decode`` runs them on one that
+arrived (a failure is the peer's doing, raised as ``ProtocolError``). One set of checks, so
+whatever one side accepts the other could have sent. Each sentence names the field, what it
+has to be, and what it was, never more than a short picture of a peer's bytes (``shown``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from . import limits
+from .messages import (
+    Begin,
+    Bye,
+    Chunk,
+    Credit,
+    Done,
+    Failed,
+    Hello,
+    Hosts,
+    Listed,
+    Located,
+    Mounted,
+    NodeSpec,
+    Provision,
+    Ready,
+    Recipe,
+    Refusal,
+    Relay,
+    Runtime,
+    Saw,
+    Send,
+    VARIANTS,
+    Where,
+    Work,
+)
+
+
+class Bad(Exception):
+    """A check failed: ``why`` is the sentence; ``kind`` what ``encode`` raises with it."""
+
+    def __init__(self, why: str, kind: type[Exception] = ValueError) -> None:
+        super().__init__(why)
+        self.why = why
+        self.kind = kind
+
+
+class Slot:
+    """Where a value will go, while the header is being checked: its place among the
+    message's values and its descriptor."""
+
+    __slots__ = ("index", "descriptor")
+
+    def __init__(self, index: int, descriptor: Any) -> None:
+        self.index = index
+        self.descriptor = descriptor
+
+    def __repr__(self) -> str:
+        return f"<value {self.index}>"
+
+
+# -- a header's items, counted before anything is built ----------------------------------
+
+_ARRAYS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}  # fixarray, array 16, array 32
+_MAPS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}  # fixmap, map 16, map 32
+
+
+def count_items(frame: bytes | memoryview) -> None:
+    """Refuse (``Bad``) a MessagePack header that declares over ``limits.MAX_ITEMS`` items:
+    every array and map, and every entry of one (a map's key and value are two).
+
+    The count walks the MessagePack in order, reading each container's length and skipping
+    every scalar without building it, and stops as soon as the limit is passed, so refusing
+    costs at most ``MAX_ITEMS`` steps and no memory. Every item is at least one byte, so a
+    frame of at most ``MAX_ITEMS`` bytes is not walked at all. Bytes that are not
+    MessagePack are left to the reader to refuse, with its own sentence: it stops where this
+    walk stopped, before building more items than were counted.
+    """
+    limit = limits.MAX_ITEMS
+    if len(frame) <= limit:  # bytes, or a flat view of bytes: its length is its size
+        return
+    view = memoryview(frame)
+    unpacker = msgpack.Unpacker(Pieces(view), max_buffer_size=view.nbytes)
+    items = 0
+    todo = 1  # items still to read, at every level together: the order does not matter
+    try:
+        while todo:
+            todo -= 1
+            mark = view[unpacker.tell()]
+            if mark in _ARRAYS:
+                n = unpacker.read_array_header()
+            elif mark in _MAPS:
+                n = 2 * unpacker.read_map_header()
+            else:
+                unpacker.skip()
+                continue
+            items += 1 + n
+            if items > limit:
+                raise Bad(f"declares over {limit:,} items (arrays, maps and their entries)")
+            todo += n
+    except Bad:
+        raise
+    except Exception:
+        return
+
+
+class Pieces:
+    """A frame read a piece at a time (what ``msgpack.Unpacker`` asks of a file): what
+    walks a header this way holds one piece of it at a time, never a copy of all of it."""
+
+    __slots__ = ("view", "at")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.at = 0
+
+    def read(self, n: int) -> bytes:
+        start = self.at
+        self.at = min(start + n, self.view.nbytes)
+        return self.view[start : self.at].tobytes()
+
+
+# -- the checks, shared by encode (a message built here) and decode (one that arrived) ---
+
+
+def check(msg: Any) -> None:
+    """Every field of ``msg`` against its limits; ``Bad`` naming the first that fails."""
+    checker = _CHECKS.get(type(msg))
+    if checker is None:
+        raise Bad(
+            f"encode takes one of the wire's messages ({', '.join(sorted(VARIANTS))}); it was "
+            f"given a `{type(msg).__name__}`",
+            TypeError,
+        )
+    checker(msg)
+
+
+def _check_hello(m: Hello) -> None:
+    _runtime(m.runtime, "Hello.runtime")
+    if m.offering is not None:
+        _text(m.offering, "Hello.offering", limits.MAX_NAME)
+
+
+def _check_provision(m: Provision) -> None:
+    _digest(m.digest, "Provision.digest")
+    _buffer(m.artifact, "Provision.artifact")
+
+
+def _check_work(m: Work) -> None:
+    _ref(m.ref, "Work.ref")
+    recipe = m.recipe
+    if not isinstance(recipe, Recipe):
+        raise Bad(f"`Work.recipe` has to be a `Recipe`, and it is {_a(recipe)}", TypeError)
+    nodes = recipe.nodes
+    if not isinstance(nodes, (tuple, list)):
+        raise Bad(f"`Work.recipe.nodes` has to be a tuple of `NodeSpec`, and it is {_a(nodes)}", TypeError)
+    if not 1 <= len(nodes) <= limits.MAX_NODES:
+        raise Bad(f"`Work.recipe` has {len(nodes):,} nodes; a recipe has 1 to {limits.MAX_NODES:,}")
+    for i, node in enumerate(nodes):
+        _node(node, f"Work.recipe.nodes[{i}]")
+    used: set[int] = set()
+    _shape(recipe.shape, len(nodes), 0, used, [0])
+    if len(used) != len(nodes):
+        unused = min(set(range(len(nodes))) - used)
+        raise Bad(
+            f"`Work.recipe.shape` never uses node {unused} ({shown(nodes[unused].label)}); "
+            f"a recipe holds only the nodes its shape runs"
+        )
+    _by_node(m.keys, "Work.keys", len(nodes), _digest)
+    _by_node(m.placement, "Work.placement", len(nodes), lambda v, w: _text(v, w, limits.MAX_DEVICE))
+    if m.memory is not None:
+        _text(m.memory, "Work.memory", limits.MAX_PATH)
+    if type(m.watched) is not bool:
+        raise Bad(f"`Work.watched` has to be a bool, and it is {_a(m.watched)}", TypeError)
+
+
+def _node(n: Any, where: str) -> None:
+    if not isinstance(n, NodeSpec):
+        raise Bad(f"`{where}` has to be a `NodeSpec`, and it is {_a(n)}", TypeError)
+    _text(n.label, f"{where}.label", limits.MAX_NAME)
+    _flag(n.cache, f"{where}.cache")
+    _choice(n.source, f"{where}.source", limits.SOURCES)
+    if n.source == "network":
+        _digest(n.target, f"{where}.target")
+        if not (_empty(n.args) and _empty(n.kwargs)):
+            raise Bad(
+                f"`{where}` travels by network (an artifact) and has constructor arguments; "
+                f"in network mode the node inside the artifact carries its own"
+            )
+    else:
+        _qualname(n.target, f"{where}.target")
+    if not isinstance(n.args, (Slot, tuple)):
+        raise Bad(f"`{where}.args` has to be a tuple, and it is {_a(n.args)}", TypeError)
+    if not isinstance(n.kwargs, Slot):
+        if not isinstance(n.kwargs, dict):
+            raise Bad(f"`{where}.kwargs` has to be a dict, and it is {_a(n.kwargs)}", TypeError)
+        for k in n.kwargs:
+            if not isinstance(k, str):
+                raise Bad(f"`{where}.kwargs` has a key that is {_a(k)}, not a str", TypeError)
+
+
+def _empty(x: Any) -> bool:
+    if isinstance(x, Slot):
+        return len(x.descriptor) == 1  # ["T"] or ["D"]
+    return isinstance(x, (tuple, dict)) and not x
+
+
+def _shape(s: Any, n: int, depth: int, used: set[int], count: list[int]) -> None:
+    where = "Work.recipe.shape"
+    count[0] += 1
+    if count[0] > limits.MAX_SHAPE:
+        raise Bad(f"`{where}` has over {limits.MAX_SHAPE:,} pieces")
+    if not isinstance(s, (tuple, list)) or len(s) != 2 or s[0] not in ("step", "seq", "par"):
+        raise Bad(
+            f'`{where}` is built of ("step", i), ("seq", (...)) and ("par", (...)); it holds '
+            f"something else"
+        )
+    kind, inner = s
+    if kind == "step":
+        if type(inner) is not int or not 0 <= inner < n:
+            raise Bad(f"`{where}` has a step that is not a node index from 0 to {n - 1}")
+        used.add(inner)
+        return
+    if depth >= limits.MAX_SHAPE_DEPTH:
+        raise Bad(f"`{where}` nests groups more than {limits.MAX_SHAPE_DEPTH} deep")
+    if not isinstance(inner, (tuple, list)) or not inner:
+        raise Bad(f'`{where}` has a "{kind}" that does not hold a non-empty tuple of shapes')
+    for part in inner:
+        _shape(part, n, depth + 1, used, count)
+
+
+def _by_node(d: Any, where: str, n: int, check: Any) -> None:
+    if not isinstance(d, dict):
+        raise Bad(f"`{where}` has to be a dict of node index -> str, and it is {_a(d)}", TypeError)
+    for i, v in d.items():
+        if type(i) is not int or not 0 <= i < n:
+            raise Bad(f"`{where}` names node {shown(i)}, and the recipe's nodes are 0 to {n - 1}")
+        check(v, f"{where}[{i}]")
+
+
+def _check_where(m: Where) -> None:
+    _text(m.host, "Where.host", limits.MAX_NAME)
+    _flag(m.lost, "Where.lost")
+    _int(m.waited_us, "Where.waited_us", 0, limits.MAX_REF)
+
+
+def _check_nothing(m: Any) -> None:
+    pass
+
+
+def _check_ready(m: Ready) -> None:
+    _runtime(m.runtime, "Ready.runtime")
+    _int(m.busy_us, "Ready.busy_us", 0, limits.MAX_REF)
+
+
+def _check_relay(m: Relay) -> None:
+    _text(m.host, "Relay.host", limits.MAX_NAME, empty=True)
+    _int(m.exchange, "Relay.exchange", 0, limits.MAX_REF)
+    _text(m.tenant, "Relay.tenant", limits.MAX_NAME, empty=True)
+    if not isinstance(m.inner, (tuple, list)):
+        raise Bad(f"`Relay.inner` has to be a tuple of frames, and it is {_a(m.inner)}", TypeError)
+    if not m.inner:
+        raise Bad("`Relay.inner` holds the frames of the message it carries, and it is empty")
+    for i, f in enumerate(m.inner):
+        _buffer(f, f"Relay.inner[{i}]")
+
+
+def _check_begin(m: Begin) -> None:
+    _sid(m.sid, "Begin.sid")
+    sizes = m.sizes
+    if not isinstance(sizes, (tuple, list)):
+        raise Bad(f"`Begin.sizes` has to be a tuple of sizes, and it is {_a(sizes)}", TypeError)
+    if not 1 <= len(sizes) <= limits.MAX_FRAMES:
+        raise Bad(f"`Begin.sizes` gives {len(sizes):,} frames; a message has 1 to {limits.MAX_FRAMES:,}")
+    total = 0
+    for i, n in enumerate(sizes):
+        _int(n, f"Begin.sizes[{i}]", 0, limits.MAX_HEADER if i == 0 else limits.MAX_FRAME)
+        total += n
+    if total > limits.MAX_TOTAL:
+        raise Bad(f"`Begin.sizes` add up to {total:,} bytes, over the {limits.MAX_TOTAL:,} of one message")
+
+
+def _check_chunk(m: Chunk) -> None:
+    _sid(m.sid, "Chunk.sid")
+    _buffer(m.data, "Chunk.data")
+
+
+def _check_credit(m: Credit) -> None:
+    _sid(m.sid, "Credit.sid")
+    _int(m.amount, "Credit.amount", 0, limits.MAX_TOTAL)
+
+
+def _check_mounted(m: Mounted) -> None:
+    if not isinstance(m.files, (tuple, list)):
+        raise Bad(f"`Mounted.files` has to be a tuple of file names, and it is {_a(m.files)}", TypeError)
+    if len(m.files) >= limits.MAX_FRAMES:
+        raise Bad(
+            f"`Mounted.files` names {len(m.files):,} files, over the limit of {limits.MAX_FRAMES - 1:,}"
+        )
+    for i, name in enumerate(m.files):
+        _text(name, f"Mounted.files[{i}]", limits.MAX_FILE_NAME)
+        if not limits.MOUNT_FILE.fullmatch(name):
+            raise Bad(
+                f"`Mounted.files[{i}]` is {shown(name)}, not a name the mount makes (32 hex "
+                f"digits, a dash and a number, after the writer's pid and a dash if it gives one)"
+            )
+    _buffer(m.header, "Mounted.header")
+
+
+def _sid(x: Any, where: str) -> None:
+    _int(x, where, 1, limits.MAX_REF)
+
+
+def _buffer(x: Any, where: str) -> None:
+    # bytes, a memoryview, or a zmq.Frame (its ``buffer``), as a socket received it
+    if not isinstance(x, (bytes, bytearray, memoryview)) and not isinstance(
+        getattr(x, "buffer", None), memoryview
+    ):
+        raise Bad(f"`{where}` has to be bytes or a memoryview, and it is {_a(x)}", TypeError)
+
+
+def _check_send(m: Send) -> None:
+    _ref(m.ref, "Send.ref")
+    if not isinstance(m.digests, (tuple, list)):
+        raise Bad(f"`Send.digests` has to be a tuple of digests, and it is {_a(m.digests)}", TypeError)
+    if not 1 <= len(m.digests) <= limits.MAX_NODES:
+        raise Bad(f"`Send.digests` holds {len(m.digests):,} digests; it holds 1 to {limits.MAX_NODES:,}")
+    for i, d in enumerate(m.digests):
+        _digest(d, f"Send.digests[{i}]")
+
+
+def _check_refused(m: Refusal) -> None:
+    _text(m.why, "Refusal.why", limits.MAX_TEXT, empty=True)
+    if m.ref is not None:
+        _ref(m.ref, "Refusal.ref")
+    _flag(m.hello, "Refusal.hello")
+
+
+def _check_done(m: Done) -> None:
+    _ref(m.ref, "Done.ref")
+    if not isinstance(m.produced, dict):
+        raise Bad(
+            f"`Done.produced` has to be a dict of node index -> value, and it is {_a(m.produced)}",
+            TypeError,
+        )
+    if len(m.produced) > limits.MAX_NODES:
+        raise Bad(f"`Done.produced` has {len(m.produced):,} entries, over the limit of {limits.MAX_NODES:,}")
+    for i in m.produced:
+        if type(i) is not int or not 0 <= i < limits.MAX_NODES:
+            raise Bad(
+                f"`Done.produced` is keyed by node index (0 to {limits.MAX_NODES - 1}), and one key "
+                f"is {shown(i)}"
+            )
+    _int(m.took_us, "Done.took_us", 0, limits.MAX_REF)
+
+
+def _check_failed(m: Failed) -> None:
+    _ref(m.ref, "Failed.ref")
+    _text(m.why, "Failed.why", limits.MAX_TEXT, empty=True)
+    if m.node is not None:
+        _text(m.node, "Failed.node", limits.MAX_NAME)
+    _text(m.error, "Failed.error", limits.MAX_NAME)
+    _text(m.traceback, "Failed.traceback", limits.MAX_TEXT, empty=True)
+
+
+def _check_saw(m: Saw) -> None:
+    _ref(m.ref, "Saw.ref")
+    if not isinstance(m.fact, dict):
+        raise Bad(f"`Saw.fact` has to be a dict of str -> str, and it is {_a(m.fact)}", TypeError)
+    if len(m.fact) > limits.MAX_FACT:
+        raise Bad(f"`Saw.fact` has {len(m.fact):,} entries, over the limit of {limits.MAX_FACT}")
+    for k, v in m.fact.items():
+        _text(k, "a field name of `Saw.fact`", limits.MAX_NAME)
+        _text(v, f"Saw.fact[{shown(k)}]", limits.MAX_FACT_TEXT, empty=True)
+
+
+def _check_located(m: Located) -> None:
+    _text(m.host, "Located.host", limits.MAX_NAME)
+    _choice(m.path, "Located.path", limits.PATHS)
+    _text(m.address, "Located.address", limits.MAX_NAME, empty=True)
+    _choice(m.mode, "Located.mode", limits.MODES)
+    if m.path == "mount":
+        if m.mount is None:
+            raise Bad('`Located.mount` names the shared directory, and a "mount" path has none')
+        _text(m.mount, "Located.mount", limits.MAX_PATH)
+    elif m.mount is not None:
+        raise Bad(f'`Located.mount` is only for the "mount" path, and this path is "{m.path}"')
+    if m.ended is not None:
+        _text(m.ended, "Located.ended", limits.MAX_NAME)
+    _text(m.key, "Located.key", 40, empty=True)
+    if m.key and (len(m.key) != 40 or not set(m.key) <= limits.Z85):
+        raise Bad("`Located.key` is a CURVE public key: 40 characters of Z85 text")
+
+
+def _check_listed(m: Listed) -> None:
+    if not isinstance(m.hosts, dict):
+        raise Bad(f"`Listed.hosts` has to be a dict of host -> how, and it is {_a(m.hosts)}", TypeError)
+    if len(m.hosts) > limits.MAX_HOSTS:
+        raise Bad(f"`Listed.hosts` has {len(m.hosts):,} entries, over the limit of {limits.MAX_HOSTS:,}")
+    for host, how in m.hosts.items():
+        _text(host, "a host in `Listed.hosts`", limits.MAX_NAME)
+        _choice(how, f"Listed.hosts[{shown(host)}]", limits.LISTED)
+
+
+_CHECKS: dict[type, Any] = {
+    Hello: _check_hello,
+    Provision: _check_provision,
+    Work: _check_work,
+    Where: _check_where,
+    Hosts: _check_nothing,
+    Bye: _check_nothing,
+    Ready: _check_ready,
+    Send: _check_send,
+    Refusal: _check_refused,
+    Done: _check_done,
+    Failed: _check_failed,
+    Saw: _check_saw,
+    Located: _check_located,
+    Listed: _check_listed,
+    Relay: _check_relay,
+    Begin: _check_begin,
+    Chunk: _check_chunk,
+    Credit: _check_credit,
+    Mounted: _check_mounted,
+}
+
+
+def _runtime(r: Any, where: str) -> None:
+    if not isinstance(r, Runtime):
+        raise Bad(f"`{where}` has to be a `Runtime`, and it is {_a(r)}", TypeError)
+    _int(r.wire, f"{where}.wire", 0, 2**31 - 1)
+    _text(r.python, f"{where}.python", limits.MAX_VERSION)
+    if not limits.PYTHON.fullmatch(r.python):
+        raise Bad(f'`{where}.python` is a major.minor version like "3.11", and it is {shown(r.python)}')
+    _text(r.somatize, f"{where}.somatize", limits.MAX_VERSION, empty=True)
+    _text(r.cloudpickle, f"{where}.cloudpickle", limits.MAX_VERSION, empty=True)
+    if not isinstance(r.kinds, (tuple, list)):
+        raise Bad(f"`{where}.kinds` has to be a tuple of str, and it is {_a(r.kinds)}", TypeError)
+    if len(r.kinds) > limits.MAX_KINDS:
+        raise Bad(f"`{where}.kinds` names {len(r.kinds):,} kinds, over the limit of {limits.MAX_KINDS:,}")
+    total = 0
+    for i, kind in enumerate(r.kinds):
+        total += len(_text(kind, f"{where}.kinds[{i}]", limits.MAX_NAME))
+    if total > limits.MAX_KINDS_TEXT:
+        raise Bad(
+            f"`{where}.kinds` are {total:,} characters in all, over the limit of "
+            f"{limits.MAX_KINDS_TEXT:,}: a side states the kinds it reads, named after their types"
+        )
+    _choice(r.mode, f"{where}.mode", limits.MODES)
+
+
+# -- small checks ------------------------------------------------------------------------
+
+
+def _a(x: Any) -> str:
+    return f"a `{type(x).__name__}`"
+
+
+def shown(x: Any) -> str:
+    """A short, safe picture of a header item for a sentence (never a long string)."""
+    if isinstance(x, str):
+        return repr(x) if len(x) <= 40 else f"a str of {len(x):,} characters"
+    if type(x) is int:
+        return str(x) if abs(x) < 10**12 else "a very large number"
+    return _a(x)
+
+
+def _int(x: Any, where: str, lo: int, hi: int) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise Bad(f"`{where}` has to be a whole number, and it is {_a(x)}", TypeError)
+    if not lo <= x <= hi:
+        raise Bad(f"`{where}` has to be from {lo} to {hi}, and it is {shown(x)}")
+    return x
+
+
+def _ref(x: Any, where: str) -> None:
+    _int(x, where, 0, limits.MAX_REF)
+
+
+def _flag(x: Any, where: str) -> None:
+    if not isinstance(x, bool):
+        raise Bad(f"`{where}` has to be True or False, and it is {_a(x)}", TypeError)
+
+
+def _text(x: Any, where: str, limit: int, *, empty: bool = False) -> str:
+    if not isinstance(x, str):
+        raise Bad(f"`{where}` has to be a str, and it is {_a(x)}", TypeError)
+    if len(x) > limit:
+        raise Bad(f"`{where}` is {len(x):,} characters long, over the limit of {limit:,}")
+    if not x and not empty:
+        raise Bad(f"`{where}` is empty, and it has to name something")
+    if not x.isascii():
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Bad(f"`{where}` holds a lone surrogate, which is not valid Unicode") from None
+    return x
+
+
+def _choice(x: Any, where: str, options: tuple[str, ...]) -> None:
+    if not isinstance(x, str) or x not in options:
+        words = ", ".join(f'"{o}"' for o in options)
+        raise Bad(f"`{where}` is one of {words}, and it is {shown(x)}")
+
+
+def _digest(x: Any, where: str) -> None:
+    _text(x, where, limits.MAX_NAME)
+    if not limits.DIGEST.fullmatch(x):
+        raise Bad(
+            f'`{where}` has to be "sha256:" and 64 lowercase hex digits, and it is {shown(x)}'
+        )
+
+
+def _qualname(x: Any, where: str) -> None:
+    _text(x, where, limits.MAX_NAME)
+    module, colon, qualname = x.partition(":")
+    if not (
+        colon
+        and all(part.isidentifier() for part in module.split("."))
+        and all(part.isidentifier() for part in qualname.split("."))
+    ):
+        raise Bad(
+            f'`{where}` names a class to import, like "package.module:Class", and it is '
+            f"{shown(x)}"
+        )

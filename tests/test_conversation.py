@@ -1,0 +1,384 @@
+"""The conversation layer, fed messages with no socket and no process: every legal
+transition, and the illegal ones that matter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from somatize.fabric.conversation import (
+    CLIENT,
+    WORKER,
+    BrokerView,
+    ClientExchange,
+    Stale,
+    Violation,
+    WorkerSessions,
+)
+from somatize.wire import (
+    Bye,
+    Done,
+    Failed,
+    Hello,
+    Hosts,
+    NodeSpec,
+    Provision,
+    Ready,
+    Recipe,
+    Refusal,
+    Relay,
+    Runtime,
+    Saw,
+    Send,
+    Where,
+    Work,
+    decode,
+    encode,
+)
+
+RT = Runtime.here()
+WORKER_RT = Runtime.here(mode="project")
+EVERYONE = frozenset((CLIENT, WORKER))
+CLIENTS = frozenset((CLIENT,))
+
+
+def work(ref: int) -> Work:
+    return Work(ref, Recipe((NodeSpec("a", False, "project", "fabric_nodes:Add"),), ("step", 0)), None)
+
+
+def done(ref: int) -> Done:
+    return Done(ref, 1, {}, 5)
+
+
+# -- the client's side --------------------------------------------------------------------
+
+
+def ready_client() -> ClientExchange:
+    c = ClientExchange()
+    c.hello_sent()
+    c.receive(Ready(WORKER_RT))
+    return c
+
+
+def test_a_client_exchange_runs_hello_work_saw_done():
+    c = ClientExchange()
+    assert c.state == "new"
+    c.hello_sent()
+    assert c.state == "greeting"
+    assert c.receive(Ready(WORKER_RT)) is not None
+    assert c.state == "ready"
+    c.work_sent(7)
+    assert c.state == "working"
+    assert isinstance(c.receive(Saw(7, {"fact": "ran"})), Saw)
+    assert c.state == "working"
+    assert isinstance(c.receive(done(7)), Done)
+    assert c.state == "ready"
+
+
+@pytest.mark.parametrize("end", [done(3), Failed(3, "x", None, "E", ""), Refusal("no", ref=3), Refusal("no")])
+def test_every_terminal_answer_ends_the_work(end):
+    c = ready_client()
+    c.work_sent(3)
+    assert c.receive(end) is end
+    assert c.state == "ready"
+
+
+def test_send_returns_to_ready_for_provisioning_then_the_work_again():
+    c = ready_client()
+    c.work_sent(4)
+    c.receive(Send(4, ("sha256:" + "0" * 64,)))
+    assert c.state == "ready"
+    c.provision_sent("sha256:" + "0" * 64)
+    assert c.state == "provisioning"
+    c.receive(Ready(WORKER_RT))
+    c.work_sent(4)
+    assert c.receive(done(4)) is not None
+
+
+@pytest.mark.parametrize("stale", [done(99), Saw(99, {"fact": "ran"}), Failed(99, "x", None, "E", ""), Send(99, ())])
+def test_an_answer_for_an_exchange_that_is_not_open_is_dropped_and_counted(stale):
+    c = ready_client()
+    c.work_sent(5)
+    assert c.receive(stale) is None
+    assert c.stale == 1
+    assert c.state == "working"  # still waiting for its own answer
+    assert c.receive(done(5)) is not None
+
+
+@pytest.mark.parametrize("odd", [done(1), Saw(1, {}), Send(1, ()), Hello(RT), work(1)])
+def test_an_answer_nobody_asked_for_closes_the_channel(odd):
+    c = ready_client()
+    with pytest.raises(Violation):
+        c.receive(odd)
+    assert c.state == "closed"
+    with pytest.raises(Violation):
+        c.work_sent(1)
+
+
+def test_a_client_sends_nothing_out_of_turn():
+    c = ClientExchange()
+    with pytest.raises(Violation):
+        c.work_sent(1)
+    c.hello_sent()
+    with pytest.raises(Violation):
+        c.hello_sent()
+    c.receive(Refusal("go away"))
+    assert c.state == "closed"
+
+
+def test_hello_answered_with_done_is_a_violation():
+    c = ClientExchange()
+    c.hello_sent()
+    with pytest.raises(Violation, match="Done"):
+        c.receive(done(1))
+
+
+# -- the worker's side --------------------------------------------------------------------
+
+
+def test_a_worker_wants_hello_first():
+    w = WorkerSessions(WORKER_RT)
+    with pytest.raises(Violation, match="say Hello first"):
+        w.receive(b"a", work(1))
+    with pytest.raises(Violation, match="say Hello first"):
+        w.receive(b"a", Provision("sha256:" + "0" * 64, b"x"))
+    assert w.refused == 2
+    w.receive(b"a", Hello(RT))
+    assert w.greeted(b"a")
+    assert w.receive(b"a", work(1)).ref == 1
+
+
+def test_a_worker_answers_only_open_work_of_that_peer():
+    w = WorkerSessions(WORKER_RT)
+    w.receive(b"a", Hello(RT))
+    w.receive(b"b", Hello(RT))
+    w.receive(b"a", work(1))
+    assert w.running() == 1
+    assert not w.answering(b"b", done(1))  # b never sent work 1
+    assert w.answering(b"a", Saw(1, {}))
+    assert w.answering(b"a", done(1))
+    assert not w.answering(b"a", done(1))  # once only
+    assert w.running() == 0
+
+
+def test_the_same_ref_twice_while_open_is_refused():
+    w = WorkerSessions(WORKER_RT)
+    w.receive(b"a", Hello(RT))
+    w.receive(b"a", work(1))
+    with pytest.raises(Violation, match="already running"):
+        w.receive(b"a", work(1))
+
+
+@pytest.mark.parametrize("odd", [Where("w1"), Hosts(), done(1), Ready(RT), Hello(RT, offering="w1")])
+def test_a_worker_refuses_what_is_not_for_a_worker(odd):
+    w = WorkerSessions(WORKER_RT)
+    w.receive(b"a", Hello(RT))
+    with pytest.raises(Violation):
+        w.receive(b"a", odd)
+
+
+def test_an_incompatible_hello_is_refused_with_the_fix():
+    w = WorkerSessions(WORKER_RT)
+    other = dataclasses.replace(RT, wire=RT.wire + 1)
+    with pytest.raises(Violation, match="upgrade somatize"):
+        w.receive(b"a", Hello(other))
+    assert not w.greeted(b"a")
+
+
+def test_bye_forgets_the_peer():
+    w = WorkerSessions(WORKER_RT)
+    w.receive(b"a", Hello(RT))
+    w.receive(b"a", Bye())
+    assert not w.greeted(b"a")
+
+
+def test_what_a_worker_keeps_per_peer_is_bounded_in_bytes():
+    w = WorkerSessions(WORKER_RT, max_bytes=200_000)
+    fat = dataclasses.replace(RT, kinds=tuple(f"kind.{i}.{'x' * 900}" for i in range(100)))
+    for n in range(100):
+        w.receive(b"p%d" % n, Hello(fat))
+    assert w._bytes <= 200_000
+    assert w.greeted(b"p99")  # the latest is kept; the oldest were forgotten
+    assert not w.greeted(b"p0")
+
+
+def test_running_work_is_never_forgotten_to_make_room():
+    w = WorkerSessions(WORKER_RT, max_peers=2)
+    w.receive(b"busy", Hello(RT))
+    w.receive(b"busy", work(1))
+    for n in range(5):
+        w.receive(b"p%d" % n, Hello(RT))
+    assert w.greeted(b"busy")
+    assert w.answering(b"busy", done(1))
+
+
+def test_busy_us_is_the_age_of_the_oldest_running_work():
+    w = WorkerSessions(WORKER_RT)
+    assert w.busy_us() == 0
+    w.receive(b"a", Hello(RT))
+    w.receive(b"a", work(1))
+    started = next(iter(w._sessions[b"a"].open.values()))
+    assert w.busy_us(now=started + 2.5) == 2_500_000
+
+
+# -- the broker's view ----------------------------------------------------------------------
+
+
+def offering(host: str) -> Hello:
+    return Hello(WORKER_RT, offering=host)
+
+
+def test_a_host_is_bound_to_the_key_that_offered_it_first():
+    b = BrokerView()
+    assert b.hello(b"r1", "KEY-A", EVERYONE, offering("node017"), 0.0) == "offered"
+    with pytest.raises(Violation, match="another worker key"):
+        b.hello(b"r2", "KEY-B", EVERYONE, offering("node017"), 1.0)
+    assert b.offers["node017"].route == b"r1"
+    # the owner leaving does not free the name for another key
+    b.leave(b"r1")
+    with pytest.raises(Violation, match="another worker key"):
+        b.hello(b"r2", "KEY-B", EVERYONE, offering("node017"), 2.0)
+    # the owner comes back from a new connection: served again there
+    assert b.hello(b"r3", "KEY-A", EVERYONE, offering("node017"), 3.0) == "offered"
+    assert b.offers["node017"].route == b"r3"
+
+
+def test_without_keys_a_name_is_bound_to_its_connection_while_it_stays():
+    b = BrokerView()
+    b.hello(b"r1", "", EVERYONE, offering("w"), 0.0)
+    with pytest.raises(Violation):
+        b.hello(b"r2", "", EVERYONE, offering("w"), 0.0)
+    b.leave(b"r1")
+    assert b.hello(b"r2", "", EVERYONE, offering("w"), 0.0) == "offered"
+
+
+def test_a_second_hello_from_the_same_route_is_a_keepalive():
+    b = BrokerView()
+    b.hello(b"r1", "K", EVERYONE, offering("w"), 0.0)
+    assert b.hello(b"r1", "K", EVERYONE, offering("w"), 5.0) == "keepalive"
+    assert b.offers["w"].seen == 5.0
+
+
+def test_a_client_key_may_ask_but_not_offer():
+    b = BrokerView()
+    assert b.hello(b"r1", "C", CLIENTS, Hello(RT), 0.0) == "client"
+    with pytest.raises(Violation, match="--allow-workers"):
+        b.hello(b"r1", "C", CLIENTS, offering("w"), 0.0)
+
+
+def test_one_key_cannot_squat_every_name():
+    b = BrokerView(max_offers=16)
+    for n in range(16):
+        b.hello(b"r%d" % n, "SQUAT", EVERYONE, offering(f"node{n:03d}"), 0.0)
+    with pytest.raises(Violation, match="as many as one key may"):
+        b.hello(b"rx", "SQUAT", EVERYONE, offering("node999"), 0.0)
+    assert b.hello(b"real", "REAL", EVERYONE, offering("node999"), 0.0) == "offered"
+
+
+def test_a_declared_host_cannot_be_offered():
+    b = BrokerView({"gpu1"})
+    with pytest.raises(Violation, match="declared"):
+        b.hello(b"r", "K", EVERYONE, offering("gpu1"), 0.0)
+
+
+def relay_from_client(b: BrokerView, client: bytes, key: str, host: str, payload: bytes = b"x"):
+    return b.relay(client, key, Relay(host=host, inner=(payload,)), 0.0)
+
+
+def test_a_relayed_answer_reaches_only_the_client_that_sent_that_work():
+    b = BrokerView()
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    to_worker = relay_from_client(b, b"alice", "A", "w1")
+    assert to_worker.route == b"worker"
+    envelope = decode(to_worker.frames)
+    assert isinstance(envelope, Relay) and envelope.exchange > 0 and envelope.tenant == "A"
+    back = b.relay(b"worker", "W", Relay(exchange=envelope.exchange, inner=(b"answer",)), 0.0)
+    assert back.route == b"alice" and [bytes(f) for f in back.frames] == [b"answer"]
+
+
+def test_a_worker_cannot_answer_an_exchange_it_was_not_sent():
+    b = BrokerView()
+    b.hello(b"victim-worker", "V", EVERYONE, offering("w1"), 0.0)
+    b.hello(b"evil-worker", "E", EVERYONE, offering("w2"), 0.0)
+    sent = decode(relay_from_client(b, b"alice", "A", "w1").frames)
+    for number in (sent.exchange, sent.exchange + 1, 0, 12345):
+        with pytest.raises(Stale):
+            b.relay(b"evil-worker", "E", Relay(exchange=number, inner=(b"forged",)), 0.0)
+
+
+def test_a_client_cannot_address_an_exchange_by_number():
+    b = BrokerView()
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    sent = decode(relay_from_client(b, b"alice", "A", "w1").frames)
+    with pytest.raises(Violation, match="only a worker"):
+        b.relay(b"mallory", "M", Relay(exchange=sent.exchange, inner=(b"x",)), 0.0)
+
+
+def test_each_client_gets_its_own_exchange_with_a_host():
+    b = BrokerView()
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    a = decode(relay_from_client(b, b"alice", "A", "w1").frames).exchange
+    a_again = decode(relay_from_client(b, b"alice", "A", "w1").frames).exchange
+    m = decode(relay_from_client(b, b"mallory", "M", "w1").frames).exchange
+    assert a == a_again and a != m
+
+
+def test_exchanges_per_tenant_are_bounded():
+    b = BrokerView(max_exchanges=4)
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    for n in range(10):
+        relay_from_client(b, b"c%d" % n, "SAME", "w1")
+    assert sum(1 for e in b.exchanges.values() if e.tenant == "SAME") == 4
+
+
+def test_a_worker_that_left_has_its_exchanges_ended():
+    b = BrokerView()
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    sent = decode(relay_from_client(b, b"alice", "A", "w1").frames)
+    b.leave(b"worker")
+    assert sent.exchange not in b.exchanges
+    with pytest.raises(Violation, match="no worker serving"):
+        relay_from_client(b, b"alice", "A", "w1")
+
+
+def test_revoking_a_key_forgets_its_hosts():
+    b = BrokerView()
+    b.hello(b"r1", "GONE", EVERYONE, offering("w1"), 0.0)
+    b.hello(b"r2", "STAYS", EVERYONE, offering("w2"), 0.0)
+    assert b.revoke({"STAYS"}) == [b"r1"]
+    assert set(b.offers) == {"w2"}
+    assert "w1" not in b.bindings
+
+
+def test_offers_expire_after_three_patiences_of_silence():
+    b = BrokerView(patience=1.0)
+    b.hello(b"r1", "", EVERYONE, offering("w1"), 0.0)
+    assert b.expire(2.0) == []
+    assert b.expire(3.5) == ["w1"]
+
+
+def test_an_envelope_round_trips_without_decoding_its_inner_frames():
+    inner = encode(work(9))
+    frames = encode(Relay(host="w1", inner=tuple(inner)))
+    back = decode(frames)
+    assert isinstance(back, Relay) and back.host == "w1"
+    assert isinstance(decode(list(back.inner)), Work)
+
+
+def test_a_quiet_exchange_is_never_ended_for_being_quiet():
+    b = BrokerView(patience=0.1)
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    sent = decode(relay_from_client(b, b"alice", "A", "w1").frames)
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 10_000.0)  # its keepalive
+    b.expire(10_000.1)
+    back = b.relay(b"worker", "W", Relay(exchange=sent.exchange, inner=(b"late but wanted",)), 10_000.1)
+    assert back.route == b"alice"
+
+
+def test_exchanges_in_all_are_bounded():
+    b = BrokerView(max_open=10)
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    for n in range(50):
+        relay_from_client(b, b"c%d" % n, "", "w1", )
+    assert len(b.exchanges) == 10

@@ -1,0 +1,112 @@
+"""Deadlines: real spawned workers, a real standalone broker, real sockets.
+
+A forward given a deadline (or sent to a host with a default one) never waits past it for
+a worker: it raises ``Overdue`` naming the nodes, the host and the time, and a spawned
+worker stuck in a node is started afresh on the next forward; a standalone one answers
+``Busy`` until its node returns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import fabric_nodes
+from conftest import BROKER, WORKER
+from fabric_nodes import Add, Pid, Sleep
+from somatize import Broker, Busy, Node, Overdue, Worker
+
+#: How much later than its deadline an ``Overdue`` may arrive (a poll, a thread, a hop).
+MARGIN = 1.5
+
+
+def spawned(**declared) -> Broker:
+    return Broker.embedded(
+        {"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes], **declared)}, patience=2.0
+    )
+
+
+def test_a_node_that_never_returns_is_overdue_naming_node_host_and_time_and_the_worker_comes_back():
+    with spawned() as broker:
+        pid = Pid().named("pid").at("w1").forward(0, broker=broker)  # started: the clock is the work's
+        started = time.monotonic()
+        with pytest.raises(Overdue, match=r"`stuck` on `w1` did not finish within the forward's deadline of 1 s") as caught:
+            Sleep(3600).named("stuck").at("w1").forward(0, broker=broker, deadline=1.0)
+        took = time.monotonic() - started
+        assert 1.0 <= took < 1.0 + MARGIN, took
+        assert isinstance(caught.value, TimeoutError)
+        again = Pid().named("pid").at("w1").forward(0, broker=broker, deadline=30)
+        assert again != pid  # the stuck one was stopped; this forward started a new one
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # and it is gone, reaped
+
+
+def test_a_hosts_own_deadline_bounds_every_forward_to_it():
+    # 3 s: the first forward starts a Python process within it, on a machine that may be busy
+    with spawned(deadline=3.0) as broker:
+        pid = Pid().named("pid").at("w1").forward(0, broker=broker)
+        started = time.monotonic()
+        with pytest.raises(Overdue, match=r"`stuck` on `w1` did not finish within host `w1`'s deadline of 3 s"):
+            Sleep(3600).named("stuck").at("w1").forward(0, broker=broker)
+        assert time.monotonic() - started < 3.0 + MARGIN
+        assert Pid().named("pid").at("w1").forward(0, broker=broker) != pid  # started afresh
+
+
+def test_the_sooner_deadline_wins():
+    with spawned(deadline=60.0) as broker:
+        started = time.monotonic()
+        with pytest.raises(Overdue, match=r"the forward's deadline of 0.5 s"):
+            Sleep(3600).named("stuck").at("w1").forward(0, broker=broker, deadline=0.5)
+        assert time.monotonic() - started < 0.5 + MARGIN
+
+
+def test_the_deadline_covers_starting_the_worker():
+    with spawned() as broker:
+        with pytest.raises(Overdue, match=r"`stuck` on `w1`"):
+            Sleep(3600).named("stuck").at("w1").forward(0, broker=broker, deadline=0.3)
+
+
+def test_work_that_finishes_in_time_is_untouched_by_its_deadline():
+    with spawned() as broker:
+        x = np.arange(10.0)
+        out = (Add(1).named("a").at("w1") >> Add(2).named("b").at("w1")).forward(x, broker=broker, deadline=30)
+        np.testing.assert_array_equal(out, x + 3)
+
+
+def test_a_relayed_worker_past_the_deadline_is_overdue_then_busy_until_its_node_returns(processes):
+    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"])
+    processes([*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--mode", "network"], announce=None)
+    with Broker.at(hub.endpoint, send={"w1": [fabric_nodes]}, patience=2.0) as broker:
+        until = time.monotonic() + 15
+        while not broker.knows("w1"):
+            assert time.monotonic() < until, "w1 never dialed in"
+            time.sleep(0.05)
+        assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2  # connected, greeted
+        started = time.monotonic()
+        with pytest.raises(Overdue, match=r"`stuck` on `w1` did not finish within the forward's deadline of 2 s"):
+            Sleep(3600).named("stuck").at("w1").forward(0, broker=broker, deadline=2.0)
+        assert time.monotonic() - started < 2.0 + MARGIN
+        with pytest.raises(Busy, match=r"`w1` is busy"):  # a standalone worker is never stopped by a client
+            Add(1).named("a").at("w1").forward(1, broker=broker, deadline=10)
+
+
+def test_a_local_node_is_checked_between_nodes_not_interrupted():
+    class Slow(Node):
+        def forward(self, x):
+            time.sleep(0.4)
+            return x
+
+    g = Slow().named("slow") >> Add(1).named("after")
+    with pytest.raises(Overdue, match=r"before `after` could start in this process"):
+        g.forward(0, deadline=0.2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan")])
+def test_a_deadline_is_a_positive_finite_number_of_seconds(bad):
+    with pytest.raises(ValueError, match="positive, finite number of seconds"):
+        Add(1).named("a").forward(1, deadline=bad)
+    with pytest.raises(TypeError, match="seconds as a number"):
+        Add(1).named("a").forward(1, deadline="5")
