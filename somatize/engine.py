@@ -3,7 +3,8 @@
 Operations whose inputs are ready at the same time run together on a shared thread pool
 (a chain runs inline in the caller's thread, so a long chain pays no thread hops). Every
 operation tells the watchers what it did (``ran``, ``failed``, ``recalled``, ``kept``,
-``left``) and the forward ends with ``finished`` or ``broke``.
+``left``) and the forward ends with ``finished`` or ``broke``. A ``ran`` whose node
+returned a batch says how many ``items`` it held.
 
 Caching is an optimisation and never an error: a value that cannot be written down or a
 store that refuses a write costs one line on stderr, and the answer is still right.
@@ -86,6 +87,8 @@ class Outcome:
 
     output: Any
     produced: dict[int, Any]
+    took_us: int | None = None
+    """What the side that ran the piece measured, from taking it to having its answer."""
 
 
 # -- the pool ----------------------------------------------------------------------------
@@ -138,10 +141,11 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
     Says ``ran`` and ``failed`` as a local walk would, but neither ``finished`` nor
     ``broke``: the forward belongs to the client, which closes it.
     """
+    started = time.perf_counter_ns()
     plan = compile(piece.steps, piece.shape)
     walk = _Walk(plan, watch if isinstance(watch, Watchers) else Watchers(watch), keys=piece.keys, produced={})
     output = walk.run(piece.value)
-    return Outcome(output, walk.produced)
+    return Outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
 
 
 # -- the walk ----------------------------------------------------------------------------
@@ -311,7 +315,9 @@ class _Walk:
                 error=type(exc).__name__,
                 remote_traceback=None,
             ) from exc
-        self.watch(fact("ran", node=step.label, took_us=microseconds(time.perf_counter_ns() - started)))
+        took = microseconds(time.perf_counter_ns() - started)
+        if self.watch:  # nobody watching: nothing is counted, nothing said
+            self.watch(fact("ran", node=step.label, took_us=took, items=_items(output)))
         if step.cache and op.step in self.keys:
             if self.produced is not None:
                 self.produced[op.step] = output
@@ -335,7 +341,7 @@ class _Walk:
         # with nobody watching, say so: a worker then sends no facts back at all
         watch = (lambda f: self.watch(elsewhere(f, host))) if self.watch else None
         outcome = self.broker.run(piece, watch)
-        self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started)))
+        self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started), worked_us=outcome.took_us))
         for number, produced in outcome.produced.items():
             step = piece.steps[number]
             if number in piece.keys:
@@ -401,6 +407,25 @@ def _recall(store: Any, key: str, step: Step) -> Any:
             )
             return _NOTHING
     return found
+
+
+def _items(output: Any) -> int | None:
+    """How many items a node handled, when its output is a batch: a list's or a tuple's
+    length, an array's or a tensor's first dimension, an Arrow table's or record batch's
+    rows; ``None`` for anything else. Imports nothing: a library's types are looked for
+    only when it is already loaded (an output of its kind would have loaded it)."""
+    if isinstance(output, list) or type(output) is tuple:
+        return len(output)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(output, numpy.ndarray):
+        return output.shape[0] if output.ndim else None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(output, torch.Tensor):
+        return output.shape[0] if output.dim() else None
+    arrow = sys.modules.get("pyarrow")
+    if arrow is not None and isinstance(output, (arrow.RecordBatch, arrow.Table)):
+        return output.num_rows
+    return None
 
 
 def _seconds(deadline: Any) -> float:

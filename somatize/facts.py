@@ -21,8 +21,10 @@ from .errors import NotAWatcher
 Fact = dict[str, str]
 Watcher = Callable[[Fact], Any]
 
-#: The engine's own kinds: each belongs to the forward that is open.
-ENGINE = frozenset({"ran", "failed", "recalled", "kept", "items", "left", "finished", "broke"})
+#: The engine's own kinds: each belongs to the forward that is open. How many items a node
+#: handled is a field of its ``ran`` (``items``), not a kind: it is the same event, timed
+#: by the same ``took_us``, and a worker sends one message for it, not two.
+ENGINE = frozenset({"ran", "failed", "recalled", "kept", "left", "finished", "broke"})
 #: The kinds that close a forward.
 CLOSING = frozenset({"finished", "broke"})
 

@@ -1,4 +1,5 @@
-"""The record: one entry per forward, written when it ends, and the readers with their prices.
+"""The record: one entry per forward, written when it ends, and the readers with their prices;
+a study's trials read back from one scan; the fleet per host as the workers measured it.
 
 The questionnaire of CU20 is here line by line (the test names are its lines). Costs are
 proven by counting: ``CountingStore`` wraps a real ``FolderStore`` and counts the calls.
@@ -23,6 +24,7 @@ from somatize.errors import BadName, Missing
 from somatize.facts import CLOSING, ENGINE, elsewhere
 from somatize.record import (
     Recorder,
+    best,
     curve,
     curve_costs,
     facts,
@@ -33,7 +35,9 @@ from somatize.record import (
     nodes,
     report,
     runs,
+    scores,
     self_report,
+    trials,
 )
 
 
@@ -365,8 +369,11 @@ def test_what_ran_on_a_real_worker_comes_back_saying_which_host(store):
         assert g.forward(0, broker=broker, watching=rec) == 3
     ran = {f["node"]: f for f in facts(store, run="remote", forward=0) if f["fact"] == "ran"}
     assert ran["far"]["host"] == "w1" and "host" not in ran["local"]
+    (left,) = [f for f in facts(store, run="remote", forward=0) if f["fact"] == "left"]
+    measured = int(left.get("worked_us", ran["far"]["took_us"]))  # the worker's, when it said it
     w1 = fleet(store, run="remote")["w1"]
-    assert w1["slices"] == 1 and w1["took_us"] == int(ran["far"]["took_us"]) and w1["waiting_us"] >= 0
+    assert w1["slices"] == 1 and w1["took_us"] == measured >= int(ran["far"]["took_us"])
+    assert w1["waiting_us"] == max(0, int(left["took_us"]) - measured)
     assert {row["node"]: row.get("host") for row in nodes(store, run="remote")} == {"local": None, "far": "w1"}
 
 
@@ -674,3 +681,390 @@ def test_a_worker_reports_to_the_store_on_its_clock_and_down_an_open_connection(
         assert time.monotonic() < deadline, "the report was never rewritten"
         time.sleep(0.05)
     assert len([n for n, _ in store.scan("machine/")]) == 1  # one name per machine
+
+
+# -- the layout ---------------------------------------------------------------------------
+
+
+def test_the_record_is_a_package_whose_modules_no_function_shadows():
+    import importlib
+    import pkgutil
+    import types
+
+    import somatize.record as record
+
+    assert record.__all__ == sorted(record.__all__)
+    for name in record.__all__:
+        assert getattr(record, name).__module__.startswith("somatize.record."), name
+    modules = {info.name for info in pkgutil.iter_modules(record.__path__)}
+    assert modules == {"drawings", "readers", "recorder", "reports", "studies"}
+    for name in modules:
+        assert isinstance(getattr(record, name), types.ModuleType), name  # `import somatize.record.x` is the module
+        assert importlib.import_module(f"somatize.record.{name}") is getattr(record, name)
+    # every name imported from somatize.record anywhere in the project is still there
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    used: set[str] = set()
+    for folder, _, files in os.walk(root):
+        if ".git" in folder or "egg-info" in folder:
+            continue
+        for file in files:
+            if file.endswith((".py", ".md", ".ipynb")):
+                with open(os.path.join(folder, file), encoding="utf-8", errors="replace") as handle:
+                    text = handle.read()
+                for found in re.findall(r"from (?:somatize|\.\.|)\.record import (\([^)]*\)|[^\n]*)", text):
+                    found = found if found.startswith("(") else re.split(r'\\n|"|#', found)[0]
+                    used |= set(re.findall(r"[A-Za-z_]\w*", found))
+    assert used and used <= set(dir(record)), used - set(dir(record))
+
+
+# -- items: how many a node handled ----------------------------------------------------------
+
+
+class Gives(Node):
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def forward(self, x):
+        return self.value
+
+
+def items_said(value):
+    seen = Collect()
+    Gives(value).named("n").forward(0, watching=seen)
+    (ran,) = [f for f in seen if f["fact"] == "ran"]
+    return ran.get("items")
+
+
+def test_a_node_whose_output_is_a_batch_says_how_many_items_it_handled():
+    import collections
+
+    import numpy as np
+
+    assert items_said([1, 2, 3]) == "3"
+    assert items_said((1, 2)) == "2"
+    assert items_said([]) == "0"
+    assert items_said(np.zeros((32, 4))) == "32"  # an array's first dimension
+    for not_a_batch in [7, 2.5, "abc", b"abc", {"a": 1}, np.float64(1.0), np.array(3.0), None,
+                        collections.namedtuple("Pair", "a b")(1, 2)]:
+        assert items_said(not_a_batch) is None, not_a_batch
+    assert "items" not in ENGINE  # a field of `ran`, not a kind of its own
+
+
+def test_a_tensor_and_an_arrow_batch_say_their_rows():
+    torch = pytest.importorskip("torch")
+    arrow = pytest.importorskip("pyarrow")
+    assert items_said(torch.zeros(16, 3)) == "16"
+    assert items_said(torch.tensor(1.0)) is None
+    batch = arrow.record_batch({"x": [1, 2, 3, 4, 5]})
+    assert items_said(batch) == "5"
+    assert items_said(arrow.Table.from_batches([batch, batch])) == "10"
+
+
+def test_nothing_is_counted_when_nobody_watches():
+    counted: list[int] = []
+
+    class Counted(list):
+        def __len__(self):
+            counted.append(1)
+            return super().__len__()
+
+    node = Gives(Counted([1, 2])).named("n")
+    node.forward(0)
+    assert counted == []
+    node.forward(0, watching=Collect())
+    assert counted == [1]
+
+
+def test_items_come_back_from_a_worker_on_its_ran(store):
+    rec = Recorder(store, run="r")
+    with Broker.embedded({"w1": Worker.inprocess()}) as broker:
+        g = fabric_nodes.Scale(2).named("scale").at("w1") >> fabric_nodes.Add(1).named("add")
+        g.forward([1, 2, 3], broker=broker, watching=rec)
+    ran = {f["node"]: f for f in facts(store, run="r", forward=0) if f["fact"] == "ran"}
+    assert ran["scale"]["items"] == "3" and ran["scale"]["host"] == "w1"
+    assert ran["add"]["items"] == "3"
+
+
+def test_nodes_shows_items_per_second_for_a_node_that_handled_batches(store):
+    rec = Recorder(store, run="r")
+    for step in range(2):
+        rec(fact("ran", node="embed", took_us=2000, items=32))
+        rec(fact("ran", node="head", took_us=500))
+        rec(fact("finished", took_us=3000))
+    rec(fact("ran", node="embed", took_us=1000))  # a run that said no items counts no time here
+    rec(fact("finished", took_us=1000))
+    embed, head = nodes(store, run="r")
+    assert embed == {"node": "embed", "ran": 3, "took_us": 5000, "recalled": 0, "failed": 0,
+                     "items": 64, "items_per_s": 16000.0}
+    assert "items" not in head and "items_per_s" not in head
+    rec(fact("ran", node="instant", took_us=0, items=5))
+    rec(fact("finished", took_us=1))
+    assert [row for row in nodes(store, run="r", last=1) if row["node"] == "instant"][0]["items_per_s"] is None
+
+
+# -- the fleet, as the workers measured it -------------------------------------------------
+
+
+def test_fleet_takes_a_trip_s_time_from_what_the_worker_measured(store):
+    rec = Recorder(store, run="r")
+    # two branches of 200 ms side by side on w1: 400 ms of nodes in 201 ms of the worker's
+    rec(fact("ran", node="a", took_us=200_000, host="w1", items=8))
+    rec(fact("ran", node="b", took_us=200_000, host="w1", items=8))
+    rec(fact("left", host="w1", took_us=230_000, worked_us=201_000))
+    rec(fact("ran", node="c", took_us=50, host="w2"))
+    rec(fact("left", host="w2", took_us=80))  # a worker that did not say: the sum of its nodes
+    rec(fact("finished", took_us=231_000))
+    assert fleet(store, run="r") == {
+        "w1": {"slices": 1, "took_us": 201_000, "waiting_us": 29_000, "items": 8, "items_per_s": 8 * 1e6 / 201_000},
+        "w2": {"slices": 1, "took_us": 50, "waiting_us": 30},
+    }
+
+
+def test_a_trip_that_never_came_back_still_counts_what_ran_there(store):
+    rec = Recorder(store, run="r")
+    rec(fact("ran", node="a", took_us=70, host="w1"))
+    rec(fact("failed", node="b", host="w1", error="ValueError: no"))
+    rec(fact("broke", took_us=100, error="node `b` on `w1` raised"))
+    assert fleet(store, run="r") == {"w1": {"slices": 0, "took_us": 70, "waiting_us": 0}}
+
+
+def test_two_parallel_branches_on_a_real_worker_count_once(store):
+    rec = Recorder(store, run="r")
+    spawned = Worker.spawn(WORKER, mode="network", send=[fabric_nodes])
+    with Broker.embedded({"w1": spawned}) as broker:
+        g = fabric_nodes.Sleep(0.2).named("a").at("w1") & fabric_nodes.Sleep(0.2).named("b").at("w1")
+        g.forward(1, broker=broker, watching=rec)  # the first trip also starts the worker
+        g.forward(1, broker=broker, watching=rec)
+    left = [f for f in facts(store, run="r", forward=1) if f["fact"] == "left"]
+    assert len(left) == 1 and "worked_us" in left[0]
+    w1 = fleet(store, run="r", last=1)["w1"]
+    assert 200_000 <= w1["took_us"] < 300_000  # not 400 ms: the branches ran side by side
+    assert w1["took_us"] + w1["waiting_us"] == int(left[0]["took_us"])  # the wire and the queue
+
+
+def test_a_host_is_joined_to_its_machine_by_the_name_its_worker_said(store):
+    rec = Recorder(store, run="r")
+    rec(elsewhere(fact("said", **self_report(4, machine="gpu-box-1")), "w1"))
+    rec(fact("ran", node="a", took_us=300, host="w1"))
+    rec(fact("left", host="w1", took_us=400))
+    rec(fact("ran", node="b", took_us=5, host="w2"))
+    rec(fact("left", host="w2", took_us=9))
+    rec(fact("finished", took_us=500))
+    rows = fleet(store, run="r")
+    assert rows["w1"]["machine"] == "gpu-box-1" and "machine" not in rows["w2"]
+    assert rows["w1"]["said"]["slices"] == "4" and "fact" not in rows["w1"]["said"]  # told down the wire
+    report(store, "gpu-box-1", {"kind": "load", "slices": "9"})
+    report(store, "w1", {"kind": "load", "slices": "1"})  # the host's name loses to the machine's
+    report(store, "w2", {"kind": "load", "slices": "2"})  # but serves a host that said nothing
+    rows = fleet(store, run="r")
+    assert rows["w1"]["said"] == {"kind": "load", "slices": "9", "machine": "gpu-box-1"}
+    assert rows["w2"]["said"]["slices"] == "2"
+    w1, w2 = machines(store, run="r", as_text=True).splitlines()[1:]
+    assert w1.endswith("  on gpu-box-1") and "on " not in w2
+
+
+def test_a_worker_says_the_name_it_was_given():
+    assert self_report(0, machine="gpu-box-1")["machine"] == "gpu-box-1"
+    assert self_report(0)["machine"]  # this computer's name, without one
+    with pytest.raises(ValueError, match="machine"):
+        self_report(0, machine="")
+
+
+def test_a_worker_started_with_a_machine_name_says_it_down_the_connection(tmp_path, processes):
+    from conftest import env_with_tests
+
+    store = FolderStore(tmp_path / "store")
+    worker = processes(
+        [*WORKER, "--listen", "127.0.0.1:0", "--announce", "--reporting", "0.01", "--machine", "gpu-box-1"],
+        env=env_with_tests(),
+    )
+    rec = Recorder(store, run="r")
+    with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}) as broker:
+        for x in range(2):
+            (fabric_nodes.Add(1).named("a").at("w1") >> fabric_nodes.Add(1).named("b")).forward(
+                x, broker=broker, watching=rec
+            )
+    said = [f for n in range(2) for f in facts(store, run="r", forward=n) if f["fact"] == "said"]
+    assert said and {f["machine"] for f in said} == {"gpu-box-1"}
+    assert fleet(store, run="r")["w1"]["machine"] == "gpu-box-1"
+
+
+# -- a study's trials ------------------------------------------------------------------------
+
+
+def attempt(store, study, trial, number, *, state, config=None, score=None, took_us=None, runner="r1",
+            error="", **said):
+    record = {
+        "trial": str(trial),
+        "attempt": str(number),
+        "config": json.dumps(config if config is not None else {"lr": 0.1 * (trial + 1)}),
+        "state": state,
+        "score": "" if score is None else repr(float(score)),
+        "took_us": "" if took_us is None else str(took_us),
+        "runner": runner,
+        "error": error,
+        "loss.value": "0.5",
+        **{f"said.{key}": str(value) for key, value in said.items()},
+    }
+    store.put(f"{study}/trial/{trial:06d}/{number:03d}", record, b'{"fact": "loss", "value": "0.5"}\n')
+
+
+def define(store, study, direction="minimize"):
+    store.put(f"{study}/study", {"name": study, "direction": direction, "trials": "40", "attempts": "3"})
+
+
+def a_study(store, study="tune", direction="minimize"):
+    define(store, study, direction)
+    attempt(store, study, 0, 0, state="done", score=0.8, took_us=1200, epoch=3, loss=0.8)
+    attempt(store, study, 1, 0, state="running", runner="r2")  # killed: abandoned by attempt 1
+    attempt(store, study, 1, 1, state="done", score=0.4, took_us=900, runner="r1")
+    attempt(store, study, 2, 0, state="failed", took_us=30, error="ValueError: lr too high")
+    attempt(store, study, 3, 0, state="pruned", took_us=400, epoch=1, loss=2.5)
+    attempt(store, study, 4, 0, state="done", score=0.5, took_us=1000)
+    attempt(store, study, 5, 0, state="running", runner="r2", epoch=2)
+    attempt(store, study, 6, 0, state="running")
+    attempt(store, study, 6, 1, state="running")
+    attempt(store, study, 6, 2, state="abandoned")  # out of attempts
+
+
+def test_trials_tells_each_trial_from_one_scan_and_no_fetch(counting):
+    a_study(counting)
+    attempt(counting, "other", 0, 0, state="done", score=0.0)  # another study is not read
+    counting.reset()
+    rows = trials(counting, study="tune")
+    assert (counting.scans, counting.fetches) == (1, 0)
+    assert [(r["trial"], r["state"], r["attempts"], r["score"]) for r in rows] == [
+        (0, "done", 1, 0.8),
+        (1, "done", 2, 0.4),
+        (2, "failed", 1, None),
+        (3, "pruned", 1, None),
+        (4, "done", 1, 0.5),
+        (5, "running", 1, None),
+        (6, "abandoned", 3, None),
+    ]
+    first = rows[0]
+    assert first == {
+        "trial": 0,
+        "state": "done",
+        "score": 0.8,
+        "attempts": 1,
+        "took_us": 1200,
+        "config": {"lr": 0.1},
+        "said": {"epoch": 3.0, "loss": 0.8},
+        "runner": "r1",
+    }
+    assert rows[1]["runner"] == "r1" and rows[1]["took_us"] == 900  # the attempt that counts
+    assert rows[2]["error"] == "ValueError: lr too high" and "error" not in rows[0]
+    assert rows[3]["said"] == {"epoch": 1.0, "loss": 2.5}
+    assert rows[5]["took_us"] is None and rows[5]["said"] == {"epoch": 2.0}
+    assert trials(counting, study="nothing-here") == []
+
+
+def test_the_highest_attempt_counts_whatever_a_late_one_wrote(store):
+    define(store, "tune")
+    attempt(store, "tune", 0, 1, state="done", score=0.5, runner="r2")
+    attempt(store, "tune", 0, 0, state="done", score=0.1, runner="r1")  # woke up after the takeover
+    (row,) = trials(store, study="tune")
+    assert (row["score"], row["runner"], row["attempts"]) == (0.5, "r2", 2)
+    assert best(store, study="tune")["score"] == 0.5
+
+
+def test_best_is_the_best_done_trial_by_the_study_s_direction_from_one_scan(counting):
+    a_study(counting)
+    counting.reset()
+    top = best(counting, study="tune")
+    assert (counting.scans, counting.fetches) == (1, 0)
+    assert top["trial"] == 1 and top["score"] == 0.4 and top["config"] == {"lr": 0.2}
+
+    a_study(counting, "up", direction="maximize")
+    assert best(counting, study="up")["trial"] == 0
+
+    define(counting, "ties")
+    for trial in range(3):
+        attempt(counting, "ties", trial, 0, state="done", score=float("nan") if trial == 0 else 1.0)
+    assert best(counting, study="ties")["trial"] == 1  # a NaN is no score; among equals, the first
+
+    define(counting, "fresh")
+    attempt(counting, "fresh", 0, 0, state="running")
+    assert best(counting, study="fresh") is None
+
+
+def test_best_of_a_study_that_is_not_there_says_so(store):
+    attempt(store, "orphan", 0, 0, state="done", score=1.0)
+    with pytest.raises(Missing, match="no study 'orphan'"):
+        best(store, study="orphan")
+    define(store, "odd", direction="sideways")
+    with pytest.raises(ValueError, match="sideways"):
+        best(store, study="odd")
+    for bad in ["", "/abs", ".hidden", 3]:
+        with pytest.raises(BadName):
+            trials(store, study=bad)
+
+
+def test_a_record_that_is_not_what_a_trial_writes_is_named(store):
+    define(store, "tune")
+    attempt(store, "tune", 0, 0, state="done", score=1.0)
+    store.put("tune/trial/000001/000", {"state": "done", "score": "lots", "config": "{}"})
+    with pytest.raises(ValueError, match=r"trial 1 \(attempt 0\) of study 'tune'.*'lots'"):
+        trials(store, study="tune")
+    store.put("tune/trial/000001/000", {"state": "done", "score": "1.0", "config": "{lr: 1"})
+    with pytest.raises(ValueError, match="not JSON"):
+        trials(store, study="tune")
+    store.put("tune/trial/000001/000", {"state": "running"})  # nothing written yet but the claim
+    assert trials(store, study="tune")[1] == {
+        "trial": 1, "state": "running", "score": None, "attempts": 1, "took_us": None,
+        "config": {}, "said": {}, "runner": "",
+    }
+
+
+def test_a_history_of_a_thousand_trials_is_one_scan(counting):
+    define(counting, "long")
+    for trial in range(1000):
+        attempt(counting, "long", trial, 0, state="done", score=1000 - trial, took_us=trial)
+    counting.reset()
+    rows = trials(counting, study="long")
+    assert (counting.scans, counting.fetches) == (1, 0)
+    assert len(rows) == 1000 and rows[-1]["score"] == 1.0
+    assert best(counting, study="long")["trial"] == 999
+    assert (counting.scans, counting.fetches) == (2, 0)
+
+
+def test_scores_draws_each_trial_and_the_best_so_far_as_text(counting, capsys):
+    a_study(counting)
+    counting.reset()
+    chart = scores(counting, study="tune", as_text=True)
+    assert (counting.scans, counting.fetches) == (1, 0)
+    assert repr(chart) == str(chart)  # shows drawn, not quoted
+    title, *lines = chart.splitlines()
+    assert title == "study 'tune' (minimize): score per trial, the best so far, * a new best"
+    assert len(lines) == 7
+    assert lines[0].split()[:3] == ["0", "done", "0.8"] and lines[0].count("#") == 40
+    assert lines[0].endswith("best 0.8  *")
+    assert lines[1].split()[:3] == ["1", "done", "0.4"] and lines[1].count("#") == 1
+    assert lines[1].endswith("best 0.4  *")
+    assert lines[2].split() == ["2", "failed", "-", "best", "0.4"]
+    assert lines[4].split()[:3] == ["4", "done", "0.5"] and lines[4].endswith("best 0.4")  # no new best
+    assert lines[6].split() == ["6", "abandoned", "-", "best", "0.4"]
+    define(counting, "empty")
+    assert scores(counting, study="empty", as_text=True) == "study 'empty' has no trials yet"
+    assert capsys.readouterr().out == ""  # never prints by itself
+
+
+def test_scores_without_matplotlib_is_the_text_chart(store, monkeypatch):
+    a_study(store)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert scores(store, study="tune") == scores(store, study="tune", as_text=True)
+
+
+def test_scores_draws_a_figure_when_matplotlib_is_there(store):
+    figure_module = pytest.importorskip("matplotlib.figure")
+    a_study(store, direction="maximize")
+    drawn = scores(store, study="tune")
+    assert isinstance(drawn, figure_module.Figure)
+    (axes,) = drawn.axes
+    points = axes.collections[0].get_offsets().tolist()
+    assert points == [[0, 0.8], [1, 0.4], [4, 0.5]]  # the done trials' scores
+    (line,) = axes.get_lines()
+    assert list(line.get_ydata()) == [0.8] * 7  # maximizing: 0.8 stays the best
+    assert "maximize" in axes.get_title()

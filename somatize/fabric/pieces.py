@@ -26,7 +26,7 @@ def work_of(piece: Piece, ref: int, specs: Sequence[NodeSpec], *, watched: bool)
 
 
 def outcome_of(done: Done) -> Outcome:
-    return Outcome(done.output, dict(done.produced))
+    return Outcome(done.output, dict(done.produced), done.took_us)
 
 
 def piece_of(work: Work, nodes: Sequence[object]) -> Piece:

@@ -314,7 +314,7 @@ class WorkerLoop:
 
     def _report(self) -> None:
         try:
-            report(self.store, self.machine, self_report(self.served))
+            report(self.store, self.machine, self_report(self.served, machine=self.machine))
         except (OSError, SomatizeError) as exc:  # a full disk must not stop the serving
             print(f"somatize worker: could not report to the store: {exc}", file=sys.stderr)
 
@@ -326,7 +326,7 @@ class WorkerLoop:
         if now - self._said_at < self.reporting:
             return None
         self._said_at = now
-        return fact("said", **self_report(self.served))
+        return fact("said", **self_report(self.served, machine=self.machine))
 
     def reload(self) -> None:
         """Read the allow-list of client keys again (a key removed is refused from now on)."""

@@ -1,0 +1,272 @@
+"""Reading the record back: plain functions over a store, each with a known price.
+
+``runs``, ``forwards`` and a summarised ``curve`` cost one scan; ``curve_costs`` tells the
+price of a ``curve`` before it is paid; ``facts`` is one fetch; ``nodes`` and ``fleet`` a
+fetch per forward they read (``fleet`` one more scan, of the machines' reports).
+
+These functions add up what the facts say; they never judge it, and never write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..facts import Fact
+from ..store import Store
+from .recorder import _NUMBER, _RUNS, _check_run, _name, _records
+from .reports import latest
+
+
+def runs(store: Store) -> list[str]:
+    """The runs this store holds a record of, sorted. One scan."""
+    found = set()
+    for name, _ in store.scan(_RUNS):
+        parts = name.split("/")
+        if len(parts) == 3 and _NUMBER.fullmatch(parts[2]):
+            found.add(parts[1])
+    return sorted(found)
+
+
+def forwards(store: Store, run: str) -> list[dict[str, Any]]:
+    """Step by step, from the records alone: one scan, no fetch.
+
+    Each entry has ``forward``, ``state``, ``took_us``, ``nodes`` and ``facts`` (whole
+    numbers; ``took_us`` is ``None`` when the closing fact had none), ``error`` for a
+    forward that broke, and every summarised ``<kind>.<field>``, as a float when it reads as
+    one and as text otherwise.
+    """
+    _check_run(run, "forwards(run=...)")
+    out = []
+    for number, record in _records(store, run):
+        row: dict[str, Any] = {
+            "forward": number,
+            "state": record.get("state", ""),
+            "took_us": _whole(record.get("took_us")),
+            "nodes": _whole(record.get("nodes")),
+            "facts": _whole(record.get("facts")),
+        }
+        if "error" in record:
+            row["error"] = record["error"]
+        for key, value in record.items():
+            if "." in key:
+                row[key] = _maybe_float(value)
+        out.append(row)
+    return out
+
+
+def curve(store: Store, run: str, kind: str = "loss", field: str = "value") -> list[tuple[int, float]]:
+    """The series somebody plots: ``(forward, value)`` for every forward that said ``kind``.
+
+    From the records alone (one scan) for the forwards whose recorder summarised ``kind``;
+    for any other forward, its blob is fetched and the last ``kind`` fact with ``field`` is
+    used. :func:`curve_costs` tells which, before paying for it.
+    """
+    _check_run(run, "curve(run=...)")
+    key = f"{kind}.{field}"
+    out = []
+    for number, record in _records(store, run):
+        if _summarises(record, kind, key):
+            value = record.get(key)
+        else:
+            value = None
+            for f in _read(store, run, number):
+                if f.get("fact") == kind and field in f:
+                    value = f[field]
+        if value is not None:
+            out.append((number, _float(value, run, number, key)))
+    return out
+
+
+def curve_costs(store: Store, run: str, kind: str = "loss", field: str = "value") -> dict[str, Any]:
+    """What :func:`curve` would cost, found with one scan and no fetch.
+
+    ``{"scans": 1, "fetches": 0, "summarised": True, "forwards": N}`` when every record
+    carries ``kind``; otherwise ``fetches`` counts the blobs it would read.
+    """
+    _check_run(run, "curve_costs(run=...)")
+    key = f"{kind}.{field}"
+    records = _records(store, run)
+    fetches = sum(1 for _, record in records if not _summarises(record, kind, key))
+    return {"scans": 1, "fetches": fetches, "summarised": fetches == 0, "forwards": len(records)}
+
+
+def facts(store: Store, run: str, forward: int) -> list[Fact]:
+    """Everything one forward did, in the order it arrived. One fetch."""
+    _check_run(run, "facts(run=...)")
+    number = _index(forward, "forward")
+    return _read(store, run, number)
+
+
+def nodes(store: Store, run: str, last: int | None = None) -> list[dict[str, Any]]:
+    """Who spent the time, added up over the last ``last`` forwards (all when ``None``).
+
+    One entry per node name: ``node``, ``ran`` (times), ``took_us`` (their sum),
+    ``recalled`` and ``failed`` (times), and ``host`` when it ran elsewhere (several hosts
+    are joined with ','). A node whose output was a batch also has ``items`` (how many it
+    handled, added up over the runs that said so) and ``items_per_s`` (those items over the
+    time of those runs; ``None`` when they took no measurable time). Sorted by ``took_us``,
+    most first. One scan and a fetch per forward.
+    """
+    _check_run(run, "nodes(run=...)")
+    totals: dict[str, dict[str, Any]] = {}
+    hosts: dict[str, set[str]] = {}
+    batches: dict[str, list[int]] = {}  # node -> [items, microseconds of the runs that said them]
+    for number, _ in _chosen(store, run, last):
+        for f in _read(store, run, number):
+            kind = f.get("fact")
+            if kind not in ("ran", "recalled", "failed") or "node" not in f:
+                continue
+            name = f["node"]
+            row = totals.setdefault(name, {"node": name, "ran": 0, "took_us": 0, "recalled": 0, "failed": 0})
+            row[kind] += 1
+            if kind == "ran":
+                took = _whole(f.get("took_us")) or 0
+                row["took_us"] += took
+                items = _whole(f.get("items"))
+                if items is not None:
+                    batch = batches.setdefault(name, [0, 0])
+                    batch[0] += items
+                    batch[1] += took
+            if "host" in f and kind != "recalled":
+                hosts.setdefault(name, set()).add(f["host"])
+    for name, where in hosts.items():
+        totals[name]["host"] = ",".join(sorted(where))
+    for name, (items, took) in batches.items():
+        totals[name]["items"] = items
+        totals[name]["items_per_s"] = _rate(items, took)
+    return sorted(totals.values(), key=lambda row: (-row["took_us"], row["node"]))
+
+
+def fleet(store: Store, run: str, last: int | None = None) -> dict[str, dict[str, Any]]:
+    """Per host, what was sent there and what it cost: ``slices``, ``took_us``, ``waiting_us``.
+
+    ``slices`` counts the ``left`` facts of a host (one per trip). ``took_us`` is the time
+    the worker measured for each trip (``worked_us`` on ``left``, from its ``Done``), so two
+    branches that ran side by side there count once; a trip whose ``left`` does not say it
+    counts what ran there instead, the sum of its nodes. ``waiting_us`` is each trip's round
+    trip less that (the wire and the queue), never below zero for one trip. Hosts are keyed
+    as facts name them, so a route is its own key (``w1/w2``).
+
+    A host whose nodes' outputs were batches has ``items`` (per trip, the largest batch a
+    node of it handled) and ``items_per_s``. A host whose worker said who it is (a ``said``
+    fact: the name ``--machine`` gives) has ``machine``; and ``said``, that machine's latest
+    report (:func:`report`, found under its name, or else under the host's), or else the
+    last it said down the connection. One scan and a fetch per forward, and one more scan
+    for the reports.
+    """
+    _check_run(run, "fleet(run=...)")
+    out: dict[str, dict[str, Any]] = {}
+    batches: dict[str, list[int]] = {}  # host -> [items, microseconds of the trips that said them]
+    machine_of: dict[str, str] = {}
+    told: dict[str, dict[str, str]] = {}
+    for number, _ in _chosen(store, run, last):
+        ran_since: dict[str, int] = {}  # what ran on each host since its last trip ended
+        items_since: dict[str, int] = {}
+        for f in _read(store, run, number):
+            kind = f.get("fact")
+            host = f.get("host")
+            if not host:
+                continue
+            if kind == "said" and f.get("machine"):
+                machine_of[host] = f["machine"]
+                told[host] = {k: v for k, v in f.items() if k not in ("fact", "host")}
+                continue
+            if kind not in ("ran", "left"):
+                continue
+            row = out.setdefault(host, {"slices": 0, "took_us": 0, "waiting_us": 0})
+            took = _whole(f.get("took_us")) or 0
+            if kind == "ran":
+                ran_since[host] = ran_since.get(host, 0) + took
+                items = _whole(f.get("items"))
+                if items is not None:
+                    items_since[host] = max(items, items_since.get(host, 0))
+                continue
+            worked = _whole(f.get("worked_us"))
+            ran = ran_since.pop(host, 0)
+            spent = ran if worked is None else worked
+            row["slices"] += 1
+            row["took_us"] += spent
+            row["waiting_us"] += max(0, took - spent)
+            if host in items_since:
+                batch = batches.setdefault(host, [0, 0])
+                batch[0] += items_since.pop(host)
+                batch[1] += spent
+        for host, ran in ran_since.items():  # a trip that never came back: what ran still ran
+            out[host]["took_us"] += ran
+    for host, (items, took) in batches.items():
+        out[host]["items"] = items
+        out[host]["items_per_s"] = _rate(items, took)
+    if out:
+        reports = latest(store)
+        for host, row in out.items():
+            machine = machine_of.get(host)
+            if machine is not None:
+                row["machine"] = machine
+            said = reports.get(machine) if machine is not None else None
+            said = said or reports.get(host) or told.get(host)
+            if said:
+                row["said"] = said
+    return dict(sorted(out.items()))
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _read(store: Store, run: str, number: int) -> list[Fact]:
+    blob = store.fetch(_name(run, number))
+    if blob is None:
+        return []
+    text = bytes(blob).decode("utf-8")
+    # split on '\n' only: JSON escapes it inside strings, but not U+2028 and its kin
+    return [json.loads(line) for line in text.split("\n") if line]
+
+
+def _chosen(store: Store, run: str, last: int | None) -> list[tuple[int, dict[str, str]]]:
+    records = _records(store, run)
+    if last is None:
+        return records
+    count = _index(last, "last")
+    return records[len(records) - count :] if count else []
+
+
+def _summarises(record: Mapping[str, str], kind: str, key: str) -> bool:
+    return key in record or kind in record.get("summarising", "").split()
+
+
+def _rate(items: int, microseconds: int) -> float | None:
+    return items * 1e6 / microseconds if microseconds > 0 else None
+
+
+def _whole(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def _maybe_float(value: str) -> float | str:
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _float(value: str, run: str, number: int, key: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"forward {number} of run {run!r} says {key} = {value!r}, which is not a number; "
+            f"a curve is drawn from numbers. Read it with `facts(store, run={run!r}, "
+            f"forward={number})`."
+        ) from None
+
+
+def _index(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{what}=` takes a whole number from 0; got {value!r}.")
+    return value

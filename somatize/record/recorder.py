@@ -1,0 +1,271 @@
+"""Writing the record: a :class:`Recorder` files the facts of each forward into one entry.
+
+A recorder is a watcher. It collects the facts of the forward that is open and, when
+``finished`` or ``broke`` arrives, writes one entry ``run/<run>/<n>``: a small record a scan
+can answer from (``run``, ``forward``, ``took_us``, ``state``, ``nodes``, ``facts`` and the
+summarised ``<kind>.<field>`` values), and a blob with every fact of that forward, one JSON
+object per line, in the order they arrived. A fact outside the engine's vocabulary
+(``loss``, ``updated``, ``said``) comes after the forward it is about, so it is filed into
+the record that closed last, which is written again.
+
+Where entries are named (``run/<run>/<n>``) is this module's; the readers find them through
+:func:`_records` and :func:`_name`. Nothing here reads a blob.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+from ..errors import BadName
+from ..facts import CLOSING, ENGINE, Fact
+from ..store import Store, _check_name
+
+_RUNS = "run/"
+_NUMBER = re.compile(r"[0-9]+")
+_KIND = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class Recorder:
+    """A watcher that writes one record per forward into ``store``, under ``run/<run>/<n>``.
+
+    ``run`` names the run; a run nobody named gets a sortable UTC name such as
+    ``2026-11-29T10-01-02-ab12`` (see :attr:`run`). Giving the name of a run that already
+    has records continues its numbering. ``summarising`` lists the kinds (``["loss"]``)
+    whose fields are copied into the record itself as ``<kind>.<field>``, so a scan can
+    draw their curve without reading a blob; when a kind is said several times in one
+    forward, the last value of each field wins.
+
+    Facts of the engine's vocabulary belong to the forward that is open; ``finished`` or
+    ``broke`` close it and only then is anything written. Any other fact is filed into the
+    forward that closed last, and that entry is written again. One said before any forward
+    of this recorder closed waits, and is filed with the first one.
+
+    Facts may arrive from several threads at once. Forwards run at the same time into one
+    recorder each keep their own facts: the engine asks the recorder for a watcher of one
+    forward (:meth:`for_forward`), and a forward is numbered when it closes.
+    """
+
+    def __init__(self, store: Store, run: str | None = None, summarising: Iterable[str] = ()) -> None:
+        if not isinstance(store, Store):
+            raise TypeError(
+                f"Recorder(store) needs a store (something with put, scan and fetch, such as "
+                f"`FolderStore(path)`); got a `{type(store).__name__}`."
+            )
+        self._store = store
+        self._summarising = _kinds(summarising)
+        self._lock = threading.Lock()
+        if run is None:
+            self._run, self._next = _fresh_run(store)
+        else:
+            self._run = _check_run(run, "Recorder(run=...)")
+            self._next = _next_number(store, self._run)
+        self._open: list[Fact] = []
+        self._open_lines: list[bytes] = []
+        # the forward that closed last: its number, facts and written lines
+        self._last: tuple[int, list[Fact], list[bytes]] | None = None
+
+    @property
+    def run(self) -> str:
+        """The run's name, given or made up; ``runs(store)`` lists it once a forward closed."""
+        return self._run
+
+    @property
+    def summarising(self) -> tuple[str, ...]:
+        return self._summarising
+
+    def __repr__(self) -> str:
+        extra = f", summarising={list(self._summarising)!r}" if self._summarising else ""
+        return f"Recorder({self._store!r}, run={self._run!r}{extra})"
+
+    def __call__(self, fact: Mapping[str, str]) -> None:
+        """Take one fact: file it, and write when a forward closes or a closed one grows."""
+        f = _checked(fact)
+        line = _line(f)
+        with self._lock:
+            # the lock is held across the put, so two rewrites of one entry land in order
+            kind = f["fact"]
+            if kind in ENGINE or self._last is None:
+                self._open.append(f)
+                self._open_lines.append(line)
+                if kind in CLOSING:
+                    number, self._next = self._next, self._next + 1
+                    self._last = (number, self._open, self._open_lines)
+                    self._open, self._open_lines = [], []
+                    self._write(number, self._last[1], self._last[2])
+            else:
+                number, filed, lines = self._last
+                filed.append(f)
+                lines.append(line)
+                self._write(number, filed, lines)
+
+    def for_forward(self) -> _OneForward:
+        """A watcher for one forward: its engine facts are kept apart from any other
+        forward's until it closes. The engine calls this once per forward."""
+        return _OneForward(self)
+
+    def _close(self, filed: list[Fact], lines: list[bytes]) -> None:
+        with self._lock:
+            if self._open:  # said before any forward closed: filed with the first
+                filed, lines = self._open + filed, self._open_lines + lines
+                self._open, self._open_lines = [], []
+            number, self._next = self._next, self._next + 1
+            self._last = (number, filed, lines)
+            self._write(number, filed, lines)
+
+    def _write(self, number: int, filed: list[Fact], lines: list[bytes]) -> None:
+        record = _summary(self._run, number, filed, self._summarising)
+        self._store.put(_name(self._run, number), record, list(lines))
+
+
+class _OneForward:
+    """What a :class:`Recorder` hands the engine for one forward."""
+
+    __slots__ = ("_recorder", "_facts", "_lines", "_lock")
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._recorder = recorder
+        self._facts: list[Fact] = []
+        self._lines: list[bytes] = []
+        self._lock = threading.Lock()  # this forward's branches report from several threads
+
+    def __call__(self, fact: Mapping[str, str]) -> None:
+        f = _checked(fact)
+        if f["fact"] not in ENGINE:
+            self._recorder(f)  # said by someone else: the recorder files it
+            return
+        with self._lock:
+            self._facts.append(f)
+            self._lines.append(_line(f))
+            if f["fact"] not in CLOSING:
+                return
+            filed, lines = self._facts, self._lines
+            self._facts, self._lines = [], []
+        self._recorder._close(filed, lines)
+
+
+def _summary(run: str, number: int, filed: list[Fact], summarising: tuple[str, ...]) -> dict[str, str]:
+    """The record of one forward: everything in it follows from its facts alone."""
+    closing: Fact = {}
+    names: set[str] = set()
+    summaries: dict[str, str] = {}
+    for f in filed:
+        kind = f["fact"]
+        if kind in CLOSING:
+            closing = f
+        elif kind in ("ran", "recalled") and "node" in f:
+            names.add(f["node"])
+        if kind in summarising:
+            for field, value in f.items():
+                if field != "fact":
+                    summaries[f"{kind}.{field}"] = value
+    record = {
+        "run": run,
+        "forward": str(number),
+        "state": "broke" if closing.get("fact") == "broke" else "ok",
+        "nodes": str(len(names)),
+        "facts": str(len(filed)),
+    }
+    if "took_us" in closing:
+        record["took_us"] = closing["took_us"]
+    if record["state"] == "broke" and "error" in closing:
+        record["error"] = closing["error"]
+    if summarising:
+        record["summarising"] = " ".join(summarising)
+    record.update(summaries)
+    return record
+
+
+def _checked(fact: object) -> Fact:
+    if not isinstance(fact, Mapping):
+        raise TypeError(
+            f"a recorder is told facts, which are dicts of text; got a `{type(fact).__name__}`. "
+            f"Build one with `somatize.fact('loss', value=0.25)`."
+        )
+    out: Fact = {}
+    for key, value in fact.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(
+                f"a fact is a dict of text, and this one holds {key!r}: {value!r} "
+                f"(a `{type(value).__name__}`). Build it with `somatize.fact(...)`, which "
+                f"writes numbers down as text."
+            )
+        out[key] = value
+    if not out.get("fact"):
+        raise TypeError(
+            f"a fact names its kind under 'fact', and this one does not: {out!r}. "
+            f"Build it with `somatize.fact('loss', value=0.25)`."
+        )
+    return out
+
+
+def _line(f: Fact) -> bytes:
+    try:
+        return (json.dumps(f, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: escape everything, still exact
+        return (json.dumps(f) + "\n").encode("ascii")
+
+
+def _kinds(summarising: object) -> tuple[str, ...]:
+    if isinstance(summarising, str) or not isinstance(summarising, Iterable):
+        raise TypeError(
+            f"`summarising=` takes a list of kinds, such as `['loss']`; got {summarising!r}."
+        )
+    kinds: list[str] = []
+    for kind in summarising:
+        if not isinstance(kind, str) or not _KIND.fullmatch(kind):
+            raise ValueError(
+                f"`summarising=` names kinds of facts, such as 'loss': letters, digits, '_' "
+                f"and '-' (no dot: the record calls a field '<kind>.<field>'); got {kind!r}."
+            )
+        if kind not in kinds:
+            kinds.append(kind)
+    return tuple(kinds)
+
+
+def _check_run(run: object, where: str) -> str:
+    if not isinstance(run, str):
+        raise BadName(f"{where}: a run's name is a str, not a `{type(run).__name__}`.")
+    if "/" in run:
+        raise BadName(
+            f"{where}: a run's name is one store name component, with no '/'; got {run!r}."
+        )
+    try:
+        _check_name(_name(run, 0))
+    except BadName as exc:
+        raise BadName(f"{where}: {run!r} cannot name a run. {exc}") from None
+    return run
+
+
+def _fresh_run(store: Store) -> tuple[str, int]:
+    """A name nobody used: UTC time to the second (so names sort), and a random suffix."""
+    stamp = time.strftime("%Y-%m-%dT%H-%M-%S", time.gmtime())
+    while True:
+        run = f"{stamp}-{secrets.token_hex(2)}"
+        if _next_number(store, run) == 0:
+            return run, 0
+
+
+def _next_number(store: Store, run: str) -> int:
+    numbers = [number for number, _ in _records(store, run)]
+    return max(numbers) + 1 if numbers else 0
+
+
+def _name(run: str, number: int) -> str:
+    return f"{_RUNS}{run}/{number}"
+
+
+def _records(store: Store, run: str) -> list[tuple[int, dict[str, str]]]:
+    """The records of one run, by forward number: one scan."""
+    prefix = f"{_RUNS}{run}/"
+    found = []
+    for name, record in store.scan(prefix):
+        rest = name[len(prefix) :]
+        if _NUMBER.fullmatch(rest):
+            found.append((int(rest), record))
+    found.sort(key=lambda item: item[0])
+    return found
