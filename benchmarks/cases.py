@@ -10,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,8 +27,8 @@ import paths
 from children import Child
 from floor import ANNOUNCE, Floor
 from nodes import Echo, Inc
-from somatize import Broker, FolderStore, Recorder, Worker
-from somatize.record import curve, forwards
+from somatize import Broker, FolderStore, Recorder, Study, Worker
+from somatize.record import curve, forwards, trials
 from table import (
     Row,
     at_least,
@@ -54,6 +57,8 @@ class Settings:
     graphs: int  # (c) forwards of the small graph per contender
     chains: int  # (d) forwards of the 200-node chain
     records: int  # (e) forwards recorded
+    trials: int = 200  # (f) trials run by two runners
+    history: int = 1000  # (f) trials in the history rebuilt
     blocks: int = 10
 
     @classmethod
@@ -62,7 +67,8 @@ class Settings:
 
     @classmethod
     def quick(cls) -> Settings:
-        return cls(calls=50, sizes=(1 << 20,), reps=3, graphs=200, chains=10, records=200, blocks=2)
+        return cls(calls=50, sizes=(1 << 20,), reps=3, graphs=200, chains=10, records=200, trials=10, history=50,
+                   blocks=2)
 
 
 @dataclasses.dataclass
@@ -257,6 +263,13 @@ class Counting:
         self.fetches += 1
         return self.store.fetch(name)
 
+    def create(self, name, record, blob=None):
+        self.puts += 1
+        return self.store.create(name, record, blob)
+
+    def stamp(self, name):
+        return self.store.stamp(name)
+
     def reset(self) -> None:
         self.scans = self.fetches = self.puts = 0
 
@@ -311,10 +324,84 @@ def record_readers(settings: Settings, floors: Floors) -> list[Row]:
     return rows
 
 
+def _history(folder: str, name: str, trials: int) -> None:
+    """A finished study of ``trials`` trials, written as runners write them (setup)."""
+    from optuna.distributions import FloatDistribution
+
+    store = FolderStore(folder)
+    Study(store, name, objective="objectives:instant", space={"x": FloatDistribution(-5, 5)}, trials=trials,
+          sampler="random")
+    for n in range(trials):
+        x = -5 + 10 * n / max(1, trials - 1)
+        store.put(f"{name}/trial/{n:06d}/000", {
+            "trial": str(n), "attempt": "0", "config": json.dumps({"x": x}), "state": "done",
+            "score": repr((x - 1.0) ** 2), "took_us": "10", "runner": "bench",
+        })
+
+
+def studies(settings: Settings, floors: Floors) -> list[Row]:
+    """(f) Trials claimed and finished per second by two runner processes with an instant
+    objective, and what rebuilding a study's history costs."""
+    from optuna.distributions import FloatDistribution
+
+    folder = tempfile.mkdtemp(prefix="somatize-bench-study-")
+    rows: list[Row] = []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH", "")]))
+    try:
+        store = FolderStore(folder)
+        n = settings.trials
+        Study(store, "speed", objective="objectives:instant", space={"x": FloatDistribution(-5, 5)}, trials=n,
+              sampler="random", patience=30.0)
+        command = [sys.executable, "-m", "somatize", "study", "--store", folder, "speed"]
+        started = time.perf_counter()
+        runners = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for _ in range(2)]
+        try:
+            codes = [r.wait(600) for r in runners]
+        finally:
+            for r in runners:
+                if r.poll() is None:
+                    r.kill()
+                    r.wait()
+        took = time.perf_counter() - started
+        done = [t for t in trials(store, study="speed") if t["state"] == "done"]
+        if codes != [0, 0] or len(done) != n:
+            raise AssertionError(f"runners ended with {codes}, {len(done)} of {n} trials done")
+        rows.append(Row("f", f"2 runners, {n:,} trials of an instant objective", f"{n / took:,.1f} trials/s",
+                        target="", verdict=""))
+        rows.append(Row("f", "  the same, per trial (both processes' start included)", ms(took / n)))
+
+        _history(folder, "past", settings.history)
+        counting = Counting(FolderStore(folder))
+        counting.reset()
+        past = Study.open(counting, "past")
+        times = repeated(lambda: past.optuna(), 3)
+        counting.reset()
+        rebuilt = past.optuna()
+        if len(rebuilt.trials) != settings.history:
+            raise AssertionError(f"the rebuilt history holds {len(rebuilt.trials)} trials")
+        scans, fetches = counting.scans, counting.fetches
+        rows.append(Row("f", f"rebuilding a {settings.history:,}-trial history for the sampler",
+                        f"{ms(median(times))}; {scans} scan, {fetches:,} fetches", target="1 scan, 0 fetches",
+                        verdict="PASS" if (scans, fetches) == (1, 0) else "MISS"))
+        counting.reset()
+        times = repeated(lambda: trials(counting.store, study="past"), 3)
+        counting.reset()
+        trials(counting, study="past")
+        rows.append(Row("f", f"trials(), {settings.history:,} trials", f"{ms(median(times))}; {counting.scans} scan, "
+                        f"{counting.fetches:,} fetches", target="1 scan, 0 fetches",
+                        verdict="PASS" if (counting.scans, counting.fetches) == (1, 0) else "MISS"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
 CASES: dict[str, Callable[[Settings, Floors], list[Row]]] = {
     "a": small_forward,
     "b": big_arrays,
     "c": inprocess,
     "d": engine_overhead,
     "e": record_readers,
+    "f": studies,
 }

@@ -34,6 +34,8 @@ from .errors import (
     Refused,
     SomatizeError,
     StoreError,
+    StudyMismatch,
+    Superseded,
     UnknownHost,
     Unreachable,
     Unreadable,
@@ -44,7 +46,8 @@ from .fabric import Broker, Keys, Worker
 from .facts import Fact, Watchers, fact
 from .graph import Graph, Node, Parallel, Sequence, Step
 from .record import Recorder
-from .store import FolderStore, Store
+from .store import ClaimingStore, FolderStore, Store
+from .study import Study, Trial
 
 __version__ = "0.1.0"
 
@@ -55,6 +58,7 @@ __all__ = [
     "Broken",
     "Broker",
     "Busy",
+    "ClaimingStore",
     "Closed",
     "CodecError",
     "DuplicateName",
@@ -81,6 +85,10 @@ __all__ = [
     "Step",
     "Store",
     "StoreError",
+    "Study",
+    "StudyMismatch",
+    "Superseded",
+    "Trial",
     "UnknownHost",
     "Unreachable",
     "Unreadable",

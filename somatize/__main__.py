@@ -9,6 +9,8 @@ import tempfile
 from collections.abc import Sequence
 
 from . import demo
+from .study.command import add_arguments as study_arguments
+from .study.command import command as study_command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,7 +31,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     make_keys.add_argument("folder", metavar="DIR", help="where to write them")
     make_keys.add_argument("names", metavar="NAME", nargs="*", help="one pair per name (default: this machine's name)")
 
+    run_study = commands.add_parser(
+        "study",
+        help="run a study's trials here until all have finished (or --show them)",
+        description="Run trials of a study defined in a shared folder, on this machine, "
+        "until every trial has finished; any number of machines may run it at once.",
+    )
+    study_arguments(run_study)
+
     args = parser.parse_args(argv)
+    if args.command == "study":
+        return study_command(args)
     if args.command == "keys":
         return _keys(args.folder, args.names or [socket.gethostname()])
     if args.command == "demo":

@@ -162,3 +162,14 @@ class Missing(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the sentence
         return str(self.args[0]) if self.args else "missing"
+
+
+# -- studies ------------------------------------------------------------------------------
+
+
+class StudyMismatch(SomatizeError, ValueError):
+    """A study of this name is already in the store, defined differently."""
+
+
+class Superseded(SomatizeError):
+    """This attempt was taken over by another runner; what it does from now on does not count."""

@@ -10,6 +10,14 @@ workers decide what names and records mean. ``FolderStore`` is the one implement
 folder, one file per name, written atomically (temp file, fsync, rename) so several
 processes on several machines sharing that folder never see a torn entry.
 
+Two more verbs let processes that share nothing but the folder coordinate (a
+``ClaimingStore``): ``create(name, record, blob)`` writes an entry only if none is there
+(temp file, then a hard link, which is atomic and exclusive on a local disk and on NFS), and
+``stamp(name)`` says when an entry was last written in the store's own clock (the file's
+modification time, set by this kernel on a local disk and by the file server on NFS). A
+study claims trials with the first and judges whether an attempt is still being written
+with the second, comparing stamps only with stamps.
+
 It is not a database: nothing spans two names (no transactions, no locks), the only query is
 a name prefix, and a put's durability is the file system's (data and rename are fsynced).
 """
@@ -50,6 +58,23 @@ class Store(Protocol):
     def scan(self, prefix: str) -> Iterator[tuple[str, dict[str, str]]]: ...
 
     def fetch(self, name: str) -> bytes | bytearray | None: ...
+
+
+@runtime_checkable
+class ClaimingStore(Store, Protocol):
+    """A store that several processes can coordinate through: the three verbs, and two more.
+
+    ``create(name, record, blob=None) -> bool`` writes an entry only if none is stored under
+    ``name`` and says whether it did: of several creators of one name, exactly one gets
+    ``True``. ``stamp(name) -> int`` says when the entry was last written, in the store's
+    own clock (nanoseconds): stamps of one store compare with each other, never with a
+    machine's clock. Studies claim trials with ``create`` and judge whether an attempt is
+    still being written with ``stamp``. ``FolderStore`` is one.
+    """
+
+    def create(self, name: str, record: Mapping[str, str], blob: Blob = None) -> bool: ...
+
+    def stamp(self, name: str) -> int: ...
 
 
 # -- names ------------------------------------------------------------------------------
@@ -325,44 +350,18 @@ class FolderStore:
         written straight from its buffer, never joined or copied.
         """
         target = self._file(name)
-        data = _record_bytes(name, record)
-        parts = _blob_parts(name, blob)
-        blob_len = None if parts is None else sum(part.nbytes for part in parts)
-        head = _header(len(data), blob_len)
-        head += b"%08x\n" % zlib.crc32(data, zlib.crc32(head))
-        folder = target.parent
-        temp = folder / (
-            f".{target.name}.{os.getpid()}.{threading.get_native_id()}.{secrets.token_hex(4)}.tmp"
-        )
+        temp = self._written(name, target, record, blob)
         try:
-            _make_folders(folder, self.path)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o666)
-        except OSError as exc:
-            raise StoreError(
-                f"Cannot write {name!r} into the store at {self.path} ({exc.strerror or exc}); "
-                "check that the folder is writable and nothing else sits at that path."
-            ) from exc
-        try:
-            try:
-                _write_all(fd, memoryview(head + data))
-                for part in parts or ():
-                    _write_all(fd, part)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
             os.replace(temp, target)
         except BaseException as exc:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
+            _unlink_quietly(temp)
             if isinstance(exc, OSError):
                 raise StoreError(
                     f"Writing {name!r} into the store at {self.path} failed "
                     f"({exc.strerror or exc}); the old entry, if any, is unchanged."
                 ) from exc
             raise
-        _sync_folder(folder)
+        _sync_folder(target.parent)
 
     def scan(self, prefix: str) -> Iterator[tuple[str, dict[str, str]]]:
         """Yield ``(name, record)`` for every name starting with ``prefix``, in string order.
@@ -396,6 +395,95 @@ class FolderStore:
         The blob is a ``bytearray`` of exactly its size, read in place.
         """
         return self.entry(name)[1]
+
+    # -- the two verbs of a claiming store
+
+    def create(self, name: str, record: Mapping[str, str], blob: Blob = None) -> bool:
+        """Write ``record`` (and ``blob``) under ``name`` only if nothing is there yet.
+
+        Returns ``True`` when this call made the entry, ``False`` when one already existed
+        (which is left untouched). Of any number of processes, on any number of machines,
+        creating one name at once, exactly one gets ``True``.
+
+        The entry is written whole into a temp file, then hard-linked to its name. A link
+        never replaces an existing name, so it is atomic and exclusive on a local disk and
+        on NFS alike, where ``O_EXCL`` is not reliable on old clients. On NFS a link whose
+        reply was lost may be retried by the client and answer "exists" although it was this
+        call that made it; the temp file's link count tells the two apart (2: ours).
+        """
+        target = self._file(name)
+        temp = self._written(name, target, record, blob)
+        try:
+            try:
+                os.link(temp, target)
+                made = True
+            except FileExistsError:
+                made = _linked_twice(temp)
+            except OSError as exc:
+                if not _linked_twice(temp):
+                    raise StoreError(
+                        f"Cannot create {name!r} in the store at {self.path} "
+                        f"({exc.strerror or exc}); a claiming store needs a file system with "
+                        "hard links (a local disk or NFS; not FAT or some FUSE mounts)."
+                    ) from exc
+                made = True
+        finally:
+            _unlink_quietly(temp)
+        if made:
+            _sync_folder(target.parent)
+        return made
+
+    def stamp(self, name: str) -> int:
+        """When ``name`` was last written, in the store's own clock: its modification time
+        in nanoseconds.
+
+        Only compare a stamp with another stamp of the same store, never with this
+        machine's clock. On a local disk both come from this kernel's clock. On NFS both
+        come from the file server's clock, since the server sets a file's time when the
+        data arrives; the file is opened, not just looked up, so the client asks the server
+        (close-to-open) rather than answering from its attribute cache. Raises ``Missing``
+        when nothing is stored under ``name``.
+        """
+        path = self._file(name)
+        with self._open(name, path) as file:
+            return os.fstat(file.fileno()).st_mtime_ns
+
+    def _written(self, name: str, target: Path, record: Mapping[str, str], blob: Blob) -> Path:
+        """Write a whole entry into a fresh temp file beside ``target``, flushed to disk."""
+        data = _record_bytes(name, record)
+        parts = _blob_parts(name, blob)
+        blob_len = None if parts is None else sum(part.nbytes for part in parts)
+        head = _header(len(data), blob_len)
+        head += b"%08x\n" % zlib.crc32(data, zlib.crc32(head))
+        folder = target.parent
+        temp = folder / (
+            f".{target.name}.{os.getpid()}.{threading.get_native_id()}.{secrets.token_hex(4)}.tmp"
+        )
+        try:
+            _make_folders(folder, self.path)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o666)
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot write {name!r} into the store at {self.path} ({exc.strerror or exc}); "
+                "check that the folder is writable and nothing else sits at that path."
+            ) from exc
+        try:
+            try:
+                _write_all(fd, memoryview(head + data))
+                for part in parts or ():
+                    _write_all(fd, part)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as exc:
+            _unlink_quietly(temp)
+            if isinstance(exc, OSError):
+                raise StoreError(
+                    f"Writing {name!r} into the store at {self.path} failed "
+                    f"({exc.strerror or exc}); the old entry, if any, is unchanged."
+                ) from exc
+            raise
+        return temp
 
     # -- extras beyond the protocol
 
@@ -472,6 +560,21 @@ def _write_all(fd: int, view: memoryview) -> None:
     done, size = 0, view.nbytes
     while done < size:
         done += os.write(fd, view[done : done + _CHUNK])
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _linked_twice(temp: Path) -> bool:
+    """Whether ``temp`` was linked to its entry's name: its link count is then 2."""
+    try:
+        return os.stat(temp).st_nlink == 2
+    except OSError:
+        return False
 
 
 def _sync_folder(folder: Path) -> None:

@@ -25,6 +25,7 @@ ROWS = {
     "c": ["no host, 3-node chain", "InProcess host, same chain"],
     "d": ["Python loop over 200 forwards", "engine, 200-node local chain", "Dask"],
     "e": ["forwards(), summarised run", "curve(), summarised run", "curve(), unsummarised run"],
+    "f": ["2 runners,", "rebuilding a", "trials(),"],
 }
 
 
@@ -74,4 +75,4 @@ def test_only_picks_cases_and_the_text_table_lines_up():
 def test_an_unknown_case_is_refused():
     done = subprocess.run([sys.executable, str(RUN), "--only", "z"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
-    assert done.returncode == 2 and "--only takes some of a,b,c,d,e" in done.stderr
+    assert done.returncode == 2 and "--only takes some of a,b,c,d,e,f" in done.stderr

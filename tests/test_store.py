@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import somatize.store
 from somatize.errors import BadName, Missing, StoreError
-from somatize.store import FolderStore, Store
+from somatize.store import ClaimingStore, FolderStore, Store
 
 # Child processes import somatize from wherever this process did.
 _ENV = {**os.environ, "PYTHONPATH": str(Path(somatize.store.__file__).resolve().parents[1])}
@@ -553,4 +553,82 @@ def test_threads_read_whole_old_or_whole_new(tmp_path: Path) -> None:
     assert not any(thread.is_alive() for thread in threads)
     assert failures == []
     assert store.record("t/x")["n"] == "299"
+    assert _temps(tmp_path) == []
+
+
+# -- create and stamp: what studies claim and judge with -----------------------------------
+
+
+def test_create_writes_only_when_nothing_is_there(tmp_path: Path) -> None:
+    store = FolderStore(tmp_path)
+    assert isinstance(store, ClaimingStore)
+    assert store.create("study/trial/000000/000", {"runner": "a"}, [b"fa", b"cts"]) is True
+    assert store.create("study/trial/000000/000", {"runner": "b"}, b"other") is False
+    assert store.entry("study/trial/000000/000") == ({"runner": "a"}, bytearray(b"facts"))
+    store.put("study/trial/000000/000", {"runner": "a", "state": "done"})  # its owner rewrites
+    assert store.create("study/trial/000000/000", {"runner": "c"}) is False
+    assert store.record("study/trial/000000/000") == {"runner": "a", "state": "done"}
+    assert store.create("study/trial/000000/001", {"runner": "c"}) is True
+    assert _temps(tmp_path) == []
+    with pytest.raises(BadName):
+        store.create("../x", {})
+    with pytest.raises(TypeError):
+        store.create("x", {"n": 1})  # type: ignore[dict-item]
+    assert "x" not in store
+
+
+def test_a_three_verb_store_is_a_store_but_cannot_claim() -> None:
+    class Plain:
+        def put(self, name, record, blob=None): ...
+        def scan(self, prefix): return iter(())
+        def fetch(self, name): ...
+
+    assert isinstance(Plain(), Store) and not isinstance(Plain(), ClaimingStore)
+
+
+def test_stamp_is_the_stores_and_moves_with_each_write(tmp_path: Path) -> None:
+    store = FolderStore(tmp_path)
+    with pytest.raises(Missing, match="judge/a"):
+        store.stamp("study/judge/a")
+    store.put("study/judge/a", {"runner": "a"})
+    first = store.stamp("study/judge/a")
+    assert first == os.stat(tmp_path / "study" / "judge" / "a.rec").st_mtime_ns
+    os.utime(tmp_path / "study" / "judge" / "a.rec", ns=(first, first - 5_000_000_000))
+    assert store.stamp("study/judge/a") == first - 5_000_000_000  # the file's, not a clock's
+    store.put("study/judge/a", {"runner": "a"})  # rewritten: stamped afresh
+    assert store.stamp("study/judge/a") >= first
+    assert store.create("study/trial/000000/000", {}) and store.stamp("study/trial/000000/000") > 0
+
+
+_CLAIMER = """if True:
+    import sys
+    from somatize.store import FolderStore
+    root, who = sys.argv[1], sys.argv[2]
+    store = FolderStore(root)
+    print("ready", flush=True)
+    sys.stdin.readline()  # start together
+    won = [n for n in range(200) if store.create("race/%03d" % n, {"who": who})]
+    print(" ".join(map(str, won)), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_processes_creating_the_same_names_each_get_exactly_one(tmp_path: Path) -> None:
+    procs = [_spawn(_CLAIMER, tmp_path, f"p{i}") for i in range(4)]
+    try:
+        for proc in procs:
+            assert _line(proc) == "ready"
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        won = {f"p{i}": [int(n) for n in _line(proc).split()] for i, proc in enumerate(procs)}
+        assert [proc.wait(timeout=10) for proc in procs] == [0] * 4
+    finally:
+        _reap(procs)
+    claims = sorted(n for numbers in won.values() for n in numbers)
+    assert claims == list(range(200))  # every name won once, none twice
+    store = FolderStore(tmp_path)
+    for who, numbers in won.items():
+        assert all(store.record(f"race/{n:03d}") == {"who": who} for n in numbers)
     assert _temps(tmp_path) == []

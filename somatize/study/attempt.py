@@ -1,0 +1,306 @@
+"""One attempt of one trial, while it runs here: its record, its pulse, and its fence.
+
+The runner that claimed an attempt is the only writer of its entry. It rewrites the record
+on each ``trial.say`` and, from a thread of its own, at least every ``patience / 3``, so
+the entry's stamp keeps moving while the attempt is alive. Before every write it looks for
+the next attempt of the same trial: if another runner has created it, this one was judged
+abandoned (it was paused, or cut off), and from then on it writes nothing that counts.
+
+What an objective sees is a :class:`Trial`.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import Missing, Superseded
+from ..facts import ENGINE, fact
+from ..store import ClaimingStore
+from .history import attempt_name
+
+
+class Trial:
+    """What an objective is handed: the configuration to try, and where to say how it goes.
+
+    ``config`` is a dict of the parameters the sampler chose. ``number`` is the trial's
+    number in the study, ``attempt`` counts from 0 (a trial runs again as attempt 1, 2, ...
+    only when a runner stopped writing). ``say(**values)`` writes intermediate values into
+    the attempt's record; saying ``step=`` and ``value=`` also lets the study's pruner stop
+    the trial there (``say`` then raises ``optuna.TrialPruned``). ``watching`` is a watcher
+    for ``forward(..., watching=trial.watching)``: the facts land in the attempt's blob, and
+    the last of each kind outside the engine's vocabulary (``loss``, ...) in its record.
+    ``store`` is the study's store, for a graph whose cached nodes are shared by trials.
+    """
+
+    __slots__ = ("_running",)
+
+    def __init__(self, running: Running) -> None:
+        self._running = running
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self._running.config)
+
+    @property
+    def number(self) -> int:
+        return self._running.number
+
+    @property
+    def attempt(self) -> int:
+        return self._running.attempt
+
+    @property
+    def study(self) -> str:
+        return self._running.study
+
+    @property
+    def store(self) -> ClaimingStore:
+        return self._running.store
+
+    @property
+    def watching(self) -> Any:
+        return self._running.saw
+
+    def say(self, **values: object) -> None:
+        self._running.say(values)
+
+    def __repr__(self) -> str:
+        return f"Trial(study={self.study!r}, number={self.number}, attempt={self.attempt}, config={self.config!r})"
+
+
+class Running:
+    """An attempt claimed by this runner: the one writer of its entry."""
+
+    def __init__(
+        self,
+        store: ClaimingStore,
+        study: str,
+        number: int,
+        attempt: int,
+        config: Mapping[str, Any],
+        *,
+        runner: str,
+        patience: float,
+        sampler_attrs: Mapping[str, Any] | None = None,
+        otrial: Any = None,
+        storage: Any = None,
+    ) -> None:
+        self.store = store
+        self.study = study
+        self.number = number
+        self.attempt = attempt
+        self.config = dict(config)
+        self.name = attempt_name(study, number, attempt)
+        self._fence = attempt_name(study, number, attempt + 1)
+        self._runner = runner
+        self._interval = patience / 3
+        self._sampler_attrs = dict(sampler_attrs or {})
+        self._otrial = otrial  # the in-memory Optuna trial the pruner judges, if any
+        self._storage = storage
+        self._trial_id = None
+        if otrial is not None and storage is not None:
+            study_id = storage.get_study_id_from_name(otrial.study.study_name)
+            self._trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, otrial.number)
+        self._lock = threading.Lock()
+        self._state = "running"
+        self._score = ""
+        self._error = ""
+        self._said: dict[str, str] = {}
+        self._summaries: dict[str, str] = {}
+        self._intermediate: list[tuple[int, float]] = []
+        self._lines: list[bytes] = []
+        self._started = time.perf_counter_ns()
+        self._closed = False
+        self.superseded = False
+        self._stop = threading.Event()
+        self._pulse: threading.Thread | None = None
+        self._pulse_error_told = False
+
+    # -- claiming and the pulse
+
+    def claim(self) -> bool:
+        """Create the attempt's entry if nobody has; ``True`` when this runner holds it now."""
+        return self.store.create(self.name, self._record())
+
+    def start(self) -> None:
+        self._pulse = threading.Thread(
+            target=self._beat, name=f"somatize-study-pulse-{self.number}", daemon=True
+        )
+        self._pulse.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._pulse is not None and self._pulse is not threading.current_thread():
+            self._pulse.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.rewrite()
+            except Exception as exc:  # keep beating: a store that hiccups once is not dead
+                if not self._pulse_error_told:
+                    self._pulse_error_told = True
+                    print(
+                        f"somatize study: rewriting {self.name} failed ({type(exc).__name__}: "
+                        f"{exc}); will keep trying every {self._interval:.3g} s",
+                        file=sys.stderr,
+                    )
+
+    # -- what the objective says and sees
+
+    def say(self, values: Mapping[str, object]) -> None:
+        plain = {key: _said_value(key, value) for key, value in values.items()}
+        f = fact("said", **plain)
+        pruned = False
+        with self._lock:
+            self._lines.append(_line(f))
+            self._said.update({key: f[key] for key in plain})
+            point = _point(plain)
+            if point is not None:
+                self._intermediate.append(point)
+        if point is not None and self._otrial is not None:
+            self._otrial.report(point[1], point[0])
+            pruned = self._otrial.should_prune()
+        if not self.rewrite():
+            raise Superseded(
+                f"Trial {self.number} of the study {self.study!r} was taken over by another "
+                f"runner (attempt {self.attempt + 1}) while this runner was not writing; "
+                f"attempt {self.attempt} stops here and its result would not count."
+            )
+        if pruned:
+            raise optuna_pruned(f"pruned at step {point[0]} by the study's pruner")  # type: ignore[index]
+
+    def saw(self, f: Mapping[str, str]) -> None:
+        """A watcher: every fact goes to the blob; the last of each kind outside the
+        engine's vocabulary is summarised in the record, as ``<kind>.<field>``."""
+        line = _line(dict(f))
+        with self._lock:
+            self._lines.append(line)
+            kind = f.get("fact", "")
+            if kind and kind not in ENGINE and kind != "said":
+                for field, value in f.items():
+                    if field != "fact" and isinstance(value, str):
+                        self._summaries[f"{kind}.{field}"] = value
+
+    # -- writing
+
+    def rewrite(self) -> bool:
+        """Write the record again (its pulse); ``False`` once this attempt is superseded."""
+        with self._lock:
+            if self._closed:
+                return not self.superseded
+            if self._overtaken():
+                return False
+            self.store.put(self.name, self._record(), self._blob())
+            return True
+
+    def finish(self, state: str, score: str = "", error: str = "") -> bool:
+        """Write the attempt's result; ``False`` (and nothing that counts) when superseded."""
+        self.stop()
+        with self._lock:
+            if self._closed:
+                return not self.superseded
+            if self._overtaken():
+                return False
+            self._state, self._score, self._error = state, score, error
+            self._closed = True
+            self.store.put(self.name, self._record(), self._blob())
+            return True
+
+    def _overtaken(self) -> bool:
+        """Whether the next attempt exists; if so, say so in this attempt's own record
+        (which no longer counts) and close it. Called with the lock held."""
+        try:
+            self.store.stamp(self._fence)
+        except Missing:
+            return False
+        self.superseded = True
+        self._closed = True
+        self._state = "abandoned"
+        self.store.put(self.name, self._record(), self._blob())
+        return True
+
+    def _record(self) -> dict[str, str]:
+        record = {
+            "trial": str(self.number),
+            "attempt": str(self.attempt),
+            "config": json.dumps(self.config, sort_keys=True),
+            "state": self._state,
+            "score": self._score,
+            "took_us": str((time.perf_counter_ns() - self._started) // 1000),
+            "runner": self._runner,
+            "error": self._error,
+            "facts": str(len(self._lines)),
+        }
+        if self._intermediate:
+            record["intermediate"] = json.dumps(self._intermediate)
+        attrs = self._current_sampler_attrs()
+        if any(attrs.values()):
+            record["sampler_attrs"] = json.dumps(attrs, sort_keys=True)
+        record.update({f"said.{key}": value for key, value in self._said.items()})
+        record.update(self._summaries)
+        return record
+
+    def _current_sampler_attrs(self) -> dict[str, Any]:
+        if self._trial_id is None:
+            return self._sampler_attrs
+        # a pruner may note things on the trial as it goes (successive halving's rungs)
+        trial_attrs = self._storage.get_trial_system_attrs(self._trial_id)
+        out = dict(self._sampler_attrs)
+        merged = dict(out.get("trial", {}))
+        for key, value in trial_attrs.items():
+            if key == "fixed_params":
+                continue  # how a taken-over attempt was given its trial's configuration
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                continue
+            merged[key] = value
+        out["trial"] = merged
+        return out
+
+    def _blob(self) -> list[bytes] | None:
+        return list(self._lines) if self._lines else None
+
+
+def optuna_pruned(message: str) -> BaseException:
+    from .definition import optuna
+
+    return optuna().TrialPruned(message)
+
+
+def _said_value(key: str, value: object) -> object:
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    try:
+        return operator.index(value)  # numpy integers: a step stays a whole number
+    except TypeError:
+        pass
+    if hasattr(value, "__float__"):  # numpy and torch scalars
+        return float(value)  # type: ignore[arg-type]
+    raise TypeError(
+        f"trial.say({key}=...) takes text, numbers or booleans; got a `{type(value).__name__}`."
+    )
+
+
+def _point(values: Mapping[str, object]) -> tuple[int, float] | None:
+    """The (step, value) a pruner judges, when both were said."""
+    step, value = values.get("step"), values.get("value")
+    if isinstance(step, bool) or not isinstance(step, int) or isinstance(value, (bool, str)):
+        return None
+    if not isinstance(value, (int, float)):
+        return None
+    return step, float(value)
+
+
+def _line(f: Mapping[str, str]) -> bytes:
+    try:
+        return (json.dumps(f, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(f) + "\n").encode("ascii")

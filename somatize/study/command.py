@@ -1,0 +1,120 @@
+"""``python -m somatize study --store DIR NAME`` (and ``somatize-study``): a runner, or a look.
+
+Run it on any machine that sees the folder, as many times as you like: each process runs
+trials of the study until all have finished. The study must already be defined there by a
+``Study(...)`` call. ``--show`` prints the trials as a table instead.
+
+SIGTERM (``scancel``, ``kill``) and Ctrl-C stop a runner between two writes: its attempt is
+marked abandoned, so another runner takes the trial over at once rather than after the
+study's patience.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import SomatizeError
+from .history import History
+from .study import Study
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store", metavar="DIR", required=True, help="the study's folder, shared by every runner"
+    )
+    parser.add_argument("name", metavar="NAME", help="the study's name, as given to Study(...)")
+    parser.add_argument("--show", action="store_true", help="print the trials as a table and exit")
+    parser.add_argument(
+        "--runner", metavar="ID", help="this runner's name in the records (default: host-pid-random)"
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    from ..store import FolderStore
+
+    if not Path(args.store).is_dir():
+        print(f"somatize study: there is no folder {args.store}; give the study's store.", file=sys.stderr)
+        return 2
+    try:
+        study = Study.open(FolderStore(args.store), args.name)
+        if args.show:
+            print(table(study))
+            return 0
+        previous = signal.signal(signal.SIGTERM, _stop)
+        try:
+            study.run(runner=args.runner, progress=lambda line: print(line, flush=True))
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    except (SomatizeError, ImportError, ValueError, TypeError) as exc:
+        print(f"somatize study: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="somatize-study",
+        description="Run a study's trials on this machine until all have finished.",
+    )
+    add_arguments(parser)
+    return command(parser.parse_args(argv))
+
+
+def table(study: Study) -> str:
+    """The study's trials as text: one row per trial, from its highest attempt (one scan)."""
+    history = History.scan(study.store, study.name)
+    rows = [("trial", "state", "attempts", "score", "took", "config", "error")]
+    states: dict[str, int] = {}
+    best: tuple[float, int] | None = None
+    sign = 1.0 if study.direction == "minimize" else -1.0
+    for trial in history:
+        last = trial.last.record
+        state = trial.state
+        states[state] = states.get(state, 0) + 1
+        score = last.get("score", "")
+        if state == "done" and score:
+            value = float(score)
+            if best is None or sign * value < sign * best[0]:
+                best = (value, trial.number)
+        took = last.get("took_us", "")
+        error = (last.get("error") or "").strip().splitlines()
+        rows.append(
+            (
+                str(trial.number),
+                state,
+                str(len(trial.attempts)),
+                score,
+                _took(int(took)) if took.isdigit() else "",
+                json.dumps(trial.last.config(), sort_keys=True),
+                error[-1][:60] if error else "",
+            )
+        )
+    counted = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none claimed yet"
+    head = f"study {study.name!r}: {study.trials} trials ({counted})"
+    if best is not None:
+        head += f"; best {best[0]!r} (trial {best[1]})"
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [head]
+    for row in rows:
+        cells = [cell.rjust(w) if i in (0, 2) else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _took(us: int) -> str:
+    return f"{us / 1e3:.3g} ms" if us < 1_000_000 else f"{us / 1e6:.3g} s"
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Objectives the study tests run, imported by name by runner processes (PYTHONPATH=tests).
+
+Where a test needs to see what happened inside a runner, the objective appends a line to
+the file named by ``STUDY_TEST_LOG``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from somatize import Node
+
+
+def _log(text: str) -> None:
+    path = os.environ.get("STUDY_TEST_LOG")
+    if path:
+        with open(path, "a") as file:
+            file.write(text + "\n")
+
+
+def quadratic(trial):
+    """Instant: (x - 2)^2, and a said value so the record has one."""
+    x = trial.config["x"]
+    trial.say(half=x / 2)
+    return (x - 2.0) ** 2
+
+
+def quadratic_slowly(trial):
+    """(x - 2)^2 after 80 ms, so that two runners both get some."""
+    time.sleep(0.08)
+    return quadratic(trial)
+
+
+def with_curve_of_x(trial):
+    """For spaces of an integer x and a kind."""
+    return float(trial.config["x"]) + (trial.config["kind"] == "b")
+
+
+def boom(trial):
+    raise ValueError(f"no good at x={trial.config['x']:.3f}")
+
+
+def not_a_number(trial):
+    return "fast"
+
+
+def stalls_on_first_attempt(trial):
+    """Trial 0's attempt 0 goes on (saying, so it stays alive) until it is stopped or
+    overtaken; every other attempt is instant. The score says which attempt made it."""
+    if trial.number == 0 and trial.attempt == 0:
+        _log(f"started {os.getpid()}")
+        deadline = time.monotonic() + 60
+        step = 0
+        while time.monotonic() < deadline:
+            trial.say(step=step)
+            step += 1
+            time.sleep(0.05)
+        return 1000.0
+    return float(trial.attempt)
+
+
+def quiet_until_judged(trial):
+    """Says nothing (only the pulse keeps it alive) until another runner has judged it,
+    then for 2.5 s more while that runner keeps judging, then finishes."""
+    deadline = time.monotonic() + 30
+    while not list(trial.store.scan(f"{trial.study}/judge/")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(2.5)
+    return 1.0
+
+
+def sleeps_unless_taken_over(trial):
+    """Attempt 0 says nothing and sleeps a minute (the pulse keeps it alive); later
+    attempts are instant."""
+    if trial.attempt == 0:
+        _log(f"started {os.getpid()}")
+        time.sleep(60)
+    return float(trial.attempt)
+
+
+def with_curve(trial):
+    """Says a falling curve; a pruner may stop it."""
+    x = trial.config["x"]
+    for step in range(5):
+        trial.say(step=step, value=x * (5 - step))
+    return x
+
+
+class Embed(Node):
+    """An expensive frozen prefix: it counts its runs in the log."""
+
+    def forward(self, text):
+        _log(f"embed {os.getpid()}")
+        return [len(word) for word in text.split()]
+
+
+class Head(Node):
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def forward(self, lengths):
+        return sum(lengths) * self.scale
+
+
+def shares_embed(trial):
+    graph = Embed().named("embed").cached().frozen() >> Head(trial.config["scale"]).named("head")
+    return graph.forward("a bb ccc dddd", store=trial.store, watching=trial.watching)

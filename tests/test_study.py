@@ -1,0 +1,510 @@
+"""Studies over one real folder, with real runner processes killed, paused and misled for real.
+
+Runners are `python -m somatize study` processes importing the objectives of
+tests/study_objectives.py by name. Every wait is for a fact in the folder (an attempt's
+record, a judge's entry, a process's exit), with a deadline; every process is reaped by the
+`processes` fixture. Patience is a second or two, so a takeover takes about that long.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna", reason="studies need Optuna: pip install 'somatize[study]'")
+
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution  # noqa: E402
+
+import study_objectives  # noqa: E402
+from conftest import TESTS, env_with_tests  # noqa: E402
+from somatize import FolderStore, SomatizeError  # noqa: E402
+from somatize.errors import Missing  # noqa: E402
+from somatize.study import Study, StudyMismatch  # noqa: E402
+from somatize.study.command import main as study_main  # noqa: E402
+from somatize.study.command import table  # noqa: E402
+
+SBATCH = TESTS.parent / "workers" / "somatize-study.sbatch"
+X = {"x": FloatDistribution(-5.0, 5.0)}
+
+# What `srun` does inside an array task: drop its options, run the command.
+FAKE_SRUN = """#!/bin/bash
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+exec "$@"
+"""
+
+# A runner whose wall clock is an hour ahead: patched here, never in the library.
+CLOCK_AHEAD = """import sys, time
+_time, _time_ns = time.time, time.time_ns
+time.time = lambda: _time() + 3600.0
+time.time_ns = lambda: _time_ns() + 3_600_000_000_000
+from somatize.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def wait_for(check, what: str, deadline: float = 20.0):
+    """Poll ``check`` until it returns something true; fail after ``deadline`` seconds."""
+    until = time.monotonic() + deadline
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > until:
+            raise AssertionError(f"waited {deadline} s for {what}")
+        time.sleep(0.02)
+
+
+def attempts(store: FolderStore, name: str) -> dict[int, list[dict[str, str]]]:
+    """Every attempt's record, by trial number, in attempt order."""
+    out: dict[int, list[dict[str, str]]] = {}
+    for entry, record in store.scan(f"{name}/trial/"):
+        number, attempt = entry.split("/")[-2:]
+        assert int(record["attempt"]) == int(attempt)
+        out.setdefault(int(number), []).append(record)
+    return out
+
+
+def counted(store: FolderStore, name: str) -> dict[int, dict[str, str]]:
+    """The record that counts for each trial: its highest attempt's."""
+    return {n: records[-1] for n, records in attempts(store, name).items()}
+
+
+def record_of(store: FolderStore, name: str, number: int, attempt: int) -> dict[str, str] | None:
+    return dict(store.scan(f"{name}/trial/{number:06d}/{attempt:03d}")).get(
+        f"{name}/trial/{number:06d}/{attempt:03d}"
+    )
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def env(tmp_path) -> dict:
+    out = env_with_tests()
+    out["STUDY_TEST_LOG"] = str(tmp_path / "log.txt")
+    return out
+
+
+@pytest.fixture
+def start(processes, folder, env):
+    """Start a runner of study ``name`` called ``runner`` (optionally through ``wrapper``)."""
+
+    def runner(name: str, runner: str, wrapper: Path | None = None):
+        python = [sys.executable, str(wrapper)] if wrapper else [sys.executable, "-m", "somatize"]
+        argv = [*python, "study", "--store", str(folder), name, "--runner", runner]
+        return processes(argv, env=env, announce=None)
+
+    return runner
+
+
+def finished(process, deadline: float = 30.0) -> int:
+    try:
+        return process.popen.wait(deadline)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{process.argv} still running after {deadline} s:\n{process.stderr()}") from None
+
+
+def output(process) -> str:
+    assert process.popen.stdout is not None
+    return process.popen.stdout.read().decode(errors="replace")
+
+
+# -- runners over one folder ------------------------------------------------------------
+
+
+def test_two_runners_and_twenty_trials_give_twenty_results_none_duplicated(folder, start):
+    store = FolderStore(folder)
+    Study(store, "twenty", objective="study_objectives:quadratic_slowly", space=X, trials=20, patience=2)
+    a, b = start("twenty", "a"), start("twenty", "b")
+    assert finished(a) == 0, a.stderr()
+    assert finished(b) == 0, b.stderr()
+
+    trials = attempts(store, "twenty")
+    assert sorted(trials) == list(range(20))
+    assert all(len(records) == 1 for records in trials.values())  # nothing was taken over
+    results = [records[-1] for records in trials.values()]
+    assert all(r["state"] == "done" and r["score"] for r in results)
+    assert {r["runner"] for r in results} == {"a", "b"}  # both took part
+    configs = [r["config"] for r in results]
+    assert len(set(configs)) == 20  # nobody ran a configuration twice
+    for r in results:
+        x = json.loads(r["config"])["x"]
+        assert float(r["score"]) == pytest.approx((x - 2.0) ** 2)
+        assert float(r["said.half"]) == pytest.approx(x / 2)
+        assert int(r["took_us"]) >= 50_000
+
+
+def test_a_runner_killed_mid_trial_is_finished_by_the_other_as_attempt_1(folder, start):
+    store = FolderStore(folder)
+    Study(store, "killed", objective="study_objectives:stalls_on_first_attempt", space=X, trials=4, patience=1)
+    a = start("killed", "a")
+    wait_for(lambda: (record_of(store, "killed", 0, 0) or {}).get("runner") == "a", "a to claim trial 0")
+    b = start("killed", "b")
+    # b runs the other trials while a's attempt is alive and saying: it does not take it over
+    wait_for(
+        lambda: all((record_of(store, "killed", n, 0) or {}).get("state") == "done" for n in (1, 2, 3)),
+        "b to finish trials 1 to 3",
+    )
+    assert record_of(store, "killed", 0, 1) is None
+    assert record_of(store, "killed", 0, 0)["state"] == "running"
+    a.signal(signal.SIGKILL)
+    assert finished(b) == 0, b.stderr()
+
+    trial0 = attempts(store, "killed")[0]
+    assert [r["runner"] for r in trial0] == ["a", "b"]
+    assert trial0[0]["state"] == "running" and trial0[0]["score"] == ""  # a died writing
+    assert trial0[1]["state"] == "done" and trial0[1]["score"] == "1.0"  # attempt 1's score
+    assert trial0[1]["config"] == trial0[0]["config"]  # the same configuration, again
+    assert all(r["state"] == "done" for r in counted(store, "killed").values())
+    assert "taking it over as attempt 1" in output(b)
+
+
+def test_a_paused_runner_that_wakes_after_a_takeover_changes_nothing_that_counts(folder, start):
+    store = FolderStore(folder)
+    Study(store, "paused", objective="study_objectives:stalls_on_first_attempt", space=X, trials=2, patience=1)
+    a = start("paused", "a")
+    wait_for(lambda: (record_of(store, "paused", 0, 0) or {}).get("runner") == "a", "a to claim trial 0")
+    a.signal(signal.SIGSTOP)
+    b = start("paused", "b")
+    assert finished(b) == 0, b.stderr()  # took trial 0 over, and ran trial 1
+    taken = record_of(store, "paused", 0, 1)
+    assert taken["runner"] == "b" and taken["state"] == "done"
+
+    a.signal(signal.SIGCONT)
+    assert finished(a) == 0, a.stderr()  # it learns, stops that trial, sees all finished
+    assert "taken over by another runner" in output(a)
+    first = record_of(store, "paused", 0, 0)
+    assert first["state"] == "abandoned" and first["score"] == ""
+    assert record_of(store, "paused", 0, 1) == taken  # a wrote nothing over b's result
+    results = counted(store, "paused")
+    assert [r["state"] for r in results.values()] == ["done", "done"]
+    assert results[0]["score"] == "1.0"  # the one result of trial 0 is attempt 1's
+
+
+def test_a_runner_whose_clock_is_an_hour_off_judges_by_the_stores_stamps(folder, start, tmp_path):
+    store = FolderStore(folder)
+    ahead = tmp_path / "clock_ahead.py"
+    ahead.write_text(CLOCK_AHEAD)
+
+    # a live attempt, pulsing but saying nothing: the misled runner leaves it alone
+    Study(store, "live", objective="study_objectives:quiet_until_judged", space=X, trials=1, patience=1)
+    a = start("live", "a")
+    wait_for(lambda: record_of(store, "live", 0, 0), "a to claim the trial")
+    b = start("live", "b", wrapper=ahead)
+    wait_for(lambda: dict(store.scan("live/judge/")), "b to judge a's attempt", deadline=10)
+    assert record_of(store, "live", 0, 0)["state"] == "running"  # judged while it ran
+    assert finished(a) == 0, a.stderr()  # 2.5 s more of b judging it, after the first time
+    assert finished(b) == 0, b.stderr()
+    assert [r["runner"] for r in attempts(store, "live")[0]] == ["a"]
+    assert counted(store, "live")[0]["state"] == "done"
+
+    # a dead attempt: the misled runner takes it over, about `patience` after it stopped
+    Study(store, "dead", objective="study_objectives:sleeps_unless_taken_over", space=X, trials=1, patience=1)
+    a = start("dead", "a")
+    wait_for(lambda: record_of(store, "dead", 0, 0), "a to claim the trial")
+    b = start("dead", "b", wrapper=ahead)
+    wait_for(lambda: dict(store.scan("dead/judge/")), "b to judge a's attempt", deadline=10)
+    a.signal(signal.SIGKILL)
+    assert finished(b, deadline=15) == 0, b.stderr()
+    trial = attempts(store, "dead")[0]
+    assert [(r["runner"], r["state"]) for r in trial] == [("a", "running"), ("b", "done")]
+
+
+def test_a_runner_told_to_stop_hands_its_trial_over_at_once(folder, start):
+    store = FolderStore(folder)
+    # patience is long: only the stopped runner's own word lets b take over quickly
+    Study(store, "stopped", objective="study_objectives:sleeps_unless_taken_over", space=X, trials=1, patience=60)
+    a = start("stopped", "a")
+    wait_for(lambda: record_of(store, "stopped", 0, 0), "a to claim the trial")
+    b = start("stopped", "b")
+    a.signal(signal.SIGTERM)
+    assert finished(a) == 128 + signal.SIGTERM
+    assert record_of(store, "stopped", 0, 0)["state"] == "abandoned"
+    assert finished(b, deadline=15) == 0, b.stderr()
+    assert counted(store, "stopped")[0]["runner"] == "b"
+
+
+def test_trials_share_a_cached_frozen_embed_across_runners(folder, start, tmp_path):
+    store = FolderStore(folder)
+    Study(store, "shared", objective="study_objectives:shares_embed", space={"scale": FloatDistribution(0.5, 2.0)}, trials=8, patience=2)
+    a, b = start("shared", "a"), start("shared", "b")
+    assert finished(a) == 0, a.stderr()
+    assert finished(b) == 0, b.stderr()
+
+    results = counted(store, "shared")
+    assert len(results) == 8 and all(r["state"] == "done" for r in results.values())
+    for r in results.values():  # 1 + 2 + 3 + 4 letters, scaled
+        assert float(r["score"]) == pytest.approx(10 * json.loads(r["config"])["scale"])
+    runs = (tmp_path / "log.txt").read_text().split()
+    embeds = [pid for word, pid in zip(runs[::2], runs[1::2]) if word == "embed"]
+    assert 1 <= len(embeds) <= 2 and len(set(embeds)) == len(embeds)  # at most once per runner
+    # what each trial's graph did is in its attempt's blob
+    facts = [
+        json.loads(line)
+        for n in results
+        for line in store.fetch(f"shared/trial/{n:06d}/000").decode().splitlines()
+    ]
+    recalled = [f for f in facts if f["fact"] == "recalled" and f.get("node") == "embed"]
+    ran = [f for f in facts if f["fact"] == "ran" and f.get("node") == "embed"]
+    assert len(ran) == len(embeds) and len(recalled) == 8 - len(ran)
+
+
+def test_the_sbatch_array_runs_one_runner_per_task(folder, processes, env, tmp_path):
+    done = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    text = SBATCH.read_text()
+    assert text.startswith("#!/bin/bash\n") and os.access(SBATCH, os.X_OK)
+    assert re.search(r"^#SBATCH --array=\S+$", text, re.M)
+    assert re.search(r"^#SBATCH --ntasks=1$", text, re.M)
+    srun = re.sub(r"\\\n\s*", " ", text).split("exec srun ", 1)[1].split()
+    options = srun[: srun.index('"$SOMATIZE_PYTHON"')]
+    # each option carries its value after `=`, so srun's options and the command stay apart
+    assert options and all(o.startswith("--") and "=" in o for o in options), options
+
+    store = FolderStore(folder)
+    Study(store, "slurm", objective="study_objectives:quadratic_slowly", space=X, trials=6, patience=2)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    env = dict(env, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", SOMATIZE_PYTHON=sys.executable)
+    env.update(SOMATIZE_STORE=str(folder), SOMATIZE_STUDY="slurm")
+    tasks = [
+        processes(["bash", str(SBATCH)], env=dict(env, SLURM_ARRAY_TASK_ID=str(i)), announce=None)
+        for i in range(2)
+    ]
+    for task in tasks:
+        assert finished(task) == 0, task.stderr()
+    results = counted(store, "slurm")
+    assert len(results) == 6 and all(r["state"] == "done" for r in results.values())
+
+    # without a study to run, a task says what to set
+    env.pop("SOMATIZE_STUDY")
+    done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0 and "SOMATIZE_STUDY" in done.stderr
+
+
+# -- in one process ---------------------------------------------------------------------
+
+
+class CountingStore:
+    """A real FolderStore, with every call counted."""
+
+    def __init__(self, inner: FolderStore) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+
+    def _count(self, verb: str) -> None:
+        self.calls[verb] = self.calls.get(verb, 0) + 1
+
+    def put(self, name, record, blob=None):
+        self._count("put")
+        return self.inner.put(name, record, blob)
+
+    def scan(self, prefix):
+        self._count("scan")
+        return self.inner.scan(prefix)
+
+    def fetch(self, name):
+        self._count("fetch")
+        return self.inner.fetch(name)
+
+    def create(self, name, record, blob=None):
+        self._count("create")
+        return self.inner.create(name, record, blob)
+
+    def stamp(self, name):
+        self._count("stamp")
+        return self.inner.stamp(name)
+
+
+def test_an_attempt_nobody_writes_is_taken_over_then_the_trial_fails_past_attempts(folder):
+    store = FolderStore(folder)
+    # a ghost: an attempt claimed by a runner that never wrote again
+    ghost = {"trial": "0", "attempt": "0", "config": json.dumps({"x": 1.5}), "state": "running",
+             "score": "", "took_us": "0", "runner": "ghost", "error": ""}
+    store.create("again/trial/000000/000", ghost)
+    study = Study(store, "again", objective="study_objectives:quadratic", space=X, trials=1, attempts=2, patience=0.3)
+    assert study.run(runner="here") == {"done": 1, "failed": 0, "pruned": 0, "superseded": 0}
+    first, second = attempts(store, "again")[0]
+    assert second["runner"] == "here" and second["state"] == "done" and second["config"] == first["config"]
+    assert float(second["score"]) == pytest.approx(0.25)
+    # the judge said so in its own entry, and compared stamps: its entry is newer by patience
+    assert store.stamp("again/judge/here") - store.stamp("again/trial/000000/000") > 0.3e9
+
+    store.create("once/trial/000000/000", dict(ghost, config=json.dumps({"x": 0.5})))
+    study = Study(store, "once", objective="study_objectives:quadratic", space=X, trials=1, attempts=1, patience=0.3)
+    assert study.run(runner="here") == {"done": 0, "failed": 0, "pruned": 0, "superseded": 0}
+    gave_up = attempts(store, "once")[0]
+    assert [r["state"] for r in gave_up] == ["running", "failed"]
+    assert gave_up[1]["error"].startswith("abandoned 1 time:") and gave_up[1]["attempt"] == "1"
+
+
+def test_a_history_of_a_thousand_trials_is_rebuilt_with_one_scan_and_no_fetch(folder):
+    store = FolderStore(folder)
+    Study(store, "big", objective="study_objectives:quadratic", space=X, trials=1001, sampler="random")
+    for n in range(1000):
+        x = -5.0 + n / 100
+        store.put(
+            f"big/trial/{n:06d}/000",
+            {"trial": str(n), "attempt": "0", "config": json.dumps({"x": x}), "state": "done",
+             "score": repr((x - 2.0) ** 2), "took_us": "10", "runner": "elsewhere", "error": ""},
+            b'{"fact": "said"}\n',
+        )
+    counting = CountingStore(store)
+    study = Study.open(counting, "big")
+    counting.calls.clear()
+    rebuilt = study.optuna()
+    assert counting.calls == {"scan": 1}
+    assert len(rebuilt.trials) == 1000 and rebuilt.best_value == pytest.approx(0.0)
+    assert rebuilt.best_params == {"x": pytest.approx(2.0)}
+
+    # a runner claims and runs trial 1000 after one scan, and a second scan says it is over
+    counting.calls.clear()
+    assert study.run(runner="here") == {"done": 1, "failed": 0, "pruned": 0, "superseded": 0}
+    assert counting.calls["scan"] == 2 and "fetch" not in counting.calls
+    assert counting.calls["create"] == 1
+    assert counted(store, "big")[1000]["runner"] == "here"
+
+
+def test_a_different_definition_under_the_same_name_is_refused(folder):
+    store = FolderStore(folder)
+    first = Study(store, "sweep", objective="study_objectives:quadratic", space=X, trials=5)
+    again = Study(store, "sweep", objective=study_objectives.quadratic, space=dict(X), trials=5)
+    assert again.objective == first.objective == "study_objectives:quadratic"
+    assert Study.open(store, "sweep").trials == 5
+    with pytest.raises(StudyMismatch) as refused:
+        Study(store, "sweep", objective="study_objectives:quadratic", trials=6, sampler="random",
+              space={"x": FloatDistribution(-1.0, 1.0), "y": IntDistribution(0, 3)})
+    text = str(refused.value)
+    assert "'sweep'" in text and "Study.open(store, 'sweep')" in text
+    assert "trials is 5 there and 6 here" in text and "sampler is 'tpe' there and 'random' here" in text
+    assert "space['x']" in text and "space has 'y' here and not there" in text
+    assert isinstance(refused.value, SomatizeError)
+    with pytest.raises(Missing, match="no study 'nothing'"):
+        Study.open(store, "nothing")
+
+
+def test_an_objective_without_an_import_name_is_refused_with_the_fix(folder):
+    store = FolderStore(folder)
+    with pytest.raises(TypeError, match="has no import name.*myproject.train:objective"):
+        Study(store, "l", objective=lambda trial: 0.0, space=X)
+
+    def inner(trial):
+        return 0.0
+
+    with pytest.raises(TypeError, match="has no import name"):
+        Study(store, "l", objective=inner, space=X)
+    inner.__qualname__ = "inner"
+    inner.__module__ = "__main__"
+    with pytest.raises(TypeError, match="defined in __main__"):
+        Study(store, "l", objective=inner, space=X)
+    with pytest.raises(ValueError, match="not an import name"):
+        Study(store, "l", objective="study_objectives.quadratic", space=X)
+    assert not list(store.scan("l/"))  # nothing was written
+
+
+def test_bad_arguments_are_refused_before_anything_is_written(folder):
+    store = FolderStore(folder)
+    good = dict(objective="study_objectives:quadratic", space=X)
+    for bad, match in [
+        (dict(trials=0), "trials="),
+        (dict(sampler="annealing"), "sampler= is one of"),
+        (dict(direction="up"), "direction="),
+        (dict(patience=0), "patience="),
+        (dict(pruner="sometimes"), "pruner= is one of"),
+        (dict(space={"x": (0, 1)}), "Optuna distribution"),
+        (dict(sampler="grid"), "has no finite set of values"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            Study(store, "bad", **{**good, **bad})
+    for name in ("run", "a/b", ""):
+        with pytest.raises(ValueError, match="study"):
+            Study(store, name, **good)
+    with pytest.raises(TypeError, match="create and stamp"):
+        Study(object(), "bad", **good)
+    assert not list(store.scan(""))
+
+
+def test_a_failing_objective_is_failed_and_not_retried(folder):
+    store = FolderStore(folder)
+    study = Study(store, "boom", objective="study_objectives:boom", space=X, trials=3, attempts=3)
+    assert study.run(runner="here") == {"done": 0, "failed": 3, "pruned": 0, "superseded": 0}
+    trials = attempts(store, "boom")
+    assert all(len(records) == 1 for records in trials.values())
+    for records in trials.values():
+        assert records[0]["state"] == "failed" and records[0]["score"] == ""
+        assert "ValueError: no good at x=" in records[0]["error"]
+        assert "Traceback" in records[0]["error"]
+
+    odd = Study(store, "odd", objective="study_objectives:not_a_number", space=X, trials=1)
+    odd.run()
+    assert "returned a `str`, not a number" in counted(store, "odd")[0]["error"]
+
+
+def test_a_pruner_stops_trials_on_what_they_say(folder):
+    store = FolderStore(folder)
+    study = Study(store, "pruned", objective="study_objectives:with_curve", space={"x": FloatDistribution(0.0, 1.0)},
+                  trials=12, sampler="random", pruner="median")
+    counts = study.run()
+    assert counts["pruned"] > 0 and counts["done"] > 0 and counts["done"] + counts["pruned"] == 12
+    for record in counted(store, "pruned").values():
+        steps = json.loads(record["intermediate"])
+        if record["state"] == "pruned":
+            assert len(steps) < 5 and record["score"] == ""
+        else:
+            assert len(steps) == 5 and record["said.step"] == "4"
+    rebuilt = study.optuna()
+    assert sum(t.state == optuna.trial.TrialState.PRUNED for t in rebuilt.trials) == counts["pruned"]
+
+
+@pytest.mark.parametrize("sampler", ["grid", "bruteforce", "qmc", "random", "tpe"])
+def test_each_sampler_rebuilt_from_the_folder_proposes_new_points(folder, sampler):
+    store = FolderStore(folder)
+    if sampler in ("grid", "bruteforce"):  # ten trials cover the ten points, each once
+        space = {"x": IntDistribution(-2, 2), "kind": CategoricalDistribution(["a", "b"])}
+    else:  # a sampler rebuilt each time must not propose its first draw again
+        space = {"x": FloatDistribution(-2, 2), "kind": CategoricalDistribution(["a", "b"])}
+    study = Study(store, sampler, objective="study_objectives:with_curve_of_x", space=space, trials=10, sampler=sampler)
+    study.run()
+    configs = [r["config"] for r in counted(store, sampler).values()]
+    assert len(configs) == 10 and len(set(configs)) == 10
+
+
+def test_show_prints_the_trials(folder, capsys):
+    store = FolderStore(folder)
+    study = Study(store, "shown", objective="study_objectives:quadratic", space=X, trials=3, sampler="random")
+    study.run()
+    assert study_main(["--store", str(folder), "shown", "--show"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("study 'shown': 3 trials (3 done); best ")
+    assert shown == table(study) + "\n"
+    rows = shown.splitlines()[2:]
+    assert [row.split()[:3] for row in rows] == [[str(n), "done", "1"] for n in range(3)]
+
+    assert study_main(["--store", str(folder), "missing"]) == 2
+    assert "There is no study 'missing'" in capsys.readouterr().err
+    assert study_main(["--store", str(folder / "nowhere"), "shown"]) == 2
+    assert "there is no folder" in capsys.readouterr().err
+    Study(store, "elsewhere", objective="not_installed_here.train:objective", space=X, trials=1)
+    assert study_main(["--store", str(folder), "elsewhere"]) == 2
+    assert "cannot be imported here" in capsys.readouterr().err
+    assert not list(store.scan("elsewhere/trial/"))  # nothing claimed
+    done = subprocess.run(
+        [sys.executable, "-m", "somatize", "study", "--store", str(folder), "shown", "--show"],
+        capture_output=True, text=True, timeout=60, env=env_with_tests(),
+    )
+    assert done.returncode == 0 and done.stdout == shown
