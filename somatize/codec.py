@@ -223,10 +223,6 @@ def forget(kind: str) -> None:
         _by_type = {t: c for t, c in _by_type.items() if c.kind != kind}
 
 
-_entries = registry  # the names packing and some tests used; the public ones are above
-_forget = forget
-
-
 def readable_kinds() -> list[str]:
     """Every kind this process can read: built-ins, the registry, and the library's own
     kinds it would import by name on arrival. Sorted."""

@@ -99,7 +99,7 @@ def _shown(name: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _valid_part(part: str) -> bool:
+def valid_part(part: str) -> bool:
     return (
         len(part) <= _COMPONENT_MAX
         and _COMPONENT.fullmatch(part) is not None
@@ -114,11 +114,11 @@ def _check_component(part: str, name: str) -> None:
         raise BadName(
             f"Store name {_shown(name)} has a component of {len(part)} characters; {_ALLOWED}."
         )
-    if not _valid_part(part):
+    if not valid_part(part):
         raise BadName(f"Store name {_shown(name)} cannot be used; {_ALLOWED}.")
 
 
-def _check_name(name: object) -> str:
+def check_name(name: object) -> str:
     if not isinstance(name, str):
         raise BadName(f"A store name must be a str, not {type(name).__name__}; {_ALLOWED}.")
     if not name:
@@ -338,7 +338,7 @@ class FolderStore:
         return f"FolderStore({str(self.path)!r})"
 
     def _file(self, name: object) -> Path:
-        *folders, last = _check_name(name).split("/")  # checked before any path is built
+        *folders, last = check_name(name).split("/")  # checked before any path is built
         return self.path.joinpath(*folders, last + _SUFFIX)
 
     # -- the three verbs
@@ -618,11 +618,11 @@ def _list_names(folder: Path, base: str, partial: str, names: list[str]) -> None
         part = entry.name
         try:
             if entry.is_dir():
-                if part.startswith(partial) and _valid_part(part):
+                if part.startswith(partial) and valid_part(part):
                     _list_names(Path(entry.path), base + part + "/", "", names)
             elif part.endswith(_SUFFIX) and entry.is_file():
                 stem = part[: -len(_SUFFIX)]
-                if stem.startswith(partial) and _valid_part(stem):
+                if stem.startswith(partial) and valid_part(stem):
                     names.append(base + stem)
         except OSError:
             continue  # gone while we looked
@@ -636,7 +636,7 @@ def _list_temps(folder: Path) -> Iterator[Path]:
     for entry in entries:
         try:
             if entry.is_dir():
-                if _valid_part(entry.name):
+                if valid_part(entry.name):
                     yield from _list_temps(Path(entry.path))
             elif _TEMP.fullmatch(entry.name):
                 yield Path(entry.path)

@@ -14,7 +14,7 @@ import pytest
 
 from fabric_nodes import Add, Sleep
 from somatize import FolderStore, Node, NodeFailed, codec
-from somatize.codec import _forget, dumps, loads
+from somatize.codec import dumps, forget, loads
 from somatize.keys import PREFIX
 
 
@@ -270,7 +270,7 @@ def test_a_codec_makes_the_same_value_keepable(tmp_path):
         assert g.forward(50.0, store=store, watching=seen).hz == 50.0
         assert seen.kinds() == ["recalled", "finished"]
     finally:
-        _forget("tests.Reading")
+        forget("tests.Reading")
 
 
 def test_an_unwritable_input_runs_everything_and_says_so(tmp_path, capsys):

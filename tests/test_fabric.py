@@ -34,7 +34,7 @@ from somatize import (
     Worker,
     codec,
 )
-from somatize.codec import _forget
+from somatize.codec import forget
 
 PATHS = ["inprocess", "direct", "mount", "relayed"]
 
@@ -232,7 +232,7 @@ def test_a_value_of_a_kind_the_worker_cannot_read_is_refused_before_dispatch(pro
                 Add().named("a").at("w1").forward(Reading(5.0), broker=broker)
             assert Add().named("a").at("w1").forward(1, broker=broker) == 2  # still serving
     finally:
-        _forget("tests.fabric.Reading")
+        forget("tests.fabric.Reading")
 
 
 def test_the_worker_refuses_to_listen_where_others_can_reach_it():

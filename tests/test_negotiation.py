@@ -13,7 +13,7 @@ import zmq
 
 from fabric_nodes import Add
 from somatize import Broker, Busy, ProtocolError, Refused, Worker, codec
-from somatize.codec import _forget
+from somatize.codec import forget
 from somatize.wire import Done, Hello, Ready, Refusal, Runtime, Work, decode, encode
 
 
@@ -75,7 +75,7 @@ def test_a_value_of_a_kind_the_worker_cannot_read_is_refused_before_a_byte_of_it
             assert Add().named("a").at("w1").forward(1, broker=broker) is None  # a readable one does
             assert peer.seen.count("Work") == 1
     finally:
-        _forget("tests.deadlines.Reading")
+        forget("tests.deadlines.Reading")
         peer.close()
 
 

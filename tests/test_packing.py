@@ -382,7 +382,7 @@ def test_a_node_is_pickled_once_and_again_after_a_new_codec():
             packer.artifact(first)
         assert packer.spec(node).target == second and packer.pickles == 3
     finally:
-        codec_module._forget("tests.packing.Extra")
+        codec_module.forget("tests.packing.Extra")
 
 
 def test_an_artifact_is_let_go_with_its_node():

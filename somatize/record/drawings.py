@@ -13,7 +13,7 @@ from typing import Any
 
 from ..store import Store
 from .readers import fleet
-from .studies import _progress
+from .studies import scored
 
 _WIDTH = 40
 
@@ -49,7 +49,7 @@ def scores(store: Store, study: str, *, as_text: bool = False) -> Any:
     and ``*`` where it set a new best. Returns it; prints nothing. One scan of ``<study>/``,
     no fetch (as :func:`best`).
     """
-    direction, rows = _progress(store, study, "scores(study=...)")
+    direction, rows = scored(store, study, "scores(study=...)")
     if not as_text:
         Figure = _matplotlib()
         if Figure is not None:

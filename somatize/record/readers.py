@@ -15,16 +15,16 @@ from typing import Any
 
 from ..facts import Fact
 from ..store import Store
-from .recorder import _NUMBER, _RUNS, _check_run, _name, _records
+from .recorder import NUMBER, RUNS, check_run, entry_name, records_of
 from .reports import latest
 
 
 def runs(store: Store) -> list[str]:
     """The runs this store holds a record of, sorted. One scan."""
     found = set()
-    for name, _ in store.scan(_RUNS):
+    for name, _ in store.scan(RUNS):
         parts = name.split("/")
-        if len(parts) == 3 and _NUMBER.fullmatch(parts[2]):
+        if len(parts) == 3 and NUMBER.fullmatch(parts[2]):
             found.add(parts[1])
     return sorted(found)
 
@@ -37,21 +37,21 @@ def forwards(store: Store, run: str) -> list[dict[str, Any]]:
     forward that broke, and every summarised ``<kind>.<field>``, as a float when it reads as
     one and as text otherwise.
     """
-    _check_run(run, "forwards(run=...)")
+    check_run(run, "forwards(run=...)")
     out = []
-    for number, record in _records(store, run):
+    for number, record in records_of(store, run):
         row: dict[str, Any] = {
             "forward": number,
             "state": record.get("state", ""),
-            "took_us": _whole(record.get("took_us")),
-            "nodes": _whole(record.get("nodes")),
-            "facts": _whole(record.get("facts")),
+            "took_us": whole(record.get("took_us")),
+            "nodes": whole(record.get("nodes")),
+            "facts": whole(record.get("facts")),
         }
         if "error" in record:
             row["error"] = record["error"]
         for key, value in record.items():
             if "." in key:
-                row[key] = _maybe_float(value)
+                row[key] = maybe_float(value)
         out.append(row)
     return out
 
@@ -63,10 +63,10 @@ def curve(store: Store, run: str, kind: str = "loss", field: str = "value") -> l
     for any other forward, its blob is fetched and the last ``kind`` fact with ``field`` is
     used. :func:`curve_costs` tells which, before paying for it.
     """
-    _check_run(run, "curve(run=...)")
+    check_run(run, "curve(run=...)")
     key = f"{kind}.{field}"
     out = []
-    for number, record in _records(store, run):
+    for number, record in records_of(store, run):
         if _summarises(record, kind, key):
             value = record.get(key)
         else:
@@ -85,16 +85,16 @@ def curve_costs(store: Store, run: str, kind: str = "loss", field: str = "value"
     ``{"scans": 1, "fetches": 0, "summarised": True, "forwards": N}`` when every record
     carries ``kind``; otherwise ``fetches`` counts the blobs it would read.
     """
-    _check_run(run, "curve_costs(run=...)")
+    check_run(run, "curve_costs(run=...)")
     key = f"{kind}.{field}"
-    records = _records(store, run)
+    records = records_of(store, run)
     fetches = sum(1 for _, record in records if not _summarises(record, kind, key))
     return {"scans": 1, "fetches": fetches, "summarised": fetches == 0, "forwards": len(records)}
 
 
 def facts(store: Store, run: str, forward: int) -> list[Fact]:
     """Everything one forward did, in the order it arrived. One fetch."""
-    _check_run(run, "facts(run=...)")
+    check_run(run, "facts(run=...)")
     number = _index(forward, "forward")
     return _read(store, run, number)
 
@@ -109,7 +109,7 @@ def nodes(store: Store, run: str, last: int | None = None) -> list[dict[str, Any
     time of those runs; ``None`` when they took no measurable time). Sorted by ``took_us``,
     most first. One scan and a fetch per forward.
     """
-    _check_run(run, "nodes(run=...)")
+    check_run(run, "nodes(run=...)")
     totals: dict[str, dict[str, Any]] = {}
     hosts: dict[str, set[str]] = {}
     batches: dict[str, list[int]] = {}  # node -> [items, microseconds of the runs that said them]
@@ -122,9 +122,9 @@ def nodes(store: Store, run: str, last: int | None = None) -> list[dict[str, Any
             row = totals.setdefault(name, {"node": name, "ran": 0, "took_us": 0, "recalled": 0, "failed": 0})
             row[kind] += 1
             if kind == "ran":
-                took = _whole(f.get("took_us")) or 0
+                took = whole(f.get("took_us")) or 0
                 row["took_us"] += took
-                items = _whole(f.get("items"))
+                items = whole(f.get("items"))
                 if items is not None:
                     batch = batches.setdefault(name, [0, 0])
                     batch[0] += items
@@ -156,7 +156,7 @@ def fleet(store: Store, run: str, last: int | None = None) -> dict[str, dict[str
     last it said down the connection. One scan and a fetch per forward, and one more scan
     for the reports.
     """
-    _check_run(run, "fleet(run=...)")
+    check_run(run, "fleet(run=...)")
     out: dict[str, dict[str, Any]] = {}
     batches: dict[str, list[int]] = {}  # host -> [items, microseconds of the trips that said them]
     machine_of: dict[str, str] = {}
@@ -176,14 +176,14 @@ def fleet(store: Store, run: str, last: int | None = None) -> dict[str, dict[str
             if kind not in ("ran", "left"):
                 continue
             row = out.setdefault(host, {"slices": 0, "took_us": 0, "waiting_us": 0})
-            took = _whole(f.get("took_us")) or 0
+            took = whole(f.get("took_us")) or 0
             if kind == "ran":
                 ran_since[host] = ran_since.get(host, 0) + took
-                items = _whole(f.get("items"))
+                items = whole(f.get("items"))
                 if items is not None:
                     items_since[host] = max(items, items_since.get(host, 0))
                 continue
-            worked = _whole(f.get("worked_us"))
+            worked = whole(f.get("worked_us"))
             ran = ran_since.pop(host, 0)
             spent = ran if worked is None else worked
             row["slices"] += 1
@@ -215,7 +215,7 @@ def fleet(store: Store, run: str, last: int | None = None) -> dict[str, dict[str
 
 
 def _read(store: Store, run: str, number: int) -> list[Fact]:
-    blob = store.fetch(_name(run, number))
+    blob = store.fetch(entry_name(run, number))
     if blob is None:
         return []
     text = bytes(blob).decode("utf-8")
@@ -224,7 +224,7 @@ def _read(store: Store, run: str, number: int) -> list[Fact]:
 
 
 def _chosen(store: Store, run: str, last: int | None) -> list[tuple[int, dict[str, str]]]:
-    records = _records(store, run)
+    records = records_of(store, run)
     if last is None:
         return records
     count = _index(last, "last")
@@ -239,7 +239,7 @@ def _rate(items: int, microseconds: int) -> float | None:
     return items * 1e6 / microseconds if microseconds > 0 else None
 
 
-def _whole(value: str | None) -> int | None:
+def whole(value: str | None) -> int | None:
     if value is None:
         return None
     try:
@@ -248,7 +248,7 @@ def _whole(value: str | None) -> int | None:
         return None
 
 
-def _maybe_float(value: str) -> float | str:
+def maybe_float(value: str) -> float | str:
     try:
         return float(value)
     except ValueError:

@@ -9,7 +9,7 @@ object per line, in the order they arrived. A fact outside the engine's vocabula
 the record that closed last, which is written again.
 
 Where entries are named (``run/<run>/<n>``) is this module's; the readers find them through
-:func:`_records` and :func:`_name`. Nothing here reads a blob.
+:func:`records_of` and :func:`entry_name`. Nothing here reads a blob.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from collections.abc import Iterable, Mapping
 
 from ..errors import BadName
 from ..facts import CLOSING, ENGINE, Fact
-from ..store import Store, _check_name
+from ..store import Store, check_name
 
-_RUNS = "run/"
-_NUMBER = re.compile(r"[0-9]+")
+RUNS = "run/"
+NUMBER = re.compile(r"[0-9]+")
 _KIND = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -62,7 +62,7 @@ class Recorder:
         if run is None:
             self._run, self._next = _fresh_run(store)
         else:
-            self._run = _check_run(run, "Recorder(run=...)")
+            self._run = check_run(run, "Recorder(run=...)")
             self._next = _next_number(store, self._run)
         self._open: list[Fact] = []
         self._open_lines: list[bytes] = []
@@ -119,7 +119,7 @@ class Recorder:
 
     def _write(self, number: int, filed: list[Fact], lines: list[bytes]) -> None:
         record = _summary(self._run, number, filed, self._summarising)
-        self._store.put(_name(self._run, number), record, list(lines))
+        self._store.put(entry_name(self._run, number), record, list(lines))
 
 
 class _OneForward:
@@ -227,7 +227,7 @@ def _kinds(summarising: object) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def _check_run(run: object, where: str) -> str:
+def check_run(run: object, where: str) -> str:
     if not isinstance(run, str):
         raise BadName(f"{where}: a run's name is a str, not a `{type(run).__name__}`.")
     if "/" in run:
@@ -235,7 +235,7 @@ def _check_run(run: object, where: str) -> str:
             f"{where}: a run's name is one store name component, with no '/'; got {run!r}."
         )
     try:
-        _check_name(_name(run, 0))
+        check_name(entry_name(run, 0))
     except BadName as exc:
         raise BadName(f"{where}: {run!r} cannot name a run. {exc}") from None
     return run
@@ -251,21 +251,21 @@ def _fresh_run(store: Store) -> tuple[str, int]:
 
 
 def _next_number(store: Store, run: str) -> int:
-    numbers = [number for number, _ in _records(store, run)]
+    numbers = [number for number, _ in records_of(store, run)]
     return max(numbers) + 1 if numbers else 0
 
 
-def _name(run: str, number: int) -> str:
-    return f"{_RUNS}{run}/{number}"
+def entry_name(run: str, number: int) -> str:
+    return f"{RUNS}{run}/{number}"
 
 
-def _records(store: Store, run: str) -> list[tuple[int, dict[str, str]]]:
+def records_of(store: Store, run: str) -> list[tuple[int, dict[str, str]]]:
     """The records of one run, by forward number: one scan."""
-    prefix = f"{_RUNS}{run}/"
+    prefix = f"{RUNS}{run}/"
     found = []
     for name, record in store.scan(prefix):
         rest = name[len(prefix) :]
-        if _NUMBER.fullmatch(rest):
+        if NUMBER.fullmatch(rest):
             found.append((int(rest), record))
     found.sort(key=lambda item: item[0])
     return found

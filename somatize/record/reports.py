@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping
 
 from ..errors import BadName
-from ..store import Store, _check_name
+from ..store import Store, check_name
 
 _MACHINES = "machine/"
 
@@ -31,7 +31,7 @@ def report(store: Store, machine: str, said: Mapping[str, str]) -> None:
         raise BadName(f"report(machine=...): a machine's name is one store name component; got {machine!r}.")
     name = f"{_MACHINES}{machine}"
     try:
-        _check_name(name)
+        check_name(name)
     except BadName as exc:
         raise BadName(f"report(machine=...): {machine!r} cannot name a machine. {exc}") from None
     store.put(name, {**said, "machine": machine})

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import BadName, Missing
-from ..store import Store, _check_name
-from .readers import _maybe_float, _whole
+from ..store import Store, check_name
+from .readers import maybe_float, whole
 
 _DIRECTIONS = ("minimize", "maximize")
 
@@ -50,7 +50,7 @@ def best(store: Store, study: str) -> dict[str, Any] | None:
     return ranked[0] if ranked else None
 
 
-def _progress(store: Store, study: str, where: str) -> tuple[str, list[dict[str, Any]]]:
+def scored(store: Store, study: str, where: str) -> tuple[str, list[dict[str, Any]]]:
     """The study's direction, and its trials each with ``best``: the best score of the done
     trials up to it (``None`` before the first), and ``improved`` when it set that best.
     One scan of ``<study>/``, no fetch; what the drawing of a study is made from."""
@@ -114,9 +114,9 @@ def _row(name: str, number: int, tried: dict[int, dict[str, str]]) -> dict[str, 
         "state": record.get("state", ""),
         "score": _score(record.get("score", ""), where),
         "attempts": len(tried),
-        "took_us": _whole(record.get("took_us")),
+        "took_us": whole(record.get("took_us")),
         "config": _config(record.get("config"), where),
-        "said": {key[5:]: _maybe_float(value) for key, value in record.items() if key.startswith("said.")},
+        "said": {key[5:]: maybe_float(value) for key, value in record.items() if key.startswith("said.")},
         "runner": record.get("runner", ""),
     }
     if row["state"] == "failed":
@@ -165,7 +165,7 @@ def _check_study(study: object, where: str) -> str:
     if not isinstance(study, str):
         raise BadName(f"{where}: a study's name is a str, not a `{type(study).__name__}`.")
     try:
-        _check_name(f"{study}/study")
+        check_name(f"{study}/study")
     except BadName as exc:
         raise BadName(f"{where}: {study!r} cannot name a study. {exc}") from None
     return study

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import SomatizeError
-from ..store import _valid_part
+from ..store import valid_part
 
 #: Optuna's samplers, by the name a definition keeps. A sampler is seeded per trial number
 #: (see ``Definition.sampler_for``) except where the seed picks a sequence (``qmc``, ``grid``).
@@ -285,7 +285,7 @@ def load(name: str) -> Callable[..., Any]:
 
 
 def check_name(name: object) -> str:
-    if not isinstance(name, str) or not _valid_part(name) or "/" in name:
+    if not isinstance(name, str) or not valid_part(name) or "/" in name:
         raise ValueError(
             f"A study's name is one store name component: 1 to 200 characters of A-Z a-z "
             f"0-9 and . _ : @ + = -, not starting with '.' (for example 'lr-sweep'); "
@@ -300,7 +300,7 @@ def check_name(name: object) -> str:
 
 
 def check_runner(runner: object) -> str:
-    if not isinstance(runner, str) or not _valid_part(runner):
+    if not isinstance(runner, str) or not valid_part(runner):
         raise ValueError(
             f"A runner's name is one store name component (A-Z a-z 0-9 and . _ : @ + = -, "
             f"such as 'node17-3'); got {runner!r}."
