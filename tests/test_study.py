@@ -471,7 +471,7 @@ def test_a_pruner_stops_trials_on_what_they_say(folder):
     assert sum(t.state == optuna.trial.TrialState.PRUNED for t in rebuilt.trials) == counts["pruned"]
 
 
-@pytest.mark.parametrize("sampler", ["grid", "bruteforce", "qmc", "random", "tpe"])
+@pytest.mark.parametrize("sampler", ["grid", "bruteforce", "qmc", "random", "tpe", "cmaes"])
 def test_each_sampler_rebuilt_from_the_folder_proposes_new_points(folder, sampler):
     store = FolderStore(folder)
     if sampler in ("grid", "bruteforce"):  # ten trials cover the ten points, each once
