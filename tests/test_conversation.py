@@ -382,3 +382,20 @@ def test_exchanges_in_all_are_bounded():
     for n in range(50):
         relay_from_client(b, b"c%d" % n, "", "w1", )
     assert len(b.exchanges) == 10
+
+
+def test_a_key_whose_nodes_come_and_go_keeps_offering_new_names():
+    """A batch job's key serves node001..node004 today and others tomorrow: it lets go of
+    names it no longer serves, oldest first, never of one it serves."""
+    b = BrokerView(max_offers=2, max_bindings=4)
+    for day in range(5):
+        for n in range(2):
+            route = b"r%d-%d" % (day, n)
+            assert b.hello(route, "SLURM", EVERYONE, offering(f"node{day}{n}"), float(day)) == "offered"
+        for n in range(2):
+            b.leave(b"r%d-%d" % (day, n))
+    assert sorted(h for h, o in b.bindings.items() if o == "SLURM") == ["node30", "node31", "node40", "node41"]
+    b.hello(b"now", "SLURM", EVERYONE, offering("node40"), 9.0)
+    b.hello(b"now2", "SLURM", EVERYONE, offering("node41"), 9.0)
+    with pytest.raises(Violation, match="as many as one key may at once"):
+        b.hello(b"now3", "SLURM", EVERYONE, offering("node99"), 9.0)

@@ -300,9 +300,10 @@ class BrokerView:
     """The broker's view: which key owns which host, which route may answer which exchange.
 
     - A host name a dialed worker offers is bound to the identity that offered it first (its
-      CURVE key; without keys, its connection while it stays), for the broker's lifetime:
+      CURVE key; without keys, its connection while it stays), while that key is allowed:
       another identity offering it is refused. Only identities with the worker role may
-      offer, at most ``max_offers`` names each.
+      offer, serving at most ``max_offers`` names at once and holding at most
+      ``max_bindings`` (the oldest it no longer serves let go first).
     - A client's relayed message for host H opens (or reuses) an exchange numbered by the
       broker; the worker sees only that number and the client's tenant id. An answer is
       delivered only to the client of the exchange it names, and only if it comes from the
@@ -316,7 +317,8 @@ class BrokerView:
         declared: set[str] | frozenset[str] = frozenset(),
         *,
         patience: float = 5.0,
-        max_offers: int = 16,
+        max_offers: int = 256,
+        max_bindings: int = 1024,
         max_dialed: int = 1000,
         max_exchanges: int = 64,
         max_open: int = 100_000,
@@ -324,6 +326,7 @@ class BrokerView:
         self.declared = frozenset(declared)
         self.patience = patience
         self.max_offers = max_offers
+        self.max_bindings = max_bindings
         self.max_dialed = max_dialed
         self.max_exchanges = max_exchanges
         self.max_open = max_open
@@ -373,12 +376,21 @@ class BrokerView:
         if known is not None and known.route == route:
             known.seen = now
             return "keepalive"
-        if bound is None:
-            mine = sum(1 for o in self.bindings.values() if o == owner)
-            if mine >= self.max_offers:
-                raise self._refuse(f"this worker key already serves {mine} hosts, as many as one key may")
+        if known is None:
+            serving = sum(1 for o in self.offers.values() if o.owner == owner)
+            if serving >= self.max_offers:
+                raise self._refuse(f"this worker key already serves {serving} hosts, as many as one key may at once")
             if len(self.offers) >= self.max_dialed:
                 raise self._refuse(f"this broker already serves {self.max_dialed} dialed-in hosts")
+        if bound is None:
+            held = [h for h, o in self.bindings.items() if o == owner]
+            if len(held) >= self.max_bindings:
+                # a key whose nodes come and go (a batch job) keeps its newest names; the
+                # oldest it no longer serves is let go, so nobody hoards names by the thousand
+                idle = next((h for h in held if h not in self.offers), None)
+                if idle is None:
+                    raise self._refuse(f"this worker key holds {len(held)} host names, as many as one key may")
+                del self.bindings[idle]
             self.bindings[host] = owner
         if known is not None:  # the same owner from a new connection (it restarted): move
             self._end_exchanges(lambda e: e.worker == known.route and e.host == host)
