@@ -230,3 +230,18 @@ def test_a_folder_called_star_is_a_folder_not_any_key(ring, processes):
         assert bob.ask(Hello(RT), timeout=2.0) is None  # its handshake fails: no answer ever
     finally:
         bob.close()
+
+
+def test_a_client_the_broker_does_not_allow_is_told_so_not_that_nobody_is_there(ring, processes, tmp_path):
+    """A key not in the allow folder, or no keys at all, fails the CURVE handshake: the
+    client says that, at once, instead of waiting to ask whether a broker is running."""
+    broker = start_broker(processes, ring)
+    stranger_public, stranger_secret = make_pair(tmp_path / "strangers", "stranger")
+    started = time.monotonic()
+    with Broker.at(broker.endpoint, keys=Keys.client(stranger_secret, server=ring["broker"]), patience=2.0) as b:
+        with pytest.raises(Refused, match="refused this client's CURVE handshake.*allow folder"):
+            b.hosts()
+    with Broker.at(broker.endpoint, patience=2.0) as b:
+        with pytest.raises(Refused, match="This client has no keys"):
+            b.hosts()
+    assert time.monotonic() - started < 8.0  # each within one wait of 2 patiences, not more

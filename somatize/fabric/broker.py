@@ -30,6 +30,7 @@ the fix, and no byte of it is sent.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -115,6 +116,7 @@ class Broker:
         self._checking: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
         self._control: zmq.Socket | None = None
+        self._watch: zmq.Socket | None = None
         self._listing: dict[str, str] | None = None
         self._located: dict[str, Located] = {}
         self._idle: dict[str, list[_Channel]] = {}
@@ -176,13 +178,12 @@ class Broker:
             self._closed = True
             channels = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
-            control, self._control = self._control, None
             checking = list(self._checking.values())
+            self._close_control()
         for channel in channels:
             channel.close()
         for thread in checking:
             thread.join(timeout=self.patience * 2)
-        sockets.close(control)
         if self._server is not None:
             self._server.stopping.set()
             if self._thread is not None:
@@ -371,21 +372,43 @@ class Broker:
                 self._control = sockets.dealer(self.patience)
                 if self.keys is not None:
                     as_client(self._control, self.keys, None)
+                # a broker that refuses this client's keys says nothing: its handshake fails
+                self._watch = self._control.get_monitor_socket(_HANDSHAKE_FAILED)
                 self._control.connect(self.url)
-            control = self._control
+            control, watch = self._control, self._watch
             with sockets.translated(f"the broker at {self.url}"):
                 control.send_multipart(encode(message))
-                if not sockets.poll(control, timeout):
-                    # a socket that missed an answer would read it later as another's
-                    sockets.close(control)
-                    self._control = None
-                    if late is not None:
-                        raise _PastDeadline(late)
-                    raise Unreachable(
-                        f"nobody answered at {self.url} within {timeout:.0f} s: is a broker running "
-                        f"there? Start one with `python -m somatize.broker --listen {self.url}`."
+                refused = False
+                until = time.monotonic() + timeout
+                while not sockets.poll(control, min(0.1, max(0.0, until - time.monotonic()))):
+                    refused = bool(watch is not None and watch.get(zmq.EVENTS) & zmq.POLLIN)
+                    if refused or time.monotonic() >= until:
+                        break
+                else:
+                    return decode(control.recv_multipart(copy=False))
+                # a socket that missed an answer would read it later as another's
+                self._close_control()
+                if refused:
+                    raise Refused(
+                        f"the broker at {self.url} refused this client's CURVE handshake: is this "
+                        f"client's public key in the broker's allow folder (then `systemctl reload "
+                        f"somatize-broker`), and is `server=` the broker's own `.key`? "
+                        + ("This client has no keys: pass `keys=Keys.client(...)` to `Broker.at`."
+                           if self.keys is None else "")
                     )
-                return decode(control.recv_multipart(copy=False))
+                if late is not None:
+                    raise _PastDeadline(late)
+                raise Unreachable(
+                    f"nobody answered at {self.url} within {timeout:.0f} s: is a broker running "
+                    f"there? Start one with `python -m somatize.broker --listen {self.url}`."
+                )
+
+    def _close_control(self) -> None:
+        control, watch, self._control, self._watch = self._control, self._watch, None, None
+        if control is not None and not control.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                control.disable_monitor()
+        sockets.close(watch, control)
 
     # -- channels ----------------------------------------------------------------------
     def _packer(self, host: str, mode: str) -> Packer:
