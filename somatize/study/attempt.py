@@ -128,6 +128,18 @@ class Running:
         """Create the attempt's entry if nobody has; ``True`` when this runner holds it now."""
         return self.store.create(self.name, self._record())
 
+    def let_go(self) -> None:
+        """Told to stop before the objective ran (between claiming and starting): if this
+        runner holds the attempt, mark it ``abandoned`` so another takes it over at once.
+        Whether it holds it is read from the store, never assumed: a stop may land while
+        the claim itself is under way, and another runner's attempt must not be touched."""
+        with self._lock:
+            if self._closed:
+                return
+        held = next((r for n, r in self.store.scan(self.name) if n == self.name), None)
+        if held is not None and held.get("runner") == self._runner and held.get("state") == "running":
+            self.finish("abandoned")
+
     def start(self) -> None:
         self._pulse = threading.Thread(
             target=self._beat, name=f"somatize-study-pulse-{self.number}", daemon=True

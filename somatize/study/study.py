@@ -186,17 +186,28 @@ class Study:
             if history.finished(self.trials):
                 tell(f"study {self._name!r}: all {self.trials} trials have finished")
                 return counts
-            running = self._take_over(history, me, tell)
-            if running is None:
-                number = history.next_number(self.trials)
-                if number is not None:
-                    running = self._claim(history, number, me)
-                    if running is None:
-                        continue  # another runner claimed it first: scan again
-                else:
-                    time.sleep(poll)  # others' attempts are running: watch them
-                    continue
-            counts[_execute(running, objective, tell)] += 1
+            self._in_hand = None
+            try:
+                running = self._take_over(history, me, tell)
+                if running is None:
+                    number = history.next_number(self.trials)
+                    if number is not None:
+                        running = self._claim(history, number, me)
+                        if running is None:
+                            continue  # another runner claimed it first: scan again
+                    else:
+                        time.sleep(poll)  # others' attempts are running: watch them
+                        continue
+            except BaseException:
+                # told to stop while claiming: an attempt this runner got is handed over now
+                if self._in_hand is not None:
+                    self._in_hand.let_go()
+                raise
+            try:
+                counts[_execute(running, objective, tell)] += 1
+            except BaseException:
+                running.let_go()  # stopped before its objective began: hand it over now
+                raise
 
     def _claim(self, history: History, number: int, me: str) -> Running | None:
         ostudy, storage = history.rebuild(self._definition, self._name, number)
@@ -214,6 +225,7 @@ class Study:
             otrial=otrial if pruning else None,
             storage=storage if pruning else None,
         )
+        self._in_hand = running
         return running if running.claim() else None
 
     def _take_over(self, history: History, me: str, tell: Progress) -> Running | None:
@@ -242,6 +254,7 @@ class Study:
                 otrial=otrial,
                 storage=storage,
             )
+            self._in_hand = running
             if running.claim():
                 tell(
                     f"trial {trial.number}: attempt {last.attempt} (runner "
