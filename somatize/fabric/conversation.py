@@ -331,6 +331,7 @@ class BrokerView:
         self.max_exchanges = max_exchanges
         self.max_open = max_open
         self.offers: dict[str, Offer] = {}
+        self._routes: dict[bytes, set[str]] = {}  # route -> the hosts it serves (an index of offers)
         self.bindings: dict[str, str] = {}  # host -> owner, kept while the broker runs (keyed)
         self.exchanges: dict[int, Exchange] = {}
         self._by_pair: dict[tuple[bytes, str], int] = {}
@@ -394,18 +395,31 @@ class BrokerView:
             self.bindings[host] = owner
         if known is not None:  # the same owner from a new connection (it restarted): move
             self._end_exchanges(lambda e: e.worker == known.route and e.host == host)
+        if known is not None:
+            self._drop(host)
         self.offers[host] = Offer(host, route, owner, hello.runtime, now)
+        self._routes.setdefault(route, set()).add(host)
         return "offered"
 
     def offered_by(self, route: bytes) -> list[str]:
-        return [h for h, o in self.offers.items() if o.route == route]
+        """The hosts ``route`` serves: asked of every relayed message, so an index, not a walk."""
+        return sorted(self._routes.get(route, ()))
+
+    def _drop(self, host: str) -> Offer:
+        offer = self.offers.pop(host)
+        hosts = self._routes.get(offer.route)
+        if hosts is not None:
+            hosts.discard(host)
+            if not hosts:
+                del self._routes[offer.route]
+        return offer
 
     def leave(self, route: bytes) -> list[str]:
         """``route`` said Bye or went away: forget its offers (keyless bindings with them)
         and every exchange it was part of. Returns the hosts it served."""
         gone = self.offered_by(route)
         for host in gone:
-            offer = self.offers.pop(host)
+            offer = self._drop(host)
             if offer.owner.startswith("route:"):
                 self.bindings.pop(host, None)
         self._end_exchanges(lambda e: route in (e.worker, e.client))
@@ -418,7 +432,7 @@ class BrokerView:
         the least recently used ended first."""
         gone = [h for h, o in self.offers.items() if now - o.seen > 3 * self.patience]
         for host in gone:
-            offer = self.offers.pop(host)
+            offer = self._drop(host)
             if offer.owner.startswith("route:"):
                 self.bindings.pop(host, None)
         self._end_exchanges(lambda e: e.host in gone)
@@ -430,7 +444,7 @@ class BrokerView:
         for host, offer in list(self.offers.items()):
             if not offer.owner.startswith("route:") and offer.owner not in allowed:
                 routes.add(offer.route)
-                del self.offers[host]
+                self._drop(host)
         for host, owner in list(self.bindings.items()):
             if not owner.startswith("route:") and owner not in allowed:
                 del self.bindings[host]
