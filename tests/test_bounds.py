@@ -298,7 +298,7 @@ def test_forty_hellos_of_the_most_kinds_allowed_keep_little():
 
 
 def test_decode_checks_each_descriptor_once():
-    init = codec_module._Checker.__init__.__code__
+    init = importlib.import_module("somatize.codec.reading").Checker.__init__.__code__
     walks = []
 
     def profile(frame, event, arg):

@@ -124,7 +124,7 @@ plain = st.recursive(
     max_leaves=25,
 )
 
-ALLOWED = sorted(codec_module._DTYPES)
+ALLOWED = sorted(importlib.import_module("somatize.codec.layout").DTYPES)
 dtypes = st.sampled_from([np.dtype(s) for s in ALLOWED])
 arrays = dtypes.flatmap(
     lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
@@ -345,6 +345,21 @@ def test_arrays_from_writable_frames_are_views_of_them():
     assert same(second, a + 1)
 
 
+def test_arrays_are_views_of_read_only_frames_when_asked_for_and_then_read_only():
+    a = np.arange(10, dtype=np.int16)
+    descriptor, frames = encode(a)
+    raw = bytes(frames[0])
+    back = decode(descriptor, [raw], views=True)
+    assert not back.flags.writeable and np.shares_memory(back, np.frombuffer(raw, np.uint8))
+    assert same(back, a)
+    mine = bytearray(raw)
+    assert decode(descriptor, [mine], views=True).flags.writeable  # a writable frame stays so
+    data = dumps([a, "x"])
+    first, _ = loads(data, views=True)
+    assert not first.flags.writeable and np.shares_memory(first, np.frombuffer(data, np.uint8))
+    assert decode(descriptor, [raw]).flags.writeable  # the default is unchanged: a copy
+
+
 @pytest.mark.parametrize(
     "scalar",
     [np.float32(1.5), np.float64(-0.0), np.float16(2), np.int8(-3), np.uint64(2**64 - 1),
@@ -425,7 +440,7 @@ def test_without_a_codec_a_value_is_unwritable_with_the_fix():
     text = str(caught.value)
     assert "`Reading` cannot leave this process" in text
     assert 'codec("a name", Reading, dump=..., load=...)' in text
-    assert "somatize.torch" in text
+    assert "in the module that defines `Reading`" in text  # where the call belongs
     assert "12345" not in text
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, CodecError)
 
@@ -586,6 +601,46 @@ def test_opaque_repr_and_equality():
         hash(one)
 
 
+# -- the package -----------------------------------------------------------------------
+
+
+def test_the_codec_package_is_a_module_that_registers_when_called(kind):
+    import types
+
+    assert isinstance(codec_module, types.ModuleType) and callable(codec_module)
+    assert importlib.import_module("somatize").codec is codec_module
+    for name in codec_module.__all__:
+        assert getattr(codec_module, name) is not None, name
+    parts = ("registered", "layout", "writing", "reading", "arrow", "tensors")
+    for part in parts:  # no part shadows a public name, and each says what it is for
+        module = importlib.import_module(f"somatize.codec.{part}")
+        assert part not in codec_module.__all__ and module.__doc__
+    name = kind("called")
+    codec_module(name, Reading, dump=lambda r: b"r", load=lambda raw: "read")
+    assert name in codecs_registered() and decode(*encode(Reading(1.0, []))) == "read"
+
+
+def test_checking_a_descriptor_with_a_tensor_in_it_does_not_import_torch(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import somatize
+
+    script = (
+        "import sys\n"
+        "from somatize.codec import check, kinds_in\n"
+        "check(['L', ['X', 'bfloat16', [2], 0], ['A', '<f4', [1], 1]], [bytes(4), bytes(4)])\n"
+        "assert kinds_in(['X', 'int8', [0], 0]) == {'torch.Tensor'}\n"
+        "print('torch' in sys.modules)\n"
+    )
+    root = str(Path(somatize.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 # -- kinds ------------------------------------------------------------------------------
 
 
@@ -626,7 +681,7 @@ def test_the_library_s_own_kinds_are_summoned_by_name(tmp_path, monkeypatch, kin
         f"codec({name!r}, Thing, dump=lambda t: b'', load=lambda raw: 'summoned ' + raw.decode())\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(codec_module._OWN_KINDS, name, module)
+    monkeypatch.setitem(importlib.import_module("somatize.codec.registered").OWN_KINDS, name, module)
     try:
         assert name not in codecs_registered()
         assert decode(["C", name, 0], [b"it"]) == "summoned it"
@@ -636,7 +691,7 @@ def test_the_library_s_own_kinds_are_summoned_by_name(tmp_path, monkeypatch, kin
 
 
 def test_an_own_kind_whose_module_is_missing_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(codec_module._OWN_KINDS, "own.Missing", "somatize.nowhere_to_be_found")
+    monkeypatch.setitem(importlib.import_module("somatize.codec.registered").OWN_KINDS, "own.Missing", "somatize.nowhere_to_be_found")
     with pytest.raises(Unreadable, match=r"pip install somatize\[nowhere_to_be_found\]"):
         decode(["C", "own.Missing", 0], [b""])
 

@@ -262,10 +262,10 @@ class Make(Node):
         return torch.zeros(3)
 
 def with_frame(written, frame):
-    """The written form of a tensor, its data replaced by `frame` (kind torch.Tensor kept)."""
-    size = struct.unpack_from("<I", written, 4)[0]
-    descriptor, _ = msgpack.unpackb(written[8:8 + size], raw=False)
-    header = msgpack.packb([descriptor, [len(frame)]], use_bin_type=True)
+    """A written form whose one value is the registered `torch.Tensor` kind (the tensor path
+    that still hands bytes to a loader: values stored before tensors became a frame kind),
+    its bytes `frame`."""
+    header = msgpack.packb([["C", "torch.Tensor", 0], [len(frame)]], use_bin_type=True)
     head = b"SMZ1" + struct.pack("<I", len(header)) + header
     return head + b"\0" * (-len(head) % 16) + frame
 

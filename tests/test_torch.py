@@ -371,9 +371,29 @@ def test_malformed_tensor_bytes_are_refused_before_anything_is_allocated(raw, mo
         decode(["C", "torch.Tensor", 0], [raw])
 
 
-def test_tensor_bytes_summon_the_codec_in_a_process_that_never_imported_it(tmp_path):
+def written_before(descriptor, frames):
+    """A written form as somatize wrote it before tensors were built in (SMZ1, the header,
+    each frame on a 16-byte boundary): what a store may hold from then."""
+    import msgpack
+
+    header = msgpack.packb([descriptor, [len(f) for f in frames]], use_bin_type=True)
+    out = b"SMZ1" + struct.pack("<I", len(header)) + header
+    for f in frames:
+        out += bytes(-len(out) % 16) + bytes(f)
+    return out
+
+
+def test_tensor_bytes_read_in_a_process_that_never_imported_somatize_torch(tmp_path):
+    # Adapted when tensors became built in: today's bytes (the "X" node) need torch only,
+    # and no codec; bytes written before ("C" nodes with SMZT frames) still summon
+    # somatize.torch, which registers the codec that reads them.
     value = {"t": torch.randn(4, 3).t(), "b": torch.ones(2, dtype=torch.bfloat16)}
     (tmp_path / "written").write_bytes(dumps(value))
+    old = written_before(
+        ["D", "t", ["C", "torch.Tensor", 0], "b", ["C", "torch.Tensor", 1]],
+        [smt.dump_tensor(value["t"]), smt.dump_tensor(value["b"])],
+    )
+    (tmp_path / "old").write_bytes(old)
     script = textwrap.dedent(
         """
         import sys
@@ -381,13 +401,17 @@ def test_tensor_bytes_summon_the_codec_in_a_process_that_never_imported_it(tmp_p
 
         assert "somatize.torch" not in sys.modules and "torch" not in sys.modules
         assert codecs_registered() == []
-        value = loads(open("written", "rb").read())
-        print(codecs_registered(), type(value["t"]).__name__, value["t"].shape, value["b"].dtype)
+        for name in ("written", "old"):
+            value = loads(open(name, "rb").read())
+            print(codecs_registered(), "somatize.torch" in sys.modules, type(value["t"]).__name__, value["t"].shape, value["b"].dtype)
         """
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['torch.Tensor'] Tensor torch.Size([3, 4]) torch.bfloat16"
+    assert done.stdout.splitlines() == [
+        "[] False Tensor torch.Size([3, 4]) torch.bfloat16",
+        "['torch.Tensor'] True Tensor torch.Size([3, 4]) torch.bfloat16",
+    ]
 
 
 # -- across a worker -----------------------------------------------------------------------

@@ -1,0 +1,192 @@
+"""The registry: ``codec(kind, Type, dump=, load=)`` and what it fills, the library's own
+kinds that are imported by name when their bytes arrive, and ``Opaque``.
+
+The registry is asked after the built-in kinds (plain data, NumPy, Arrow, tensors), both
+when writing and when reading. It knows nothing of descriptors or frames.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from somatize.errors import BadCodec, Unreadable
+
+from .layout import ARROW_KINDS, BUILTIN_KINDS, NDARRAY, NPSCALAR, PLAIN, TENSOR
+
+T = TypeVar("T")
+
+# The library's own codecs, imported by name when their bytes arrive first. Only these:
+# somatize cannot guess which module of yours gives a kind of yours its meaning. A tensor
+# in today's form is built in and needs no codec; "torch.Tensor" here reads the SMZT bytes
+# that stores written before tensors were built in still hold.
+OWN_KINDS = {TENSOR: "somatize.torch"}
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    kind: str
+    type: type
+    dump: Callable[[Any], bytes]
+    load: Callable[[bytes], Any]
+
+
+_lock = threading.Lock()
+# Replaced whole under the lock; readers take one dict lookup and never see half a change.
+_by_kind: dict[str, Entry] = {}
+_by_type: dict[type, Entry] = {}
+
+
+def codec(
+    kind: str, type_: type, *, dump: Callable[[T], bytes], load: Callable[[bytes], T]
+) -> None:
+    """Say how to write a ``type_`` down (``dump``) and read it back (``load``), under ``kind``.
+
+    Call it in the module that defines the type, so that whoever can build one can also
+    write one down. Name the kind after the type (``"myproject.Reading"``): it is written
+    beside the bytes and kept as long as they are. Registering a kind again replaces it.
+    """
+    if not isinstance(kind, str) or not kind:
+        raise BadCodec(
+            f"a codec's kind has to be a non-empty str named after its type, like "
+            f'"myproject.Reading"; it was given a `{type(kind).__name__}`'
+            + (" that is empty" if isinstance(kind, str) else "")
+        )
+    if kind in BUILTIN_KINDS:
+        raise BadCodec(
+            f"`{kind}` is one of somatize's built-in kinds, which are asked before the "
+            f"registry: a codec under that name would change what bytes of that kind mean "
+            f'rather than add a kind. Name yours after your type, like "myproject.Reading"'
+        )
+    if not isinstance(type_, type):
+        raise BadCodec(
+            f'codec("{kind}", ...) needs the class it writes down as its second argument; '
+            f"it was given a `{type(type_).__name__}`"
+        )
+    if type_ is Opaque:
+        raise BadCodec(
+            f'codec("{kind}", Opaque, ...) would never be asked: an `Opaque` crosses through '
+            f"the codec of the type it wraps, so register that type instead"
+        )
+    for name, fn in (("dump", dump), ("load", load)):
+        if not callable(fn):
+            raise BadCodec(
+                f'codec("{kind}", {type_.__name__}, ...) needs `{name}` to be callable '
+                f"(dump: one `{type_.__name__}` -> bytes, load: bytes -> one); "
+                f"it was given a `{type(fn).__name__}`"
+            )
+    entry = Entry(kind, type_, dump, load)
+    global _by_kind, _by_type
+    with _lock:
+        by_kind = dict(_by_kind)
+        by_type = {t: c for t, c in _by_type.items() if c.kind != kind}
+        by_kind[kind] = entry
+        by_type[type_] = entry
+        _by_kind, _by_type = by_kind, by_type
+
+
+def codecs_registered() -> list[str]:
+    """The kinds registered with ``codec(...)`` in this process, sorted (built-ins aside)."""
+    return sorted(_by_kind)
+
+
+def registry() -> tuple[tuple[str, type, Callable[[Any], bytes], Callable[[bytes], Any]], ...]:
+    """The registered codecs as ``(kind, type, dump, load)``, in registration order (for
+    packing, which carries them to a network-mode worker, and which compares two of these
+    item by item with ``is`` to tell whether the registry changed in between)."""
+    return tuple((c.kind, c.type, c.dump, c.load) for c in _by_kind.values())
+
+
+def forget(kind: str) -> None:
+    """Drop a registered kind, so bytes of it are unreadable again (a test that registers
+    its own kinds, a notebook that registered one by mistake). Unknown kinds are ignored."""
+    global _by_kind, _by_type
+    with _lock:
+        _by_kind = {k: c for k, c in _by_kind.items() if k != kind}
+        _by_type = {t: c for t, c in _by_type.items() if c.kind != kind}
+
+
+def readable_kinds() -> list[str]:
+    """Every kind this process can read: built-ins (Arrow's when pyarrow is installed,
+    tensors when torch is), the registry, and the library's own kinds it would import by
+    name on arrival. Sorted."""
+    kinds = {PLAIN, NDARRAY, NPSCALAR}
+    if importlib.util.find_spec("pyarrow") is not None:
+        kinds |= ARROW_KINDS
+    kinds.update(_by_kind)
+    kinds.update(k for k in OWN_KINDS if k != TENSOR)
+    if sys.modules.get("torch") is not None or importlib.util.find_spec("torch") is not None:
+        kinds.add(TENSOR)
+    return sorted(kinds)
+
+
+def for_type(t: type) -> Entry | None:
+    by_type = _by_type
+    entry = by_type.get(t)
+    if entry is None and by_type:
+        for base in t.__mro__[1:]:
+            entry = by_type.get(base)
+            if entry is not None:
+                break
+    return entry
+
+
+def for_kind(kind: str) -> Entry:
+    entry = _by_kind.get(kind)
+    if entry is not None:
+        return entry
+    module = OWN_KINDS.get(kind)
+    if module is None:
+        raise Unreadable(
+            f"bytes of kind `{kind}` arrived and nothing in this process reads that kind: "
+            f'import the module that calls `codec("{kind}", ...)` before reading it '
+            f"(somatize only imports its own codecs by name)"
+        )
+    extra = module.rsplit(".", 1)[-1]
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise Unreadable(
+            f"bytes of kind `{kind}` arrived, and reading them needs `{module}`, which could "
+            f"not be imported here ({type(exc).__name__}: {exc}): pip install somatize[{extra}]"
+        ) from exc
+    except Exception as exc:
+        raise Unreadable(
+            f"bytes of kind `{kind}` arrived, and importing `{module}` to read them raised "
+            f"{type(exc).__name__}"
+        ) from exc
+    entry = _by_kind.get(kind)
+    if entry is None:
+        raise Unreadable(
+            f"bytes of kind `{kind}` arrived and importing `{module}` did not register a "
+            f"codec for it; this somatize is broken or mismatched: reinstall somatize[{extra}]"
+        )
+    return entry
+
+
+# -- Opaque ------------------------------------------------------------------------------
+
+
+class Opaque:
+    """Something that exists in this process only: a tensor with its graph, a tokenizer, a
+    connection. It crosses (to a wire, to a store) only through a codec registered for the
+    type of ``value``; reading it back gives an ``Opaque`` around what that codec loads."""
+
+    __slots__ = ("value",)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:  # the type only: contents never appear in a repr or message
+        return f"Opaque(<{type(self.value).__qualname__}>)"
+
+    def __eq__(self, other: object) -> Any:
+        if not isinstance(other, Opaque):
+            return NotImplemented
+        return self.value == other.value
