@@ -31,6 +31,7 @@ import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
+from .errors import BadKeys
 from .fabric import Worker, command, sockets
 from .fabric.curve import Keys, read_public
 from .fabric.broker_loop import BrokerLoop
@@ -57,7 +58,21 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
         if "address" in entry:
             keys = None
             if "key" in entry:  # the worker's public key: clients check they reached the right one
-                public = read_public(Path(path).parent / entry["key"])
+                if not isinstance(entry["key"], str) or not entry["key"]:
+                    raise ValueError(f"{path}: [hosts.{name}] key must be the path of the worker's `.key` file, "
+                                     f"like key = \"keys/{name}.key\"")
+                where = Path(path).parent / entry["key"]
+                if not where.exists():
+                    raise ValueError(
+                        f"{path}: [hosts.{name}] key = \"{entry['key']}\", and there is no such file "
+                        f"({where.resolve()}): make the worker's pair on that worker (`python -m somatize "
+                        f"keys DIR {name}`) and copy its public `{name}.key` to {where.resolve()}, or take "
+                        f"the line out if that worker listens without keys"
+                    )
+                try:
+                    public = read_public(where)
+                except BadKeys as exc:
+                    raise ValueError(f"{path}: [hosts.{name}] key: {exc}") from exc
                 keys = Keys(public=b"", secret=b"", server_key=public)
             out[name] = Worker.at(entry["address"], mode=entry.get("mode", "project"), mount=entry.get("mount"), keys=keys,
                                   deadline=entry.get("deadline"))
@@ -77,10 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="keep which worker key owns which dialed-in host name in this file, so a "
                              "restarted broker gives each name back only to its key (written 0600)")
     command.patience_option(parser)
+    command.log_option(parser)
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening on an address other machines can reach, with no keys")
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    log = command.configure_log(args.log_level).getChild("broker")
 
     try:
         hosts = read_hosts(args.hosts) if args.hosts else {}
@@ -101,11 +118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     endpoint = command.bind(server, url, who="broker", keys=keys)
     if endpoint is None:
         return 2
-    if args.announce:
-        print(f"somatize-broker ready {endpoint}", flush=True)
-    print(f"somatize broker: listening on {endpoint}; hosts: {', '.join(sorted(hosts)) or 'none yet'}",
-          file=sys.stderr, flush=True)
-    return command.serve_until_signalled(server)
+
+    def ready() -> None:
+        log.info("listening on %s with %s; hosts: %s", endpoint, server.described(), ", ".join(sorted(hosts)) or "none yet")
+        if args.announce:
+            print(f"somatize-broker ready {endpoint}", flush=True)
+
+    return command.serve_until_signalled(server, log, ready)
 
 
 if __name__ == "__main__":

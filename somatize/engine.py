@@ -11,7 +11,14 @@ store that refuses a write costs one line on stderr, and the answer is still rig
 
 The engine never imports ZeroMQ. A remote group is handed to the broker as a
 :class:`Piece` through one call, ``broker.run(piece, watch)``, which returns an
-:class:`Outcome`; a worker runs the same piece with :func:`run_piece`.
+:class:`Outcome`; a worker runs the same piece with :func:`run_piece`. A group on a host
+the broker runs in this process (``Worker.inprocess()``, named by ``broker.here()``) is
+no piece at all: its steps are this walk's own, tagged with the host (see
+:func:`somatize.plan.compile`), so it costs what the same steps cost with no host.
+
+What does not change between forwards of one graph is worked out once: the plan of a
+graph with nothing recalled is kept on the graph (per set of in-process hosts), and a
+remote group's renumbered steps on its plan.
 
 A forward may be given a deadline. Every wait for another process is bounded by it (the
 broker raises ``Overdue``); a node running in this process cannot be interrupted (Python
@@ -37,7 +44,7 @@ from .codec import loads, written_parts
 from .errors import CodecError, Missing, NodeFailed, Overdue, SomatizeError
 from .facts import Watchers, elsewhere, fact, microseconds
 from .graph import Graph, Shape, Step, as_graph
-from .plan import Join, Plan, Recall, Remote, Run, check, compile, group, keys_for, prune
+from .plan import Closes, Join, Plan, Recall, Remote, Run, check, compile, group, keys_for, prune
 
 # -- what crosses to a broker ------------------------------------------------------------
 
@@ -78,6 +85,10 @@ class Piece:
     keys: dict[int, str]
     deadline: Deadline | None = None
     """The forward's deadline; the broker may make it sooner with the host's own."""
+    memo: dict | None = dataclasses.field(default=None, compare=False, repr=False)
+    """Where whoever carries the piece may keep what it works out for this group of this
+    graph and that stays the same from forward to forward (the packed specs of its steps,
+    :func:`somatize.fabric.pieces.specs_of`); it lives as long as the graph's plan."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,16 +133,20 @@ def forward(
     """
     graph = as_graph(graph)
     until = None if deadline is None else Deadline.after(_seconds(deadline))
-    watch = Watchers(watching).for_forward()  # a watcher that cannot be called is refused first
-    check(graph, broker=broker, store=store)
+    # a watcher that cannot be called is refused first; nobody watching is one shared nobody
+    watch = _NOBODY if watching is None else Watchers(watching).for_forward()
+    here = _here(broker, graph)
+    check(graph, broker=broker, store=store, here=here)
     started = time.perf_counter_ns()
     try:
-        walk = _Walk.prepare(graph, x, broker=broker, store=store, watch=watch, deadline=until)
+        walk = _Walk.prepare(graph, x, broker=broker, store=store, watch=watch, deadline=until, here=here)
         output = walk.run(x)
     except BaseException as exc:
-        watch(fact("broke", error=_describe(exc), took_us=microseconds(time.perf_counter_ns() - started)))
+        if watch:
+            watch(fact("broke", error=_describe(exc), took_us=microseconds(time.perf_counter_ns() - started)))
         raise
-    watch(fact("finished", took_us=microseconds(time.perf_counter_ns() - started)))
+    if watch:  # nobody watching: no fact is even built
+        watch(fact("finished", took_us=microseconds(time.perf_counter_ns() - started)))
     return output
 
 
@@ -139,10 +154,11 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
     """Run a remote group where it landed (a worker, or this process for InProcess).
 
     Says ``ran`` and ``failed`` as a local walk would, but neither ``finished`` nor
-    ``broke``: the forward belongs to the client, which closes it.
+    ``broke``: the forward belongs to the client, which closes it. The piece's plan is
+    compiled once per shape (see :func:`_piece_plan`), so a repeated call does not plan again.
     """
     started = time.perf_counter_ns()
-    plan = compile(piece.steps, piece.shape)
+    plan = _piece_plan(piece.steps, piece.shape)
     walk = _Walk(plan, watch if isinstance(watch, Watchers) else Watchers(watch), keys=piece.keys, produced={})
     output = walk.run(piece.value)
     return Outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
@@ -173,21 +189,29 @@ class _Walk:
         self.recalled = recalled or {}
         # when set, cached outputs are collected here instead of kept in a store
         self.produced = produced
+        # groups run in this process: when each started, and cached outputs held till it closes
+        self._entered: dict[int, int] = {}
+        self._held: dict[int, Any] = {}
 
     @classmethod
     def prepare(
-        cls, graph: Graph, x: Any, *, broker: Any, store: Any, watch: Watchers, deadline: Deadline | None = None
+        cls, graph: Graph, x: Any, *, broker: Any, store: Any, watch: Watchers, deadline: Deadline | None = None,
+        here: frozenset[str] | None = None,
     ) -> _Walk:
         steps = graph.steps
-        keys: dict[int, str] = {}
-        if store is not None and any(step.cache for step in steps):
-            try:
-                keys = keys_for(graph, _keys.value_key(x))
-            except CodecError as exc:
-                _say(
-                    f"the input of this forward cannot be written down, so nothing is "
-                    f"recalled or kept: {type(exc).__name__}: {exc}"
-                )
+        if here is None:
+            here = _here(broker, graph)
+        if store is None or not any(step.cache for step in steps):
+            # nothing can be recalled: the plan is the graph's, the same every forward
+            return cls(_plan_of(graph, here), watch, keys={}, store=store, broker=broker, deadline=deadline)
+        try:
+            keys = keys_for(graph, _keys.value_key(x))
+        except CodecError as exc:
+            _say(
+                f"the input of this forward cannot be written down, so nothing is "
+                f"recalled or kept: {type(exc).__name__}: {exc}"
+            )
+            keys = {}
         recalled: dict[int, Any] = {}
 
         def recall(index: int, key: str) -> bool:
@@ -197,37 +221,35 @@ class _Walk:
             recalled[index] = found
             return True
 
-        shape = prune(graph.shape, steps, keys, recall) if keys else graph.shape
-        plan = compile(steps, group(shape, steps), recalled_keys=keys)
+        if not keys:
+            return cls(_plan_of(graph, here), watch, keys=keys, store=store, broker=broker, deadline=deadline)
+        shape = prune(graph.shape, steps, keys, recall)
+        plan = compile(steps, group(shape, steps), recalled_keys=keys, here=here)
         return cls(plan, watch, keys=keys, store=store, broker=broker, recalled=recalled, deadline=deadline)
 
     # -- scheduling --------------------------------------------------------------------
     def run(self, x: Any) -> Any:
-        ops = self.plan.ops
+        plan = self.plan
+        ops = plan.ops
+        output = plan.output
+        wiring = _wiring(plan)
+        sources_of, consumers = wiring.sources, wiring.consumers
         values: dict[int, Any] = {0: x}
-        waiting: list[int] = []
-        consumers: dict[int, list[int]] = {}
-        uses: dict[int, int] = {}
-        for index, op in enumerate(ops):
-            sources = _sources(op)
-            waiting.append(sum(1 for source in sources if source not in values))
-            for source in sources:
-                consumers.setdefault(source, []).append(index)
-                uses[source] = uses.get(source, 0) + 1
-        ready = [index for index, count in enumerate(waiting) if count == 0]
+        waiting = list(wiring.waiting)
+        uses = dict(wiring.uses)
+        ready = list(wiring.ready)
 
-        finished: queue.SimpleQueue = queue.SimpleQueue()
+        finished: queue.SimpleQueue | None = None
         in_flight = 0
         failure: BaseException | None = None
 
         def settle(index: int, result: Any) -> None:
-            op = ops[index]
-            values[op.target] = result
-            for source in _sources(op):
+            values[ops[index].target] = result
+            for source in sources_of[index]:
                 uses[source] -= 1
-                if uses[source] == 0 and source != self.plan.output:
+                if uses[source] == 0 and source != output:
                     values.pop(source, None)  # let big intermediates go as soon as they can
-            for consumer in consumers.get(op.target, ()):
+            for consumer in consumers.get(ops[index].target, ()):
                 waiting[consumer] -= 1
                 if waiting[consumer] == 0:
                     ready.append(consumer)
@@ -247,6 +269,8 @@ class _Walk:
                     continue
                 pool = _shared_pool()
                 carried = _carried()
+                if finished is None:
+                    finished = queue.SimpleQueue()
                 while ready:
                     index = ready.pop(0)
                     pool.submit(self._async, finished, index, ops[index], _inputs(ops[index], values), carried)
@@ -255,6 +279,7 @@ class _Walk:
                 ready.clear()  # start nothing new; wait for what is running
                 if not in_flight:
                     break
+            assert finished is not None  # something is in flight: it was made
             index, ok, result = finished.get()
             in_flight -= 1
             if not ok:
@@ -263,7 +288,7 @@ class _Walk:
                 settle(index, result)
         if failure is not None:
             raise failure
-        return values[self.plan.output]
+        return values[output]
 
     def _overdue(self, ops: list[Any]) -> Overdue | None:
         """The deadline passed between operations: an ``Overdue`` naming the local nodes
@@ -293,6 +318,8 @@ class _Walk:
         if isinstance(op, Run):
             return self._run(op, value)
         if isinstance(op, Join):
+            if op.closes is not None:
+                self._close_group(op.closes)
             return value
         if isinstance(op, Recall):
             step = self.plan.steps[op.step]
@@ -303,45 +330,77 @@ class _Walk:
     def _run(self, op: Run, value: Any) -> Any:
         step = self.plan.steps[op.step]
         started = time.perf_counter_ns()
+        if op.opens:  # a group of a host run in this process starts: timed from its first step
+            self._entered.setdefault(op.opens, started)
         try:
             if step.device is not None:
                 value = _place(value, step.device)
             output = step.node.forward(value)
         except Exception as exc:
-            self.watch(fact("failed", node=step.label, error=f"{type(exc).__name__}: {exc}"))
+            failed = fact("failed", node=step.label, error=f"{type(exc).__name__}: {exc}")
+            if op.host is None:
+                self.watch(failed)
+                raise NodeFailed(
+                    f"node `{step.label}` raised {type(exc).__name__}: {exc}",
+                    node=step.label,
+                    error=type(exc).__name__,
+                    remote_traceback=None,
+                ) from exc
+            self.watch(elsewhere(failed, op.host))
             raise NodeFailed(
-                f"node `{step.label}` raised {type(exc).__name__}: {exc}",
+                f"node `{step.label}` on `{op.host}` raised {type(exc).__name__}: {exc}",
                 node=step.label,
                 error=type(exc).__name__,
-                remote_traceback=None,
+                host=op.host,
             ) from exc
         took = microseconds(time.perf_counter_ns() - started)
         if self.watch:  # nobody watching: nothing is counted, nothing said
-            self.watch(fact("ran", node=step.label, took_us=took, items=_items(output)))
+            ran = fact("ran", node=step.label, took_us=took, items=_items(output))
+            self.watch(ran if op.host is None else elsewhere(ran, op.host))
         if step.cache and op.step in self.keys:
             if self.produced is not None:
                 self.produced[op.step] = output
+            elif op.host is not None:
+                self._held[op.step] = output  # kept once the group closes, after `left`
             else:
                 self._keep(step, self.keys[op.step], output)
+        if op.closes is not None:
+            self._close_group(op.closes)
         return output
+
+    def _close_group(self, closes: Closes) -> None:
+        """A group run in this process has given its output: say ``left`` as a trip to its
+        host would, then keep what its cached steps produced."""
+        entered = self._entered.pop(closes.group, None)
+        if self.watch:
+            took = 0 if entered is None else microseconds(time.perf_counter_ns() - entered)
+            self.watch(fact("left", host=closes.host, took_us=took, worked_us=took))
+        if self._held:
+            for index in closes.steps:
+                if index in self._held:
+                    self._keep(self.plan.steps[index], self.keys[index], self._held.pop(index))
 
     def _remote(self, op: Remote, value: Any) -> Any:
         indices = op.step_indices
-        renumber = {old: new for new, old in enumerate(indices)}
+        steps = self.plan.steps
         piece = Piece(
             host=op.host,
-            steps=tuple(self.plan.steps[i] for i in indices),
-            shape=_renumber(op.shape, renumber),
+            steps=_steps_of(self.plan, op),
+            shape=op.local_shape,
             value=value,
-            keys={renumber[i]: self.keys[i] for i in indices if i in self.keys and self.plan.steps[i].cache},
+            keys={new: self.keys[i] for new, i in enumerate(indices) if i in self.keys and steps[i].cache}
+            if self.keys else {},
             deadline=self.deadline,
+            memo=_memo_of(op),
         )
         host = op.host
         started = time.perf_counter_ns()
         # with nobody watching, say so: a worker then sends no facts back at all
         watch = (lambda f: self.watch(elsewhere(f, host))) if self.watch else None
         outcome = self.broker.run(piece, watch)
-        self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started), worked_us=outcome.took_us))
+        if watch is not None:
+            self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started),
+                            worked_us=outcome.took_us))
         for number, produced in outcome.produced.items():
             step = piece.steps[number]
             if number in piece.keys:
@@ -449,6 +508,80 @@ def _within(carried: Any) -> Any:
     return sys.modules["torch"].set_grad_enabled(carried)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Wiring:
+    """How a plan's operations feed each other, worked out once per plan: each one's
+    sources, who reads each value, how many read it, how many of each one's sources the
+    forward's input leaves missing, and which are ready at the start."""
+
+    sources: tuple[tuple[int, ...], ...]
+    consumers: dict[int, tuple[int, ...]]
+    uses: dict[int, int]
+    waiting: tuple[int, ...]
+    ready: tuple[int, ...]
+
+
+#: How many shapes of pieces a process keeps compiled (a worker serving many recipes).
+PIECE_PLANS = 256
+_piece_plans: dict[Shape, tuple[Plan, _Wiring, int]] = {}
+_piece_plans_lock = threading.Lock()
+
+
+def _piece_plan(steps: tuple[Step, ...], shape: Shape) -> Plan:
+    """The plan of a piece: compiled once per shape and kept (bounded), then given the
+    piece's own steps.
+
+    What is kept is a function of the shape alone, which the process computed itself from
+    the (already checked) message: operations over numbered values, no node, no value, no
+    key, nothing of the client who sent it. So one client's piece can never run on what
+    another's left behind; the most a client can do with many shapes is push others' out
+    of the cache, which costs them a compile (microseconds), nothing else.
+    """
+    try:
+        kept = _piece_plans.get(shape)
+    except TypeError:  # not hashable (a list where a tuple belongs): compile, keep nothing
+        return compile(steps, shape)
+    if kept is None:
+        template = compile(steps, shape)
+        needs = 1 + max((op.step for op in template.ops if isinstance(op, Run)), default=-1)
+        kept = (template, _wiring(template), needs)
+        with _piece_plans_lock:
+            if len(_piece_plans) >= PIECE_PLANS:
+                _piece_plans.pop(next(iter(_piece_plans)))  # the oldest in
+            _piece_plans[shape] = kept
+    template, wiring, needs = kept
+    if template.steps is steps:
+        return template
+    if len(steps) < needs:
+        raise ValueError(f"a piece of {len(steps)} steps has a shape that uses {needs}")
+    plan = Plan(steps, template.ops, template.output)
+    plan.__dict__["_somatize_wiring"] = wiring  # the same operations, wired the same way
+    return plan
+
+
+def _wiring(plan: Plan) -> _Wiring:
+    found = plan.__dict__.get("_somatize_wiring")
+    if found is not None:
+        return found
+    sources = tuple(_sources(op) for op in plan.ops)
+    consumers: dict[int, list[int]] = {}
+    uses: dict[int, int] = {}
+    for index, mine in enumerate(sources):
+        for source in mine:
+            consumers.setdefault(source, []).append(index)
+            uses[source] = uses.get(source, 0) + 1
+    waiting = tuple(sum(1 for source in mine if source != 0) for mine in sources)  # value 0: the input
+    wiring = _Wiring(
+        sources,
+        {value: tuple(readers) for value, readers in consumers.items()},
+        uses,
+        waiting,
+        tuple(index for index, count in enumerate(waiting) if count == 0),
+    )
+    plan.__dict__["_somatize_wiring"] = wiring  # a plan is frozen, and so is this
+    return wiring
+
+
 def _sources(op: Any) -> tuple[int, ...]:
     if isinstance(op, Join):
         return op.sources
@@ -465,11 +598,58 @@ def _inputs(op: Any, values: dict[int, Any]) -> Any:
     return values[op.source]
 
 
-def _renumber(shape: Shape, renumber: dict[int, int]) -> Shape:
-    kind, body = shape
-    if kind in ("step", "recall"):
-        return (kind, renumber[body])
-    return (kind, tuple(_renumber(part, renumber) for part in body))
+def _here(broker: Any, graph: Graph) -> frozenset[str]:
+    """The hosts ``broker`` runs in this process (none without a broker, for a broker that
+    does not say, or for a graph that places nothing on a host: then the broker is not
+    asked at all, so a graph run wholly here never waits on one)."""
+    if broker is None:
+        return _NOWHERE
+    hosted = graph.__dict__.get("_somatize_hosted")
+    if hosted is None:
+        hosted = graph.__dict__["_somatize_hosted"] = any(step.host is not None for step in graph.steps)
+    here = getattr(broker, "here", None) if hosted else None
+    return _NOWHERE if here is None else here()
+
+
+_NOWHERE: frozenset[str] = frozenset()
+#: The watchers of a forward nobody watches (empty watchers hold no state that changes).
+_NOBODY = Watchers()
+
+
+#: How many plans one graph keeps (one per set of in-process hosts it was run with).
+_PLANS_PER_GRAPH = 8
+
+
+def _plan_of(graph: Graph, here: frozenset[str]) -> Plan:
+    """The plan of ``graph`` with nothing recalled, made once and kept on the graph (a
+    graph does not change; its plan depends only on it and on which hosts run here)."""
+    plans = graph.__dict__.get("_somatize_plans")
+    if plans is None:
+        plans = graph.__dict__["_somatize_plans"] = {}
+    plan = plans.get(here)
+    if plan is None:
+        plan = compile(graph.steps, group(graph.shape, graph.steps), here=here)
+        if len(plans) >= _PLANS_PER_GRAPH:
+            plans.clear()
+        plans[here] = plan
+    return plan
+
+
+def _memo_of(op: Remote) -> dict:
+    """A remote group's memo (see ``Piece.memo``): one per operation of a plan."""
+    memo = op.__dict__.get("_memo")
+    if memo is None:
+        memo = op.__dict__["_memo"] = {}
+    return memo
+
+
+def _steps_of(plan: Plan, op: Remote) -> tuple[Step, ...]:
+    """The steps of a remote group, as a piece numbers them (once per plan and group)."""
+    found = op.__dict__.get("_steps")
+    if found is None or found[0] is not plan:
+        found = (plan, tuple(plan.steps[i] for i in op.step_indices))
+        op.__dict__["_steps"] = found
+    return found[1]
 
 
 def _place(value: Any, device: str) -> Any:

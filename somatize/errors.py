@@ -110,6 +110,12 @@ class Broken(FabricError):
     """The peer went away (killed, crashed, cut off) while something was in flight."""
 
 
+class KeysRefused(Refused):
+    """A broker or worker refused this side's CURVE handshake: its key is not allowed there,
+    it has none where keys are needed, or the server key it holds is not the server's own.
+    The message says which, and where the key must go."""
+
+
 class Closed(FabricError):
     """Something was used after this side closed it."""
 

@@ -119,6 +119,14 @@ class Graph:
 
         return forward(self, x, broker=broker, store=store, watching=watching, deadline=deadline)
 
+    # -- what a running process keeps on a graph ---------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle or a copy of this graph holds: its declaration, without what this
+        process worked out for running it (``_somatize_*``: its plans, what was checked,
+        memos that hold a broker's packer weakly), which is no other process's business and
+        is made again, once, wherever the graph runs next."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_somatize_")}
+
     # -- structure -------------------------------------------------------------------
     @functools.cached_property
     def _layout(self) -> tuple[tuple[Step, ...], Shape]:

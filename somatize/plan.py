@@ -10,6 +10,10 @@ Everything here happens before any node runs:
 4. :func:`group` folds consecutive nodes placed on one host into a single remote group,
    so a chain of five nodes on ``w1`` is one message, not five.
 5. :func:`compile` turns the result into a flat list of operations over numbered values.
+   A group on a host that runs in this process (``Worker.inprocess()``) is not a second
+   plan handed to the broker: its steps become ordinary ``Run`` operations tagged with the
+   host, the last of which closes the group (:class:`Closes`: the walk then says ``left``
+   and keeps what the group's cached steps produced, as it would for a trip elsewhere).
 
 The plan knows nothing of threads, sockets or stores: recalling is a function handed in.
 """
@@ -17,6 +21,7 @@ The plan knows nothing of threads, sockets or stores: recalling is a function ha
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -28,12 +33,31 @@ from .graph import Graph, Shape, Step
 
 
 @dataclasses.dataclass(frozen=True)
+class Closes:
+    """What ends a group run in this process: its host, its number in the plan (the walk
+    times the group from the first of its steps to start), and its steps (whose cached
+    outputs are kept once the group has closed, after ``left``, as for a trip elsewhere)."""
+
+    host: str
+    group: int
+    steps: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """Run step ``step`` on value ``source``, giving value ``target``."""
+    """Run step ``step`` on value ``source``, giving value ``target``.
+
+    ``host`` is set for a step of a group on a host that runs in this process: its facts
+    name the host, and a failure says where. ``opens`` (the group's number) is set on the
+    steps that read the value entering the group: the walk times the group from the first
+    of them to start. ``closes`` is set on the operation that gives the group's output."""
 
     step: int
     source: int
     target: int
+    host: str | None = None
+    opens: int = 0
+    closes: Closes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +71,12 @@ class Recall:
 
 @dataclasses.dataclass(frozen=True)
 class Join:
-    """Value ``target`` is the tuple of ``sources`` (the end of a parallel)."""
+    """Value ``target`` is the tuple of ``sources`` (the end of a parallel); ``closes`` as
+    for :class:`Run`, when the parallel ends a group run in this process."""
 
     sources: tuple[int, ...]
     target: int
+    closes: Closes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +88,16 @@ class Remote:
     source: int
     target: int
 
-    @property
+    # computed once per plan, not per forward: a cached plan sends the same group again
+    @functools.cached_property
     def step_indices(self) -> tuple[int, ...]:
         return tuple(_indices(self.shape))
+
+    @functools.cached_property
+    def local_shape(self) -> Shape:
+        """``shape`` with its steps renumbered from 0, in ``step_indices`` order: the
+        shape of the piece of work sent to ``host``."""
+        return _renumber(self.shape, {old: new for new, old in enumerate(self.step_indices)})
 
 
 Op = Union[Run, Recall, Join, Remote]
@@ -83,17 +116,29 @@ class Plan:
         return tuple(op for op in self.ops if isinstance(op, Remote))
 
 
-def make(graph: Graph) -> Plan:
-    """The plan of ``graph`` with nothing recalled: grouped and compiled, not checked."""
-    return compile(graph.steps, group(graph.shape, graph.steps))
+def make(graph: Graph, *, here: frozenset[str] = frozenset()) -> Plan:
+    """The plan of ``graph`` with nothing recalled: grouped and compiled, not checked.
+    ``here``: the hosts that run in this process (their groups become local steps)."""
+    return compile(graph.steps, group(graph.shape, graph.steps), here=here)
 
 
 # -- 1. checks ---------------------------------------------------------------------------
 
 
-def check(graph: Graph, *, broker: Any, store: Any) -> None:
-    """Refuse, before anything runs, a graph that cannot run as declared."""
+def check(graph: Graph, *, broker: Any, store: Any, here: frozenset[str] | None = None) -> None:
+    """Refuse, before anything runs, a graph that cannot run as declared. ``here``: the
+    hosts ``broker`` runs in this process, when the caller has asked it already.
+
+    What depends on the graph alone (names, what is cached and frozen, and whether a store
+    was given) is checked once per graph and remembered on it when it passes; the hosts are
+    asked every time (a worker may dial in or go)."""
     steps = graph.steps
+    passed = graph.__dict__.get("_somatize_checked")
+    if passed is not None and (store is None) in passed:
+        if here is not None and graph.__dict__["_somatize_hosts"] <= here:
+            return  # no host, or only hosts the broker runs in this process: nothing to ask
+        _check_hosts(steps, broker, here)
+        return
     _check_names(steps)
 
     def visit(shape: Shape, upstream: tuple[int, ...]) -> tuple[int, ...]:
@@ -113,7 +158,9 @@ def check(graph: Graph, *, broker: Any, store: Any) -> None:
         return tuple(seen)
 
     visit(graph.shape, ())
-    _check_hosts(steps, broker)
+    _check_hosts(steps, broker, here)
+    graph.__dict__["_somatize_hosts"] = frozenset(step.host for step in steps if step.host is not None)
+    graph.__dict__.setdefault("_somatize_checked", set()).add(store is None)
 
 
 def _check_names(steps: tuple[Step, ...]) -> None:
@@ -159,10 +206,15 @@ def _check_cached(steps: tuple[Step, ...], at: int, prefix: tuple[int, ...], sto
         )
 
 
-def _check_hosts(steps: tuple[Step, ...], broker: Any) -> None:
+def _check_hosts(steps: tuple[Step, ...], broker: Any, here: frozenset[str] | None = None) -> None:
     for step in steps:
         if step.host is None:
             continue
+        if here is None:  # asked only of a graph that places something on a host
+            asked = getattr(broker, "here", None)
+            here = frozenset() if asked is None else asked()
+        if step.host in here:
+            continue  # a host the broker runs in this process is known, and takes any node
         if broker is None:
             raise UnknownHost(
                 f"`{step.label}` is placed on `{step.host}` with `.at(\"{step.host}\")`, but "
@@ -304,42 +356,69 @@ def group(shape: Shape, steps: tuple[Step, ...]) -> Shape:
 # -- 5. compiling ------------------------------------------------------------------------
 
 
-def compile(steps: tuple[Step, ...], shape: Shape, *, recalled_keys: dict[int, str] | None = None) -> Plan:
-    """Number the values and list the operations, each after everything it reads."""
+def compile(
+    steps: tuple[Step, ...],
+    shape: Shape,
+    *,
+    recalled_keys: dict[int, str] | None = None,
+    here: frozenset[str] | set[str] = frozenset(),
+) -> Plan:
+    """Number the values and list the operations, each after everything it reads.
+
+    A remote group on a host in ``here`` (one that runs in this process) is compiled into
+    the plan itself: ``Run`` operations tagged with the host, the last one closing it."""
     ops: list[Op] = []
     counter = [0]
+    groups = [0]
     recalled_keys = recalled_keys or {}
 
     def fresh() -> int:
         counter[0] += 1
         return counter[0]
 
-    def emit(shape: Shape, source: int) -> int:
+    def emit(shape: Shape, source: int, host: str | None = None) -> int:
         kind, body = shape
         if kind == "step":
             target = fresh()
-            ops.append(Run(body, source, target))
+            ops.append(Run(body, source, target, host))
             return target
         if kind == "recall":
             target = fresh()
             ops.append(Recall(body, recalled_keys.get(body, ""), target))
             return target
         if kind == "remote":
-            host, inner = body
+            where, inner = body
+            if where in here:
+                groups[0] += 1
+                start = len(ops)
+                target = emit(inner, source, where)
+                for at in range(start, len(ops)):
+                    if isinstance(ops[at], Run) and ops[at].source == source:
+                        ops[at] = dataclasses.replace(ops[at], opens=groups[0])
+                # the operation giving a shape's value is always the last one emitted for it
+                ops[-1] = dataclasses.replace(ops[-1], closes=Closes(where, groups[0], tuple(_indices(inner))))
+                return target
             target = fresh()
-            ops.append(Remote(host, inner, source, target))
+            ops.append(Remote(where, inner, source, target))
             return target
         if kind == "seq":
             for part in body:
-                source = emit(part, source)
+                source = emit(part, source, host)
             return source
-        sources = tuple(emit(branch, source) for branch in body)
+        sources = tuple(emit(branch, source, host) for branch in body)
         target = fresh()
         ops.append(Join(sources, target))
         return target
 
     output = emit(shape, 0)
     return Plan(steps, tuple(ops), output)
+
+
+def _renumber(shape: Shape, renumber: dict[int, int]) -> Shape:
+    kind, body = shape
+    if kind in ("step", "recall"):
+        return (kind, renumber[body])
+    return (kind, tuple(_renumber(part, renumber) for part in body))
 
 
 def _indices(shape: Shape):

@@ -18,7 +18,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .errors import BadKeys
+import zmq
+
+from .errors import BadKeys, SomatizeError
 from .fabric import command, sockets
 from .fabric.curve import Keys
 from .fabric.worker_loop import WorkerLoop
@@ -34,17 +36,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("project", "network"), default="project",
                         help="project: nodes arrive by import name (default); network: also accept code by value")
     parser.add_argument("--mount", metavar="DIR", help="a directory shared with the clients, for cargo")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+    parser.add_argument("--jobs", type=command.count, default=1, metavar="N",
                         help="pieces of work run at once (default 1: on the serving thread, the "
                              "fastest; N > 1: on N threads); work past them is answered `busy` at "
                              "once, never queued")
     parser.add_argument("--store", metavar="DIR", help="a store to report to (with --reporting)")
-    parser.add_argument("--reporting", type=float, metavar="SECONDS",
+    parser.add_argument("--reporting", type=command.seconds, metavar="SECONDS",
                         help="say what this worker does (load, memory, slices) on this clock: "
                              "into --store under machine/NAME, and down open connections as `said`")
     parser.add_argument("--machine", metavar="NAME", help="the name to report under (default: this machine's)")
     command.key_options(parser)
     command.patience_option(parser)
+    command.log_option(parser)
     parser.add_argument("--broker-key", metavar="FILE.key", help="the broker's public key, when dialing in with --key")
     parser.add_argument("--project", metavar="DIR", action="append", default=[],
                         help="a folder to import nodes from (may repeat); the working directory "
@@ -54,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # a spawned worker (--announce) shares its parent's stderr: it says only what went wrong
+    log = command.configure_log(args.log_level or ("warning" if args.announce else "info")).getChild("worker")
     if not _import_path(args.project):
         return 2
 
@@ -74,9 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = sockets.tcp_url(args.broker)
         if keys is None and not _may_dial(url, insecure=args.insecure, mode=args.mode):
             return 2
-        server = WorkerLoop(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent, patience=args.patience,
-                        store=args.store, reporting=args.reporting, machine=args.machine, exit_when_stuck=True)
-        server.dial(url, args.offer, keys=keys)
+        server = _loop(args)
+        if server is None:
+            return 2
+        try:
+            server.dial(url, args.offer, keys=keys)
+        except zmq.ZMQError as exc:
+            print(f"somatize worker: cannot dial {args.broker}: {exc}; give --broker as tcp://HOST:PORT",
+                  file=sys.stderr)
+            server.close()
+            return 2
         where_text = f"dialed {args.broker} offering `{args.offer}`"
     else:
         url = sockets.tcp_url(args.listen or "127.0.0.1:7000")
@@ -86,23 +98,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         risk = "send work here" + (" and run code by value" if args.mode == "network" else "")
         if not command.may_listen(url, insecure=args.insecure, who="worker", risk=risk, keyed=keys is not None):
             return 2
-        server = WorkerLoop(mode=args.mode, mount=args.mount, jobs=max(1, args.jobs), parent=args.parent, patience=args.patience,
-                        store=args.store, reporting=args.reporting, machine=args.machine, exit_when_stuck=True)
+        server = _loop(args)
+        if server is None:
+            return 2
         endpoint = command.bind(server, url, who="worker", keys=keys)
         if endpoint is None:
             return 2
         where_text = f"listening on {endpoint}"
-        if args.announce:
+
+    def ready() -> None:
+        log.info("%s mode, %s, with %s%s", args.mode, where_text,
+                 "no keys" if keys is None else server.described(),
+                 f"; cargo through {args.mount}" if args.mount else "")
+        if args.announce and not args.broker:
             print(ANNOUNCE + endpoint, flush=True)
-    if not args.announce:
-        print(f"somatize worker: {args.mode} mode, {where_text}", file=sys.stderr, flush=True)
-    code = command.serve_until_signalled(server)
+
+    code = command.serve_until_signalled(server, log, ready)
     if server.running():
         # a node that never returns holds its thread: end now, without waiting on it
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _loop(args: argparse.Namespace) -> WorkerLoop | None:
+    """The serving loop for these arguments; None after saying why it cannot be made (a
+    store folder that cannot be created, say)."""
+    try:
+        return WorkerLoop(mode=args.mode, mount=args.mount, jobs=args.jobs, parent=args.parent, patience=args.patience,
+                          store=args.store, reporting=args.reporting, machine=args.machine, exit_when_stuck=True)
+    except (SomatizeError, OSError, ValueError) as exc:
+        print(f"somatize worker: cannot start: {exc}", file=sys.stderr)
+        return None
 
 
 def _import_path(projects: list[str]) -> bool:

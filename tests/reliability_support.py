@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,18 @@ from conftest import Process
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+
+
+def wait_until(fact, seconds: float, what: str):
+    """Poll ``fact()`` until it is true; fail naming ``what`` past ``seconds``."""
+    until = time.monotonic() + seconds
+    while True:
+        found = fact()
+        if found:
+            return found
+        if time.monotonic() > until:
+            raise AssertionError(f"{what} did not happen within {seconds:g} s")
+        time.sleep(0.02)
 
 
 def child_env() -> dict:

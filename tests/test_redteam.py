@@ -20,6 +20,7 @@ from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Scale
 from somatize import Broker, Node, Worker
 from somatize.packing import Packer
+from reliability_support import wait_until
 from somatize.wire import (
     Begin,
     Done,
@@ -39,18 +40,6 @@ from somatize.wire import (
 )
 
 RT = Runtime.here(mode="project")
-
-
-def wait_until(fact, seconds: float, what: str):
-    """Poll ``fact()`` until it is true; fail naming ``what`` past ``seconds``."""
-    until = time.monotonic() + seconds
-    while True:
-        found = fact()
-        if found:
-            return found
-        if time.monotonic() > until:
-            raise AssertionError(f"{what} did not happen within {seconds:g} s")
-        time.sleep(0.02)
 
 
 class Raw:

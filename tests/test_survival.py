@@ -31,6 +31,7 @@ from somatize import Broker, Busy, Node, NodeFailed, Worker
 from somatize.fabric import sockets
 from somatize.packing import Packer
 from somatize.wire import Failed, Hello, NodeSpec, Ready, Recipe, Refusal, Runtime, Saw, Work, decode, encode
+from reliability_support import wait_until
 
 
 class Exits(Node):
@@ -58,18 +59,6 @@ class Stall(Node):
         while not os.path.exists(self.release) and time.monotonic() < until:
             time.sleep(0.01)
         return x
-
-
-def wait_until(fact, seconds: float, what: str):
-    """Poll ``fact()`` until it is true; fail naming ``what`` past ``seconds``."""
-    until = time.monotonic() + seconds
-    while True:
-        found = fact()
-        if found:
-            return found
-        if time.monotonic() > until:
-            raise AssertionError(f"{what} did not happen within {seconds:g} s")
-        time.sleep(0.02)
 
 
 class Raw:

@@ -41,7 +41,7 @@ import zmq
 
 from ..codec import codecs_registered, readable_kinds
 from ..engine import Deadline, Outcome, Piece, run_piece
-from ..errors import Broken, Busy, Closed, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
+from ..errors import Broken, Busy, Closed, KeysRefused, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
 from ..packing import Packer
 from ..wire import (
     Begin,
@@ -66,16 +66,20 @@ from ..wire import (
     encode,
     peek_kinds,
 )
+from . import leases as _leases
 from . import mount as _mount
 from . import sockets
 from . import streams as _streams
 from .broker_loop import BrokerLoop
 from .conversation import ClientExchange
-from .curve import Keys, as_client
+from .curve import Keys, as_client, handshake_refusal
 from .worker import Worker
-from .pieces import outcome_of, work_of
+from .pieces import outcome_of, specs_of, work_of
 
 _refs = itertools.count(1)
+# what a socket's EVENTS are read as on every answer: plain ints, not pyzmq's enum (whose
+# `&` alone costs more than the read)
+_EVENTS, _POLLIN, _events = int(zmq.EVENTS), int(zmq.POLLIN), zmq.backend.Socket.get
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -83,6 +87,10 @@ _HANDSHAKE_FAILED = (
 START_ALLOWANCE = 30.0
 #: A connected worker that does not answer Hello within this many patiences is Busy.
 BUSY_FACTOR = 11
+
+
+class _Dropped(Broken):
+    """The channel's own connection dropped: for a relayed host, that is the broker's."""
 
 
 class _PastDeadline(Exception):
@@ -104,7 +112,7 @@ class Broker:
     def __init__(self, url: str, *, patience: float = sockets.PATIENCE, server: BrokerLoop | None = None,
                  send: dict[str, tuple] | None = None, keys: Keys | None = None,
                  host_keys: dict[str, Keys] | None = None,
-                 deadlines: dict[str, float] | None = None) -> None:
+                 deadlines: dict[str, float] | None = None, views: frozenset[str] = frozenset()) -> None:
         self.url = url
         self.patience = patience
         self.keys = keys
@@ -113,11 +121,15 @@ class Broker:
         self._thread: threading.Thread | None = None
         self._send_by_host = dict(send or {})
         self._deadlines = {h: s for h, s in (deadlines or {}).items() if s is not None}
+        self._views = frozenset(views)  # hosts whose mounted answers come back as views
         self._checking: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
         self._control: zmq.Socket | None = None
         self._watch: zmq.Socket | None = None
+        self._linked = False  # the control socket's handshake with the broker completed
+        self._answered = False  # the broker answered this client at least once
         self._listing: dict[str, str] | None = None
+        self._here: tuple[dict[str, str], frozenset[str]] | None = None  # (listing, its in-process hosts)
         self._located: dict[str, Located] = {}
         self._idle: dict[str, list[_Channel]] = {}
         self._packers: dict[str, Packer] = {}
@@ -139,6 +151,7 @@ class Broker:
             send={h: w.send for h, w in hosts.items()},
             host_keys={h: w.keys for h, w in hosts.items() if w.keys is not None},
             deadlines={h: getattr(w, "deadline", None) for h, w in hosts.items()},
+            views=frozenset(h for h, w in hosts.items() if getattr(w, "views", False)),
         )
         broker._thread = threading.Thread(target=server.serve, name="somatize-broker", daemon=True)
         broker._thread.start()
@@ -152,14 +165,20 @@ class Broker:
         patience: float = sockets.PATIENCE,
         send: dict[str, list] | None = None,
         keys: Keys | None = None,
+        views: tuple[str, ...] | list[str] = (),
     ) -> Broker:
         """A standalone broker (``python -m somatize.broker --listen URL``). ``send`` maps a
         network-mode host to the modules to pickle by value for it. ``keys`` (from
         ``Keys.client(secret, server=the broker's .key)``) when the broker listens with CURVE;
-        the same keys then reach its workers, whose public keys the broker reports."""
+        the same keys then reach its workers, whose public keys the broker reports.
+        ``views`` names hosts whose mount folder is in memory on this machine: their answers'
+        arrays come back as read-only views of shared memory (see ``Worker.spawn``)."""
         if keys is not None and (not isinstance(keys, Keys) or keys.server_key is None):
             raise TypeError("`keys=` takes `Keys.client(secret_file, server=the broker's .key file)`")
-        return cls(sockets.tcp_url(url), patience=patience, send={h: tuple(m) for h, m in (send or {}).items()}, keys=keys)
+        if isinstance(views, str) or not all(isinstance(h, str) for h in views):
+            raise TypeError("`views=` takes host names, such as `views=[\"w1\"]`")
+        return cls(sockets.tcp_url(url), patience=patience, send={h: tuple(m) for h, m in (send or {}).items()}, keys=keys,
+                   views=frozenset(views))
 
     def __enter__(self) -> Broker:
         return self
@@ -182,6 +201,9 @@ class Broker:
             self._close_control()
         for channel in channels:
             channel.close()
+        for located in list(self._located.values()):  # idle pooled segments: made anew when needed
+            if located.path == "mount" and located.mount:
+                _leases.drain(located.mount)
         for thread in checking:
             thread.join(timeout=self.patience * 2)
         if self._server is not None:
@@ -207,6 +229,16 @@ class Broker:
             return
         self._packer(host, mode).spec(step)  # packs once; the artifact is kept for the run
         self._packable.add(step)
+
+    def here(self) -> frozenset[str]:
+        """The hosts whose work runs in this process (``Worker.inprocess()``): the engine
+        runs their steps as its own, tagged with the host, instead of handing them here."""
+        kept = self._here
+        if kept is not None and kept[0] is self._listing:
+            return kept[1]  # the same listing as last time: every forward of a hosted graph asks
+        listing = self._hosts()
+        kept = self._here = (listing, frozenset(h for h, mode in listing.items() if mode == "inprocess"))
+        return kept[1]
 
     def _hosts(self, *, refresh: bool = False) -> dict[str, str]:
         if self._listing is None or refresh:
@@ -315,9 +347,21 @@ class Broker:
         thread.start()
 
     def _lost(self, piece: Piece, located: Located, exc: Broken) -> Broken:
+        """The sentence for a piece whose worker, or broker, went away: whichever it was, and
+        the fix for that one (a spawned worker is started again; any other is restarted where
+        it runs)."""
         host = piece.host
         self._forget(host)
         running = ", ".join(f"`{s.label}`" for s in piece.steps)
+        if located.path == "relayed" and isinstance(exc, _Dropped):
+            # a relayed channel's connection is the broker's: it went away, whatever it says
+            # now (a broker restarted at once knows nothing of this work)
+            return Broken(
+                f"the broker at {self.url} went away while relaying to `{host}`, which was "
+                f"running {running}: the connection to it dropped. Nothing was kept; once the "
+                f"broker is back (`systemctl status somatize-broker`) and `{host}` has dialed in "
+                f"again, forward again"
+            )
         try:
             # the broker probes the worker before it answers (see `_check_on`): give it the time
             answer = self._ask(Where(host, lost=True), self.patience * 2)
@@ -327,12 +371,27 @@ class Broker:
                     f"the broker at {self.url} went away while relaying to `{host}`, which was "
                     f"running {running}; nothing was kept from it"
                 )
-            answer = None
+            return Broken(
+                f"the worker for `{host}` went away while running {running} ({exc}), and the broker "
+                f"at {self.url} did not answer either: both are gone, or this machine lost its "
+                f"network. Nothing was kept; check both (`systemctl status`), then forward again"
+            )
+        if located.path == "relayed":
+            return Broken(
+                f"the worker serving `{host}` went away while running {running} ({exc}); the broker "
+                f"at {self.url} is still there. Nothing was kept; restart that worker where it runs "
+                f"(its unit, or its SLURM job): it is served again once it dials in"
+            )
         ended = answer.ended if isinstance(answer, Located) else None
-        how = f": {ended}" if ended else f" ({exc})"
+        if ended:  # only a worker the broker spawned is checked and said to have ended
+            return Broken(
+                f"the worker for `{host}` went away while running {running}: {ended}. "
+                f"Nothing was kept from it; it is started again on the next forward."
+            )
         return Broken(
-            f"the worker for `{host}` went away while running {running}{how}. "
-            f"Nothing was kept from it; a spawned worker is started again on the next forward."
+            f"the worker for `{host}` went away while running {running} ({exc}). Nothing was kept "
+            f"from it; a worker the broker spawned is started again on the next forward, one that "
+            f"listens on its own machine must be restarted there (`systemctl status somatize-worker`)."
         )
 
     # -- rendezvous --------------------------------------------------------------------
@@ -373,34 +432,57 @@ class Broker:
                 if self.keys is not None:
                     as_client(self._control, self.keys, None)
                 # a broker that refuses this client's keys says nothing: its handshake fails
-                self._watch = self._control.get_monitor_socket(_HANDSHAKE_FAILED)
+                self._watch = self._control.get_monitor_socket(
+                    _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                )
                 self._control.connect(self.url)
+                self._linked = False
             control, watch = self._control, self._watch
             with sockets.translated(f"the broker at {self.url}"):
                 control.send_multipart(encode(message))
-                refused = False
+                refused = 0
                 until = time.monotonic() + timeout
                 while not sockets.poll(control, min(0.1, max(0.0, until - time.monotonic()))):
-                    refused = bool(watch is not None and watch.get(zmq.EVENTS) & zmq.POLLIN)
+                    while not refused and watch is not None and watch.get(zmq.EVENTS) & zmq.POLLIN:
+                        event = int.from_bytes(watch.recv_multipart()[0][:2], "little")
+                        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                            self._linked = True
+                        elif event == zmq.EVENT_DISCONNECTED:
+                            self._linked = False  # the broker's end closed: it went away
+                        else:
+                            refused = event
                     if refused or time.monotonic() >= until:
                         break
                 else:
+                    self._answered = True
                     return decode(control.recv_multipart(copy=False))
                 # a socket that missed an answer would read it later as another's
+                linked = self._linked
                 self._close_control()
                 if refused:
-                    raise Refused(
-                        f"the broker at {self.url} refused this client's CURVE handshake: is this "
-                        f"client's public key in the broker's allow folder (then `systemctl reload "
-                        f"somatize-broker`), and is `server=` the broker's own `.key`? "
-                        + ("This client has no keys: pass `keys=Keys.client(...)` to `Broker.at`."
-                           if self.keys is None else "")
-                    )
+                    raise KeysRefused(handshake_refusal(
+                        refused, who=f"the broker at {self.url}", keys=self.keys,
+                        server_key=self.keys.server_key if self.keys is not None else None,
+                        allow="the broker's allow folder (then `systemctl reload somatize-broker`)",
+                        server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
+                    ))
                 if late is not None:
                     raise _PastDeadline(late)
+                if linked:  # connected, handshake done: something is there and says nothing
+                    raise Unreachable(
+                        f"the broker at {self.url} took this client's connection but did not answer "
+                        f"within {timeout:.0f} s: it is stuck or stopped (`systemctl status "
+                        f"somatize-broker` on its machine, and its log, say which)."
+                    )
+                if self._answered:
+                    raise Unreachable(
+                        f"the broker at {self.url} went away: it answered this client before, and now "
+                        f"nobody answered there within {timeout:.0f} s. Is it still running "
+                        f"(`systemctl status somatize-broker`), and its machine reachable?"
+                    )
                 raise Unreachable(
                     f"nobody answered at {self.url} within {timeout:.0f} s: is a broker running "
-                    f"there? Start one with `python -m somatize.broker --listen {self.url}`."
+                    f"there, and the port open? Start one with `python -m somatize.broker --listen {self.url}`."
                 )
 
     def _close_control(self) -> None:
@@ -429,12 +511,14 @@ class Broker:
         # a relayed host is reached through the very broker this client talks to
         address = self.url if located.path == "relayed" else located.address
         keys, server_key = self._keys_for(located)
-        return _Channel(
+        channel = _Channel(
             located, address, self._packer(located.host, located.mode), provisioned, self.patience,
             keys=keys, server_key=server_key,
             still_there=(lambda timeout: self._still_there(located.host, timeout)) if located.path == "relayed" else None,
             deadline=deadline,
         )
+        channel.views = located.host in self._views
+        return channel
 
     def _still_there(self, host: str, timeout: float) -> bool:
         """Whether the broker still has a worker serving ``host`` (relayed work is waited
@@ -496,6 +580,7 @@ class _Channel:
         self.patience = patience
         self.address = address
         self.relayed = located.path == "relayed"
+        self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
         self.exchange = ClientExchange()
         self.sock = sockets.dealer(patience)
         if keys is not None:
@@ -512,6 +597,8 @@ class _Channel:
         self._poller.register(self.monitor, zmq.POLLIN)
         self.sock.connect(self.address)
         self.mounted: list = []
+        self.lending: _leases.Lending | None = None  # the pooled segments of the open work
+        self.views = False  # answers' arrays as views of the segments (see `Worker(views=)`)
         self.sent_at: float | None = None  # when the open work was sent
         self._outgoing: _streams.Outgoing | None = None
         self._inbound = _streams.Inbound(per_tenant=1, total=1)  # one answer at a time
@@ -527,6 +614,7 @@ class _Channel:
     def close(self) -> None:
         _mount.remove(self.mounted)
         self.mounted = []
+        self._end_lending()
         if not self.sock.closed:
             try:
                 self.sock.disable_monitor()
@@ -548,8 +636,11 @@ class _Channel:
     def _raw(self, frames: list) -> None:
         if self.relayed:  # the broker opens the envelope and passes the message on
             frames = encode(Relay(host=self.host, inner=tuple(frames)))
-        with sockets.translated(f"the worker for `{self.host}` at {self.address}"):
+        try:  # the sentence and its context manager only when it fails: this runs every call
             self.sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:
+            with sockets.translated(f"the worker for `{self.host}` at {self.address}"):
+                raise exc
 
     def _stream_out(self, frames: list, deadline: Deadline | None = None) -> None:
         out = self._outgoing = _streams.Outgoing(_streams.new_sid(), frames)
@@ -587,7 +678,7 @@ class _Channel:
                 self.exchange.give_up()
                 raise _PastDeadline(waiting)
             # a message already waiting is taken without polling: the common case, cheaply
-            if self.sock.get(zmq.EVENTS) & zmq.POLLIN or self.sock in dict(self._poller.poll(50)):
+            if _events(self.sock, _EVENTS) & _POLLIN or self.sock in dict(self._poller.poll(50)):
                 parts = self.sock.recv_multipart(copy=False)
                 break
             self._watch_link(answer_by, waiting, deadline)
@@ -616,6 +707,10 @@ class _Channel:
         if isinstance(message, Mounted):
             if self.located.path != "mount":
                 raise ProtocolError("a `Mounted` message arrived on a channel that shares no folder")
+            if self.lending is not None:  # an answer in the segments this exchange lent
+                return self._decode_lent(self.lending.receive(message))
+            if message.spans or message.kept:
+                raise ProtocolError("an answer names spans of pooled segments, and this client lent none")
             frames, made = _mount.read(message, self.located.mount or "")
             self.mounted.extend(made)
             return decode(frames)
@@ -632,12 +727,8 @@ class _Channel:
                 self.linked = True
                 return
             if event & _HANDSHAKE_FAILED:
-                raise Refused(
-                    f"the worker for `{self.host}` at {self.address} refused this client's "
-                    f"credentials: its CURVE keys do not match (is this client's public key in "
-                    f"the worker's allow-list, and is the worker's public key the one given here?)"
-                )
-            raise Broken(f"the connection to {self.address} dropped")
+                raise KeysRefused(self._refusal(event))
+            raise _Dropped(f"the connection to {self.address} dropped")
         if self.still_there is not None and time.monotonic() - self._checked > self.patience:
             self._checked = time.monotonic()
             if not self.still_there(_bounded(self.patience * 2, deadline)):
@@ -657,6 +748,27 @@ class _Channel:
                 f"(this client waited {waiting}): is a worker listening there? Start one with "
                 f"`python -m somatize.worker --listen {self.address.split('://')[-1]}`."
             )
+
+    def _refusal(self, event: int) -> str:
+        """Why the handshake failed, with the fix, from whose keys this channel used."""
+        if self.relayed:
+            return handshake_refusal(
+                event, who=f"the broker at {self.address}", keys=self.keys, server_key=self.server_key,
+                allow="the broker's allow folder (then `systemctl reload somatize-broker`)",
+                server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
+            )
+        if self.keys is None and not self.located.key:
+            return (
+                f"the worker for `{self.host}` at {self.address} refused this client's CURVE "
+                f"handshake: it listens with keys, and the broker's host table gives no `key =` "
+                f"for `{self.host}`, so this client had none to offer. Add `key = \"keys/{self.host}.key\"` "
+                f"(that worker's public key) to [hosts.{self.host}] in the broker's table and restart the broker"
+            )
+        return handshake_refusal(
+            event, who=f"the worker for `{self.host}` at {self.address}", keys=self.keys, server_key=self.server_key,
+            allow="that worker's allow folder (then `systemctl reload somatize-worker` there)",
+            server_key_from=f"the `key =` of [hosts.{self.host}] in the broker's table",
+        )
 
     # -- the conversation ----------------------------------------------------------------
     def _hello(self, deadline: Deadline | None) -> None:
@@ -678,7 +790,7 @@ class _Channel:
 
     def run(self, piece: Piece, watch: Any, deadline: Deadline | None = None) -> Outcome:
         ref = next(_refs)
-        specs = tuple(self.packer.spec(step) for step in piece.steps)
+        specs = specs_of(piece, self.packer)  # packed once per group, kept with the graph's plan
         frames = encode(work_of(piece, ref, specs, watched=watch is not None))
         self._check_kinds(frames)
         try:
@@ -702,6 +814,19 @@ class _Channel:
         finally:
             _mount.remove(self.mounted)
             self.mounted = []
+            self._end_lending()
+
+    def _end_lending(self) -> None:
+        """The lent segments go back to the pool, or are retired when no terminal answer
+        came (the worker may still write there). Idempotent."""
+        lending, self.lending = self.lending, None
+        if lending is not None:
+            lending.end(answered=self.exchange.state not in ("working", "closed"))
+
+    def _decode_lent(self, frames: list) -> Any:
+        """An answer read from the segments: its values copied out (the segments go back to
+        the pool), or with ``views``, read-only views that hold their segment until freed."""
+        return _leases.decode(frames, views=self.views)
 
     def _check_kinds(self, frames: list) -> None:
         """Refuse, before a byte of it is sent, a value of a kind the worker cannot read.
@@ -726,6 +851,9 @@ class _Channel:
         kind = missing[0]
         if kind.startswith("arrow."):
             fix = "install pyarrow where that worker runs, or send the table's columns as NumPy arrays"
+        elif kind == "torch.Tensor":
+            fix = ("install torch where that worker runs (`pip install somatize[torch]`), or send "
+                   "`t.numpy()` instead")
         else:
             fix = (
                 f"make a module the worker imports (the module of a node it runs) call "
@@ -755,8 +883,14 @@ class _Channel:
 
     def _send_work(self, ref: int, frames: list, deadline: Deadline | None = None) -> None:
         if self.located.path == "mount" and len(frames) > 1:
-            frames, made = _mount.write(frames, self.located.mount or "")
-            self.mounted.extend(made)
+            folder = self.located.mount or ""
+            if self.lending is not None or _leases.in_memory(folder):  # one machine: pooled memory
+                if self.lending is None:
+                    self.lending = _leases.Lending(_leases.pool(folder))
+                frames = self.lending.send(frames)
+            else:  # a folder other machines see: one file per frame
+                frames, made = _mount.write(frames, folder)
+                self.mounted.extend(made)
         self.exchange.work_sent(ref)
         self.sent_at = time.monotonic()
         self._send(frames, deadline)

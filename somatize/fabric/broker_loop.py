@@ -6,14 +6,16 @@ Spawned workers are started on the first such question and stopped when the brok
 closes. Only for workers that dialed in (``--broker URL --offer H``) does cargo pass
 through the broker, and then it is forwarded frame by frame, never decoded.
 
-This module serves; :mod:`somatize.fabric.broker` is what a graph talks to.
+This module serves; :mod:`somatize.fabric.broker` is what a graph talks to. It logs one
+line per lifecycle event under ``somatize.broker`` (a host dialing in or leaving, a reload,
+a refusal); the command attaches the handler (:mod:`.command`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,7 +44,7 @@ from ..wire import (
 from ..wire.limits import Z85
 from . import sockets
 from .conversation import CLIENT, WORKER, BrokerView, Stale, Violation
-from .curve import Guard, Keys, as_server, user_of
+from .curve import Guard, Keys, as_server, peer_name, user_of
 from .worker import Worker
 from .spawn import Child
 
@@ -51,6 +53,9 @@ MAX_DIALED = 1000
 #: The longest a broker waits for a spawned worker to answer a probe (seconds).
 PROBE = 2.0
 _EVERYONE = frozenset((CLIENT, WORKER))
+#: Refusals logged per `_QUIET` seconds at most; past it they are counted, and the count said.
+_LOUD, _QUIET = 20, 10.0
+log = logging.getLogger("somatize.broker")
 
 
 def _some(names: Any, most: int = 20) -> str:
@@ -102,6 +107,8 @@ class BrokerLoop:
         self._drops: zmq.Socket | None = None
         self._guard: Guard | None = None
         self._lock = threading.Lock()
+        self._refusals: list[float] = []  # when the last refusals were logged
+        self._unsaid = 0  # refusals not logged since
 
     @property
     def dialed(self) -> dict:
@@ -115,7 +122,7 @@ class BrokerLoop:
         self._drops = self._front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sockets.heartbeat(self._front, self.patience)
         if keys is not None:
-            self._guard = Guard(sockets.context(), keys)
+            self._guard = Guard(sockets.context(), keys, log=log)
             as_server(self._front, keys)
         self._front.bind(url)
         self.endpoint = sockets.bound_endpoint(self._front)
@@ -155,23 +162,54 @@ class BrokerLoop:
             self._guard.close()
             self._guard = None
 
+    def described(self) -> str:
+        """Who may come in, for the start line."""
+        return "no keys" if self._guard is None else f"CURVE keys: {self._guard.described()}"
+
     def reload(self) -> None:
-        """Read the allow folders again; a key taken out loses its hosts and exchanges now."""
+        """Read the allow folders again; a key taken out loses its hosts and exchanges now.
+        A folder that cannot be used refuses the new list as a whole: the old one stays."""
         if self._guard is None:
+            log.info("reload asked for, but this broker listens without keys: nothing to reload")
             return
         try:
             self._guard.reload()
         except BadKeys as exc:
-            print(f"somatize broker: the allow-list was not reloaded, the old one stays: {exc}", file=sys.stderr)
+            log.error("the allow-list was not reloaded, the old one stays (%s): %s", self._guard.described(), exc)
             return
+        log.info("reloaded the allow-list: %s", self._guard.described())
+        before = dict(self.view.offers)
         self.view.revoke(self._guard.allowed())
+        self._left([h for h in before if h not in self.view.offers], before, "its key was taken out of the allow-list")
         self._keep_bindings()
+
+    def _left(self, hosts: list[str], offers: dict, why: str) -> None:
+        for host in hosts:
+            offer = offers.get(host)
+            owner = offer.owner if offer is not None else self.view.bindings.get(host, "")
+            if owner.startswith("route:") or not owner:
+                who = "no keys" if offer is None else peer_name(offer.route)
+            else:
+                who = peer_name(b"", owner)
+            log.info("host `%s` left (%s): %s", host, who, why)
+
+    def _refused(self, route: bytes, user: str, why: str) -> None:
+        """Log a refusal, at most `_LOUD` per `_QUIET` seconds: a flood is counted, not printed."""
+        now = time.monotonic()
+        self._refusals = [t for t in self._refusals if now - t < _QUIET]
+        if len(self._refusals) >= _LOUD:
+            self._unsaid += 1
+            return
+        self._refusals.append(now)
+        more = f" ({self._unsaid} more refusals were not logged)" if self._unsaid else ""
+        self._unsaid = 0
+        log.info("refused %s: %s%s", peer_name(route, user), why, more)
 
     def _send(self, parts: list) -> None:
         try:
             self._front.send_multipart(parts, copy=False)
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: never a silent drop
-            print(f"somatize broker: a message could not be delivered ({exc})", file=sys.stderr)
+            log.warning("a message to %s could not be delivered (%s)", peer_name(bytes(parts[0])), exc)
 
     def _answer(self, route: Any, message: Any) -> None:
         try:
@@ -190,6 +228,7 @@ class BrokerLoop:
             roles = self._guard.roles(user)
             if not roles:  # its key was taken out of the allow folders since it connected
                 self.view.revoke(self._guard.allowed())
+                self._refused(route, user, "its key is no longer in the allow-list")
                 self._answer(route, Refusal("this key is no longer allowed on this broker; ask its operator"))
                 return
         now = time.monotonic()
@@ -205,6 +244,7 @@ class BrokerLoop:
         except Stale:
             return  # counted by the view; the answer's client is gone and nobody is owed a word
         except ProtocolError as exc:
+            self._refused(route, user, exc.why)
             self._answer(route, Refusal(exc.why))
             return
         if isinstance(message, Hello):
@@ -214,19 +254,25 @@ class BrokerLoop:
         elif isinstance(message, Hosts):
             self._answer(route, Listed(self._listing()))
         else:
-            self.view.leave(route)
+            before = dict(self.view.offers)
+            self._left(self.view.leave(route), before, "it said Bye")
 
     # -- rendezvous --------------------------------------------------------------------
     def _hello(self, route: bytes, user: str, roles: frozenset, hello: Hello, now: float) -> None:
         why = compatible(self.runtime, hello.runtime, needs_pickle=False, me="this broker", them="you")
         if why is not None:
+            self._refused(route, user, why)
             self._answer(route, Refusal(why))
             return
         try:
             said = self.view.hello(route, user, roles, hello, now)
         except Violation as exc:
+            self._refused(route, user, exc.why)
             self._answer(route, Refusal(exc.why))
             return
+        if said == "offered":
+            log.info("host `%s` dialed in (%s, %s mode)", hello.offering, peer_name(route, user),
+                     hello.runtime.mode or "project")
         self._keep_bindings()
         if said != "keepalive":
             self._answer(route, Ready(self.runtime))
@@ -243,11 +289,13 @@ class BrokerLoop:
             write_bindings(self.bindings, keyed)
             self._written = keyed
         except OSError as exc:  # a full disk must not stop the serving; say so every time
-            print(f"somatize broker: could not keep the host bindings in {self.bindings}: {exc}", file=sys.stderr)
+            log.warning("could not keep the host bindings in %s: %s", self.bindings, exc)
 
     def _expire(self) -> None:
         """A dialed-in worker announces itself every `patience`; one silent for three is gone."""
-        self.view.expire(time.monotonic())
+        gone = self.view.expire(time.monotonic())
+        if gone:  # a keyed owner's binding outlives its offer: it names the key
+            self._left(gone, {}, f"silent for {3 * self.patience:g} s (three patiences)")
 
     def _probe(self) -> None:
         """Send each dialed-in worker a Ready; ROUTER_MANDATORY says which are gone."""
@@ -256,7 +304,8 @@ class BrokerLoop:
             try:
                 self._front.send_multipart([route, *hello], zmq.NOBLOCK)
             except zmq.ZMQError:
-                self.view.leave(route)
+                before = dict(self.view.offers)
+                self._left(self.view.leave(route), before, "its connection is gone")
 
     def _listing(self) -> dict[str, str]:
         listing = {name: ("inprocess" if w.how == "inprocess" else w.mode) for name, w in self.hosts.items()}

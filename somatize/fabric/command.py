@@ -1,10 +1,17 @@
 """What ``python -m somatize.worker`` and ``python -m somatize.broker`` share: keys, the rule
 about where they may listen, binding with a sentence on failure, stopping on a signal and
-reloading the allow-list on SIGHUP."""
+reloading the allow-list on SIGHUP, and the log an operator reads.
+
+The log: one line per lifecycle event on stderr (journald keeps it), through Python's
+``logging`` under ``somatize.broker`` / ``somatize.worker``. Only the commands attach a
+handler (:func:`configure_log`); the library never does, and the engine and the client speak
+only in facts and exceptions.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -21,8 +28,65 @@ def prog(module: str) -> str:
     return called if called.startswith("somatize-") else f"python -m {module}"
 
 
+LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Line(logging.Formatter):
+    """``somatize broker: what happened``: the logger's name is who speaks; a warning or an
+    error says so, so ``journalctl -p warning`` and a reader's eye both find it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        who = record.name.replace(".", " ")
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname}: "
+        return f"{who}: {level}{record.getMessage()}"
+
+
+def log_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", choices=LEVELS, default=None, type=str.lower,
+                        help="how much to say on stderr: debug, info (the default: one line per "
+                             "start, stop, reload, host dialing in or leaving, refusal, redial), "
+                             "warning or error")
+
+
+def configure_log(level: str | None = "info") -> logging.Logger:
+    """Give the ``somatize`` logger one handler on stderr at ``level`` (once per process);
+    return it. Called by the commands only."""
+    level = level or "info"
+    root = logging.getLogger("somatize")
+    root.setLevel(getattr(logging, level.upper()))
+    if not any(getattr(h, "_somatize", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Line())
+        handler._somatize = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.propagate = False
+    return root
+
+
+def seconds(text: str) -> float:
+    """An argument that is a number of seconds, more than 0 (argparse makes a refusal exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < 10**7:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"{text!r} seconds: give a number above 0, like 5")
+    return value
+
+
+def count(text: str) -> int:
+    """An argument that is a whole number, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value
+
+
 def patience_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--patience", type=float, default=sockets.PATIENCE, metavar="SECONDS",
+    parser.add_argument("--patience", type=seconds, default=sockets.PATIENCE, metavar="SECONDS",
                         help=f"how long a silent peer is waited for before it counts as gone "
                              f"(default {sockets.PATIENCE:g})")
 
@@ -83,20 +147,33 @@ def bind(server: Any, url: str, *, who: str, keys: Keys | None = None) -> str | 
         return None
 
 
-def serve_until_signalled(server: Any) -> int:
-    """Serve until SIGTERM or SIGINT, then close cleanly."""
+def serve_until_signalled(server: Any, log: logging.Logger | None = None, ready: Any = None) -> int:
+    """Serve until SIGTERM or SIGINT, then close cleanly, saying why it stopped. ``ready()``
+    is called once the signals are handled, before serving: whoever is told the server is
+    ready may signal it at once."""
+    log = log or logging.getLogger("somatize")
+    why: list[str] = []
 
     def stop(signum: int, frame: object) -> None:
+        if not why:
+            why.append(signal.Signals(signum).name)
         server.stopping.set()
 
     def reload(signum: int, frame: object) -> None:
         try:
-            server.reload()
+            server.reload()  # it logs what it took, or what it refused and why
         except BadKeys as exc:  # a folder broken meanwhile: keep serving with the old list, loudly
-            print(f"somatize: the allow-list was not reloaded, the old one stays: {exc}", file=sys.stderr, flush=True)
+            log.error("the allow-list was not reloaded, the old one stays: %s", exc)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, reload)  # read the allow-list again
-    server.serve()
+    if ready is not None:
+        ready()
+    try:
+        server.serve()
+    except BaseException as exc:
+        log.error("stopping: %s: %s", type(exc).__name__, exc)
+        raise
+    log.info("stopping: %s", f"told to by {why[0]}" if why else "its serving loop ended")
     return 0

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 import zmq
@@ -63,6 +65,8 @@ def _write(path: Path, text: str, mode: int) -> None:
 
 
 def _certificate_of(path: str | os.PathLike[str], what: str) -> tuple[bytes, bytes | None]:
+    if not os.path.exists(path):  # pyzmq would call it "Invalid certificate file"
+        raise BadKeys(f"there is no file {path} (looked for {os.path.abspath(path)}) to read a CURVE {what} from")
     try:
         return zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
@@ -133,6 +137,18 @@ class Keys:
         return cls(public, secret, allow=folders[0], workers=folders[1] if workers is not None else None)
 
 
+def short(key: str | bytes) -> str:
+    """A public key's short id for logs and sentences: its first 8 characters (Z85)."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    return text[:8]
+
+
+def peer_name(route: bytes, key: str = "") -> str:
+    """Who a peer is, as text: its key's short id, or its connection's id in hex (a ZeroMQ
+    route is raw bytes, a NUL first: never printed as it is)."""
+    return f"key {short(key)}" if key else f"connection {route.hex()}"
+
+
 def read_allowed(folder: Path) -> set[str]:
     """The Z85 public keys of the ``.key`` files in ``folder``, refusing a folder others may
     write to (whoever can add a file there lets anyone in) and a key file that cannot be read."""
@@ -151,7 +167,14 @@ def read_allowed(folder: Path) -> set[str]:
     for path in sorted(folder.iterdir()):
         if path.suffix != ".key" or not path.is_file():
             continue
-        keys.add(read_public(path).decode())
+        try:
+            keys.add(read_public(path).decode())
+        except BadKeys as exc:  # one bad file refuses the whole list: never a silent gap
+            raise BadKeys(
+                f"the allow-list {folder} holds {path.name}, which is not a CURVE public key "
+                f"({exc.__cause__ or exc}): replace it with a `.key` file made by `python -m "
+                f"somatize keys`, or take it out of the folder"
+            ) from exc
     return keys
 
 
@@ -165,9 +188,11 @@ class Guard:
     A folder is a folder: ``*`` is a name like any other, never "any key".
     """
 
-    def __init__(self, context: zmq.Context, keys: Keys) -> None:
+    def __init__(self, context: zmq.Context, keys: Keys, *, log: logging.Logger | None = None) -> None:
         assert keys.allow is not None
         self.keys = keys
+        self.log = log  # where a refused handshake is said (once a minute per key at most)
+        self._said: dict[str, float] = {}
         self.clients: set[str] = set()
         self.workers: set[str] = set()
         self.reload()
@@ -177,15 +202,41 @@ class Guard:
 
     def callback(self, domain: str, key: bytes) -> bool:  # asked by the authenticator thread
         text = key.decode() if isinstance(key, bytes) else str(key)
-        return text in self.clients or text in self.workers
+        allowed = text in self.clients or text in self.workers
+        if not allowed and self.log is not None:
+            self._refused(text)
+        return allowed
 
-    def reload(self) -> None:
+    def _refused(self, key: str) -> None:
+        # a refused peer's ZeroMQ tries again every few seconds: say it once a minute
+        now = time.monotonic()
+        if now - self._said.get(key, -1e9) < 60.0:
+            return
+        if len(self._said) >= 1024:
+            self._said.clear()
+        self._said[key] = now
+        where = str(self.keys.allow)
+        if self.keys.workers is not None:
+            where = f"{where} for a client, {self.keys.workers} for a worker that dials in"
+        self.log.info("refused key %s…: its CURVE key is not in the allow folders (%s)", short(key), where)
+
+    def reload(self) -> tuple[int, int]:
         """Read the allow folders again: a key taken out is refused from now on, on open
         connections too. A folder that cannot be used now raises ``BadKeys`` and leaves
-        the lists as they were."""
+        the lists as they were. Returns how many client and worker keys it holds now."""
         clients = read_allowed(self.keys.allow)  # type: ignore[arg-type]
         workers = read_allowed(self.keys.workers) if self.keys.workers is not None else set()
         self.clients, self.workers = clients, workers
+        return len(clients), len(workers)
+
+    def described(self) -> str:
+        """What it lets in, for a log line."""
+        text = f"{len(self.clients)} client key{'s' if len(self.clients) != 1 else ''} from {self.keys.allow}"
+        if self.keys.workers is not None:
+            text += f", {len(self.workers)} worker key{'s' if len(self.workers) != 1 else ''} from {self.keys.workers}"
+        if not self.clients and not self.workers:
+            text += " (none: nobody can get in until a `.key` is put there and the list reloaded)"
+        return text
 
     def roles(self, user: str) -> frozenset[str]:
         if user in self.workers:
@@ -206,6 +257,39 @@ def user_of(frame: object) -> str:
         return frame.get("User-Id") or ""  # type: ignore[attr-defined]
     except (zmq.ZMQError, AttributeError):
         return ""
+
+
+#: The monitor events of a CURVE handshake that failed; which one says whose keys were wrong.
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def handshake_refusal(event: int, *, who: str, keys: Keys | None, server_key: bytes | None,
+                      allow: str, server_key_from: str) -> str:
+    """Why ``who`` refused this client's handshake, from the monitor ``event`` that said so,
+    as a sentence with its fix. ``allow``: where this client's public key must be (and how
+    that server reloads it); ``server_key_from``: where the server's key given here came from.
+
+    ZeroMQ tells three cases apart: the server's authenticator said no (AUTH: this client's
+    key is not allowed), the two ends speak different mechanisms (PROTOCOL: one has keys, the
+    other none), or the server dropped a handshake it could not decrypt (NO_DETAIL: the
+    server key given here is not the server's own)."""
+    head = f"{who} refused this client's CURVE handshake"
+    if keys is None:
+        return (f"{head}: it listens with CURVE keys, and this client has none. This client has no keys: "
+                f"pass `keys=Keys.client(\"me.key_secret\", server=...)` to `Broker.at`, and put `me.key` in {allow}")
+    mine = short(keys.public)
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"{head}: this client's credentials, its public key ({mine}…), are not in its allow "
+                f"folder. Copy this client's `.key` into {allow}")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return (f"{head}: this client has CURVE keys and it listens without any. Drop `keys=` for it, or "
+                f"start it with --key and --allow")
+    theirs = f" ({short(server_key)}…)" if server_key else ""
+    return (f"{head}: it could not read this client's handshake, so the server key given here{theirs} "
+            f"is not its own. Give its own `.key` ({server_key_from}); then, if it still refuses, check "
+            f"that this client's public key ({mine}…) is in {allow}")
 
 
 def as_server(sock: zmq.Socket, keys: Keys) -> None:

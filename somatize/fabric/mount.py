@@ -1,5 +1,10 @@
 """The Mount path's cargo: frames written to a folder both ends see, not sent on the socket.
 
+This module is the folder's rules (who may use it, how files are named, checked and swept)
+and the form for a folder several machines see: one file per frame per message. On a
+folder in memory (tmpfs: one machine), cargo goes through pooled segments instead, by the
+same rules of naming and checking: :mod:`.leases`.
+
 Only control crosses ZeroMQ: a ``Mounted`` message carrying the inner message's header and
 the names of the files holding its frames 1..n. The client, which survives the exchange
 either way, removes the files of both directions once the terminal answer has been read,
@@ -44,6 +49,7 @@ from ..wire import Mounted, encode
 NAME = re.compile(r"(\d{1,10})-([0-9a-f]{8})[0-9a-f]{24}-\d{1,6}")
 
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never hangs us
+_OPEN_READWRITE = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _swept: set[str] = set()
 _lock = threading.Lock()
@@ -187,9 +193,15 @@ def _owner_prefix(msg: Mounted | None) -> str | None:
     return f"{match.group(1)}-{match.group(2)}" if match else None
 
 
-def _map(directory: int, root: Path, name: str) -> bytes | memoryview:
+def opened(directory: int, root: Path, name: str, *, writable: bool = False, need: int = 0) -> tuple[int, os.stat_result]:
+    """A cargo file named in a message, opened (read-only, or read-write for a pooled
+    segment) after the checks: a name the mount makes, no link followed, a regular file,
+    this user's, one link, at least ``need`` bytes. ``ProtocolError`` otherwise; the caller
+    closes the descriptor."""
+    if not NAME.fullmatch(name):
+        raise ProtocolError(f"a mounted message names `{name[:80]}`, which is not a file the mount makes")
     try:
-        descriptor = os.open(name, _OPEN_READ, dir_fd=directory)
+        descriptor = os.open(name, _OPEN_READWRITE if writable else _OPEN_READ, dir_fd=directory)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
             raise ProtocolError(
@@ -198,7 +210,7 @@ def _map(directory: int, root: Path, name: str) -> bytes | memoryview:
             ) from exc
         raise ProtocolError(
             f"a mounted message names `{name}`, which cannot be read in {root} ({exc.strerror}): "
-            f"do both ends see the same directory?"
+            f"do both ends see the same directory, and is the client still there?"
         ) from exc
     try:
         info = os.fstat(descriptor)
@@ -211,6 +223,20 @@ def _map(directory: int, root: Path, name: str) -> bytes | memoryview:
                    else f"has {info.st_nlink} links (cargo has one)")
                 + ": refused; the worker and its clients run as one user"
             )
+        if info.st_size < need:
+            raise ProtocolError(
+                f"a mounted message reads up to byte {need:,} of `{name}` in {root}, which has "
+                f"{info.st_size:,}: refused"
+            )
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor, info
+
+
+def _map(directory: int, root: Path, name: str) -> bytes | memoryview:
+    descriptor, info = opened(directory, root, name)
+    try:
         if info.st_size == 0:
             return b""
         # a private, copy-on-write mapping: the reader gets writable arrays without a

@@ -8,15 +8,52 @@ the worker turns work back into a piece (:func:`piece_of`) and an outcome into a
 
 What does not cross: the piece's host (the worker is the host) and its deadline (a time on
 the client's clock; the client bounds its own waits).
+
+What the client works out for a group and that does not change between forwards (the
+packed specs of its steps) is kept in the piece's memo (:func:`specs_of`), so a repeated
+call packs nothing.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
+from ..codec import registry
 from ..engine import Outcome, Piece
 from ..graph import Step
+from ..packing import Packer
 from ..wire import Done, NodeSpec, Recipe, Work
+
+#: How many packers (brokers, hosts) one group keeps the specs of.
+MEMO_PACKERS = 8
+
+
+def specs_of(piece: Piece, packer: Packer) -> tuple[NodeSpec, ...]:
+    """The specs of ``piece``'s steps as ``packer`` packs them, in order.
+
+    Packed once per group and packer, and kept in the piece's memo, for as long as the codec
+    registry stays as it was: a codec registered (or registered again) since changes what a
+    network-mode artifact carries, so the steps are then packed again. The memo holds the
+    packer weakly: a closed broker's packer is not kept alive by a graph.
+    """
+    memo = piece.memo
+    if memo is None:
+        return tuple(packer.spec(step) for step in piece.steps)
+    codecs = registry() if packer.mode == "network" else ()
+    kept = memo.get(id(packer))
+    if kept is not None and kept[0]() is packer and _same(kept[1], codecs):
+        return kept[2]
+    specs = tuple(packer.spec(step) for step in piece.steps)
+    if len(memo) >= MEMO_PACKERS:
+        memo.clear()
+    memo[id(packer)] = (weakref.ref(packer), codecs, specs)
+    return specs
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two snapshots of the registry hold the very same codecs, in order."""
+    return len(a) == len(b) and all(x is y for ea, eb in zip(a, b) for x, y in zip(ea, eb))
 
 
 def work_of(piece: Piece, ref: int, specs: Sequence[NodeSpec], *, watched: bool) -> Work:

@@ -31,6 +31,7 @@ class Worker:
     mount: str | None = None
     keys: Keys | None = None  # for `at`: this client's keys, with the worker's public key
     deadline: float | None = None  # seconds one piece of work may run here (None: no limit)
+    views: bool = False  # mount on this machine: answers' arrays are read-only views of shared memory
 
     def server_key(self) -> str:
         """The worker's CURVE public key as text, when the declaration carries one."""
@@ -47,6 +48,7 @@ class Worker:
         send: Sequence[ModuleType | str] = (),
         mount: str | None = None,
         deadline: float | None = None,
+        views: bool = False,
     ) -> Worker:
         """A child process started from ``argv`` (typically ``[sys.executable, "-m",
         "somatize.worker"]``) the first time work is sent to its host, and stopped when the
@@ -55,14 +57,18 @@ class Worker:
         them by import name. ``mount`` names a directory both ends see (``/dev/shm/...``
         on one machine): cargo then goes through files there, not through the socket. It
         is this user's alone: made 0700 if it does not exist, refused if others may write
-        there. Only this user's processes can reach the worker (a socket in a 0700 folder)."""
+        there. Only this user's processes can reach the worker (a socket in a 0700 folder).
+        With ``mount`` in memory (tmpfs, such as ``/dev/shm``), cargo goes through pooled
+        shared-memory segments; ``views=True`` then makes the arrays and tensors of an
+        answer read-only views of that memory (no copy: their segment is reused only once
+        the last of them is freed); by default they are copies."""
         if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
             raise TypeError(
                 "`Worker.spawn` takes the command as a list of strings, such as "
                 "`[sys.executable, \"-m\", \"somatize.worker\"]`"
             )
         return cls("spawn", argv=tuple(argv), mode=_mode(mode), send=tuple(send), mount=_folder(mount, here=True),
-                   deadline=_deadline(deadline))
+                   deadline=_deadline(deadline), views=_views(views, mount))
 
     @classmethod
     def at(
@@ -74,18 +80,20 @@ class Worker:
         mount: str | None = None,
         keys: Keys | None = None,
         deadline: float | None = None,
+        views: bool = False,
     ) -> Worker:
         """A worker already listening at ``address`` (``"host:7000"`` or
         ``"tcp://host:7000"``), started with ``python -m somatize.worker --listen ...``.
         ``keys=Keys.client("me.key_secret", server="w1.key")`` when it listens with CURVE.
         ``mount`` is an absolute path to a folder this client and the worker both see, as
-        the same user (checked by each when it first uses it)."""
+        the same user (checked by each when it first uses it). ``views``: as for
+        :meth:`spawn`, when that folder is in memory on this machine."""
         if not isinstance(address, str) or not address:
             raise TypeError("`Worker.at` takes an address such as \"10.0.0.4:7000\"")
         if keys is not None and (not isinstance(keys, Keys) or keys.server_key is None):
             raise TypeError("`keys=` takes `Keys.client(secret_file, server=the worker's .key file)`")
         return cls("at", address=address, mode=_mode(mode), send=tuple(send), mount=_folder(mount, here=False), keys=keys,
-                   deadline=_deadline(deadline))
+                   deadline=_deadline(deadline), views=_views(views, mount))
 
     @classmethod
     def inprocess(cls) -> Worker:
@@ -121,6 +129,17 @@ def _folder(mount: object, *, here: bool) -> str | None:
     if why:
         raise ValueError(why)
     return mount
+
+
+def _views(views: object, mount: object) -> bool:
+    if not isinstance(views, bool):
+        raise TypeError(f"`views=` takes True or False; it was given a `{type(views).__name__}`")
+    if views and mount is None:
+        raise ValueError(
+            "`views=True` makes answers views of the shared memory of a mount; this worker has none: "
+            "give it `mount=\"/dev/shm/somatize\"` too, or leave `views` out"
+        )
+    return views
 
 
 def _deadline(deadline: object) -> float | None:

@@ -46,7 +46,9 @@ sends what waits there first.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import os
 import queue
 import socket
@@ -85,11 +87,14 @@ from ..wire import (
     encode,
     variant_of,
 )
+from . import leases as _leases
 from . import mount as _mount
 from . import sockets
 from . import streams as _streams
 from .conversation import Unknown, Violation, WorkerSessions
-from .curve import Guard, Keys, as_client, as_server, user_of
+from .curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
+from .curve import Guard, Keys, as_client, as_server, peer_name, user_of
+from .imported import Imports
 from .pieces import done_of, piece_of
 
 #: The longest a dialed worker waits before saying Hello again to a broker that refused it.
@@ -99,6 +104,9 @@ PARENT_CHECK = 0.5
 #: How long a piece runs on the serving thread before a stand-in serves meanwhile (seconds).
 STAND_IN_AFTER = 0.02
 _CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
+log = logging.getLogger("somatize.worker")
+#: Refusals logged per `_QUIET` seconds at most; past it they are counted, and the count said.
+_LOUD, _QUIET = 20, 10.0
 
 
 class NodeExit(Exception):
@@ -179,6 +187,10 @@ class WorkerLoop:
         self._broker = ""
         self._events: zmq.Socket | None = None  # a dialed worker's connection events
         self._accepted = False  # the broker answered our Hello with Ready
+        self._lost = False  # the connection to the broker dropped, said once until it is back
+        self._refusals: list[float] = []  # when the last refusals were logged
+        self._unsaid = 0  # refusals not logged since
+        self._refused_keys = False  # the broker's handshake refused our keys, said once
         self._backoff = 0.0  # seconds to the next Hello after a refusal (0: none pending)
         self._hello_at = self._refused_at = 0.0
         self._next_hello = 0.0
@@ -187,6 +199,7 @@ class WorkerLoop:
         self.stopping = threading.Event()
         self._closed = threading.Event()
         self._closing = threading.Lock()
+        self.imports = Imports()  # what was imported, to tell stale code from a plain failure
 
     # -- the front socket --------------------------------------------------------------
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
@@ -194,7 +207,7 @@ class WorkerLoop:
         With ``keys`` only clients whose public key is in ``keys.allow`` get through."""
         self._front = sockets.router()
         if keys is not None:
-            self._guard = Guard(sockets.context(), keys)
+            self._guard = Guard(sockets.context(), keys, log=log)
             as_server(self._front, keys)
         self._front.bind(url)
         return sockets.bound_endpoint(self._front)
@@ -206,7 +219,9 @@ class WorkerLoop:
         if keys is not None:
             as_client(self._front, keys, None)
         # every (re)connection is a broker that may not know us: say Hello on each
-        self._events = self._front.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._events = self._front.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+        )
         self._front.connect(broker)
         self._broker = broker
         self._offer = offer
@@ -301,8 +316,7 @@ class WorkerLoop:
         """On a thread of its own: a node that never returns must not keep an orphan alive."""
         while not self.stopping.wait(PARENT_CHECK):
             if os.getppid() != self.parent:
-                print(f"somatize worker: the process that spawned this worker ({self.parent}) is gone; "
-                      f"stopping", file=sys.stderr, flush=True)
+                log.warning("stopping: the process that spawned this worker (%s) is gone", self.parent)
                 self.stopping.set()
                 if not self._closed.wait(min(2.0, self.patience) + 1.0) and self.exit_when_stuck:
                     _exit_now()  # the serving thread is stuck: nobody will ever ask again
@@ -316,7 +330,7 @@ class WorkerLoop:
         try:
             report(self.store, self.machine, self_report(self.served, machine=self.machine))
         except (OSError, SomatizeError) as exc:  # a full disk must not stop the serving
-            print(f"somatize worker: could not report to the store: {exc}", file=sys.stderr)
+            log.warning("could not report to the store: %s", exc)
 
     def _said(self) -> dict[str, str] | None:
         """A `said` fact for the connection, at most once per reporting period."""
@@ -329,9 +343,19 @@ class WorkerLoop:
         return fact("said", **self_report(self.served, machine=self.machine))
 
     def reload(self) -> None:
-        """Read the allow-list of client keys again (a key removed is refused from now on)."""
+        """Read the allow-list of client keys again (a key removed is refused from now on).
+        A folder that cannot be used raises ``BadKeys``; the old list stays."""
+        if self._guard is None:
+            log.info("reload asked for, but this worker listens without keys: nothing to reload")
+            return
+        self._guard.reload()
+        log.info("reloaded the allow-list: %s", self._guard.described())
+
+    def described(self) -> str:
+        """Who may come in, for the start line."""
         if self._guard is not None:
-            self._guard.reload()
+            return f"CURVE keys: {self._guard.described()}"
+        return "CURVE keys to the broker" if self._offer is not None else "no keys"
 
     def close(self) -> None:
         """Stop serving; never waits for work still running (its threads are daemons)."""
@@ -368,6 +392,13 @@ class WorkerLoop:
 
     def _post(self, to: _To, answer: Any, frames: list) -> None:
         """Queue an answer from any thread; the thread holding the socket sends it, in order."""
+        self.imports.note()
+        if isinstance(answer, (Failed, Refusal)):
+            stale = self._stale(answer)
+            # only an answer sent as itself is rewritten; one inside a carrier (pooled
+            # segments) was told in `_run`, before it was written there
+            if stale is not answer and variant_of(frames) is type(answer):
+                answer, frames = stale, encode(stale)
         self._outbox.put((to, answer, frames))
         holder = self._holder
         if holder == threading.get_ident():
@@ -397,8 +428,36 @@ class WorkerLoop:
             else:
                 self.withheld += 1  # its exchange is over (the peer left, or said Hello anew)
 
+    def _refused(self, to: _To, why: str) -> None:
+        """Log a refusal, at most `_LOUD` per `_QUIET` seconds: a flood is counted, not printed."""
+        now = time.monotonic()
+        self._refusals = [t for t in self._refusals if now - t < _QUIET]
+        if len(self._refusals) >= _LOUD:
+            self._unsaid += 1
+            return
+        self._refusals.append(now)
+        more = f" ({self._unsaid} more refusals were not logged)" if self._unsaid else ""
+        self._unsaid = 0
+        whom = f"exchange {to.exchange} of tenant {to.tenant}" if to.exchange else peer_name(to.route)
+        log.info("refused %s: %s%s", whom, _printable(why), more)
+
+    def _stale(self, answer: Any) -> Any:
+        """``answer`` (a Failed or a Refusal), saying so when it comes of code this worker
+        imported before the files changed on disk (see :mod:`.imported`)."""
+        if answer.why.startswith("busy:"):
+            return answer
+        said = self.imports.explain(f"{answer.why}\n{getattr(answer, 'traceback', '')}")
+        if said is None or said in answer.why:  # not stale, or said already (see `_run`)
+            return answer
+        log.warning("%s", said)
+        return dataclasses.replace(answer, why=_clip(f"{answer.why.rstrip('. ')}. {said}", 64 << 10))
+
     def _reply(self, to: _To, answer: Any) -> None:
         """Answer from the serving thread, if the conversation allows it."""
+        if isinstance(answer, Refusal):
+            answer = self._stale(answer)
+            if not answer.why.startswith("busy:"):  # a busy spell is said once, by `_busy`
+                self._refused(to, answer.why)
         if self.sessions.answering(to.peer, answer):
             self._deliver(to, encode(answer))
         else:
@@ -432,15 +491,18 @@ class WorkerLoop:
         try:
             self._front.send_multipart(parts, zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            self._dropped("its client is not reading its answers (its queue is full)")
+            if self._broker:  # a dialed worker's one peer: the broker, reached or not
+                self._dropped(f"the broker at {self._broker} is not taking messages (not connected yet, "
+                              f"its handshake refused, or its queue full)")
+            else:
+                self._dropped("its client is not reading its answers (its queue is full)")
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
             self._dropped(f"its client is gone ({exc})")
 
     def _dropped(self, why: str) -> None:
         self.dropped += 1
         if self.dropped == 1 or self.dropped % 1000 == 0:
-            print(f"somatize worker: an answer could not be delivered: {why} "
-                  f"({self.dropped} so far)", file=sys.stderr)
+            log.warning("an answer could not be delivered: %s (%d so far)", why, self.dropped)
 
     def _expire_streams(self, now: float) -> None:
         """Streams past their lifetime, or that nobody has moved for a while, are dropped."""
@@ -470,8 +532,14 @@ class WorkerLoop:
                 else:
                     self._from_broker(parts)
             except Exception as exc:  # one message's trouble is never the whole worker's
-                print(f"somatize worker: a message could not be handled: {type(exc).__name__}: {exc}",
-                      file=sys.stderr)
+                log.warning("a message could not be handled: %s: %s", type(exc).__name__, _printable(str(exc)))
+
+    def _attachments(self) -> _leases.Attachments:
+        """The mappings of this worker's clients' pooled segments, kept between calls."""
+        found = getattr(self, "_attached", None)
+        if found is None:
+            found = self._attached = _leases.Attachments(self.mount or "")
+        return found
 
     def _take(self, to: _To, frames: list, *, opened: bool = False) -> None:
         """One message from ``to``: a carrier is opened, anything else checked by the
@@ -495,11 +563,17 @@ class WorkerLoop:
                     raise Violation("this worker sees no shared directory; start it with --mount DIR")
                 if not message.files:  # cargo with no files of its client's is never swept
                     raise Violation("a `Mounted` names the files of its frames; this one names none")
-                mounted = message
-                frames, _ = _mount.read(mounted, self.mount)  # the client removes the files
+                if message.spans:  # pooled segments: views of the client's memory, no copy
+                    frames, mounted = self._attachments().take(message)
+                else:  # one file per frame: the client removes them
+                    mounted = message
+                    frames, _ = _mount.read(mounted, self.mount)
                 if variant_of(frames) is not Work:
                     raise Violation(f"a `Mounted` carries Work, not a `{variant_of(frames).__name__}`")
                 message = decode(frames)
+                frames = []  # only the work's input points into the segments now...
+                if isinstance(mounted, _leases.Taken):
+                    message = mounted.detach(message)  # ...and it is held by `mounted` until it runs
             message = self.sessions.receive(to.peer, message, to.tenant)
         except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError
             self._reply(to, Refusal(getattr(exc, "why", None) or str(exc), hello=isinstance(exc, Unknown)))
@@ -545,14 +619,12 @@ class WorkerLoop:
                 raise ProtocolError(f"a broker does not send a worker a `{variant.__name__}`")
             message = decode(parts)
         except ProtocolError as exc:
-            print(f"somatize worker: the broker at {self._broker} sent what this worker does not "
-                  f"take: {exc.why}", file=sys.stderr)
+            log.warning("the broker at %s sent what this worker does not take: %s", self._broker, exc.why)
             return
         now = time.monotonic()
         if isinstance(message, Ready):
             if not self._accepted:
-                print(f"somatize worker: the broker at {self._broker} took this worker's offer of "
-                      f"`{self._offer}`", file=sys.stderr, flush=True)
+                log.info("the broker at %s took this worker's offer of `%s`", self._broker, self._offer)
             self._accepted, self._backoff = True, 0.0
         elif isinstance(message, Refusal):
             # a restarted broker that does not know us (a late answer it cannot place), or a
@@ -561,8 +633,8 @@ class WorkerLoop:
             self._refused_at = now
             self._backoff = min(MAX_BACKOFF, max(0.5, self._backoff * 2))
             self._next_hello = min(self._next_hello, now + self._backoff)
-            print(f"somatize worker: the broker at {self._broker} refused this worker: {message.why}; "
-                  f"saying Hello again in {self._backoff:g} s", file=sys.stderr, flush=True)
+            log.warning("the broker at %s refused this worker: %s; saying Hello again in %g s",
+                        self._broker, message.why, self._backoff)
         else:
             self._send(encode(self._ready()))  # the broker checking on us
 
@@ -585,12 +657,21 @@ class WorkerLoop:
         while self._events is not None and self._events.get(zmq.EVENTS) & zmq.POLLIN:
             event = int.from_bytes(self._events.recv_multipart()[0][:2], "little")
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._lost:
+                    log.info("reached the broker at %s again; offering `%s`", self._broker, self._offer)
+                self._lost = self._refused_keys = False
                 self._backoff = 0.0
                 self._announce(time.monotonic())  # perhaps a broker that restarted: it learns about us now
-            elif event == zmq.EVENT_DISCONNECTED and self._accepted:
-                self._accepted = False
-                print(f"somatize worker: lost the broker at {self._broker}; dialing again",
-                      file=sys.stderr, flush=True)
+            elif event & _HANDSHAKE_FAILED:
+                if not self._refused_keys:  # once per spell: ZeroMQ tries again every few seconds
+                    self._refused_keys = True
+                    log.error("the broker at %s refused this worker's CURVE handshake: is this worker's "
+                              "public key in the broker's --allow-workers folder (then reload the broker), "
+                              "and is --broker-key the broker's own `.key`? Dialing again meanwhile",
+                              self._broker)
+            elif event == zmq.EVENT_DISCONNECTED and not self._lost:
+                self._accepted, self._lost = False, True
+                log.warning("lost the broker at %s; dialing again", self._broker)
 
     # -- requests ----------------------------------------------------------------------
     def _ready(self) -> Ready:
@@ -679,7 +760,7 @@ class WorkerLoop:
         self._reply(to, Refusal(why, ref=work.ref))
         if not self._busy_said:
             self._busy_said = True
-            print(f"somatize worker: {why}", file=sys.stderr, flush=True)
+            log.warning("%s", why)
 
     # -- a job, in a slot ----------------------------------------------------------------
     def _push(self) -> zmq.Socket:
@@ -692,12 +773,11 @@ class WorkerLoop:
         return push
 
     def _run(self, token: int, job: _Job, to: _To, work: Work, mounted: Mounted | None) -> None:
-        def watch(fact: dict[str, str]) -> None:  # from any thread of the piece
+        def told(fact: dict[str, str]) -> None:  # from any thread of the piece
             saw = Saw(work.ref, {k: _clip(v, 16 << 10) for k, v in fact.items()})
             self._post(to, saw, encode(saw))
 
-        if not work.watched:
-            watch = None  # nobody on the other side looks: send no facts at all
+        watch = told if work.watched else None  # nobody on the other side looks: no facts at all
 
         said = self._said()
         if said is not None and watch is not None:
@@ -705,6 +785,8 @@ class WorkerLoop:
         started = time.perf_counter_ns()
         answer: Any
         built = False
+        if isinstance(mounted, _leases.Taken):
+            work = mounted.restore(work)  # its input, held here until the answer is written
         try:
             nodes = self._build(work, job)
             built = True
@@ -726,12 +808,27 @@ class WorkerLoop:
             answer = Refusal(str(exc), ref=work.ref)
         except BaseException as exc:  # the worker's own trouble: still an answer, never a hang
             answer = _failed(work.ref, exc, traceback=format_exception(exc))
+        if isinstance(answer, (Failed, Refusal)):
+            answer = self._stale(answer)  # here, before it is written into a segment
         try:
             frames = encode(answer)
         except (CodecError, ValueError) as exc:  # unwritable, or over a wire limit
             answer = _failed(work.ref, exc, why=f"what this work produced cannot travel back: {exc}")
             frames = encode(answer)
-        if mounted is not None and self.mount is not None and len(frames) > 1:
+        if isinstance(mounted, _leases.Taken):
+            # pooled: frames into a spare segment (a view of the input goes back as a span of
+            # it), then everything of ours that points into the segments is let go of, and
+            # an anchor still alive is a view a node kept: the answer names it in `kept`
+            ref = work.ref
+            try:
+                mounted.write(frames)
+            except (OSError, Refused, ProtocolError) as exc:
+                mounted.write(encode(_failed(ref, exc, why=f"the answer could not be written to the shared folder: {exc}")))
+            if hasattr(answer, "produced"):  # a Done: the conversation needs only its kind and ref
+                answer = dataclasses.replace(answer, output=None, produced={})
+            work = frames = outcome = cause = None  # noqa: F841 (the input, the output)
+            frames = mounted.sealed()
+        elif mounted is not None and self.mount is not None and len(frames) > 1:
             try:  # named for the client, which removes them once read
                 frames, _ = _mount.write(frames, self.mount, answering=mounted)
             except (OSError, Refused) as exc:
@@ -828,7 +925,7 @@ class _Slots:
             try:
                 fn(*args)
             except BaseException as exc:  # never lose the slot to a bug
-                print(f"somatize worker: a job slot caught {type(exc).__name__}: {exc}", file=sys.stderr)
+                log.error("a job slot caught %s: %s", type(exc).__name__, exc)
 
 
 def _exit_now() -> None:
@@ -839,6 +936,11 @@ def _exit_now() -> None:
         except Exception:
             pass
     os._exit(0)
+
+
+def _printable(text: str) -> str:
+    """Text for a log line: what is not printable (a route's NUL, say) escaped, never raw."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def _clip(text: str, limit: int) -> str:

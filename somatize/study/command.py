@@ -53,6 +53,11 @@ def command(args: argparse.Namespace) -> int:
     except (SomatizeError, ImportError, ValueError, TypeError) as exc:
         print(f"somatize study: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a folder this user cannot read or write, a full disk
+        print(f"somatize study: cannot use the store {args.store}: {exc.strerror or exc}"
+              f"{f' ({exc.filename})' if exc.filename else ''}; give a folder this user can read and write",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0

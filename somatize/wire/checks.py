@@ -310,6 +310,35 @@ def _check_mounted(m: Mounted) -> None:
                 f"digits, a dash and a number, after the writer's pid and a dash if it gives one)"
             )
     _buffer(m.header, "Mounted.header")
+    if not isinstance(m.spans, (tuple, list)):
+        raise Bad(f"`Mounted.spans` has to be a tuple of (file, offset, length), and it is {_a(m.spans)}", TypeError)
+    if len(m.spans) >= limits.MAX_FRAMES:
+        raise Bad(f"`Mounted.spans` names {len(m.spans):,} frames, over the limit of {limits.MAX_FRAMES - 1:,}")
+    if m.spans and not m.files:
+        raise Bad("`Mounted.spans` points into `Mounted.files`, and this one names no file")
+    total = 0
+    for i, span in enumerate(m.spans):
+        where = f"Mounted.spans[{i}]"
+        if not isinstance(span, (tuple, list)) or len(span) != 3:
+            raise Bad(f"`{where}` has to be (file, offset, length), three whole numbers; it is {shown(span)}", TypeError)
+        _int(span[0], f"{where}[0]", 0, len(m.files) - 1)
+        _int(span[1], f"{where}[1]", 0, limits.MAX_TOTAL)
+        _int(span[2], f"{where}[2]", 0, limits.MAX_FRAME)
+        total += span[2]
+    if total > limits.MAX_TOTAL:
+        raise Bad(f"`Mounted.spans` add up to {total:,} bytes, over the {limits.MAX_TOTAL:,} of one message")
+    for field_name in ("spare", "kept"):
+        names = getattr(m, field_name)
+        if not isinstance(names, (tuple, list)):
+            raise Bad(f"`Mounted.{field_name}` has to be a tuple of file names, and it is {_a(names)}", TypeError)
+        if len(names) > limits.MAX_SEGMENTS:
+            raise Bad(
+                f"`Mounted.{field_name}` names {len(names):,} segments, over the limit of {limits.MAX_SEGMENTS:,}"
+            )
+        for i, name in enumerate(names):
+            _text(name, f"Mounted.{field_name}[{i}]", limits.MAX_FILE_NAME)
+            if not limits.MOUNT_FILE.fullmatch(name):
+                raise Bad(f"`Mounted.{field_name}[{i}]` is {shown(name)}, not a name the mount makes")
 
 
 def _sid(x: Any, where: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """The version of this layout. Two sides talk only when it is the same on both."""
 
 # -- sizes: decode refuses anything beyond these, before building anything -----------------
@@ -63,6 +63,8 @@ MAX_DEVICE = 100
 """Characters in a device string (``"cuda:0"``)."""
 MAX_FILE_NAME = 64
 """Characters in the name of a file of the mount."""
+MAX_SEGMENTS = 64
+"""Names in ``Mounted.spare`` and in ``Mounted.kept``."""
 
 # -- patterns ------------------------------------------------------------------------------
 

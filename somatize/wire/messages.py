@@ -303,11 +303,24 @@ class Credit:
 
 @dataclass(frozen=True)
 class Mounted:
-    """A message whose frames 1..n are ``files`` in the shared directory; its own header
-    (the inner message's frame 0) is frame 1 of this one, untouched."""
+    """A message whose frames 1..n are in ``files`` of the shared directory; its own header
+    (the inner message's frame 0) is frame 1 of this one, untouched.
+
+    Without ``spans``, frame k is the whole of ``files[k-1]`` (one file per frame, written
+    for this message: the form used on a folder other machines see). With ``spans``, frame
+    k is ``spans[k-1] = (i, offset, length)``: ``length`` bytes at ``offset`` of
+    ``files[i]``, a pooled segment of the client's (:mod:`somatize.fabric.leases`), which
+    ``files`` names once however many frames it holds."""
 
     files: tuple[str, ...]
     header: bytes | memoryview = field(repr=False)
+    spans: tuple[tuple[int, int, int], ...] = ()
+    """Per frame: (index into ``files``, offset, length); empty: one whole file per frame."""
+    spare: tuple[str, ...] = ()
+    """A request's: free segments of the client's the worker may write its answer into."""
+    kept: tuple[str, ...] = ()
+    """An answer's: segments of the request the worker still holds views of (a node kept
+    its input): the client never reuses them."""
 
 
 Request = Hello | Provision | Work | Where | Hosts | Bye

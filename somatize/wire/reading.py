@@ -52,8 +52,12 @@ from .messages import (
 )
 
 
-def decode(frames: Sequence[Any]) -> Request | Answer | Carrier:
+def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | Carrier:
     """The message that ``frames`` (one whole multipart message) hold.
+
+    ``views=True``: arrays and tensors are views of their frames even when a frame is
+    read-only (``codec.build(views=True)``); the Mount path's client uses it for answers
+    in shared memory it has lent.
 
     Frames are bytes-like, or objects with a ``.buffer`` (a ``zmq.Frame``). Everything is
     checked before any value is built: the limits, the header, every field, and that the
@@ -69,7 +73,8 @@ def decode(frames: Sequence[Any]) -> Request | Answer | Carrier:
     if checked is None:
         return msg
     try:
-        values = build_values(checked)  # checked once, in _read: built here, not checked again
+        # checked once, in _read: built here, not checked again
+        values = build_values(checked, views=True) if views else build_values(checked)
     except Unreadable as exc:
         raise ProtocolError(f"the values of a `{type(msg).__name__}` could not be read: {exc}") from exc
     return _fill(msg, values)
@@ -388,6 +393,10 @@ def _parse_flat(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Any:
         kwargs["sizes"] = _tupled(kwargs["sizes"])
     elif cls is Mounted:
         kwargs["files"] = _tupled(kwargs["files"])
+        kwargs["spare"] = _tupled(kwargs["spare"])
+        kwargs["kept"] = _tupled(kwargs["kept"])
+        spans = kwargs["spans"]  # each (file, offset, length) checked in checks.py
+        kwargs["spans"] = tuple(_tupled(x) for x in spans) if type(spans) is list else spans
     if cls in IN_FRAMES:
         kwargs[IN_FRAMES[cls]] = b"" if cls is not Relay else ()  # put in place by _read
     return cls(**kwargs)

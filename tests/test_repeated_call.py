@@ -1,0 +1,221 @@
+"""The repeated call: what does not change between forwards of one graph is worked out once.
+
+- A graph's plan (grouped, compiled, wired) is made once and kept on the graph, per set of
+  hosts that run in this process; a forward with a store and cached steps still plans
+  afresh (what is recalled changes the plan).
+- A host that runs in this process (``Worker.inprocess()``) is no second plan: its steps
+  are the walk's own, tagged with the host, and say what a trip to a host says (``ran``
+  with ``host``, ``left``, then ``kept``).
+- The client packs a group's steps once per packer, and again when the codec registry
+  changes (what a network-mode artifact carries).
+- A process running pieces (a worker) compiles each shape once; what it keeps is a function
+  of the shape alone, so one client's piece never runs on another's nodes.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import socket
+import threading
+import time
+
+import pytest
+
+import fabric_nodes
+from conftest import WORKER
+from fabric_nodes import Add, Boom, Count, Sleep
+from somatize import Broker, FolderStore, Node, NodeFailed, Overdue, Worker, codec
+from somatize.codec import forget
+from somatize.engine import Piece, _plan_of, _piece_plans, run_piece
+from somatize.graph import Step, as_graph
+from somatize.plan import Join, Remote, Run, make
+
+
+@pytest.fixture
+def unused_tcp_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Collect(list):
+    def __call__(self, fact):
+        self.append(fact)
+
+    def kinds(self):
+        return [(f["fact"], f.get("host")) for f in self]
+
+
+class Thread(Node):
+    """Says which thread ran it."""
+
+    def forward(self, x):
+        return threading.get_ident()
+
+
+# -- a graph's plan is made once ----------------------------------------------------------
+
+
+def test_a_graph_is_planned_once_and_its_plan_depends_on_the_hosts_that_run_here():
+    g = Add(1).named("a") >> Add(2).named("b").at("w1")
+    here, nowhere = frozenset({"w1"}), frozenset()
+    assert _plan_of(g, nowhere) is _plan_of(g, nowhere)
+    assert _plan_of(g, here) is _plan_of(g, here)
+    assert [type(op) for op in _plan_of(g, nowhere).ops] == [Run, Remote]
+    assert [type(op) for op in _plan_of(g, here).ops] == [Run, Run]
+    with Broker.embedded({"w1": Worker.inprocess()}) as broker:
+        assert broker.here() == here
+        assert g.forward(1, broker=broker) == g.forward(1, broker=broker) == 4
+
+
+def test_a_graph_run_wholly_here_never_asks_the_broker(unused_tcp_port):
+    # nobody listens there: asking it anything would wait, then raise Unreachable
+    with Broker.at(f"tcp://127.0.0.1:{unused_tcp_port}", patience=2.0) as broker:
+        started = time.monotonic()
+        assert (Add(1).named("a") >> Add(1).named("b")).forward(1, broker=broker) == 3
+        assert time.monotonic() - started < 1.0
+
+
+def test_a_forward_with_a_store_still_plans_for_what_it_recalls(tmp_path):
+    calls = tmp_path / "calls"
+    store = FolderStore(tmp_path / "store")
+    g = Count(str(calls)).named("count").cached().frozen() >> Add(1).named("add")
+    first, second = Collect(), Collect()
+    assert list(g.forward(1, store=store, watching=first)) == [2, 3, 4]
+    assert list(g.forward(1, store=store, watching=second)) == [2, 3, 4]
+    assert [k for k, _ in first.kinds()] == ["ran", "kept", "ran", "finished"]
+    assert [k for k, _ in second.kinds()] == ["recalled", "ran", "finished"]
+    assert calls.read_text() == "x\n"
+
+
+# -- an InProcess host's steps are the walk's own --------------------------------------------
+
+
+def test_an_inprocess_group_compiles_to_tagged_local_steps_closed_by_its_last():
+    g = Add(1).named("a").at("w1") >> Add(1).named("b").at("w1") >> Add(1).named("c")
+    ops = make(g, here=frozenset({"w1"})).ops
+    assert [(type(op), op.host) for op in ops] == [(Run, "w1"), (Run, "w1"), (Run, None)]
+    assert ops[0].opens != 0 and ops[1].opens == ops[2].opens == 0  # timed from the group's first
+    assert ops[0].closes is None and ops[1].closes.host == "w1" and ops[1].closes.steps == (0, 1)
+    parallel = make(Add(1).named("a").at("w1") & Add(2).named("b").at("w1"), here=frozenset({"w1"})).ops
+    assert [type(op) for op in parallel] == [Run, Run, Join]
+    assert parallel[0].opens == parallel[1].opens != 0  # either branch may start first
+    assert parallel[-1].closes is not None and parallel[-1].closes.steps == (0, 1)
+    assert make(g).remotes and not make(g, here=frozenset({"w1"})).remotes
+
+
+def test_an_inprocess_group_says_what_a_trip_says_and_keeps_after_left(tmp_path):
+    store = FolderStore(tmp_path / "store")
+    seen = Collect()
+    g = Add(1).named("a").frozen().at("w1") >> Add(1).named("b").at("w1").cached().frozen()
+    with Broker.embedded({"w1": Worker.inprocess()}) as broker:
+        assert g.forward(1, broker=broker, store=store, watching=seen) == 3
+        again = Collect()
+        assert g.forward(1, broker=broker, store=store, watching=again) == 3
+    assert seen.kinds() == [("ran", "w1"), ("ran", "w1"), ("left", "w1"), ("kept", None), ("finished", None)]
+    left = seen[2]
+    assert left["took_us"].isdigit() and left["worked_us"] == left["took_us"]
+    assert again.kinds() == [("recalled", None), ("finished", None)]
+
+
+def test_an_inprocess_parallel_group_runs_its_branches_and_closes_once():
+    seen = Collect()
+    g = Add(1).named("start") >> (Add(1).named("a").at("w1") & Add(2).named("b").at("w1")) >> Thread().named("end")
+    with Broker.embedded({"w1": Worker.inprocess()}) as broker:
+        assert g.forward(0, broker=broker, watching=seen) == threading.get_ident()
+        assert (Add(1).named("a").at("w1") & Add(2).named("b").at("w1")).forward(0, broker=broker) == (1, 2)
+    kinds = seen.kinds()
+    assert kinds[0] == ("ran", None) and kinds[-2:] == [("ran", None), ("finished", None)]
+    assert sorted(kinds[1:3]) == [("ran", "w1"), ("ran", "w1")] and kinds[3] == ("left", "w1")
+
+
+def test_an_inprocess_failure_names_the_node_and_the_host():
+    seen = Collect()
+    g = Add().named("a").at("w1") >> Boom().named("boom").at("w1")
+    with Broker.embedded({"w1": Worker.inprocess()}) as broker:
+        with pytest.raises(NodeFailed, match=r"node `boom` on `w1` raised ValueError: remote trouble") as info:
+            g.forward(1, broker=broker, watching=seen)
+        assert Add().named("a").at("w1").forward(1, broker=broker) == 2  # nothing left half-open
+    assert info.value.node == "boom" and info.value.host == "w1"
+    assert isinstance(info.value.__cause__, ValueError)
+    assert seen.kinds() == [("ran", "w1"), ("failed", "w1"), ("broke", None)]
+    assert seen[-1]["error"] == "node `boom` on `w1` raised ValueError: remote trouble"
+
+
+def test_an_inprocess_group_checks_the_deadline_between_its_steps():
+    g = Sleep(0.3).named("slow").at("w1") >> Add(1).named("next").at("w1")
+    with Broker.embedded({"w1": Worker.inprocess()}) as broker:
+        with pytest.raises(Overdue, match=r"before `next` could start in this process"):
+            g.forward(1, broker=broker, deadline=0.1)
+
+
+# -- the client packs a group once -----------------------------------------------------------
+
+
+def test_a_group_is_packed_once_and_again_when_the_codec_registry_changes():
+    class Reading:
+        def __init__(self, hz):
+            self.hz = hz
+
+    g = Add(1).named("a").at("w1")
+    with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes])}) as broker:
+        for x in range(5):
+            assert g.forward(x, broker=broker) == x + 1
+        packer = broker._packers["w1"]
+        assert packer.pickles == 1
+        (memo,) = [op.__dict__["_memo"] for op in _plan_of(g, frozenset()).remotes]
+        assert [ref() for ref, _, _ in memo.values()] == [packer]
+        codec("tests.repeated.Reading", Reading, dump=lambda r: str(r.hz).encode(), load=lambda b: Reading(float(b)))
+        try:
+            assert g.forward(10, broker=broker) == 11
+            assert packer.pickles == 2  # the artifact carries the registry: packed anew, once
+            assert g.forward(11, broker=broker) == 12
+            assert packer.pickles == 2
+        finally:
+            forget("tests.repeated.Reading")
+    del broker, packer
+    gc.collect()
+    assert [ref() for ref, _, _ in memo.values()] == [None]  # a closed broker's packer is not kept
+
+
+def test_a_graph_that_ran_pickles_without_what_this_process_kept_on_it():
+    g = Add(1).named("a").at("w1") >> Add(2).named("b")
+    with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes])}) as broker:
+        assert g.forward(1, broker=broker) == 4
+        assert any(k.startswith("_somatize_") for k in g.__dict__)  # its plan, what was checked
+        for copied in (pickle.loads(pickle.dumps(g)), copy.deepcopy(g)):
+            assert not any(k.startswith("_somatize_") for k in copied.__dict__)
+            assert copied.forward(1, broker=broker) == 4
+
+
+# -- a worker compiles each shape once ------------------------------------------------------
+
+
+def _piece(steps, shape, value):
+    return Piece("", tuple(steps), shape, value, {})
+
+
+def test_pieces_of_one_shape_share_a_compiled_plan_and_run_their_own_nodes():
+    shape = ("seq", (("step", 0), ("step", 1)))
+    mine = [Step(Add(1), name="a"), Step(Add(10), name="b")]
+    theirs = [Step(Add(100), name="a"), Step(Add(1000), name="b")]
+    assert run_piece(_piece(mine, shape, 0)).output == 11
+    template = _piece_plans[shape][0]
+    assert run_piece(_piece(theirs, shape, 0)).output == 1100  # same shape, their own nodes
+    assert run_piece(_piece(mine, shape, 1)).output == 12
+    assert _piece_plans[shape][0] is template
+
+
+def test_a_piece_whose_shape_uses_more_steps_than_it_has_is_refused():
+    shape = ("seq", (("step", 0), ("step", 1), ("step", 2)))
+    run_piece(_piece([Step(Add(1))] * 3, shape, 0))
+    with pytest.raises(ValueError, match="a piece of 2 steps has a shape that uses 3"):
+        run_piece(_piece([Step(Add(1))] * 2, shape, 0))
+
+
+def test_a_shape_that_cannot_be_kept_is_still_run():
+    shape = ("seq", [("step", 0), ("step", 1)])  # a list inside: not hashable, not kept
+    assert run_piece(_piece([Step(Add(1)), Step(Add(2))], shape, 0)).output == 3
+    assert as_graph(Add(1)).forward(1) == 2
