@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cases import CHAIN, SMALL, Floors, Settings
-from table import Row, gbps, interleaved, median, p99, ratio, repeated, size, us
+from table import Row, at_least, gbps, interleaved, median, p99, ratio, repeated, size, us
 
 
 def _small_rows(system: str, samples: list[float], floors: Floors) -> list[Row]:
@@ -40,6 +40,12 @@ def _array_rows(system: str, speeds: dict[int, float], floors: Floors, how: str)
         raw = floors.arrays.get(nbytes)
         rows.append(Row("b", f"{system} {how}, numpy {size(nbytes)}", f"{speed:.2f} GB/s",
                         f"raw {raw:.2f} GB/s" if raw else "", ratio(speed / raw) if raw else ""))
+        if system == "Ray":  # the same-host target: somatize's Mount with views against Ray's object store
+            for kind in ("numpy", "torch"):
+                mine = floors.same_host.get((kind, nbytes))
+                if mine is not None:
+                    rows.append(Row("b", f"somatize Mount views, {kind} {size(nbytes)}, against Ray", f"{mine:.2f} GB/s",
+                                    f"Ray {speed:.2f} GB/s", ratio(mine / speed), ">= 1x", at_least(mine / speed, 1.0)))
     return rows
 
 

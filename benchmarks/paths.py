@@ -1,5 +1,6 @@
-"""The setups measured: a broker whose host ``w1`` is reached Direct, through a Mount, or
-Relayed, each a context manager that stops and reaps everything it started."""
+"""The setups measured: a broker whose host ``w1`` is reached Direct, through a Mount (its
+answers copied out, or handed over as views), or Relayed,
+each a context manager that stops and reaps everything it started."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ def mount() -> Iterator[Broker]:
     shared = tempfile.mkdtemp(prefix="somatize-bench-", dir=SHM if os.path.isdir(SHM) else None)
     try:
         with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[nodes], mount=shared)}) as broker:
+            yield broker
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def mount_views() -> Iterator[Broker]:
+    """The Mount path, with answers handed over as views of the shared segment (``views=True``):
+    what Ray's object store does on one host."""
+    shared = tempfile.mkdtemp(prefix="somatize-bench-", dir=SHM if os.path.isdir(SHM) else None)
+    try:
+        worker = Worker.spawn(WORKER, mode="network", send=[nodes], mount=shared, views=True)
+        with Broker.embedded({"w1": worker}) as broker:
             yield broker
     finally:
         shutil.rmtree(shared, ignore_errors=True)

@@ -7,6 +7,8 @@ One command, one table, every row measured in this run:
     (c) an InProcess host against no host, same small graph
     (d) the engine's cost per node on a 200-node local chain, against a plain loop
     (e) forwards() and curve() over 10,000 recorded forwards: time, scans and fetches
+    (f) a study's trials per second, and reading its history
+    (m) the peak memory of client, worker and broker during (b)'s round trips, per path
 
     python benchmarks/run.py --quick          # tiny sizes: a smoke run of well under a minute
     python benchmarks/run.py --markdown       # the table as Markdown (docs/performance.md)
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few calls: a smoke run")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--only", metavar="a,b,...", default=",".join(cases.CASES),
-                        help="the cases to run (default: all of a,b,c,d,e,f)")
+                        help="the cases to run (default: all of a,b,c,d,e,f,m)")
     args = parser.parse_args(argv)
     chosen = [c.strip() for c in args.only.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in cases.CASES]

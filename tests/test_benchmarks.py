@@ -21,11 +21,13 @@ ROWS = {
     "a": ["raw pyzmq DEALER->ROUTER, 100 B", "somatize Direct, 1 node, 100 B", "the same, least disturbed block",
           "artifact pickles after", "Ray", "Dask"],
     "b": ["raw pyzmq zero-copy echo, 1 MiB", "Direct, numpy 1 MiB", "Mount (/dev/shm), numpy 1 MiB",
-          "Relayed, numpy 1 MiB", "artifact pickles (Direct, Mount, Relayed)", "Ray", "Dask"],
+          "Mount (/dev/shm), views=True, numpy 1 MiB", "Relayed, numpy 1 MiB", "artifact pickles (Direct, Mount, Mount views, Relayed)", "Ray", "Dask"],
     "c": ["no host, 3-node chain", "InProcess host, same chain"],
     "d": ["Python loop over 200 forwards", "engine, 200-node local chain", "Dask"],
     "e": ["forwards(), summarised run", "curve(), summarised run", "curve(), unsummarised run"],
     "f": ["2 runners,", "rebuilding a", "trials(),"],
+    "m": ["raw pyzmq echo, numpy 1 MiB: peak RSS", "Direct, numpy 1 MiB: peak RSS", "Mount, numpy 1 MiB: peak RSS", "Mount views, numpy 1 MiB: peak RSS",
+          "Relayed, numpy 1 MiB: peak RSS"],
 }
 
 
