@@ -20,8 +20,9 @@ Deadlines: a forward's deadline (or a host's default, ``Worker.spawn(..., deadli
 whichever comes first) bounds every wait here, for the broker and for the worker. Past it
 the channel is dropped, the caller gets ``Overdue``, and the broker is asked to check the
 host (``Where(host, lost=True)``): a spawned worker that is still stuck is stopped there and
-started afresh on the next forward. A host run in this process is not bounded: Python
-cannot interrupt a running node.
+started afresh on the next forward. A host run in this process runs its steps as local
+steps: the deadline is checked between them, as between any local nodes, but Python cannot
+interrupt a node that is running.
 
 Before a value leaves, its codec kinds are checked against those the worker said at Hello
 that it reads: a value it could not read is refused here, naming the kind, the host and
@@ -253,7 +254,7 @@ class Broker:
         """Run a remote group on its host; facts go to ``watch`` as they arrive.
 
         Every wait is bounded by the piece's deadline or the host's default, the sooner;
-        past it, ``Overdue``. A host run in this process is not bounded (see the module)."""
+        past it, ``Overdue``."""
         deadline = self._deadline(piece)
         try:
             located = self._locate(piece.host, deadline)
@@ -710,6 +711,8 @@ class _Channel:
             if self.lending is not None:  # an answer in the segments this exchange lent
                 return self._decode_lent(self.lending.receive(message))
             if message.spans or message.kept:
+                if _leases.in_memory(self.located.mount or ""):  # a late answer: its new files are ours
+                    _leases.pool(self.located.mount or "").discard(message)
                 raise ProtocolError("an answer names spans of pooled segments, and this client lent none")
             frames, made = _mount.read(message, self.located.mount or "")
             self.mounted.extend(made)

@@ -107,8 +107,8 @@ class BrokerLoop:
         self._drops: zmq.Socket | None = None
         self._guard: Guard | None = None
         self._lock = threading.Lock()
-        self._refusals: list[float] = []  # when the last refusals were logged
-        self._unsaid = 0  # refusals not logged since
+        self._refusals = _Quiet("refusals")
+        self._comings = _Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
 
     @property
     def dialed(self) -> dict:
@@ -191,19 +191,15 @@ class BrokerLoop:
                 who = "no keys" if offer is None else peer_name(offer.route)
             else:
                 who = peer_name(b"", owner)
-            log.info("host `%s` left (%s): %s", host, who, why)
+            more = self._comings.more()
+            if more is not None:
+                log.info("host `%s` left (%s): %s%s", host, who, why, more)
 
     def _refused(self, route: bytes, user: str, why: str) -> None:
         """Log a refusal, at most `_LOUD` per `_QUIET` seconds: a flood is counted, not printed."""
-        now = time.monotonic()
-        self._refusals = [t for t in self._refusals if now - t < _QUIET]
-        if len(self._refusals) >= _LOUD:
-            self._unsaid += 1
-            return
-        self._refusals.append(now)
-        more = f" ({self._unsaid} more refusals were not logged)" if self._unsaid else ""
-        self._unsaid = 0
-        log.info("refused %s: %s%s", peer_name(route, user), why, more)
+        more = self._refusals.more()
+        if more is not None:
+            log.info("refused %s: %s%s", peer_name(route, user), why, more)
 
     def _send(self, parts: list) -> None:
         try:
@@ -271,8 +267,10 @@ class BrokerLoop:
             self._answer(route, Refusal(exc.why))
             return
         if said == "offered":
-            log.info("host `%s` dialed in (%s, %s mode)", hello.offering, peer_name(route, user),
-                     hello.runtime.mode or "project")
+            more = self._comings.more()
+            if more is not None:
+                log.info("host `%s` dialed in (%s, %s mode)%s", hello.offering, peer_name(route, user),
+                         hello.runtime.mode or "project", more)
         self._keep_bindings()
         if said != "keepalive":
             self._answer(route, Ready(self.runtime))
@@ -415,3 +413,27 @@ def write_bindings(path: Path, table: dict[str, str]) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(temp, path)
+
+
+class _Quiet:
+    """At most `_LOUD` lines of one kind per `_QUIET` seconds: past it lines are counted, and
+    the count is said with the next line logged. Whoever sends can make a broker log; nobody
+    can make it flood its journal."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.said: list[float] = []
+        self.unsaid = 0
+
+    def more(self) -> str | None:
+        """The suffix for a line that may be logged now (``""`` or the count left out), or
+        None when this one is to be counted, not logged."""
+        now = time.monotonic()
+        self.said = [t for t in self.said if now - t < _QUIET]
+        if len(self.said) >= _LOUD:
+            self.unsaid += 1
+            return None
+        self.said.append(now)
+        more = f" ({self.unsaid} more {self.what} were not logged)" if self.unsaid else ""
+        self.unsaid = 0
+        return more

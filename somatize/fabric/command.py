@@ -33,12 +33,16 @@ LEVELS = ("debug", "info", "warning", "error")
 
 class _Line(logging.Formatter):
     """``somatize broker: what happened``: the logger's name is who speaks; a warning or an
-    error says so, so ``journalctl -p warning`` and a reader's eye both find it."""
+    error says so, so ``journalctl -p warning`` and a reader's eye both find it. One event,
+    one line: what is not printable (a newline, an escape, a NUL a peer sent) is escaped."""
 
     def format(self, record: logging.LogRecord) -> str:
         who = record.name.replace(".", " ")
         level = "" if record.levelno < logging.WARNING else f"{record.levelname}: "
-        return f"{who}: {level}{record.getMessage()}"
+        said = record.getMessage()
+        if not said.isprintable():  # a peer's name or reason: never a forged line or an escape code
+            said = said.encode("unicode_escape").decode("ascii")
+        return f"{who}: {level}{said}"
 
 
 def log_option(parser: argparse.ArgumentParser) -> None:

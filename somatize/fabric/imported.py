@@ -25,6 +25,8 @@ _NAMED = re.compile(r"<module '([\w.]+)'|`([A-Za-z_][\w.]*)(?::[\w.]+)?`")
 _FILES = re.compile(r'File "([^"]+\.py)"')
 #: At most this many modules are looked at for one failure (a traceback can be long).
 _MOST = 64
+#: A module name longer than this, or with more dots than this, is not looked at.
+_LONGEST, _DEEPEST = 200, 16
 
 RESTART = (
     "Restart the worker to load the new code (`systemctl restart somatize-worker`, or cancel "
@@ -59,14 +61,26 @@ class Imports:
     def changed(self, text: str) -> list[tuple[str, str]]:
         """``(module, file)`` for each module named in ``text`` (an error, a traceback) whose
         file is not the one this process imported any more."""
-        names: list[str] = []
-        for a, b in _NAMED.findall(text):
-            name = a or b
+        # linear in the text whatever it holds: a client's text (an error naming its own key,
+        # say) is in it. A module's name is short and a few parts deep; longer ones are not
+        # modules of ours, and once `_MOST` names are found the rest is not looked at.
+        names: dict[str, None] = {}
+        for found in _NAMED.finditer(text):
+            name = found.group(1) or found.group(2)
+            if len(name) > _LONGEST or name.count(".") >= _DEEPEST:
+                continue
             parts = name.split(".")
-            names.extend(".".join(parts[:i]) for i in range(len(parts), 0, -1))
-        names.extend(self._files[f] for f in _FILES.findall(text) if f in self._files)
+            for i in range(len(parts), 0, -1):
+                names[".".join(parts[:i])] = None
+            if len(names) >= _MOST:
+                break
+        for found in _FILES.finditer(text):
+            if len(names) >= 2 * _MOST:
+                break
+            if found.group(1) in self._files:
+                names[self._files[found.group(1)]] = None
         out: list[tuple[str, str]] = []
-        for name in list(dict.fromkeys(names))[:_MOST]:
+        for name in list(names)[: 2 * _MOST]:
             then = self._seen.get(name)
             if then is None:
                 continue

@@ -247,18 +247,45 @@ class Pool:
         return seg
 
     def drain(self) -> None:
-        """Unlink every idle segment (a broker closed; the next exchange makes new ones)."""
+        """Unlink every idle segment (a broker closed; the next exchange makes new ones),
+        and the answers written for this process that nobody took in (see ``orphans``)."""
         with self.lock:
             self._released()
             self._trim(0, 0)
+            self._orphans()
 
     def close(self) -> None:
-        """Unlink every segment this process made here (at exit)."""
+        """Unlink every segment this process made here, and every file a worker made for
+        it (at exit)."""
         with self.lock:
             for seg in list(self.known.values()):
                 seg.retired = True
                 seg.unlink()
             self._trim(0, 0)
+            self._orphans()
+
+    def discard(self, msg: Mounted) -> None:
+        """An answer that arrived after its exchange ended (a deadline, a dropped link):
+        unlink the files a worker made for this process in it, which nothing will adopt."""
+        with self.lock:
+            for name in msg.files:
+                if isinstance(name, str) and _mount.NAME.fullmatch(name) and name.startswith(self.prefix) \
+                        and name not in self.known:
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.root / name)
+
+    # inside the lock
+    def _orphans(self) -> None:
+        """Files named for this process that are not its segments: answers a worker wrote
+        into new files for exchanges that ended before they were read."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(self.prefix) and name not in self.known and _mount.NAME.fullmatch(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.root / name)
 
     # inside the lock
     def _released(self) -> None:
@@ -537,6 +564,13 @@ class Attachments:
             try:
                 if info.st_size == 0:
                     raise ProtocolError(f"a mounted message names `{name}`, an empty file: a segment is never empty")
+                if info.st_blocks * 512 < info.st_size:
+                    # a pool allocates every segment whole; a file with holes would make this
+                    # worker allocate (or fault with SIGBUS on a full folder) what nobody sent
+                    raise ProtocolError(
+                        f"a mounted message names `{name}`, a file with holes ({info.st_blocks * 512:,} of "
+                        f"{info.st_size:,} bytes allocated): a segment is allocated whole; refused"
+                    )
                 made = _Attached(name, info.st_ino, info.st_size, _map(descriptor, info.st_size))
             except OSError as exc:
                 raise ProtocolError(f"`{name}` in {self.root} could not be mapped: {exc.strerror}") from exc

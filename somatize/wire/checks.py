@@ -143,7 +143,7 @@ def check(msg: Any) -> None:
 def _check_hello(m: Hello) -> None:
     _runtime(m.runtime, "Hello.runtime")
     if m.offering is not None:
-        _text(m.offering, "Hello.offering", limits.MAX_NAME)
+        _printable(_text(m.offering, "Hello.offering", limits.MAX_NAME), "Hello.offering")
 
 
 def _check_provision(m: Provision) -> None:
@@ -244,7 +244,7 @@ def _by_node(d: Any, where: str, n: int, check: Any) -> None:
 
 
 def _check_where(m: Where) -> None:
-    _text(m.host, "Where.host", limits.MAX_NAME)
+    _printable(_text(m.host, "Where.host", limits.MAX_NAME), "Where.host")
     _flag(m.lost, "Where.lost")
     _int(m.waited_us, "Where.waited_us", 0, limits.MAX_REF)
 
@@ -514,6 +514,13 @@ def _ref(x: Any, where: str) -> None:
 def _flag(x: Any, where: str) -> None:
     if not isinstance(x, bool):
         raise Bad(f"`{where}` has to be True or False, and it is {_a(x)}", TypeError)
+
+
+def _printable(x: str, where: str) -> None:
+    """A host's name is one line of text: no newline, escape or NUL to forge a log line with."""
+    if not x.isprintable():
+        raise Bad(f"`{where}` holds a character that is not printable (a newline, an escape, a NUL): "
+                  f"a host's name is one line of text")
 
 
 def _text(x: Any, where: str, limit: int, *, empty: bool = False) -> str:
