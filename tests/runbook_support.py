@@ -63,6 +63,7 @@ NAMES = {
 }
 OVERLAID = ("/etc", "/opt", "/var/lib")
 PYTHON_AT = "/opt/.runbook-python"  # this test's Python, as every machine sees it
+BASE_AT = "/opt/.runbook-base"  # the interpreter under it (itself, or a virtual environment's base)
 STARTED = re.compile(r"listening|dialed|serving")
 
 
@@ -149,11 +150,21 @@ class Cluster:
             f"127.0.0.1 localhost\n127.0.1.1 {machine}\n"
             + "".join(f"{address} {name}\n" for name, address in NAMES[machine].items())
         )
+        # what lives under /tmp and every machine needs (a clone of the repository there, the
+        # environment's Python, as on a CI machine) is kept aside, then put back at its own
+        # path inside the machine's /tmp: an editable install names the checkout by that path
+        kept = [p for p in dict.fromkeys((str(self.repo), sys.prefix)) if p == "/tmp" or p.startswith("/tmp/")]
+        aside = [f"/opt/.runbook-aside/{i}" for i in range(len(kept))]
         setup = " && ".join([
             *mounts,
             f"mkdir -p {PYTHON_AT}",
             f"mount --bind {shlex.quote(sys.prefix)} {PYTHON_AT}",
+            # where any user can reach it (a base under /root is not: the service user runs it)
+            f"mkdir -p {BASE_AT}",
+            f"mount --bind {shlex.quote(sys.base_prefix)} {BASE_AT}",
+            *(f"mkdir -p {a} && mount --bind {shlex.quote(p)} {a}" for p, a in zip(kept, aside, strict=True)),
             f"mount --bind {tmp} /tmp",
+            *(f"mkdir -p {shlex.quote(p)} && mount --bind {a} {shlex.quote(p)}" for p, a in zip(kept, aside, strict=True)),
             f"mount --bind {shared} /shared",
             f"cp {hosts} /etc/hosts",
             f"hostname {machine}",

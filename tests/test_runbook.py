@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from runbook_support import MACHINES, Cluster
+from runbook_support import BASE_AT, MACHINES, PYTHON_AT, Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "deployment.md"
@@ -44,9 +45,14 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="network namespa
 # What an `install` block does here: a virtual environment whose Python finds this checkout's
 # somatize (as `pip install .` would have it find an installed copy), and the two commands
 # that installing somatize puts next to it.
+# Made from the interpreter itself (bound where the service user can reach it), it sees that
+# interpreter's packages and, through the .pth, the checkout and the packages of this test's
+# environment (a virtual environment of its own on a CI machine).
+_PACKAGES = f"{PYTHON_AT}/{os.path.relpath(sysconfig.get_path('purelib'), sys.prefix)}"
 INSTALLED = f"""
-python3 -m venv --without-pip --system-site-packages /opt/somatize/venv
-echo {ROOT} > "$(/opt/somatize/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/somatize-checkout.pth"
+{BASE_AT}/bin/python3 -m venv --without-pip --system-site-packages /opt/somatize/venv
+purelib="$(/opt/somatize/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+printf '%s\\n%s\\n' {ROOT} {_PACKAGES} > "$purelib/somatize-checkout.pth"
 for program in broker worker; do
     printf '#!/bin/sh\\nexec /opt/somatize/venv/bin/python -m somatize.%s "$@"\\n' $program > /opt/somatize/venv/bin/somatize-$program
     chmod 755 /opt/somatize/venv/bin/somatize-$program
