@@ -829,7 +829,7 @@ class _Channel:
     def _decode_lent(self, frames: list) -> Any:
         """An answer read from the segments: its values copied out (the segments go back to
         the pool), or with ``views``, read-only views that hold their segment until freed."""
-        return _leases.decode(frames, views=self.views)
+        return decode(frames, views=self.views)
 
     def _check_kinds(self, frames: list) -> None:
         """Refuse, before a byte of it is sent, a value of a kind the worker cannot read.

@@ -485,21 +485,6 @@ class Lending:
         self.sent = None
 
 
-def decode(frames: list, *, views: bool) -> Any:
-    """``wire.decode``, with ``views`` when the codec builds views of read-only frames."""
-    from .. import wire
-
-    global _takes_views
-    if views and _takes_views is None:
-        import inspect
-
-        _takes_views = "views" in inspect.signature(wire.decode).parameters
-    return wire.decode(frames, views=True) if views and _takes_views else wire.decode(frames)
-
-
-_takes_views: bool | None = None
-
-
 def _let_go(pool_: Pool, seg: Segment) -> None:
     """An anchor died (a finalizer: any thread, any moment, maybe inside the pool's lock)."""
     pool_.released.append(seg)
