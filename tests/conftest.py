@@ -87,7 +87,8 @@ class Process:
         self.popen.stdin.flush()
 
     def stderr(self) -> str:
-        self._err.flush()
+        if not self._err.closed:
+            self._err.flush()
         return self.log.read_text(errors="replace")
 
     def signal(self, signum: int) -> None:

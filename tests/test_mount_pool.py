@@ -229,9 +229,18 @@ def test_a_client_of_a_standalone_broker_asks_for_views_by_host_name(processes, 
 # -- either side killed ------------------------------------------------------------------------
 
 
-def test_a_worker_killed_mid_exchange_leaves_no_segment(folder, tmp_path):
+def cargo(kind: str):
+    """1 MiB of NumPy array or torch tensor (skipped where torch is not installed)."""
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        return torch.ones(1 << 18, dtype=torch.float32)
+    return np.ones(1 << 20, np.uint8)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_worker_killed_mid_exchange_leaves_no_segment(folder, tmp_path, kind):
     started = tmp_path / "started"
-    x = np.ones(1 << 20, np.uint8)
+    x = cargo(kind)
     with spawned(folder) as broker:
         killer = threading.Thread(
             target=lambda: os.kill(int(wait_until(lambda: started.exists() and started.read_text(), 30, "the node starting")),
@@ -262,16 +271,23 @@ CLIENT = textwrap.dedent(
             time.sleep(60)
             return x
 
-    folder, started = sys.argv[1], sys.argv[2]
+    folder, started, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+    if kind == "torch":
+        import torch
+        x = torch.ones(1 << 18, dtype=torch.float32)
+    else:
+        x = np.ones(1 << 20, np.uint8)
     broker = Broker.embedded({"w1": Worker.spawn([sys.executable, "-m", "somatize.worker"], mount=folder)})
-    Hold(started).named("hold").at("w1").forward(np.ones(1 << 20, np.uint8), broker=broker)
+    Hold(started).named("hold").at("w1").forward(x, broker=broker)
     """
 )
 
 
-def test_a_client_killed_mid_exchange_leaves_no_segment_once_swept(folder, tmp_path):
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_client_killed_mid_exchange_leaves_no_segment_once_swept(folder, tmp_path, kind):
+    cargo(kind)  # skips where torch is not installed
     started = tmp_path / "started"
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, str(folder), str(started)], env=env_with_tests())
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, str(folder), str(started), kind], env=env_with_tests())
     worker_pid = None
     try:
         worker_pid = int(wait_until(lambda: started.exists() and started.read_text(), 60, "the node starting"))

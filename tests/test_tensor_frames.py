@@ -5,10 +5,13 @@ from before (SMZT bytes under "torch.Tensor") still read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -24,7 +27,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 import somatize  # noqa: E402
 import somatize.torch as smt  # noqa: E402
-from conftest import WORKER  # noqa: E402
+from conftest import BROKER, WORKER, env_with_tests  # noqa: E402
+from reliability_support import wait_until  # noqa: E402
 from somatize import Broker, FolderStore, Node, Opaque, Unreadable, Unwritable, Worker, codec  # noqa: E402
 from somatize.codec import build, check, decode, dumps, encode, forget, kinds_in, loads, readable_kinds  # noqa: E402
 from somatize.codec.tensors import ITEMSIZE  # noqa: E402
@@ -142,15 +146,43 @@ def test_every_dtype_and_layout_round_trips_exactly_through_every_path(name, kin
     assert encode(t)[0][:3] == ["X", name, list(t.shape)]
 
 
-def test_every_dtype_and_layout_crosses_a_spawned_worker_and_back_exactly():
+@contextlib.contextmanager
+def through(path: str, processes, tmp_path):
+    """A broker whose host `w1` is reached by ``path``: Direct, Mount on /dev/shm (answers
+    copied out, or handed over as views), or Relayed through a standalone broker."""
+    if path == "relayed":
+        hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"])
+        processes([*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--mode", "network"], env=env_with_tests(),
+                  announce=None)
+        with Broker.at(hub.endpoint, send={"w1": [HERE]}) as broker:
+            wait_until(lambda: broker.knows("w1"), 30, "the dialing worker reaching the broker")
+            yield broker
+        return
+    options = {}
+    if path in ("mount", "views"):
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("needs /dev/shm")
+        options["mount"] = tempfile.mkdtemp(prefix="somatize-test-", dir="/dev/shm")
+        options["views"] = path == "views"
+    try:
+        with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[HERE], **options)}) as broker:
+            yield broker
+    finally:
+        if "mount" in options:
+            shutil.rmtree(options["mount"])
+
+
+@pytest.mark.parametrize("path", ["direct", "mount", "views", "relayed"])
+def test_every_dtype_and_layout_crosses_every_path_and_back_exactly(path, processes, tmp_path):
     sent = [t for name in NAMES for t in shapes_of(getattr(torch, name)).values()]
     sent.append(torch.randn(4, requires_grad=True) * 2)
-    with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[HERE])}) as broker:
+    with through(path, processes, tmp_path) as broker:
         back = Echo().named("echo").at("w1").forward(sent, broker=broker)
         seen = Describe().named("describe").at("w1").forward(sent, broker=broker)
-    assert len(back) == len(sent)
-    for b, t in zip(back, sent):
-        assert same(b, t) and leaf_on_cpu(b), t.dtype
+        assert len(back) == len(sent)
+        for b, t in zip(back, sent):
+            assert same(b, t) and leaf_on_cpu(b), t.dtype
+        del back
     assert seen == [("Tensor", str(t.dtype), list(t.shape), "cpu", True) for t in sent]
 
 
