@@ -224,7 +224,7 @@ def test_a_header_is_a_map_with_the_version_the_variant_and_every_field():
     header = header_of(encode(Where("w1")))
     assert header == {"v": WIRE_VERSION, "t": "Where", "host": "w1", "lost": False, "waited_us": 0}
     header = header_of(encode(work()))
-    assert set(header) == {"v", "t", "ref", "recipe", "input", "keys", "placement", "memory", "watched"}
+    assert set(header) == {"v", "t", "ref", "recipe", "input", "keys", "placement", "memory", "watched", "recipe_digest"}
     assert header["keys"] == [[1, DIGEST], [2, OTHER]]
     assert header["recipe"]["shape"] == ["seq", [["step", 0], ["par", [["step", 1], ["step", 2]]]]]
 

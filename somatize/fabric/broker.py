@@ -55,7 +55,9 @@ from ..wire import (
     Listed,
     Located,
     Mounted,
+    NodeSpec,
     Provision,
+    Recipe,
     Refusal,
     Relay,
     Runtime,
@@ -66,6 +68,7 @@ from ..wire import (
     decode,
     encode,
     peek_kinds,
+    recipe_digest,
 )
 from . import leases as _leases
 from . import mount as _mount
@@ -506,8 +509,11 @@ class Broker:
             if self._closed:
                 raise Closed("this broker was closed; make a new one")
             idle = self._idle.get(located.host)
-            if idle:
-                return idle.pop()
+            while idle:
+                channel = idle.pop()
+                if not channel.dropped_while_idle():
+                    return channel
+                channel.close()  # its peer went away between calls: a fresh one says Hello
             provisioned = self._provisioned.setdefault(located.host, set())
         # a relayed host is reached through the very broker this client talks to
         address = self.url if located.path == "relayed" else located.address
@@ -550,6 +556,10 @@ class Broker:
                 channel.close()
             else:
                 self._idle.setdefault(channel.host, []).append(channel)
+
+
+#: Recipes whose digests one channel keeps (and digests it keeps sending in full).
+_MEMO_RECIPES = 256
 
 
 class _Channel:
@@ -606,6 +616,11 @@ class _Channel:
         self._early: list = []
         self.reads: frozenset[str] = frozenset()  # the kinds the worker said it reads
         self._sure_for: list[str] | None = None  # the registry for which it reads all ours
+        # recipes: sent in full once per connection, then named by digest (see `run`)
+        self.held: set[str] = set()  # digests sent in full since the last Hello
+        self._unkept: set[str] = set()  # ...that the worker did not keep: sent in full from then on
+        self._last_full: str | None = None  # the digest of the last recipe sent in full
+        self._digests: dict[int, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
         try:
             self._hello(deadline)
         except BaseException:
@@ -622,6 +637,22 @@ class _Channel:
             except zmq.ZMQError:
                 pass
         sockets.close(self.monitor, self.sock)
+
+    def dropped_while_idle(self) -> bool:
+        """Whether the link dropped since the last work (a worker or broker restarted
+        between calls): nothing of this channel's is in flight, so a fresh channel takes
+        its place rather than the next work being lost to the drop."""
+        dropped = False
+        try:
+            while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+                event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.linked = True
+                else:  # dropped, or a handshake refused (a fresh channel says why)
+                    dropped = True
+        except zmq.ZMQError:
+            return True
+        return dropped
 
     def waited(self) -> float:
         """Seconds since the open work was sent (0 when none was)."""
@@ -776,6 +807,8 @@ class _Channel:
     # -- the conversation ----------------------------------------------------------------
     def _hello(self, deadline: Deadline | None) -> None:
         mine = Runtime.here(mode=self.packer.mode)
+        self.held.clear()  # a worker greeted (again) holds no recipe of ours
+        self._unkept.clear()
         self.exchange.hello_sent()
         self._send(encode(Hello(mine)))
         answer = self._next(time.monotonic() + self.patience, "for the worker to answer Hello", deadline)
@@ -794,30 +827,72 @@ class _Channel:
     def run(self, piece: Piece, watch: Any, deadline: Deadline | None = None) -> Outcome:
         ref = next(_refs)
         specs = specs_of(piece, self.packer)  # packed once per group, kept with the graph's plan
-        frames = encode(work_of(piece, ref, specs, watched=watch is not None))
+        watched = watch is not None
+        # the recipe travels in full the first time on this connection, then by its digest
+        digest = self._digest_of(specs, piece.shape)
+        named = digest if digest is not None and digest in self.held else ""
+        frames = encode(work_of(piece, ref, specs, watched=watched, named=named))
         self._check_kinds(frames)
         try:
             self._provision(tuple(dict.fromkeys(
                 s.target for s in specs if s.source == "network" and s.target not in self.provisioned
             )), deadline)
-            for _ in range(3):
+            for _ in range(4):
                 self._send_work(ref, frames, deadline)
+                if digest is not None and not named:
+                    self._last_full = digest
+                    if digest not in self._unkept:
+                        self.held.add(digest)  # in full: the worker keeps it for this connection
                 answer = self._answer(watch, deadline)
                 if isinstance(answer, Send):
                     self.provisioned.difference_update(answer.digests)
                     self._provision(answer.digests, deadline)
                     continue
-                if isinstance(answer, Refusal) and answer.hello:
-                    # the worker forgot this channel to make room for others: greet it again
-                    self.exchange.forgotten()
-                    self._hello(deadline)
-                    continue
+                if isinstance(answer, Refusal) and (answer.hello or answer.recipe):
+                    if answer.hello:
+                        # the worker forgot this channel to make room for others: greet it again
+                        self.exchange.forgotten()
+                        self._hello(deadline)
+                    elif digest is not None:
+                        # it does not hold the recipe: forgotten to make room for others (it
+                        # goes in full this once), or never kept, when no other recipe went
+                        # in full since (too big to keep: it goes in full from now on)
+                        self.held.discard(digest)
+                        if digest == self._last_full and len(self._unkept) < _MEMO_RECIPES:
+                            self._unkept.add(digest)
+                    if named:
+                        named = ""
+                        frames = encode(work_of(piece, ref, specs, watched=watched))
+                        self._check_kinds(frames)
+                        continue
+                    if answer.hello:
+                        continue
                 return self._conclude(answer, piece)
-            raise Refused(f"the worker for `{self.host}` kept asking for the same artifacts, or to be greeted again")
+            raise Refused(
+                f"the worker for `{self.host}` kept asking for the same artifacts, to be greeted "
+                f"again, or for the recipe in full"
+            )
         finally:
             _mount.remove(self.mounted)
             self.mounted = []
             self._end_lending()
+
+    def _digest_of(self, specs: tuple[NodeSpec, ...], shape: tuple) -> str | None:
+        """The digest of the recipe of ``specs`` and ``shape`` (None: it has none, and always
+        travels in full), computed once per recipe on this channel: ``specs`` is the very
+        tuple the piece's memo keeps, so a repeated call finds it by identity."""
+        kept = self._digests.get(id(specs))
+        if kept is not None and kept[0] is specs and (kept[1] is shape or kept[1] == shape):
+            return kept[2]
+        try:
+            digested = recipe_digest(Recipe(specs, shape))
+        except Exception:  # a value that cannot be written: `encode` says so, in full
+            digested = None
+        digest = None if digested is None else digested.digest
+        if len(self._digests) >= _MEMO_RECIPES:
+            self._digests.clear()
+        self._digests[id(specs)] = (specs, shape, digest)
+        return digest
 
     def _end_lending(self) -> None:
         """The lent segments go back to the pool, or are retired when no terminal answer

@@ -33,6 +33,7 @@ from ..wire import (
     Hosts,
     Provision,
     Ready,
+    Recipe,
     Refusal,
     Relay,
     Runtime,
@@ -42,9 +43,11 @@ from ..wire import (
     Work,
     compatible,
     encode,
+    recipe_digest,
+    with_recipe,
 )
 
-__all__ = ["BrokerView", "ClientExchange", "Stale", "Unknown", "Violation", "WorkerSessions"]
+__all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]
 
 TERMINAL = (Done, Failed, Refusal)
 
@@ -56,6 +59,12 @@ class Violation(ProtocolError):
 class Unknown(Violation):
     """A message from a peer this side does not know: it never said Hello, or it was
     forgotten to make room. Refused with ``hello=True``: say Hello, then send it again."""
+
+
+class Unheld(Violation):
+    """A ``Work`` naming by digest a recipe this side does not hold for its peer (never sent
+    in full on this connection, or forgotten to make room). Refused with ``recipe=True``:
+    send the Work again with its recipe in full."""
 
 
 class Stale(Violation):
@@ -153,8 +162,15 @@ class ClientExchange:
 class _Session:
     runtime: Runtime
     tenant: str
-    cost: int
+    cost: int  # its runtime's and its recipes' together
     open: dict[int, float] = field(default_factory=dict)  # ref -> when it started (monotonic)
+    # the recipes this peer sent in full, by the digest this side computed: digest -> (recipe, cost)
+    recipes: OrderedDict[str, tuple[Recipe, int]] = field(default_factory=OrderedDict)
+
+
+def _recipe_cost(size: int) -> int:
+    """Bytes a kept recipe holds, roughly: its canonical form, as Python objects."""
+    return 512 + 8 * size
 
 
 def _runtime_cost(runtime: Runtime) -> int:
@@ -167,14 +183,31 @@ class WorkerSessions:
     work that is open. A peer is a route (Direct, Mount) or ``b"relay:%d" % exchange``.
 
     What is kept per peer is bounded: at most ``max_peers`` sessions and ``max_bytes`` of
-    remembered runtimes in all, the least recently heard from forgotten first (it says
-    Hello again if it comes back). Open work is never forgotten while it runs.
+    remembered runtimes and recipes in all, the least recently heard from forgotten first
+    (it says Hello again if it comes back). Open work is never forgotten while it runs.
+
+    Recipes: every recipe a peer sends in full (checked by ``decode``) is kept for that peer
+    alone, under the digest computed here (``wire.recipe_digest``), so its next Work may name
+    it by digest. At most ``max_recipes`` per peer and ``max_recipe_bytes`` of them, the least
+    recently used forgotten first; a Hello starts afresh. A Work naming a digest its own peer
+    did not send (another peer's, or a forgotten one) is refused ``recipe=True`` and runs
+    nothing: one peer never runs under a recipe another sent.
     """
 
-    def __init__(self, runtime: Runtime, *, max_peers: int = 10_000, max_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        max_peers: int = 10_000,
+        max_bytes: int = 16 << 20,
+        max_recipes: int = 64,
+        max_recipe_bytes: int = 1 << 20,
+    ) -> None:
         self.mine = runtime
         self.max_peers = max_peers
         self.max_bytes = max_bytes
+        self.max_recipes = max_recipes
+        self.max_recipe_bytes = max_recipe_bytes
         self.refused = 0
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
         self._bytes = 0
@@ -214,8 +247,57 @@ class WorkerSessions:
         if isinstance(msg, Work):
             if msg.ref in session.open:
                 raise Violation(f"work {msg.ref} is already running for you; give each Work a new ref")
+            if msg.recipe is None:
+                msg = self._recalled(session, msg)
+            else:
+                self._keep(peer, session, msg.recipe)
             session.open[msg.ref] = time.monotonic()
         return msg
+
+    def _recalled(self, session: _Session, work: Work) -> Work:
+        kept = session.recipes.get(work.recipe_digest)
+        if kept is None:
+            raise Unheld(
+                f"this worker holds no recipe {work.recipe_digest[:19]}... from you (it was never "
+                f"sent here in full on this connection, or was forgotten to make room): send the "
+                f"Work again with its recipe"
+            )
+        session.recipes.move_to_end(work.recipe_digest)
+        try:
+            return with_recipe(work, kept[0])
+        except ProtocolError as exc:
+            raise Violation(exc.why) from None
+
+    def _keep(self, peer: bytes, session: _Session, recipe: Recipe) -> None:
+        """Keep a recipe that arrived in full, checked, for this peer alone."""
+        try:
+            digested = recipe_digest(recipe)
+        except Exception:  # a registered kind's own dump failing: such a recipe has no digest anyway
+            return
+        if digested is None:  # values in frames: it always travels in full
+            return
+        cost = _recipe_cost(digested.size)
+        if cost > self.max_recipe_bytes:
+            return
+        old = session.recipes.pop(digested.digest, None)
+        if old is not None:
+            session.cost -= old[1]
+            self._bytes -= old[1]
+        session.recipes[digested.digest] = (recipe, cost)
+        session.cost += cost
+        self._bytes += cost
+        held = sum(c for _, c in session.recipes.values())
+        while len(session.recipes) > self.max_recipes or held > self.max_recipe_bytes:
+            _, (_, dropped) = session.recipes.popitem(last=False)
+            held -= dropped
+            session.cost -= dropped
+            self._bytes -= dropped
+        self._make_room(peer)
+
+    def recipes(self, peer: bytes) -> int:
+        """How many recipes are kept for ``peer`` (0 for a peer not known)."""
+        session = self._sessions.get(peer)
+        return 0 if session is None else len(session.recipes)
 
     def _greet(self, peer: bytes, runtime: Runtime, tenant: str) -> None:
         old = self._sessions.pop(peer, None)
@@ -226,6 +308,11 @@ class WorkerSessions:
         cost = _runtime_cost(runtime)
         self._sessions[peer] = _Session(runtime, tenant, cost, opened)
         self._bytes += cost
+        self._make_room(peer)
+
+    def _make_room(self, peer: bytes) -> None:
+        """Forget the least recently heard from peers (none with work open, never ``peer``)
+        while over ``max_peers`` or ``max_bytes``."""
         while len(self._sessions) > self.max_peers or self._bytes > self.max_bytes:
             victim = next((p for p, s in self._sessions.items() if not s.open and p != peer), None)
             if victim is None:

@@ -56,9 +56,12 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y for ea, eb in zip(a, b) for x, y in zip(ea, eb))
 
 
-def work_of(piece: Piece, ref: int, specs: Sequence[NodeSpec], *, watched: bool) -> Work:
-    """The ``Work`` for ``piece``, its steps packed as ``specs`` (in the same order)."""
+def work_of(piece: Piece, ref: int, specs: Sequence[NodeSpec], *, watched: bool, named: str = "") -> Work:
+    """The ``Work`` for ``piece``, its steps packed as ``specs`` (in the same order); with
+    ``named`` (a recipe digest the worker holds for this channel), its recipe by that name."""
     placement = {i: s.device for i, s in enumerate(piece.steps) if s.device is not None}
+    if named:
+        return Work(ref, None, piece.value, dict(piece.keys), placement, watched=watched, recipe_digest=named)
     return Work(ref, Recipe(tuple(specs), piece.shape), piece.value, dict(piece.keys), placement, watched=watched)
 
 

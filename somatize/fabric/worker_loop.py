@@ -91,7 +91,7 @@ from . import leases as _leases
 from . import mount as _mount
 from . import sockets
 from . import streams as _streams
-from .conversation import Unknown, Violation, WorkerSessions
+from .conversation import Unheld, Unknown, Violation, WorkerSessions
 from .curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from .curve import Guard, Keys, as_client, as_server, peer_name, user_of
 from .imported import Imports
@@ -456,7 +456,8 @@ class WorkerLoop:
         """Answer from the serving thread, if the conversation allows it."""
         if isinstance(answer, Refusal):
             answer = self._stale(answer)
-            if not answer.why.startswith("busy:"):  # a busy spell is said once, by `_busy`
+            # a busy spell is said once, by `_busy`; a recipe forgotten to make room is routine
+            if not answer.why.startswith("busy:") and not answer.recipe:
                 self._refused(to, answer.why)
         if self.sessions.answering(to.peer, answer):
             self._deliver(to, encode(answer))
@@ -576,7 +577,8 @@ class WorkerLoop:
                     message = mounted.detach(message)  # ...and it is held by `mounted` until it runs
             message = self.sessions.receive(to.peer, message, to.tenant)
         except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError
-            self._reply(to, Refusal(getattr(exc, "why", None) or str(exc), hello=isinstance(exc, Unknown)))
+            why = getattr(exc, "why", None) or str(exc)
+            self._reply(to, Refusal(why, hello=isinstance(exc, Unknown), recipe=isinstance(exc, Unheld)))
             return
         if isinstance(message, Hello):
             self._reply(to, self._ready())

@@ -28,6 +28,13 @@ another message, never decoded here; a ``Mounted``'s frame 1 is another message'
 (its other frames are files); ``Begin`` / ``Chunk`` / ``Credit`` stream one big message.
 ``variant_of`` names a message's variant from its header's ``v`` and ``t`` alone.
 
+A recipe sent once need not travel again on the same connection: ``recipe_digest`` names
+it (the SHA-256 of its canonical form; a recipe with values in frames has none and always
+travels in full), a ``Work`` with ``recipe=None`` names it by that digest, and the worker,
+which keeps what each peer sent under the digest it computed itself, puts it back with
+``with_recipe`` (checking the Work's keys and placement against it) or answers
+``Refusal(recipe=True)``: send it in full.
+
 Whose fault: ``decode`` raises :class:`~somatize.errors.ProtocolError` and nothing else for
 bytes that are not a valid message (the peer's fault; its ``why`` is the sentence to send
 back in a ``Refusal``). ``encode`` raises ``TypeError`` / ``ValueError`` for a message built
@@ -94,8 +101,8 @@ from .messages import (
     Work,
     compatible,
 )
-from .reading import decode, peek_kinds, variant_of
-from .writing import encode
+from .reading import decode, peek_kinds, variant_of, with_recipe
+from .writing import Digested, encode, recipe_digest
 
 __all__ = [
     "ANSWERS",
@@ -125,6 +132,7 @@ __all__ = [
     "Carrier",
     "Chunk",
     "Credit",
+    "Digested",
     "Done",
     "Failed",
     "Hello",
@@ -148,7 +156,9 @@ __all__ = [
     "decode",
     "encode",
     "peek_kinds",
+    "recipe_digest",
     "variant_of",
+    "with_recipe",
 ]
 
 # The public objects say they live here, where they are imported from (as httpx does).

@@ -154,8 +154,25 @@ def _check_provision(m: Provision) -> None:
 def _check_work(m: Work) -> None:
     _ref(m.ref, "Work.ref")
     recipe = m.recipe
+    if not isinstance(m.recipe_digest, str):
+        raise Bad(f"`Work.recipe_digest` has to be a str, and it is {_a(m.recipe_digest)}", TypeError)
+    if recipe is None:
+        # named by digest: the worker checks keys and placement against the recipe it holds
+        if not m.recipe_digest:
+            raise Bad(
+                "`Work.recipe` is None and `Work.recipe_digest` is empty: a Work carries its "
+                "recipe in full, or names by digest one sent in full before on the same connection"
+            )
+        _digest(m.recipe_digest, "Work.recipe_digest")
+        _work_rest(m, limits.MAX_NODES)
+        return
+    if m.recipe_digest:
+        raise Bad(
+            "`Work.recipe_digest` names a recipe sent before, and this Work carries its recipe "
+            "in full: give one or the other (the receiver computes the digest of a full one itself)"
+        )
     if not isinstance(recipe, Recipe):
-        raise Bad(f"`Work.recipe` has to be a `Recipe`, and it is {_a(recipe)}", TypeError)
+        raise Bad(f"`Work.recipe` has to be a `Recipe` or None, and it is {_a(recipe)}", TypeError)
     nodes = recipe.nodes
     if not isinstance(nodes, (tuple, list)):
         raise Bad(f"`Work.recipe.nodes` has to be a tuple of `NodeSpec`, and it is {_a(nodes)}", TypeError)
@@ -171,8 +188,22 @@ def _check_work(m: Work) -> None:
             f"`Work.recipe.shape` never uses node {unused} ({shown(nodes[unused].label)}); "
             f"a recipe holds only the nodes its shape runs"
         )
-    _by_node(m.keys, "Work.keys", len(nodes), _digest)
-    _by_node(m.placement, "Work.placement", len(nodes), lambda v, w: _text(v, w, limits.MAX_DEVICE))
+    _work_rest(m, len(nodes))
+
+
+def fitted(m: Work, recipe: Recipe) -> Work:
+    """``m``, a Work that named its recipe by digest, with ``recipe`` (one kept from an
+    earlier Work of the same peer, checked when it came) in its place, once its keys and
+    placement are checked against that recipe's nodes. ``Bad`` names what does not fit."""
+    _work_rest(m, len(recipe.nodes))
+    # built directly: `dataclasses.replace` costs more than the rest of this, every call
+    return Work(m.ref, recipe, m.input, m.keys, m.placement, m.memory, m.watched)
+
+
+def _work_rest(m: Work, n: int) -> None:
+    """What a Work holds besides its recipe; ``n`` is how many nodes the recipe has."""
+    _by_node(m.keys, "Work.keys", n, _digest)
+    _by_node(m.placement, "Work.placement", n, lambda v, w: _text(v, w, limits.MAX_DEVICE))
     if m.memory is not None:
         _text(m.memory, "Work.memory", limits.MAX_PATH)
     if type(m.watched) is not bool:
@@ -368,6 +399,7 @@ def _check_refused(m: Refusal) -> None:
     if m.ref is not None:
         _ref(m.ref, "Refusal.ref")
     _flag(m.hello, "Refusal.hello")
+    _flag(m.recipe, "Refusal.recipe")
 
 
 def _check_done(m: Done) -> None:

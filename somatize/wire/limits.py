@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 """The version of this layout. Two sides talk only when it is the same on both."""
 
 # -- sizes: decode refuses anything beyond these, before building anything -----------------

@@ -123,7 +123,8 @@ class Work:
 
     ref: int
     """The caller's number for this exchange, echoed in every answer (0 <= ref < 2**63)."""
-    recipe: Recipe
+    recipe: Recipe | None
+    """The group to run, in full; None when ``recipe_digest`` names one sent before."""
     input: Any
     """The value entering the group: anything the codec writes."""
     keys: dict[int, str] = field(default_factory=dict)
@@ -134,6 +135,10 @@ class Work:
     """A store path the worker can also see, or None."""
     watched: bool = True
     """Whether anyone watches this work's facts; when nobody does, no ``Saw`` is sent."""
+    recipe_digest: str = ""
+    """With ``recipe`` None: the digest (``recipe_digest(recipe)``) of a recipe this same
+    connection sent in full before, which the worker keeps for it; ``""`` with a recipe in
+    full. A worker that does not hold it answers ``Refusal(recipe=True)``."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,9 @@ class Refusal:
     hello: bool = False
     """The refusing side does not know the sender (it never said Hello, or was forgotten to
     make room): say Hello again, then send the message again."""
+    recipe: bool = False
+    """The worker does not hold the recipe a ``Work`` named by digest (it never had it from
+    this connection, or forgot it to make room): send the Work again with its recipe in full."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ..codec import build as build_values
 from ..codec import check as check_values
 from ..errors import ProtocolError, Unreadable
 from . import limits
-from .checks import Bad, Pieces, Slot, check, count_items, shown
+from .checks import Bad, Pieces, Slot, check, count_items, fitted, shown
 from .messages import (
     FIELDS,
     IN_FRAMES,
@@ -78,6 +78,17 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     except Unreadable as exc:
         raise ProtocolError(f"the values of a `{type(msg).__name__}` could not be read: {exc}") from exc
     return _fill(msg, values)
+
+
+def with_recipe(work: Work, recipe: Recipe) -> Work:
+    """``work``, decoded with its recipe named by digest (``recipe`` None), with ``recipe``
+    in its place: a recipe the receiver kept from an earlier Work of the same peer (checked
+    when it came in full). Its keys and placement are checked against that recipe's nodes
+    first; :class:`~somatize.errors.ProtocolError` names what does not fit."""
+    try:
+        return fitted(work, recipe)
+    except Bad as exc:
+        raise ProtocolError(exc.why) from None
 
 
 def peek_kinds(frames: Sequence[Any]) -> set[str]:
@@ -409,8 +420,11 @@ def _parse_runtime(m: Any, where: str) -> Runtime:
 
 
 def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
-    ref, recipe, input_, keys, placement, memory, watched = _take(h, Work, "Work")
+    ref, recipe, input_, keys, placement, memory, watched, named = _take(h, Work, "Work")
     input_slot = _slot(input_, descriptors)
+    keyed, placed = _pairs(keys, "Work.keys"), _pairs(placement, "Work.placement")
+    if recipe is None:  # named by its digest (checked in checks.py)
+        return Work(ref, None, input_slot, keyed, placed, memory, watched, named)
     raw_nodes, shape = _take(recipe, Recipe, "Work.recipe")
     if type(raw_nodes) is not list:
         raise Bad(f"`Work.recipe.nodes` has to be an array, and it is a `{_msgpack_type(raw_nodes)}`")
@@ -432,10 +446,11 @@ def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
         ref,
         Recipe(tuple(nodes), _tupled(shape, depth=0, count=[0])),
         input_slot,
-        _pairs(keys, "Work.keys"),
-        _pairs(placement, "Work.placement"),
+        keyed,
+        placed,
         memory,
         watched,
+        named,
     )
 
 
@@ -509,6 +524,9 @@ def _pairs(x: Any, where: str) -> dict[int, Any]:
 
 def _fill(msg: Any, values: tuple[Any, ...]) -> Any:
     if isinstance(msg, Work):
+        if msg.recipe is None:  # the repeated call's Work: built directly, not replaced
+            return Work(msg.ref, None, values[msg.input.index], msg.keys, msg.placement,
+                        msg.memory, msg.watched, msg.recipe_digest)
         nodes = tuple(
             dataclasses.replace(n, args=values[n.args.index], kwargs=values[n.kwargs.index])
             for n in msg.recipe.nodes

@@ -9,14 +9,15 @@ same checks, the same limits. Reading is :mod:`somatize.wire.reading`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import hashlib
+from typing import Any, NamedTuple
 
 import msgpack
 
 from ..codec import encode as encode_values
 from . import limits
 from .checks import Bad, check, count_items
-from .messages import FIELDS, IN_FRAMES, Answer, Carrier, Done, Relay, Request, Work, header_fields
+from .messages import FIELDS, IN_FRAMES, Answer, Carrier, Done, Recipe, Relay, Request, Work, header_fields
 
 
 def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
@@ -85,7 +86,7 @@ def _values_of(msg: Work | Done) -> list[Any]:
     """The values of a message, in the order its header holds their descriptors."""
     if isinstance(msg, Work):
         out = [msg.input]
-        for node in msg.recipe.nodes:
+        for node in msg.recipe.nodes if msg.recipe is not None else ():
             out += [node.args, node.kwargs]
         return out
     return [msg.output, *msg.produced.values()]
@@ -93,26 +94,60 @@ def _values_of(msg: Work | Done) -> list[Any]:
 
 def _work_header(msg: Work, parts: Any) -> dict[str, Any]:
     fields = {"ref": msg.ref}
-    recipe = msg.recipe
     fields["input"] = next(parts)
-    nodes = []
-    for n in recipe.nodes:
-        nodes.append(
-            {
-                "label": n.label,
-                "cache": n.cache,
-                "source": n.source,
-                "target": n.target,
-                "args": next(parts),
-                "kwargs": next(parts),
-            }
-        )
-    fields["recipe"] = {"nodes": nodes, "shape": _plain(recipe.shape)}
+    fields["recipe"] = None if msg.recipe is None else _recipe_map(msg.recipe, parts)
     fields["keys"] = [[i, k] for i, k in msg.keys.items()]
     fields["placement"] = [[i, d] for i, d in msg.placement.items()]
     fields["memory"] = msg.memory
     fields["watched"] = msg.watched
+    fields["recipe_digest"] = msg.recipe_digest
     return fields
+
+
+def _recipe_map(recipe: Recipe, parts: Any) -> dict[str, Any]:
+    """A recipe as its header map; ``parts`` yields the descriptors of each node's
+    ``args`` and ``kwargs``, in order."""
+    nodes = [
+        {
+            "label": n.label,
+            "cache": n.cache,
+            "source": n.source,
+            "target": n.target,
+            "args": next(parts),
+            "kwargs": next(parts),
+        }
+        for n in recipe.nodes
+    ]
+    return {"nodes": nodes, "shape": _plain(recipe.shape)}
+
+
+class Digested(NamedTuple):
+    """A recipe's name, and the size of the form it was computed from."""
+
+    digest: str
+    """``"sha256:<64 hex>"`` of the recipe's canonical form."""
+    size: int
+    """Bytes of that form: what keeping the recipe costs, roughly."""
+
+
+def recipe_digest(recipe: Recipe) -> Digested | None:
+    """The digest of ``recipe``'s canonical form, or None when it has none.
+
+    The form is the MessagePack of the recipe's header map, its nodes' ``args`` and
+    ``kwargs`` written by the codec on their own; a value written to a frame (an array, long
+    bytes, a registered kind) has no place in that form, so a recipe with one has no digest
+    and always travels in full. A client names a recipe it sent before by this digest; a
+    worker computes it itself from the recipe it received and checked, never trusting a
+    digest it was handed. Raises what ``encode`` raises for a recipe built wrongly.
+    """
+    values: list[Any] = []
+    for node in recipe.nodes:
+        values += [node.args, node.kwargs]
+    descriptor, frames = encode_values(tuple(values))
+    if frames:
+        return None
+    form = msgpack.packb(_recipe_map(recipe, iter(descriptor[1:])), use_bin_type=True)
+    return Digested("sha256:" + hashlib.sha256(form).hexdigest(), len(form))
 
 
 def _done_header(msg: Done, parts: Any) -> dict[str, Any]:
