@@ -24,7 +24,7 @@ SHM = "/dev/shm"
 @contextlib.contextmanager
 def direct() -> Iterator[Broker]:
     """A spawned network-mode worker, reached on one DEALER -> ROUTER connection."""
-    with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[nodes])}) as broker:
+    with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[nodes], mount=False)}) as broker:
         yield broker
 
 

@@ -61,7 +61,7 @@ def path(request, tmp_path, processes):
     if kind == "inprocess":
         broker = Broker.embedded({"w1": Worker.inprocess()})
     elif kind == "direct":
-        broker = Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes])})
+        broker = Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes], mount=False)})
     elif kind == "mount":
         shared = tmp_path / "shared"
         shared.mkdir()

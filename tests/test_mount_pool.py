@@ -448,3 +448,38 @@ def test_mounted_spans_are_checked_before_anything_is_opened():
         fields.update(bad)
         with pytest.raises((ValueError, TypeError)):
             encode(Mounted(**fields))
+
+
+# -- a spawned worker's default ------------------------------------------------------------------
+
+
+def test_a_spawned_worker_uses_this_users_folder_in_memory_unless_told_otherwise():
+    declared = Worker.spawn(WORKER, mode="network", send=[sys.modules[__name__]])
+    own = mount.own_folder()
+    assert declared.mount == own == f"/dev/shm/somatize-{os.geteuid()}"
+    assert Worker.spawn(WORKER, mount=False).mount is None
+    x = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: through a pooled segment
+    with Broker.embedded({"w1": declared}) as broker:
+        np.testing.assert_array_equal(Echo().named("echo").at("w1").forward(x, broker=broker), x)
+        assert broker._located["w1"].path == "mount"
+        mine = [n for n in os.listdir(own) if n.startswith(f"{os.getpid()}-")]
+        assert mine, "the request went through a segment of this process's in that folder"
+    assert [n for n in os.listdir(own) if n.startswith(f"{os.getpid()}-")] == []
+
+
+def test_a_default_folder_another_user_took_is_not_used(tmp_path, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a folder that another user owns")
+    fake_shm = SHM / f"somatize-test-squat-{os.getpid()}"
+    fake_shm.mkdir(mode=0o755)
+    try:
+        squatted = fake_shm / f"somatize-{os.geteuid()}"
+        squatted.mkdir(mode=0o777)
+        os.chown(squatted, 65534, 65534)  # nobody took the name first
+        monkeypatch.setattr(mount, "SHM", str(fake_shm))
+        assert mount.own_folder() is None
+        assert Worker.spawn(WORKER).mount is None  # cargo through the socket, never their folder
+    finally:
+        for p in fake_shm.iterdir():
+            p.rmdir()
+        fake_shm.rmdir()

@@ -158,7 +158,7 @@ def through(path: str, processes, tmp_path):
             wait_until(lambda: broker.knows("w1"), 30, "the dialing worker reaching the broker")
             yield broker
         return
-    options = {}
+    options: dict = {"mount": False}
     if path in ("mount", "views"):
         if not os.path.isdir("/dev/shm"):
             pytest.skip("needs /dev/shm")
@@ -168,7 +168,7 @@ def through(path: str, processes, tmp_path):
         with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[HERE], **options)}) as broker:
             yield broker
     finally:
-        if "mount" in options:
+        if options["mount"]:
             shutil.rmtree(options["mount"])
 
 

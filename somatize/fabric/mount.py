@@ -137,6 +137,25 @@ def private(folder: str | os.PathLike[str]) -> Path:
     return root
 
 
+#: Where a spawned worker's cargo goes when its declaration names no mount: this user's folder
+#: in memory, on this machine.
+SHM = "/dev/shm"
+
+
+def own_folder() -> str | None:
+    """This user's default mount folder, ``/dev/shm/somatize-UID``, when ``/dev/shm`` is memory
+    (tmpfs) and the folder is absent or safe; None otherwise (another user took the name, say:
+    then cargo goes through the socket, as it would with no mount)."""
+    from .leases import in_memory  # leases builds on this module
+
+    if not os.path.isdir(SHM) or not in_memory(SHM):
+        return None
+    folder = os.path.join(SHM, f"somatize-{os.geteuid()}")
+    if os.path.lexists(folder) and unsafe(folder) is not None:
+        return None
+    return folder
+
+
 def unsafe(folder: str | os.PathLike[str]) -> str | None:
     """Why ``folder`` (which exists) may not hold cargo, as a sentence, or None when it may."""
     root = Path(folder)

@@ -46,7 +46,7 @@ class Worker:
         *,
         mode: str = "network",
         send: Sequence[ModuleType | str] = (),
-        mount: str | None = None,
+        mount: str | bool | None = None,
         deadline: float | None = None,
         views: bool = False,
     ) -> Worker:
@@ -57,7 +57,9 @@ class Worker:
         them by import name. ``mount`` names a directory both ends see (``/dev/shm/...``
         on one machine): cargo then goes through files there, not through the socket. It
         is this user's alone: made 0700 if it does not exist, refused if others may write
-        there. Only this user's processes can reach the worker (a socket in a 0700 folder).
+        there. Left out, it is this user's folder in ``/dev/shm`` (``somatize-UID``) where
+        that is memory and nobody else took the name, and none otherwise; ``mount=False``:
+        cargo always goes through the socket. Only this user's processes can reach the worker (a socket in a 0700 folder).
         With ``mount`` in memory (tmpfs, such as ``/dev/shm``), cargo goes through pooled
         shared-memory segments; ``views=True`` then makes the arrays and tensors of an
         answer read-only views of that memory (no copy: their segment is reused only once
@@ -67,6 +69,10 @@ class Worker:
                 "`Worker.spawn` takes the command as a list of strings, such as "
                 "`[sys.executable, \"-m\", \"somatize.worker\"]`"
             )
+        if mount is None:
+            mount = _mount.own_folder()
+        elif mount is False:
+            mount = None
         return cls("spawn", argv=tuple(argv), mode=_mode(mode), send=tuple(send), mount=_folder(mount, here=True),
                    deadline=_deadline(deadline), views=_views(views, mount))
 
