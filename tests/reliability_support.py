@@ -43,6 +43,26 @@ def wait_until(fact, seconds: float, what: str):
         time.sleep(0.02)
 
 
+def key_ring(folder: Path, *, clients: tuple[str, ...], workers: tuple[str, ...], others: tuple[str, ...] = ()) -> dict:
+    """A broker's key pair and one pair per name, under ``folder``: ``clients`` in its
+    ``allow`` folder, ``workers`` in its ``workers`` folder (may offer hosts), ``others``
+    allowed nowhere. Maps each name to its public key file, ``name + "_secret"`` to its
+    secret one, and ``"dir"``, ``"allow"``, ``"workers"`` to the folders."""
+    from somatize.fabric.curve import make_pair
+
+    allow, offer = folder / "allow", folder / "workers"
+    allow.mkdir(mode=0o755)
+    offer.mkdir(mode=0o755)
+    out: dict = {"dir": folder, "allow": allow, "workers": offer}
+    for name in ("broker", *clients, *workers, *others):
+        out[name], out[name + "_secret"] = make_pair(folder / "keys", name)
+    for name in clients:
+        (allow / f"{name}.key").write_bytes(out[name].read_bytes())
+    for name in workers:
+        (offer / f"{name}.key").write_bytes(out[name].read_bytes())
+    return out
+
+
 def child_env() -> dict:
     """This environment, with somatize and the tests folder importable in a child."""
     env = dict(os.environ)

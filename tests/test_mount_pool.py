@@ -464,7 +464,9 @@ def test_a_spawned_worker_uses_this_users_folder_in_memory_unless_told_otherwise
         assert broker._located["w1"].path == "mount"
         mine = [n for n in os.listdir(own) if n.startswith(f"{os.getpid()}-")]
         assert mine, "the request went through a segment of this process's in that folder"
-    assert [n for n in os.listdir(own) if n.startswith(f"{os.getpid()}-")] == []
+    # the last to leave the default folder removes it, when nobody else has anything there
+    assert not os.path.exists(own) or [n for n in os.listdir(own) if n.startswith(f"{os.getpid()}-")] == []
+    assert not os.path.exists(own) or os.listdir(own), "an empty default folder is left behind"
 
 
 def test_a_default_folder_another_user_took_is_not_used(tmp_path, monkeypatch):

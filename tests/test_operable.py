@@ -24,8 +24,8 @@ from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Count, Sleep
 from somatize import Broker, Broken, NodeFailed, Refused, Unreachable, Worker
 from somatize.errors import KeysRefused
-from somatize.fabric.curve import Keys, make_pair, read_public
-from reliability_support import wait_until
+from somatize.fabric.curve import Keys, read_public
+from reliability_support import key_ring, wait_until
 
 PATIENCE = 2.0
 
@@ -64,17 +64,7 @@ def one_sentence(done: subprocess.CompletedProcess) -> None:
 @pytest.fixture
 def ring(tmp_path):
     """A broker's pair; clients alice and bob (allowed), a stranger; worker w1 (allowed to offer)."""
-    keys = tmp_path / "keys"
-    allow, workers = tmp_path / "allow", tmp_path / "workers"
-    allow.mkdir(mode=0o755)
-    workers.mkdir(mode=0o755)
-    out = {"dir": tmp_path, "allow": allow, "workers": workers}
-    for name in ("broker", "alice", "bob", "stranger", "w1"):
-        out[name], out[name + "_secret"] = make_pair(keys, name)
-    for name in ("alice", "bob"):
-        (allow / f"{name}.key").write_bytes(out[name].read_bytes())
-    (workers / "w1.key").write_bytes(out["w1"].read_bytes())
-    return out
+    return key_ring(tmp_path, clients=("alice", "bob"), workers=("w1",), others=("stranger",))
 
 
 def keyed_broker(processes, ring, *extra, listen="tcp://127.0.0.1:0"):

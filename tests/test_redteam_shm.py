@@ -25,10 +25,10 @@ import zmq
 
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Scale
-from reliability_support import wait_until
+from reliability_support import key_ring, wait_until
 from somatize import Node, ProtocolError
 from somatize.fabric import leases, mount
-from somatize.fabric.curve import make_pair, read_public, read_secret
+from somatize.fabric.curve import read_public, read_secret
 from somatize.fabric.imported import Imports
 from somatize.packing import Packer
 from somatize.wire import (WIRE_VERSION, Done, Hello, Mounted, Ready, Recipe, Refusal, Runtime, Where, Work, decode,
@@ -297,15 +297,7 @@ FORGED = "w1\nsomatize broker: reloaded the allow-list: FORGED\x1b[2J\x1b]0;owne
 @pytest.fixture
 def ring(tmp_path):
     """A broker's key pair, a client key (alice: may ask) and a worker key (evil: may offer)."""
-    keys, allow, workers = tmp_path / "keys", tmp_path / "allow", tmp_path / "workers"
-    allow.mkdir(mode=0o755)
-    workers.mkdir(mode=0o755)
-    out = {"allow": allow, "workers": workers}
-    for name in ("broker", "alice", "evil"):
-        out[name], out[name + "_secret"] = make_pair(keys, name)
-    (allow / "alice.key").write_bytes(out["alice"].read_bytes())
-    (workers / "evil.key").write_bytes(out["evil"].read_bytes())
-    return out
+    return key_ring(tmp_path, clients=("alice",), workers=("evil",))
 
 
 def keyed_broker(processes, ring):

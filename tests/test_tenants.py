@@ -17,6 +17,7 @@ import zmq
 
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Pid, Sleep
+from reliability_support import key_ring
 from somatize import Broker, Refused
 from somatize.fabric.curve import Keys, make_pair, read_public, read_secret
 from somatize.wire import Done, Hello, Located, Ready, Refusal, Relay, Runtime, Where, decode, encode
@@ -27,18 +28,7 @@ RT = Runtime.here(mode="project")
 @pytest.fixture
 def ring(tmp_path):
     """A broker's pair; clients alice and bob; workers victim and evil."""
-    keys = tmp_path / "keys"
-    allow, workers = tmp_path / "allow", tmp_path / "workers"
-    allow.mkdir(mode=0o755)
-    workers.mkdir(mode=0o755)
-    out = {"dir": tmp_path, "allow": allow, "workers": workers}
-    for name in ("broker", "alice", "bob", "victim", "evil"):
-        out[name], out[name + "_secret"] = make_pair(keys, name)
-    for name in ("alice", "bob"):
-        (allow / f"{name}.key").write_bytes(out[name].read_bytes())
-    for name in ("victim", "evil"):
-        (workers / f"{name}.key").write_bytes(out[name].read_bytes())
-    return out
+    return key_ring(tmp_path, clients=("alice", "bob"), workers=("victim", "evil"))
 
 
 def start_broker(processes, ring, *extra, hosts=None):

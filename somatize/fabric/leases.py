@@ -253,6 +253,7 @@ class Pool:
             self._released()
             self._trim(0, 0)
             self._orphans()
+            self._leave()
 
     def close(self) -> None:
         """Unlink every segment this process made here, and every file a worker made for
@@ -263,6 +264,7 @@ class Pool:
                 seg.unlink()
             self._trim(0, 0)
             self._orphans()
+            self._leave()
 
     def discard(self, msg: Mounted) -> None:
         """An answer that arrived after its exchange ended (a deadline, a dropped link):
@@ -288,6 +290,14 @@ class Pool:
                     os.unlink(self.root / name)
 
     # inside the lock
+    def _leave(self) -> None:
+        """The default folder (``mount.own_path``), made for whoever needed it, goes when the
+        last of them leaves it empty; a folder the user named stays theirs. A process that
+        makes a segment just as another removes the folder makes the folder again (``_make``)."""
+        if str(self.root) == _mount.own_path() and not self.known:
+            with contextlib.suppress(OSError):  # not empty: someone else still uses it
+                os.rmdir(self.root)
+
     def _released(self) -> None:
         while self.released:
             seg = self.released.popleft()
@@ -325,11 +335,18 @@ class Pool:
     def _make(self, size: int) -> Segment:
         name = f"{self.prefix}{secrets.token_hex(12)}-0"
         path = self.root / name
-        directory = _open_folder(self.root)
-        try:
-            descriptor = os.open(name, _MAKE, 0o600, dir_fd=directory)
-        finally:
-            os.close(directory)
+        for again in (True, False):
+            try:
+                directory = _open_folder(self.root)
+                try:
+                    descriptor = os.open(name, _MAKE, 0o600, dir_fd=directory)
+                finally:
+                    os.close(directory)
+                break
+            except (FileNotFoundError, Refused):
+                if not again or os.path.lexists(self.root):
+                    raise
+                _mount.private(self.root)  # the last user of the default folder just removed it
         try:
             try:
                 os.posix_fallocate(descriptor, 0, size)

@@ -142,6 +142,11 @@ def private(folder: str | os.PathLike[str]) -> Path:
 SHM = "/dev/shm"
 
 
+def own_path() -> str:
+    """Where this user's default mount folder is (``own_folder`` says whether to use it)."""
+    return os.path.join(SHM, f"somatize-{os.geteuid()}")
+
+
 def own_folder() -> str | None:
     """This user's default mount folder, ``/dev/shm/somatize-UID``, when ``/dev/shm`` is memory
     (tmpfs) and the folder is absent or safe; None otherwise (another user took the name, say:
@@ -150,7 +155,7 @@ def own_folder() -> str | None:
 
     if not os.path.isdir(SHM) or not in_memory(SHM):
         return None
-    folder = os.path.join(SHM, f"somatize-{os.geteuid()}")
+    folder = own_path()
     if os.path.lexists(folder) and unsafe(folder) is not None:
         return None
     return folder
