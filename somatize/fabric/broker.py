@@ -17,7 +17,9 @@ shared folder (:mod:`.mount`). Work is built from a piece, and an outcome from `
 in :mod:`.pieces` only.
 
 Deadlines: a forward's deadline (or a host's default, ``Worker.spawn(..., deadline=)``,
-whichever comes first) bounds every wait here, for the broker and for the worker. Past it
+whichever comes first) bounds every wait here, for the broker and for the worker; the
+host's default starts once its worker is there (a spawned one started), the forward's at
+the call. Past it
 the channel is dropped, the caller gets ``Overdue``, and the broker is asked to check the
 host (``Where(host, lost=True)``): a spawned worker that is still stuck is stopped there and
 started afresh on the next forward. A host run in this process runs its steps as local
@@ -257,12 +259,14 @@ class Broker:
         """Run a remote group on its host; facts go to ``watch`` as they arrive.
 
         Every wait is bounded by the piece's deadline or the host's default, the sooner;
-        past it, ``Overdue``."""
-        deadline = self._deadline(piece)
+        past it, ``Overdue``. The forward's own deadline counts from the call, so it covers
+        starting a spawned worker; the host's counts from when its worker is there, so it
+        bounds the work sent to it and not how fast this machine starts a process."""
         try:
-            located = self._locate(piece.host, deadline)
+            located = self._locate(piece.host, piece.deadline)
         except _PastDeadline as late:
-            raise self._overdue(piece, deadline, late, None) from None
+            raise self._overdue(piece, piece.deadline, late, None) from None
+        deadline = self._deadline(piece)
         if located.path == "inprocess":
             try:
                 return run_piece(piece, watch)
