@@ -137,3 +137,46 @@ def env_with_tests() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH", "")]))
     return env
+
+
+# -- nothing left behind ----------------------------------------------------------------------
+SHM = Path("/dev/shm")
+
+
+def _shm_entries() -> set[str]:
+    """What is in /dev/shm, and inside this project's folders there."""
+    try:
+        names = set(os.listdir(SHM))
+    except OSError:
+        return set()
+    found = set(names)
+    for name in names:
+        if name.startswith("somatize"):
+            try:
+                found.update(f"{name}/{inner}" for inner in os.listdir(SHM / name))
+            except OSError:
+                pass  # another user's, or gone meanwhile
+    return found
+
+
+def pytest_sessionstart(session):
+    session.config._shm_before = _shm_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite leaves nothing in /dev/shm: no segment, no folder, not even an empty one.
+    Whatever appeared during the run and is still there fails the run, by name."""
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller looks once everything has ended
+    left = sorted(_shm_entries() - getattr(session.config, "_shm_before", set()))
+    if left:
+        session.config._shm_left = left
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left = getattr(config, "_shm_left", None)
+    if left:
+        terminalreporter.write_line(
+            f"FAILED: the suite left {len(left)} entries in /dev/shm: {', '.join(left[:20])}", red=True
+        )

@@ -149,6 +149,11 @@ class Child:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)  # also after a SIGKILL: the child removed nothing
             self.directory = None
+        if process is not None and self.mount == _mount.own_path():
+            # the default folder start() made goes with its last user, as a pool's does when
+            # it drains (leases): a child whose cargo all went through its socket made no pool
+            with contextlib.suppress(OSError):  # not empty: someone else still uses it
+                os.rmdir(self.mount)
 
 
 def private_directory() -> str:
