@@ -287,7 +287,10 @@ class _Walk:
             elif failure is None:
                 settle(index, result)
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:  # its traceback holds this frame: held here too, a cycle would keep the inputs
+                failure = result = None
         return values[output]
 
     def _overdue(self, ops: list[Any]) -> Overdue | None:

@@ -94,6 +94,7 @@ from . import streams as _streams
 from .conversation import Unheld, Unknown, Violation, WorkerSessions
 from .curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from .curve import Guard, Keys, as_client, as_server, peer_name, user_of
+from .heap import Heap
 from .imported import Imports
 from .pieces import done_of, piece_of
 
@@ -200,6 +201,7 @@ class WorkerLoop:
         self._closed = threading.Event()
         self._closing = threading.Lock()
         self.imports = Imports()  # what was imported, to tell stale code from a plain failure
+        self.heap = Heap()  # cargo moved since the allocator last gave freed memory back
 
     # -- the front socket --------------------------------------------------------------
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
@@ -519,6 +521,7 @@ class WorkerLoop:
             if self.stopping.is_set() or not self._front.get(zmq.EVENTS) & zmq.POLLIN:
                 return
             parts = self._front.recv_multipart(copy=False)
+            self.heap.moved(parts)
             try:
                 if self._offer is None:  # ROUTER: [identity, *frames]
                     if len(parts) >= 2:
@@ -534,6 +537,9 @@ class WorkerLoop:
                     self._from_broker(parts)
             except Exception as exc:  # one message's trouble is never the whole worker's
                 log.warning("a message could not be handled: %s: %s", type(exc).__name__, _printable(str(exc)))
+            if self.heap.due():  # handled, and let go of: what big cargo freed goes back (`.heap`)
+                parts = None
+                self.heap.trim()
 
     def _attachments(self) -> _leases.Attachments:
         """The mappings of this worker's clients' pooled segments, kept between calls."""
@@ -806,6 +812,9 @@ class WorkerLoop:
                 error=type(cause).__name__ if exc.__cause__ is not None else exc.error,
                 traceback=_clip(format_exception(cause), 512 << 10),
             )
+            # its traceback holds this frame, and the frames below it the message as it
+            # arrived: kept in a local, that cycle would hold the input until a collection
+            cause = None
         except Refused as exc:
             answer = Refusal(str(exc), ref=work.ref)
         except BaseException as exc:  # the worker's own trouble: still an answer, never a hang
@@ -817,6 +826,7 @@ class WorkerLoop:
         except (CodecError, ValueError) as exc:  # unwritable, or over a wire limit
             answer = _failed(work.ref, exc, why=f"what this work produced cannot travel back: {exc}")
             frames = encode(answer)
+        self.heap.moved(frames)
         if isinstance(mounted, _leases.Taken):
             # pooled: frames into a spare segment (a view of the input goes back as a span of
             # it), then everything of ours that points into the segments is let go of, and
