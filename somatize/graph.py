@@ -19,6 +19,8 @@ import hashlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Union
 
+from .code_identity import code_digest, noted
+
 if TYPE_CHECKING:  # pragma: no cover
     from .facts import Watcher
     from .store import Store
@@ -32,8 +34,14 @@ class Node:
     """Subclass this and define ``forward(self, x)``.
 
     The arguments a node was constructed with are remembered (they are part of its
-    identity for the cache, and they are how a project-mode worker rebuilds it).
+    identity for the cache, and they are how a project-mode worker rebuilds it). So are
+    the lines of the file its class was written in, as they were when the class was made
+    (its code is part of its identity too: see :attr:`Step.identity`).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        noted(cls)
 
     def __new__(cls, *args: Any, **kwargs: Any):
         self = super().__new__(cls)
@@ -56,8 +64,8 @@ class Node:
     def on(self, device: str) -> Step:
         return Step(self).on(device)
 
-    def cached(self) -> Step:
-        return Step(self).cached()
+    def cached(self, *, version: str | None = None) -> Step:
+        return Step(self).cached(version=version)
 
     def frozen(self) -> Step:
         return Step(self).frozen()
@@ -165,6 +173,7 @@ class Step(Graph):
     device: str | None = None
     cache: bool = False
     freeze: bool = False
+    version: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.node, Node):
@@ -182,8 +191,18 @@ class Step(Graph):
     def on(self, device: str) -> Step:
         return dataclasses.replace(self, device=_word("on", str(device)))
 
-    def cached(self) -> Step:
-        return dataclasses.replace(self, cache=True)
+    def cached(self, *, version: str | None = None) -> Step:
+        """Keep this node's output in the store, under a key that changes with its code.
+
+        ``version`` names the code instead: the key then stays the same whatever the class's
+        source says until ``version`` changes, for an edit that does not change results.
+        """
+        if version is not None and (not isinstance(version, str) or not version):
+            raise TypeError(
+                f"`.cached(version=...)` takes a non-empty string, such as \"2\" or "
+                f"\"2024-06-01\"; got {type(version).__name__} {version!r}"
+            )
+        return dataclasses.replace(self, cache=True, version=version)
 
     def frozen(self) -> Step:
         return dataclasses.replace(self, freeze=True)
@@ -193,13 +212,24 @@ class Step(Graph):
         """What facts call this step: its name, or its class's name when it has none."""
         return self.name if self.name is not None else type(self.node).__name__
 
-    @functools.cached_property
+    @property
     def identity(self) -> str:
-        """What the cache calls this node: name, class, and plain constructor arguments.
+        """What the cache calls this node: its name, its class, its plain constructor
+        arguments, and its code (:func:`~somatize.code_identity.code_digest`: the source of
+        its class and of its bases outside somatize), or the ``version`` given to
+        ``.cached()`` in place of the code.
 
         Arguments that cannot be written down (a model object, say) are left out, so
         changing them does not change the key: rename the node when they matter.
         """
+        if self.version is not None:
+            return f"{self._somatize_declared}|version:{self.version}"
+        return f"{self._somatize_declared}|{code_digest(type(self.node))}"
+
+    @functools.cached_property
+    def _somatize_declared(self) -> str:
+        # name, class and arguments, which cannot change under a step; the code can
+        # (autoreload), so it is asked for on every forward, from a digest kept per class
         from .codec import dumps
         from .errors import CodecError
 
@@ -220,7 +250,7 @@ class Step(Graph):
         if self.device is not None:
             parts.append(f".on({self.device!r})")
         if self.cache:
-            parts.append(".cached()")
+            parts.append(".cached()" if self.version is None else f".cached(version={self.version!r})")
         if self.freeze:
             parts.append(".frozen()")
         return "".join(parts)

@@ -5,6 +5,12 @@ named by the sha256 of the node's identity and the name of its input. So every k
 known before anything runs, the same input recalls in another process or on another
 machine, and the chain of keys does not depend on where a node ran.
 
+A node's identity (:attr:`somatize.graph.Step.identity`) is its name, its class, its plain
+constructor arguments and its code (:mod:`somatize.code_identity`), or in place of the code
+the ``version`` given to ``.cached()``. Only the client computes keys: a worker is sent
+them with the work, and what it makes is kept under those, so a worker that holds other
+code (or none: a class cloudpickle rebuilt) never names a value.
+
 Nothing here touches a store.
 """
 
