@@ -25,10 +25,10 @@ a name prefix, and a put's durability is the file system's (data and rename are 
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 import zlib
@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from somatize.errors import BadName, Missing, StoreError
+from somatize.folders import NEW_FILE, Descent, LinkMet, open_file, open_folder, sync, tell_link, tell_once
+from somatize.store_file import CHUNK, blob_parts, header, read_blob, read_head, record_bytes
 
 BytesLike = bytes | bytearray | memoryview
 Blob = BytesLike | Sequence[BytesLike] | None
@@ -145,162 +147,6 @@ def _check_prefix(prefix: object) -> tuple[list[str], str]:
         raise BadName(f"Scan prefix {_shown(prefix)} cannot match any name; {_ALLOWED}.")
     return folders, partial
 
-
-# -- records ----------------------------------------------------------------------------
-
-_RECORD_MAX = 64 << 20  # a record is small; bulk data belongs in the blob
-
-
-def _record_bytes(name: str, record: object) -> bytes:
-    if not isinstance(record, Mapping):
-        raise TypeError(
-            f"The record for {name!r} must be a mapping of str to str, "
-            f"not {type(record).__name__}."
-        )
-    plain: dict[str, str] = {}
-    for key, value in record.items():
-        if not isinstance(key, str):
-            raise TypeError(
-                f"The record for {name!r} has a key of type {type(key).__name__}; "
-                "record keys must be str."
-            )
-        if not isinstance(value, str):
-            raise TypeError(
-                f"The record for {name!r} holds a {type(value).__name__} under {key!r}; "
-                "record values must be str (write the value down as text first)."
-            )
-        plain[key] = value
-    try:
-        text = json.dumps(plain, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
-        data = (text + "\n").encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: escape everything instead, still exact
-        text = json.dumps(plain, sort_keys=True, ensure_ascii=True, separators=(", ", ": "))
-        data = (text + "\n").encode("ascii")
-    if len(data) > _RECORD_MAX:
-        raise StoreError(
-            f"The record for {name!r} is {len(data)} bytes written down; a record holds at "
-            f"most {_RECORD_MAX} bytes. Put bulk data in the blob."
-        )
-    return data
-
-
-def _blob_parts(name: str, blob: object) -> list[memoryview] | None:
-    if blob is None:
-        return None
-    items = blob if isinstance(blob, (list, tuple)) else (blob,)
-    parts = []
-    for item in items:
-        if isinstance(item, str):
-            raise TypeError(
-                f"The blob for {name!r} holds a str; a blob is bytes-like "
-                "(bytes, bytearray, memoryview) or a list/tuple of those. Encode the text first."
-            )
-        try:
-            view = memoryview(item)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(
-                f"The blob for {name!r} holds a {type(item).__name__}; a blob is bytes-like "
-                "(bytes, bytearray, memoryview) or a list/tuple of those."
-            ) from None
-        if not view.c_contiguous:
-            raise TypeError(
-                f"The blob for {name!r} holds a non-contiguous {type(item).__name__}; "
-                "pass a contiguous copy of it."
-            )
-        parts.append(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
-    return parts
-
-
-# -- the file format --------------------------------------------------------------------
-#
-# <root>/<name>.rec holds, in order:
-#   a 41-byte ASCII header line: b"SMZS1 " + record length (8 hex digits) + " " + blob length
-#     (16 hex digits, or 16 '-' when the entry has no blob) + " " + CRC-32 (8 hex digits) + "\n"
-#   the record: one line of UTF-8 JSON with sorted keys, ending in "\n"
-#   the blob bytes, if any.
-# The CRC covers the header up to the CRC field and the record, so a damaged length or
-# record is caught. The blob carries no checksum: files only ever appear whole (rename), and
-# hashing 256 MiB on every fetch is a cost nobody asked for.
-
-_MAGIC = b"SMZS1 "
-_HEADER = re.compile(rb"SMZS1 ([0-9a-f]{8}) ([0-9a-f]{16}|-{16}) ([0-9a-f]{8})\n")
-_HEADER_SIZE = 41
-_CRC_AT = 32  # the CRC covers header[:32] and the record
-_NO_BLOB = b"-" * 16
-_CHUNK = 1 << 30  # one write() at most; some systems refuse more than 2 GiB at once
-
-
-def _header(record_len: int, blob_len: int | None) -> bytes:
-    blob_field = _NO_BLOB if blob_len is None else b"%016x" % blob_len
-    return _MAGIC + b"%08x " % record_len + blob_field + b" "
-
-
-def _read_exact(file: io.FileIO, size: int, path: Path) -> bytearray:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    done = 0
-    while done < size:
-        got = file.readinto(view[done:])
-        if not got:
-            raise StoreError(
-                f"The store file {path} ends early (read {done} of {size} bytes); it was cut "
-                "short or altered outside somatize. Delete it and put the entry again."
-            )
-        done += got
-    return buffer
-
-
-def _read_head(file: io.FileIO, path: Path) -> tuple[dict[str, str], int, int | None]:
-    """Read the header and the record, and nothing of the blob (the file is unbuffered)."""
-    size = os.fstat(file.fileno()).st_size
-    head = bytes(_read_exact(file, min(size, _HEADER_SIZE), path))
-    found = _HEADER.fullmatch(head)
-    if found is None:
-        raise StoreError(
-            f"The store file {path} does not start with a somatize store header; it is not "
-            "a store entry, or was damaged. Delete it and put the entry again."
-        )
-    record_len = int(found[1], 16)
-    blob_len = None if found[2] == _NO_BLOB else int(found[2], 16)
-    if record_len > _RECORD_MAX or _HEADER_SIZE + record_len > size:
-        raise StoreError(
-            f"The store file {path} declares a record of {record_len} bytes but holds "
-            f"{size} bytes in all; it was cut short or damaged. Delete it and put the entry again."
-        )
-    body = bytes(_read_exact(file, record_len, path))
-    if zlib.crc32(body, zlib.crc32(head[:_CRC_AT])) != int(found[3], 16):
-        raise StoreError(
-            f"The store file {path} fails its checksum; its header or record was damaged. "
-            "Delete it and put the entry again."
-        )
-    try:
-        record = json.loads(body)
-    except (ValueError, RecursionError):
-        record = None
-    if not isinstance(record, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in record.items()
-    ):
-        raise StoreError(
-            f"The store file {path} holds a record that is not a JSON object of strings; "
-            "it was not written by somatize. Delete it and put the entry again."
-        )
-    return record, size - _HEADER_SIZE - record_len, blob_len
-
-
-def _read_blob(
-    file: io.FileIO, path: Path, room: int, blob_len: int | None
-) -> bytearray | None:
-    if blob_len is None and room == 0:
-        return None
-    if blob_len is None or room != blob_len:
-        raise StoreError(
-            f"The store file {path} holds {room} bytes after its record but its header "
-            f"declares {'no blob' if blob_len is None else f'{blob_len} bytes'}; it was cut "
-            "short or altered. Delete it and put the entry again."
-        )
-    return _read_exact(file, blob_len, path)  # exact size, filled in place: no second copy
-
-
 # -- the folder -------------------------------------------------------------------------
 
 
@@ -317,6 +163,12 @@ class FolderStore:
     ``fetch`` returns a ``bytearray`` of exactly the blob's size, filled in place: it is
     bytes-like and writable, so callers can use it without another copy.
 
+    Who may write the folder may write entries others read, and nothing more: every name is
+    opened from the root one component at a time without following a link (see
+    ``somatize.folders``), so a link planted anywhere below the root is left out of a scan
+    and read as nothing stored (with one line on stderr), and refused by a write; an entry
+    that is not a store file is left out of a scan with one line, and refused by a read.
+
     Names use ':' (``cache/sha256:...``), which the file systems of Linux and macOS allow
     and Windows does not. On a case-insensitive file system, names differing only in case
     are the same entry. The object holds no state beyond its path, so one instance may be
@@ -332,14 +184,15 @@ class FolderStore:
                 f"Cannot use {root} as a store folder ({exc.strerror or exc}); "
                 "give a path to a folder that exists or can be created."
             ) from exc
-        self.path = root.resolve()
+        self.path = root.resolve()  # the root is the user's to name: links above it are theirs
 
     def __repr__(self) -> str:
         return f"FolderStore({str(self.path)!r})"
 
-    def _file(self, name: object) -> Path:
+    def _where(self, name: object) -> tuple[list[str], str, Path]:
+        """The folders and the file name of ``name``, and its path (for messages only)."""
         *folders, last = check_name(name).split("/")  # checked before any path is built
-        return self.path.joinpath(*folders, last + _SUFFIX)
+        return folders, last + _SUFFIX, self.path.joinpath(*folders, last + _SUFFIX)
 
     # -- the three verbs
 
@@ -349,45 +202,65 @@ class FolderStore:
         ``blob`` is bytes-like or a list/tuple of bytes-likes written in order; each is
         written straight from its buffer, never joined or copied.
         """
-        target = self._file(name)
-        temp = self._written(name, target, record, blob)
-        try:
-            os.replace(temp, target)
-        except BaseException as exc:
-            _unlink_quietly(temp)
-            if isinstance(exc, OSError):
-                raise StoreError(
-                    f"Writing {name!r} into the store at {self.path} failed "
-                    f"({exc.strerror or exc}); the old entry, if any, is unchanged."
-                ) from exc
-            raise
-        _sync_folder(target.parent)
+        folders, file, _ = self._where(name)
+        with Descent(self.path) as descent:
+            folder = self._folder(descent, folders, name)
+            temp = self._written(name, folder, file, record, blob)
+            try:
+                os.replace(temp, file, src_dir_fd=folder, dst_dir_fd=folder)  # a link there is replaced, not followed
+            except BaseException as exc:
+                self._undo(folder, temp, name, exc)
+                raise
+            sync(folder)
 
     def scan(self, prefix: str) -> Iterator[tuple[str, dict[str, str]]]:
         """Yield ``(name, record)`` for every name starting with ``prefix``, in string order.
 
         Only headers and records are read, never a blob. ``scan("")`` lists everything,
         ``scan("run/tuesday/")`` one folder, ``scan("run/tue")`` every name starting so.
-        Entries that disappear while the scan runs are skipped.
+        Entries that disappear while the scan runs are skipped, and so are links and files
+        that are not store entries, each with one line on stderr: one bad entry never
+        stops a scan. One listing per folder; one open per entry.
         """
         folders, partial = _check_prefix(prefix)
-        start = self.path.joinpath(*folders)
-        base = "".join(part + "/" for part in folders)
         names: list[str] = []
-        _list_names(start, base, partial, names)
-        names.sort()
-        for name in names:
+        with Descent(self.path) as descent:
             try:
-                path = self._file(name)
-                with open(path, "rb", buffering=0) as file:
-                    record, _, _ = _read_head(file, path)
+                start = descent.at(folders)
             except (FileNotFoundError, NotADirectoryError):
-                continue  # deleted (or replaced by a folder) since it was listed
+                return
+            except LinkMet as exc:
+                tell_link(self.path, str(exc.filename))
+                return
             except OSError as exc:
-                raise StoreError(
-                    f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
-                ) from exc
-            yield name, record
+                raise StoreError(f"Cannot list the store at {self.path} ({exc.strerror or exc}).") from exc
+            self._list(start, "".join(part + "/" for part in folders), partial, names)
+            names.sort()
+            for name in names:
+                *parts, last = name.split("/")
+                try:
+                    fd = open_file(descent.at(parts), last + _SUFFIX, name + _SUFFIX)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue  # deleted (or replaced by a folder) since it was listed
+                except LinkMet as exc:
+                    tell_link(self.path, str(exc.filename))
+                    continue
+                except OSError as exc:
+                    raise StoreError(
+                        f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
+                    ) from exc
+                path = self.path / (name + _SUFFIX)
+                try:
+                    with open(fd, "rb", buffering=0) as file:
+                        record, _, _ = read_head(file, path)
+                except StoreError as exc:
+                    tell_once(path, f"somatize store: a scan leaves out {name!r}: {exc}")
+                    continue
+                except OSError as exc:
+                    raise StoreError(
+                        f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
+                    ) from exc
+                yield name, record
 
     def fetch(self, name: str) -> bytearray | None:
         """Return the blob stored under ``name`` (``None`` when it was put without one).
@@ -411,27 +284,29 @@ class FolderStore:
         reply was lost may be retried by the client and answer "exists" although it was this
         call that made it; the temp file's link count tells the two apart (2: ours).
         """
-        target = self._file(name)
-        temp = self._written(name, target, record, blob)
-        try:
+        folders, file, _ = self._where(name)
+        with Descent(self.path) as descent:
+            folder = self._folder(descent, folders, name)
+            temp = self._written(name, folder, file, record, blob)
             try:
-                os.link(temp, target)
-                made = True
-            except FileExistsError:
-                made = _linked_twice(temp)
-            except OSError as exc:
-                if not _linked_twice(temp):
-                    raise StoreError(
-                        f"Cannot create {name!r} in the store at {self.path} "
-                        f"({exc.strerror or exc}); a claiming store needs a file system with "
-                        "hard links (a local disk or NFS; not FAT or some FUSE mounts)."
-                    ) from exc
-                made = True
-        finally:
-            _unlink_quietly(temp)
-        if made:
-            _sync_folder(target.parent)
-        return made
+                try:
+                    os.link(temp, file, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
+                    made = True
+                except FileExistsError:
+                    made = _linked_twice(folder, temp)
+                except OSError as exc:
+                    if not _linked_twice(folder, temp):
+                        raise StoreError(
+                            f"Cannot create {name!r} in the store at {self.path} "
+                            f"({exc.strerror or exc}); a claiming store needs a file system with "
+                            "hard links (a local disk or NFS; not FAT or some FUSE mounts)."
+                        ) from exc
+                    made = True
+            finally:
+                _unlink_quietly(folder, temp)
+            if made:
+                sync(folder)
+            return made
 
     def stamp(self, name: str) -> int:
         """When ``name`` was last written, in the store's own clock: its modification time
@@ -444,24 +319,29 @@ class FolderStore:
         (close-to-open) rather than answering from its attribute cache. Raises ``Missing``
         when nothing is stored under ``name``.
         """
-        path = self._file(name)
-        with self._open(name, path) as file:
+        with self._open(name)[0] as file:
             return os.fstat(file.fileno()).st_mtime_ns
 
-    def _written(self, name: str, target: Path, record: Mapping[str, str], blob: Blob) -> Path:
-        """Write a whole entry into a fresh temp file beside ``target``, flushed to disk."""
-        data = _record_bytes(name, record)
-        parts = _blob_parts(name, blob)
+    def _undo(self, folder: int, temp: str, name: str, exc: BaseException) -> None:
+        """A write that failed leaves nothing behind: its temp file goes, and an OS error
+        becomes a ``StoreError`` that says the old entry is unchanged."""
+        _unlink_quietly(folder, temp)
+        if isinstance(exc, OSError):
+            raise StoreError(
+                f"Writing {name!r} into the store at {self.path} failed "
+                f"({exc.strerror or exc}); the old entry, if any, is unchanged."
+            ) from exc
+
+    def _written(self, name: str, folder: int, file: str, record: Mapping[str, str], blob: Blob) -> str:
+        """Write a whole entry into a fresh temp file beside ``file``, flushed to disk."""
+        data = record_bytes(name, record)
+        parts = blob_parts(name, blob)
         blob_len = None if parts is None else sum(part.nbytes for part in parts)
-        head = _header(len(data), blob_len)
+        head = header(len(data), blob_len)
         head += b"%08x\n" % zlib.crc32(data, zlib.crc32(head))
-        folder = target.parent
-        temp = folder / (
-            f".{target.name}.{os.getpid()}.{threading.get_native_id()}.{secrets.token_hex(4)}.tmp"
-        )
+        temp = f".{file}.{os.getpid()}.{threading.get_native_id()}.{secrets.token_hex(4)}.tmp"
         try:
-            _make_folders(folder, self.path)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o666)
+            fd = os.open(temp, NEW_FILE, 0o666, dir_fd=folder)
         except OSError as exc:
             raise StoreError(
                 f"Cannot write {name!r} into the store at {self.path} ({exc.strerror or exc}); "
@@ -476,48 +356,62 @@ class FolderStore:
             finally:
                 os.close(fd)
         except BaseException as exc:
-            _unlink_quietly(temp)
-            if isinstance(exc, OSError):
-                raise StoreError(
-                    f"Writing {name!r} into the store at {self.path} failed "
-                    f"({exc.strerror or exc}); the old entry, if any, is unchanged."
-                ) from exc
+            self._undo(folder, temp, name, exc)
             raise
         return temp
+
+    def _folder(self, descent: Descent, folders: list[str], name: str) -> int:
+        """The folder ``name`` is written in, made where missing; never through a link."""
+        try:
+            return descent.at(folders, make=True)
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot write {name!r} into the store at {self.path}: "
+                f"{exc.filename or 'the folder'} {exc.strerror or exc}"
+                f"{'' if isinstance(exc, LinkMet) else '; check that the folder is writable and nothing else sits at that path'}."
+            ) from exc
 
     # -- extras beyond the protocol
 
     def entry(self, name: str) -> tuple[dict[str, str], bytearray | None]:
         """Return the record and the blob of ``name`` read from one file, so they belong together."""
-        path = self._file(name)
-        with self._open(name, path) as file:
-            record, room, blob_len = _read_head(file, path)
-            return record, _read_blob(file, path, room, blob_len)
+        opened, path = self._open(name)
+        with opened as file:
+            record, room, blob_len = read_head(file, path)
+            return record, read_blob(file, path, room, blob_len)
 
     def record(self, name: str) -> dict[str, str]:
         """Return the record stored under ``name`` without reading its blob."""
-        path = self._file(name)
-        with self._open(name, path) as file:
-            return _read_head(file, path)[0]
+        opened, path = self._open(name)
+        with opened as file:
+            return read_head(file, path)[0]
 
     def __contains__(self, name: object) -> bool:
-        return self._file(name).is_file()
+        folders, file, _ = self._where(name)
+        try:
+            with Descent(self.path) as descent:
+                found = os.stat(file, dir_fd=descent.at(folders), follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(found.st_mode)
 
     def delete(self, name: str) -> None:
         """Remove the entry under ``name``; nothing happens when there is none.
 
         Folders are left in place, so a put racing this delete never loses its folder.
         """
-        path = self._file(name)
+        folders, file, _ = self._where(name)
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            with Descent(self.path) as descent:
+                folder = descent.at(folders)
+                os.unlink(file, dir_fd=folder)  # a link is removed itself, never what it names
+                sync(folder)
+        except (FileNotFoundError, NotADirectoryError, LinkMet):
             return
         except OSError as exc:
             raise StoreError(
                 f"Cannot delete {name!r} from the store at {self.path} ({exc.strerror or exc})."
             ) from exc
-        _sync_folder(path.parent)
 
     def sweep(self, older_than: float = 3600.0) -> int:
         """Remove temp files last touched ``older_than`` seconds ago or more; return how many.
@@ -526,119 +420,112 @@ class FolderStore:
         writer is still filling makes that put fail, so keep ``older_than`` well above the
         longest put.
         """
-        now = time.time()
-        removed = 0
-        for temp in _list_temps(self.path):
-            try:
-                if now - temp.stat().st_mtime >= older_than:
-                    temp.unlink()
-                    removed += 1
-            except FileNotFoundError:
-                continue  # renamed into place, or swept by someone else
-        return removed
+        with Descent(self.path) as descent:
+            return _sweep(descent.at([]), time.time() - older_than)
 
-    def _open(self, name: str, path: Path) -> io.FileIO:
+    def _open(self, name: str) -> tuple[io.FileIO, Path]:
+        folders, file, path = self._where(name)
         try:
-            return open(path, "rb", buffering=0)
+            with Descent(self.path) as descent:
+                fd = open_file(descent.at(folders), file, "/".join([*folders, file]))
+            opened = open(fd, "rb", buffering=0)
         except (FileNotFoundError, NotADirectoryError):
             raise Missing(
                 f"Nothing is stored under {name!r} in the store at {self.path}; "
                 "scan() lists what is there."
             ) from None
+        except LinkMet as exc:
+            tell_link(self.path, str(exc.filename))
+            raise Missing(
+                f"Nothing is stored under {name!r} in the store at {self.path}: "
+                f"{exc.filename} {exc.strerror}."
+            ) from None
         except OSError as exc:
             raise StoreError(
                 f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
             ) from exc
+        return opened, path
+
+    def _list(self, folder: int, base: str, partial: str, names: list[str]) -> None:
+        """Collect the names under ``folder`` (called ``base``) whose last part starts with
+        ``partial``: one listing per folder, entries' kinds from the listing itself."""
+        try:
+            with os.scandir(folder) as listing:
+                entries = list(listing)
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot list the store folder {self.path / base} ({exc.strerror or exc})."
+            ) from exc
+        for entry in entries:
+            part = entry.name
+            stem = part[: -len(_SUFFIX)] if part.endswith(_SUFFIX) else part
+            if not stem.startswith(partial) or not valid_part(stem):
+                continue
+            try:
+                if entry.is_symlink():
+                    tell_link(self.path, base + part)
+                elif entry.is_dir(follow_symlinks=False):
+                    if part == stem:
+                        inner = open_folder(folder, part, base + part)
+                        try:
+                            self._list(inner, base + part + "/", "", names)
+                        finally:
+                            os.close(inner)
+                elif part != stem and entry.is_file(follow_symlinks=False):
+                    names.append(base + stem)
+                elif part != stem:  # a FIFO, a socket or a device planted under an entry's name
+                    path = self.path / (base + part)
+                    tell_once(path, f"somatize store: {path} is not a regular file; it is left out.")
+            except LinkMet as exc:  # replaced by a link since it was listed
+                tell_link(self.path, str(exc.filename))
+            except OSError:
+                continue  # gone while we looked
 
 
 # -- file system helpers ----------------------------------------------------------------
-
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
     done, size = 0, view.nbytes
     while done < size:
-        done += os.write(fd, view[done : done + _CHUNK])
+        done += os.write(fd, view[done : done + CHUNK])
 
 
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(folder: int, name: str) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=folder)
     except OSError:
         pass
 
 
-def _linked_twice(temp: Path) -> bool:
+def _linked_twice(folder: int, temp: str) -> bool:
     """Whether ``temp`` was linked to its entry's name: its link count is then 2."""
     try:
-        return os.stat(temp).st_nlink == 2
+        return os.stat(temp, dir_fd=folder, follow_symlinks=False).st_nlink == 2
     except OSError:
         return False
 
 
-def _sync_folder(folder: Path) -> None:
-    """Make a rename or unlink in ``folder`` durable; quietly skipped where unsupported."""
+def _sweep(folder: int, before: float) -> int:
+    """Remove the temp files under ``folder`` last touched before ``before``; never via a link."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        with os.scandir(folder) as listing:
+            entries = list(listing)
     except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _make_folders(folder: Path, root: Path) -> None:
-    """Create ``folder`` and any missing parents below ``root``, each made durable."""
-    if folder.is_dir():
-        return
-    if folder != root:
-        _make_folders(folder.parent, root)
-    try:
-        folder.mkdir()
-    except FileExistsError:
-        if not folder.is_dir():
-            raise
-        return
-    _sync_folder(folder.parent)
-
-
-def _list_names(folder: Path, base: str, partial: str, names: list[str]) -> None:
-    """Collect the names under ``folder`` (called ``base``) whose last part starts with ``partial``."""
-    try:
-        entries = list(os.scandir(folder))
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    except OSError as exc:
-        raise StoreError(f"Cannot list the store folder {folder} ({exc.strerror or exc}).") from exc
-    for entry in entries:
-        part = entry.name
-        try:
-            if entry.is_dir():
-                if part.startswith(partial) and valid_part(part):
-                    _list_names(Path(entry.path), base + part + "/", "", names)
-            elif part.endswith(_SUFFIX) and entry.is_file():
-                stem = part[: -len(_SUFFIX)]
-                if stem.startswith(partial) and valid_part(stem):
-                    names.append(base + stem)
-        except OSError:
-            continue  # gone while we looked
-
-
-def _list_temps(folder: Path) -> Iterator[Path]:
-    try:
-        entries = list(os.scandir(folder))
-    except (FileNotFoundError, NotADirectoryError):
-        return
+        return 0
+    removed = 0
     for entry in entries:
         try:
-            if entry.is_dir():
+            if entry.is_dir(follow_symlinks=False):
                 if valid_part(entry.name):
-                    yield from _list_temps(Path(entry.path))
-            elif _TEMP.fullmatch(entry.name):
-                yield Path(entry.path)
+                    inner = open_folder(folder, entry.name, entry.name)
+                    try:
+                        removed += _sweep(inner, before)
+                    finally:
+                        os.close(inner)
+            elif _TEMP.fullmatch(entry.name) and entry.stat(follow_symlinks=False).st_mtime <= before:
+                os.unlink(entry.name, dir_fd=folder)
+                removed += 1
         except OSError:
-            continue
+            continue  # renamed into place, swept by someone else, or a link planted meanwhile
+    return removed

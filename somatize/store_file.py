@@ -1,0 +1,179 @@
+"""One store entry as a file: its record written down, its header, and reading them back.
+
+A ``FolderStore`` entry is one file holding, in order:
+  a 41-byte ASCII header line: b"SMZS1 " + record length (8 hex digits) + " " + blob length
+    (16 hex digits, or 16 '-' when the entry has no blob) + " " + CRC-32 (8 hex digits) + "\n"
+  the record: one line of UTF-8 JSON with sorted keys, ending in "\n"
+  the blob bytes, if any.
+This module checks what is written and what is read; ``store`` decides where files go and
+how they are opened. A file read back is never trusted: it may have been written by anyone
+who may write the folder, so every length is checked against the file before it is read.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import stat
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+
+from somatize.errors import StoreError
+
+# -- records ----------------------------------------------------------------------------
+
+_RECORD_MAX = 64 << 20  # a record is small; bulk data belongs in the blob
+
+
+def record_bytes(name: str, record: object) -> bytes:
+    if not isinstance(record, Mapping):
+        raise TypeError(
+            f"The record for {name!r} must be a mapping of str to str, "
+            f"not {type(record).__name__}."
+        )
+    plain: dict[str, str] = {}
+    for key, value in record.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"The record for {name!r} has a key of type {type(key).__name__}; "
+                "record keys must be str."
+            )
+        if not isinstance(value, str):
+            raise TypeError(
+                f"The record for {name!r} holds a {type(value).__name__} under {key!r}; "
+                "record values must be str (write the value down as text first)."
+            )
+        plain[key] = value
+    try:
+        text = json.dumps(plain, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
+        data = (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: escape everything instead, still exact
+        text = json.dumps(plain, sort_keys=True, ensure_ascii=True, separators=(", ", ": "))
+        data = (text + "\n").encode("ascii")
+    if len(data) > _RECORD_MAX:
+        raise StoreError(
+            f"The record for {name!r} is {len(data)} bytes written down; a record holds at "
+            f"most {_RECORD_MAX} bytes. Put bulk data in the blob."
+        )
+    return data
+
+
+def blob_parts(name: str, blob: object) -> list[memoryview] | None:
+    if blob is None:
+        return None
+    items = blob if isinstance(blob, (list, tuple)) else (blob,)
+    parts = []
+    for item in items:
+        if isinstance(item, str):
+            raise TypeError(
+                f"The blob for {name!r} holds a str; a blob is bytes-like "
+                "(bytes, bytearray, memoryview) or a list/tuple of those. Encode the text first."
+            )
+        try:
+            view = memoryview(item)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"The blob for {name!r} holds a {type(item).__name__}; a blob is bytes-like "
+                "(bytes, bytearray, memoryview) or a list/tuple of those."
+            ) from None
+        if not view.c_contiguous:
+            raise TypeError(
+                f"The blob for {name!r} holds a non-contiguous {type(item).__name__}; "
+                "pass a contiguous copy of it."
+            )
+        parts.append(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
+    return parts
+
+
+# -- the file format --------------------------------------------------------------------
+#
+# The CRC covers the header up to the CRC field and the record, so a damaged length or
+# record is caught. The blob carries no checksum: files only ever appear whole (rename), and
+# hashing 256 MiB on every fetch is a cost nobody asked for.
+
+_MAGIC = b"SMZS1 "
+_HEADER = re.compile(rb"SMZS1 ([0-9a-f]{8}) ([0-9a-f]{16}|-{16}) ([0-9a-f]{8})\n")
+_HEADER_SIZE = 41
+_CRC_AT = 32  # the CRC covers header[:32] and the record
+_NO_BLOB = b"-" * 16
+CHUNK = 1 << 30  # one write() at most; some systems refuse more than 2 GiB at once
+
+
+def header(record_len: int, blob_len: int | None) -> bytes:
+    blob_field = _NO_BLOB if blob_len is None else b"%016x" % blob_len
+    return _MAGIC + b"%08x " % record_len + blob_field + b" "
+
+
+def read_exact(file: io.FileIO, size: int, path: Path) -> bytearray:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        got = file.readinto(view[done:])
+        if not got:
+            raise StoreError(
+                f"The store file {path} ends early (read {done} of {size} bytes); it was cut "
+                "short or altered outside somatize. Delete it and put the entry again."
+            )
+        done += got
+    return buffer
+
+
+def read_head(file: io.FileIO, path: Path) -> tuple[dict[str, str], int, int | None]:
+    """Read the header and the record, and nothing of the blob (the file is unbuffered)."""
+    found = os.fstat(file.fileno())
+    if not stat.S_ISREG(found.st_mode):  # a FIFO or a device planted under an entry's name
+        raise StoreError(
+            f"The store file {path} is not a regular file; it was not written by somatize. "
+            "Remove it and put the entry again."
+        )
+    size = found.st_size
+    head = bytes(read_exact(file, min(size, _HEADER_SIZE), path))
+    found = _HEADER.fullmatch(head)
+    if found is None:
+        raise StoreError(
+            f"The store file {path} does not start with a somatize store header; it is not "
+            "a store entry, or was damaged. Delete it and put the entry again."
+        )
+    record_len = int(found[1], 16)
+    blob_len = None if found[2] == _NO_BLOB else int(found[2], 16)
+    if record_len > _RECORD_MAX or _HEADER_SIZE + record_len > size:
+        raise StoreError(
+            f"The store file {path} declares a record of {record_len} bytes but holds "
+            f"{size} bytes in all; it was cut short or damaged. Delete it and put the entry again."
+        )
+    body = bytes(read_exact(file, record_len, path))
+    if zlib.crc32(body, zlib.crc32(head[:_CRC_AT])) != int(found[3], 16):
+        raise StoreError(
+            f"The store file {path} fails its checksum; its header or record was damaged. "
+            "Delete it and put the entry again."
+        )
+    try:
+        record = json.loads(body)
+    except (ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in record.items()
+    ):
+        raise StoreError(
+            f"The store file {path} holds a record that is not a JSON object of strings; "
+            "it was not written by somatize. Delete it and put the entry again."
+        )
+    return record, size - _HEADER_SIZE - record_len, blob_len
+
+
+def read_blob(
+    file: io.FileIO, path: Path, room: int, blob_len: int | None
+) -> bytearray | None:
+    if blob_len is None and room == 0:
+        return None
+    if blob_len is None or room != blob_len:
+        raise StoreError(
+            f"The store file {path} holds {room} bytes after its record but its header "
+            f"declares {'no blob' if blob_len is None else f'{blob_len} bytes'}; it was cut "
+            "short or altered. Delete it and put the entry again."
+        )
+    return read_exact(file, blob_len, path)  # exact size, filled in place: no second copy
