@@ -8,18 +8,125 @@ is its highest attempt's: an attempt with a later one was abandoned, whatever it
 
 Nothing here fetches a blob, and nothing judges whether a running attempt is still alive:
 that is judged by the store's stamps, by the runners, never by a reader's clock.
+
+Whoever may write the study's folder may write any record there, so every record is checked
+(:func:`checked_attempt`: its size, its kinds, how deep its JSON goes, and that its numbers are
+numbers) before anything uses it. One that fails is left out, with one line on stderr naming
+it, and never stops a reader, ``--show`` or a runner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import BadName, Missing
+from ..folders import tell_once
 from ..store import Store, check_name
 from .readers import maybe_float, whole
+
+#: The states an attempt's record may hold (none at all: just claimed, so ``running``).
+STATES = frozenset({"running", "done", "failed", "pruned", "abandoned"})
+_FIELD_MAX = 1 << 20  # config, intermediate values and sampler notes: each at most 1 MiB of text
+_DEPTH_MAX = 32  # how deep the sampler's notes may nest
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The fields of an attempt's record that readers and runners use, checked."""
+
+    state: str
+    score: float | None
+    config: dict[str, Any]
+    intermediate: list[tuple[int, float]]
+    sampler_attrs: dict[str, dict[str, Any]]  # "trial" and "study": name -> plain JSON
+
+
+def checked_attempt(record: dict[str, str]) -> Checked:
+    """The record of one attempt, checked; ``ValueError`` saying what is wrong otherwise.
+
+    Nothing here trusts the record: each field is bounded in size before it is parsed,
+    JSON too deep for the parser is refused, and kinds and numbers are checked (a step is a
+    whole number, a configuration a map of plain values, the sampler's notes maps).
+    """
+    state = record.get("state", "running")
+    if state not in STATES:
+        raise ValueError(f"its state {state[:40]!r} is none of {', '.join(sorted(STATES))}")
+    text = record.get("score", "")
+    try:
+        score = None if text == "" else float(text)
+    except ValueError:
+        raise ValueError(f"its score {text[:40]!r} is not a number") from None
+    config = _json(record, "config", "{}")
+    if not isinstance(config, dict):
+        raise ValueError("its config is not a JSON object")
+    for key, value in config.items():
+        if not (value is None or isinstance(value, (str, bool, int)) or _finite(value)):
+            raise ValueError(f"its config gives {key[:40]!r} a value that is not a plain finite value")
+    intermediate = []
+    points = _json(record, "intermediate", "[]")
+    if not isinstance(points, list):
+        raise ValueError("its intermediate values are not a JSON list")
+    for point in points:
+        if not (isinstance(point, list) and len(point) == 2 and _step(point[0]) and _number(point[1])):
+            raise ValueError("its intermediate values are not [whole step, number] pairs")
+        intermediate.append((point[0], float(point[1])))
+    attrs = _json(record, "sampler_attrs", "{}")
+    if not isinstance(attrs, dict) or not all(
+        isinstance(attrs.get(side, {}), dict) for side in ("trial", "study")
+    ):
+        raise ValueError("its sampler_attrs are not a JSON object of 'trial' and 'study' objects")
+    if _depth(attrs) > _DEPTH_MAX:
+        raise ValueError(f"its sampler_attrs nest more than {_DEPTH_MAX} deep")
+    sides = {side: dict(attrs.get(side, {})) for side in ("trial", "study")}
+    return Checked(state, score, config, intermediate, sides)
+
+
+def left_out(store: Store, name: str, why: object) -> None:
+    """Say once that the record ``name`` is left out, and why."""
+    where = getattr(store, "path", None)
+    tell_once(
+        f"{where}/{name}" if where is not None else f"{id(store)}:{name}",
+        f"somatize study: the record {name} is left out: {why}; it was not written by a "
+        f"runner of this version (someone who may write the study's folder wrote it).",
+    )
+
+
+def _json(record: dict[str, str], key: str, empty: str) -> Any:
+    text = record.get(key) or empty
+    if len(text) > _FIELD_MAX:
+        raise ValueError(f"its {key} is {len(text)} characters long, more than {_FIELD_MAX}")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"its {key} nests too deep to read") from None
+    except ValueError as exc:
+        raise ValueError(f"its {key} is not JSON ({exc})") from None
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63)
+
+
+def _step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _depth(value: object, deep: int = 0) -> int:
+    if deep > _DEPTH_MAX:
+        return deep
+    if isinstance(value, dict):
+        return max((_depth(v, deep + 1) for v in value.values()), default=deep + 1)
+    if isinstance(value, list):
+        return max((_depth(v, deep + 1) for v in value), default=deep + 1)
+    return deep
 
 _DIRECTIONS = ("minimize", "maximize")
 
@@ -35,7 +142,7 @@ def trials(store: Store, study: str) -> list[dict[str, Any]]:
     as one), ``runner`` (who ran its last attempt), and ``error`` for one that failed.
     """
     name = _check_study(study, "trials(study=...)")
-    return _rows(name, store.scan(f"{name}/trial/"), f"{name}/trial/")
+    return _rows(store, name, store.scan(f"{name}/trial/"), f"{name}/trial/")
 
 
 def best(store: Store, study: str) -> dict[str, Any] | None:
@@ -93,59 +200,40 @@ def _study(store: Store, study: str, where: str) -> tuple[str, list[dict[str, An
             f"{where}: study {name!r} says its direction is {direction!r}; a study minimizes "
             f"or maximizes its score ('minimize' or 'maximize')."
         )
-    return direction, _rows(name, found, trial_prefix)
+    return direction, _rows(store, name, found, trial_prefix)
 
 
-def _rows(name: str, scanned: Iterable[tuple[str, dict[str, str]]], prefix: str) -> list[dict[str, Any]]:
-    attempts: dict[int, dict[int, dict[str, str]]] = {}
+def _rows(
+    store: Store, name: str, scanned: Iterable[tuple[str, dict[str, str]]], prefix: str
+) -> list[dict[str, Any]]:
+    attempts: dict[int, dict[int, tuple[dict[str, str], Checked]]] = {}
     for key, record in scanned:
         parts = key[len(prefix) :].split("/")
         if len(parts) == 2 and all(part.isascii() and part.isdigit() for part in parts):
-            attempts.setdefault(int(parts[0]), {})[int(parts[1])] = record
-    return [_row(name, number, attempts[number]) for number in sorted(attempts)]
+            try:
+                checked = checked_attempt(record)
+            except ValueError as exc:
+                left_out(store, key, exc)
+                continue
+            attempts.setdefault(int(parts[0]), {})[int(parts[1])] = (record, checked)
+    return [_row(number, attempts[number]) for number in sorted(attempts)]
 
 
-def _row(name: str, number: int, tried: dict[int, dict[str, str]]) -> dict[str, Any]:
-    attempt = max(tried)
-    record = tried[attempt]  # the highest attempt's is the one that counts
-    where = f"trial {number} (attempt {attempt}) of study {name!r}"
+def _row(number: int, tried: dict[int, tuple[dict[str, str], Checked]]) -> dict[str, Any]:
+    record, checked = tried[max(tried)]  # the highest attempt's is the one that counts
     row: dict[str, Any] = {
         "trial": number,
         "state": record.get("state", ""),
-        "score": _score(record.get("score", ""), where),
+        "score": checked.score,
         "attempts": len(tried),
         "took_us": whole(record.get("took_us")),
-        "config": _config(record.get("config"), where),
+        "config": checked.config,
         "said": {key[5:]: maybe_float(value) for key, value in record.items() if key.startswith("said.")},
         "runner": record.get("runner", ""),
     }
     if row["state"] == "failed":
         row["error"] = record.get("error", "")
     return row
-
-
-def _score(text: str, where: str) -> float | None:
-    if text == "":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(
-            f"{where} has the score {text!r}, which is not a number; a score is what the "
-            f"objective returned, written as a float."
-        ) from None
-
-
-def _config(text: str | None, where: str) -> dict[str, Any]:
-    if text is None:
-        return {}
-    try:
-        config = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{where} has a config that is not JSON ({exc}): {text[:200]!r}.") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{where} has a config that is not a JSON object: {text[:200]!r}.")
-    return config
 
 
 def _scored(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

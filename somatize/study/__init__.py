@@ -9,9 +9,11 @@
     study.run()                      # here; or on any machine that sees the folder:
     # python -m somatize study --store /shared/sweeps lr-sweep
 
-``definition`` checks and writes down what a study is; ``history`` reads its trials with one
-scan and rebuilds Optuna's view of them; ``attempt`` is one attempt while it runs (its
-record, its pulse, its fence); ``study`` is the runner's loop; ``command`` the command line.
+``definition`` checks and writes down what a study is; ``history`` reads its trials (all with
+one scan, or one trial's folder); ``view`` is what a runner knows of them, kept current by
+reading only what may have changed; ``mirror`` is Optuna's view of them, kept in the
+runner's memory; ``attempt`` is one attempt while it runs (its record, its pulse, its
+fence); ``study`` is the runner's loop; ``command`` the command line.
 Optuna is needed to run or rebuild a study (the ``study`` extra), not to import this package.
 """
 

@@ -90,6 +90,7 @@ class Running:
         sampler_attrs: Mapping[str, Any] | None = None,
         otrial: Any = None,
         storage: Any = None,
+        pulse: Pulse | None = None,
     ) -> None:
         self.store = store
         self.study = study
@@ -99,7 +100,7 @@ class Running:
         self.name = attempt_name(study, number, attempt)
         self._fence = attempt_name(study, number, attempt + 1)
         self._runner = runner
-        self._interval = patience / 3
+        self.interval = patience / 3  # how often the pulse writes the record, at least
         self._sampler_attrs = dict(sampler_attrs or {})
         self._otrial = otrial  # the in-memory Optuna trial the pruner judges, if any
         self._storage = storage
@@ -118,15 +119,22 @@ class Running:
         self._started = time.perf_counter_ns()
         self._closed = False
         self.superseded = False
-        self._stop = threading.Event()
-        self._pulse: threading.Thread | None = None
+        self.claimed: dict[str, str] | None = None  # the record this runner created, once it has
+        self.finished: dict[str, str] | None = None  # the result it wrote, once it has
+        self._pulse = pulse
+        self._own_pulse = pulse is None
         self._pulse_error_told = False
 
     # -- claiming and the pulse
 
     def claim(self) -> bool:
-        """Create the attempt's entry if nobody has; ``True`` when this runner holds it now."""
-        return self.store.create(self.name, self._record())
+        """Create the attempt's entry if nobody has; ``True`` when this runner holds it now
+        (and ``claimed`` is the record it created)."""
+        record = self._record()
+        if not self.store.create(self.name, record):
+            return False
+        self.claimed = record
+        return True
 
     def let_go(self) -> None:
         """Told to stop before the objective ran (between claiming and starting): if this
@@ -141,28 +149,30 @@ class Running:
             self.finish("abandoned")
 
     def start(self) -> None:
-        self._pulse = threading.Thread(
-            target=self._beat, name=f"somatize-study-pulse-{self.number}", daemon=True
-        )
-        self._pulse.start()
+        """From now on the pulse writes the record every ``interval`` at least."""
+        if self._pulse is None:
+            self._pulse = Pulse()
+        self._pulse.hold(self)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._pulse is not None and self._pulse is not threading.current_thread():
-            self._pulse.join()
+        """No more pulses for this attempt (one under way finds it closed, or writes first)."""
+        if self._pulse is not None:
+            self._pulse.release(self)
+            if self._own_pulse:
+                self._pulse.close()
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.rewrite()
-            except Exception as exc:  # keep beating: a store that hiccups once is not dead
-                if not self._pulse_error_told:
-                    self._pulse_error_told = True
-                    print(
-                        f"somatize study: rewriting {self.name} failed ({type(exc).__name__}: "
-                        f"{exc}); will keep trying every {self._interval:.3g} s",
-                        file=sys.stderr,
-                    )
+    def beat(self) -> None:
+        """One pulse: write the record again."""
+        try:
+            self.rewrite()
+        except Exception as exc:  # keep beating: a store that hiccups once is not dead
+            if not self._pulse_error_told:
+                self._pulse_error_told = True
+                print(
+                    f"somatize study: rewriting {self.name} failed ({type(exc).__name__}: "
+                    f"{exc}); will keep trying every {self.interval:.3g} s",
+                    file=sys.stderr,
+                )
 
     # -- what the objective says and sees
 
@@ -222,7 +232,9 @@ class Running:
                 return False
             self._state, self._score, self._error = state, score, error
             self._closed = True
-            self.store.put(self.name, self._record(), self._blob())
+            record = self._record()
+            self.store.put(self.name, record, self._blob())
+            self.finished = record
             return True
 
     def _overtaken(self) -> bool:
@@ -252,7 +264,10 @@ class Running:
         }
         if self._intermediate:
             record["intermediate"] = json.dumps(self._intermediate)
-        attrs = self._current_sampler_attrs()
+        attrs = {
+            side: {k: v for k, v in notes.items() if "optimizer" not in k}  # a pickle: never written
+            for side, notes in self._current_sampler_attrs().items()
+        }
         if any(attrs.values()):
             record["sampler_attrs"] = json.dumps(attrs, sort_keys=True)
         record.update({f"said.{key}": value for key, value in self._said.items()})
@@ -279,6 +294,69 @@ class Running:
 
     def _blob(self) -> list[bytes] | None:
         return list(self._lines) if self._lines else None
+
+
+class Pulse:
+    """One thread that keeps a runner's attempt written while its objective runs.
+
+    A runner holds one attempt at a time: ``hold`` gives the pulse that attempt, ``release``
+    takes it back. While it is held, it is written again (``Running.beat``) every
+    ``interval`` seconds, however long the objective goes without saying anything. The
+    thread starts with the first attempt and lives until ``close``, so a runner that runs
+    thousands of short trials starts one thread, not one per trial.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._held: Running | None = None
+        self._due = 0.0  # when the held attempt is written next (this process's monotonic clock)
+        self._idle = False  # the thread waits for an attempt, with no time set
+        self._until = 0.0  # or until when it waits
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def hold(self, running: Running) -> None:
+        with self._changed:
+            self._held, self._due = running, time.monotonic() + running.interval
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="somatize-study-pulse", daemon=True)
+                self._thread.start()
+            elif self._idle or self._due < self._until:
+                self._changed.notify()
+            # else the thread wakes at the time it had set, no later than this one's, and
+            # looks again: a trial shorter than ``interval`` never wakes it
+
+    def release(self, running: Running) -> None:
+        with self._changed:
+            if self._held is running:
+                self._held = None
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed, self._held = True, None
+            self._changed.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _beat(self) -> None:
+        while True:
+            with self._changed:
+                if self._closed:
+                    return
+                running = self._held
+                if running is None:
+                    self._idle = True
+                    self._changed.wait()
+                    self._idle = False
+                    continue
+                left = self._due - time.monotonic()
+                if left > 0:
+                    self._until = self._due
+                    self._changed.wait(left)
+                    continue
+                self._due = time.monotonic() + running.interval
+            running.beat()  # outside the lock: a slow store never holds up hold or release
 
 
 def optuna_pruned(message: str) -> BaseException:

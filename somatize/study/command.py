@@ -32,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runner", metavar="ID", help="this runner's name in the records (default: host-pid-random)"
     )
+    parser.add_argument(
+        "--sampler", metavar="NAME",
+        help="run only if the study's definition names this sampler (who may write the folder may change it)",
+    )
+    parser.add_argument(
+        "--objective", metavar="MODULE:FUNCTION",
+        help="run only if the study's definition names this objective",
+    )
 
 
 def command(args: argparse.Namespace) -> int:
@@ -41,7 +49,9 @@ def command(args: argparse.Namespace) -> int:
         print(f"somatize study: there is no folder {args.store}; give the study's store.", file=sys.stderr)
         return 2
     try:
-        study = Study.open(FolderStore(args.store), args.name)
+        study = Study.open(
+            FolderStore(args.store), args.name, sampler=args.sampler, objective=args.objective
+        )
         if args.show:
             print(table(study))
             return 0
@@ -89,7 +99,7 @@ def table(study: Study) -> str:
             if best is None or sign * value < sign * best[0]:
                 best = (value, trial.number)
         took = last.get("took_us", "")
-        error = (last.get("error") or "").strip().splitlines()
+        error = (trial.last.problem or last.get("error") or "").strip().splitlines()
         rows.append(
             (
                 str(trial.number),

@@ -166,8 +166,10 @@ class Definition:
                 return samplers.RandomSampler(seed=seed)
             if self.sampler == "grid":
                 return samplers.GridSampler(self.grid(), seed=seed)
-            if self.sampler == "cmaes":
-                return samplers.CmaEsSampler(seed=seed)
+            if self.sampler == "cmaes":  # never Optuna's own: it unpickles what a record holds
+                from .cmaes import RebuiltCmaEs
+
+                return RebuiltCmaEs(seed=seed)
             if self.sampler == "qmc":
                 return samplers.QMCSampler(seed=seed)
             if self.sampler == "gp":

@@ -1,10 +1,14 @@
 """A study: a folder, not a service. Runners anywhere claim its trials from a shared store.
 
-A runner's loop is: scan the trials once; if an attempt has stopped being written, take it
-over as the next attempt; otherwise ask the sampler (Optuna's, rebuilt in memory from that
-scan) for a configuration and claim the next trial number by creating its attempt 0 (if
-another runner created it first, scan again); run the objective, writing the attempt as it
-goes; write the result. It stops when every trial has finished.
+A runner reads the whole study once as it starts. Its loop is then: read again only what may
+have changed (the trials it last saw unfinished; see ``view``); if an attempt has stopped
+being written, take it over as the next attempt; otherwise find the lowest trial number
+nobody has claimed, reading on from the last one it saw claimed, ask the sampler (Optuna's,
+kept in memory and updated with what was read: see ``mirror``) for a configuration, and
+claim the number by creating its attempt 0 (if another runner created it first, read that
+trial and go on to the next number); run the objective, writing the attempt as it goes;
+write the result. What a claim costs does not grow with the study. It stops when every
+trial has finished, after reading the whole study once more to be sure.
 
 "Stopped being written" is judged only by the store's stamps: the judge writes an entry of
 its own (``<study>/judge/<runner>``) and compares that entry's stamp with the attempt's.
@@ -15,23 +19,30 @@ taken over finds the next attempt and writes nothing that counts.
 
 from __future__ import annotations
 
-import json
 import os
+import random
 import re
 import secrets
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import Missing, SomatizeError, StudyMismatch, Superseded
+from ..errors import Missing, SomatizeError, StoreError, StudyMismatch, Superseded
+from ..folders import LinkMet
 from ..store import ClaimingStore
-from .attempt import Running, Trial
+from .attempt import Pulse, Running, Trial
 from .definition import Definition, check_name, check_runner, load, optuna
-from .history import History, TrialHistory, attempt_name, sampler_attrs
+from .history import History, TrialHistory, attempt_name
+from .view import View
+
+if TYPE_CHECKING:
+    from .mirror import Mirror
 
 Progress = Callable[[str], Any]
+_FIRST_WAIT = 0.01  # seconds: the first wait while others' attempts run, doubling up to a poll
 
 
 class Study:
@@ -55,6 +66,10 @@ class Study:
     The store must be shared by every runner (a folder on a disk they all mount) and be a
     claiming store (``create`` and ``stamp``), such as ``FolderStore``. Who can write that
     folder can add, change or take over trials: give it only to the people running them.
+    They cannot run code in a runner: no record reaches ``pickle`` (CMA-ES's state is
+    rebuilt from the trials), a record that fails its checks is left out, and a runner keeps
+    the definition it started with (``Study.open(..., sampler=, objective=)`` refuses one
+    that names another sampler or objective than the runner was asked to run).
     """
 
     def __init__(
@@ -88,8 +103,14 @@ class Study:
         self._definition = _settle(self._store, self._name, wanted)
 
     @classmethod
-    def open(cls, store: ClaimingStore, name: str) -> Study:
-        """The study called ``name`` in ``store``, as its definition there says."""
+    def open(
+        cls, store: ClaimingStore, name: str, *, sampler: str | None = None, objective: str | None = None
+    ) -> Study:
+        """The study called ``name`` in ``store``, as its definition there says.
+
+        ``sampler`` and ``objective``, when given, are what this runner was asked to run: a
+        definition there that names others (written, or changed since, by someone else who
+        may write the folder) is refused with ``StudyMismatch``."""
         self = cls.__new__(cls)
         self._store = _claiming(store)
         self._name = check_name(name)
@@ -101,6 +122,18 @@ class Study:
                 f"which writes its definition there; then any runner can open it."
             )
         self._definition = Definition.from_record(self._name, record)
+        asked = {"sampler": sampler, "objective": objective}
+        differences = [
+            f"{field} is {getattr(self._definition, field)!r} there and {value!r} here"
+            for field, value in asked.items()
+            if value is not None and getattr(self._definition, field) != value
+        ]
+        if differences:
+            raise StudyMismatch(
+                f"The study {name!r} in {store!r} is not the one this runner was asked to run: "
+                f"{'; '.join(differences)}. Someone who may write the folder defined it so, or "
+                f"changed its definition: check {name}/study, and who may write that folder."
+            )
         return self
 
     # -- what it is
@@ -179,39 +212,109 @@ class Study:
         objective = load(self.objective)
         me = check_runner(runner) if runner is not None else _runner_name()
         tell = progress or (lambda line: None)
+        # How often to judge others' attempts, and how long to wait at most between two
+        # looks while they run: this runner's own timer says when to look, never what it sees.
+        self._poll = min(max(self.patience / 4, 0.05), 5.0)
+        self._judged: float | None = None  # when this runner last judged (its monotonic clock)
+        view = View(self._store, self._name, self.trials)
+        view.rescan()  # the whole study, once; from here on only what may have changed
+        self._mirror: Mirror | None = None
+        self._notes = True
+        self._pulse = Pulse()  # one thread keeps this runner's attempts written, whichever it holds
+        self._skip, self._passed, self._random = False, -1, random.Random()
+        try:
+            return self._loop(view, objective, me, tell)
+        finally:
+            self._pulse.close()
+
+    def _loop(self, view: View, objective: Callable[..., Any], me: str, tell: Progress) -> dict[str, int]:
         counts = {"done": 0, "failed": 0, "pruned": 0, "superseded": 0}
-        poll = min(max(self.patience / 4, 0.05), 5.0)
+        wait = _FIRST_WAIT
         while True:
-            history = History.scan(self._store, self._name)
-            if history.finished(self.trials):
-                tell(f"study {self._name!r}: all {self.trials} trials have finished")
-                return counts
+            if view.refresh():
+                wait = _FIRST_WAIT
+            if view.finished():
+                view.rescan()  # before saying so, the whole study once more: see ``view``
+                self._mirror = None
+                if view.finished():
+                    tell(f"study {self._name!r}: all {self.trials} trials have finished")
+                    return counts
             self._in_hand = None
             try:
-                running = self._take_over(history, me, tell)
+                running = self._take_over(view, me, tell)
                 if running is None:
-                    number = history.next_number(self.trials)
-                    if number is not None:
-                        running = self._claim(history, number, me)
-                        if running is None:
-                            continue  # another runner claimed it first: scan again
-                    else:
-                        time.sleep(poll)  # others' attempts are running: watch them
+                    number = self._free(view, tell)
+                    if number is None:
+                        time.sleep(wait)  # others' attempts are running: watch them
+                        wait = min(2 * wait, self._poll)
+                        continue
+                    running = self._claim(view, number, me)
+                    if running is None:  # another runner claimed it first: read it, and go on
+                        view.lost(number)
+                        self._skip = self._random.random() < 0.5
                         continue
             except BaseException:
                 # told to stop while claiming: an attempt this runner got is handed over now
                 if self._in_hand is not None:
                     self._in_hand.let_go()
                 raise
+            wait = _FIRST_WAIT
             try:
                 counts[_execute(running, objective, tell)] += 1
             except BaseException:
                 running.let_go()  # stopped before its objective began: hand it over now
                 raise
+            if running.finished is not None:  # the result that counts, as written here
+                view.wrote(running.number, running.attempt, running.finished)
 
-    def _claim(self, history: History, number: int, me: str) -> Running | None:
-        ostudy, storage = history.rebuild(self._definition, self._name, number)
-        otrial = ostudy.ask(self._definition.space)
+    def _free(self, view: View, tell: Progress) -> int | None:
+        """The number to claim: the lowest free one; or, for a runner that lost a race for
+        it, now and then the next (two runners that finish together would otherwise race
+        for every number, and the loser's write is wasted), unless the one passed over last
+        time is still free (nobody else took it: so this runner does)."""
+
+        def blocked(number: int) -> None:
+            tell(f"trial {number}: its entry is there but cannot be read (see the line above); "
+                 f"this runner leaves it alone")
+
+        number = view.next_free(blocked=blocked)
+        if number is None or not self._skip or number == self._passed:
+            self._skip = False
+            return number
+        later = view.next_free(number, blocked=blocked)
+        if later is None:
+            return number
+        self._passed = number
+        return later
+
+    def _mirrored(self, view: View) -> Mirror:
+        """This runner's Optuna study, brought up to date with the trials read since."""
+        from .mirror import Mirror
+
+        if self._mirror is None:
+            view.taken()
+            trials = sorted(view.trials.values(), key=lambda t: t.number)
+            self._mirror = Mirror(self._definition, self._name, trials, notes=self._notes)
+        else:
+            for trial in view.taken():
+                self._mirror.take(trial)
+        return self._mirror
+
+    def _claim(self, view: View, number: int, me: str) -> Running | None:
+        mirror = self._mirrored(view)
+        try:
+            otrial = mirror.ask(number)
+        except Exception as exc:  # notes a writer altered so that the sampler trips on them
+            if not self._notes:
+                raise
+            print(
+                f"somatize study: the sampler of {self._name!r} could not use the notes the trials' "
+                f"records hold ({type(exc).__name__}: {exc}); this runner asks it without them",
+                file=sys.stderr,
+            )
+            self._notes, self._mirror = False, None
+            mirror = self._mirrored(view)
+            otrial = mirror.ask(number)
         pruning = bool(self._definition.pruner)
         running = Running(
             self._store,
@@ -221,27 +324,49 @@ class Study:
             otrial.params,
             runner=me,
             patience=self.patience,
-            sampler_attrs=sampler_attrs(storage, ostudy, otrial.number),
+            sampler_attrs=mirror.notes_of(otrial),
             otrial=otrial if pruning else None,
-            storage=storage if pruning else None,
+            storage=mirror.storage if pruning else None,
+            pulse=self._pulse,
         )
-        self._in_hand = running
-        return running if running.claim() else None
+        return self._claimed(view, mirror, otrial, running)
 
-    def _take_over(self, history: History, me: str, tell: Progress) -> Running | None:
+    def _claimed(self, view: View, mirror: Mirror | None, otrial: Any, running: Running) -> Running | None:
+        """Create ``running``'s attempt; on success it is this runner's, in the view and the
+        mirror, and otherwise ``otrial`` (asked for it) is dropped from the mirror."""
+        self._in_hand = running
+        try:
+            got = running.claim()
+        except StoreError as exc:
+            got = False
+            if not isinstance(exc.__cause__, LinkMet):
+                raise
+            # the trial's folder is a link (said above): lost, as if claimed; the next read
+            # shows nothing, so it is blocked
+        finally:
+            if otrial is not None and mirror is not None and not running.claimed:
+                mirror.drop(otrial)
+        if not got:
+            return None
+        kept = otrial is not None and mirror is not None
+        if kept:
+            mirror.keep(running.number, otrial)
+        view.wrote(running.number, running.attempt, running.claimed, mirrored=kept)
+        return running
+
+    def _take_over(self, view: View, me: str, tell: Progress) -> Running | None:
         """Claim the next attempt of a trial whose attempt stopped being written, if any."""
-        for trial in self._abandoned(history, me):
+        for trial in self._abandoned(view, me):
             last = trial.last
             after = last.attempt + 1
             if after >= self.attempts:
                 if self._store.create(attempt_name(self._name, trial.number, after), self._gave_up(last, me)):
                     tell(f"trial {trial.number}: failed, {_abandoned_times(after)}")
                 continue
-            otrial = storage = None
+            mirror = otrial = None
             if self._definition.pruner:  # the pruner judges the new attempt too
-                ostudy, storage = history.rebuild(self._definition, self._name, trial.number)
-                ostudy.enqueue_trial(last.config())
-                otrial = ostudy.ask(self._definition.space)
+                mirror = self._mirrored(view)
+                otrial = mirror.ask_again(trial.number, last.config())
             running = Running(
                 self._store,
                 self._name,
@@ -250,12 +375,12 @@ class Study:
                 last.config(),
                 runner=me,
                 patience=self.patience,
-                sampler_attrs=_json_field(last.record.get("sampler_attrs")),
+                sampler_attrs=last.sampler_attrs(),
                 otrial=otrial,
-                storage=storage,
+                storage=None if mirror is None else mirror.storage,
+                pulse=self._pulse,
             )
-            self._in_hand = running
-            if running.claim():
+            if self._claimed(view, mirror, otrial, running) is not None:
                 tell(
                     f"trial {trial.number}: attempt {last.attempt} (runner "
                     f"{last.record.get('runner', '?')}) stopped writing; taking it over as attempt {after}"
@@ -263,15 +388,20 @@ class Study:
                 return running
         return None
 
-    def _abandoned(self, history: History, me: str) -> list[TrialHistory]:
+    def _abandoned(self, view: View, me: str) -> list[TrialHistory]:
         """Trials whose last attempt was given up, or has gone unwritten for longer than
-        ``patience`` by the store's stamps (a fresh entry of this judge's against it)."""
-        stopped = [t for t in history if t.state == "abandoned"]
-        live = [t for t in history if t.state == "running"]
-        if live:
-            judge = f"{self._name}/judge/{me}"
-            self._store.put(judge, {"runner": me})
-            now = self._store.stamp(judge)
+        ``patience`` by the store's stamps (a fresh entry of this judge's against it). Only
+        the trials last read unfinished are looked at, and running ones are judged at most
+        once a poll (a judge writes, and the pace of claims is no reason to write more)."""
+        unfinished = view.open()
+        stopped = [t for t in unfinished if t.state == "abandoned"]
+        live = [t for t in unfinished if t.state == "running"]
+        due = self._judged is None or time.monotonic() - self._judged >= self._poll
+        if live and due:
+            self._judged = time.monotonic()
+            judge_name = f"{self._name}/judge/{me}"
+            self._store.put(judge_name, {"runner": me})
+            now = self._store.stamp(judge_name)
             patience_ns = int(self.patience * 1e9)
             for trial in live:
                 try:
@@ -392,14 +522,6 @@ def _settle(store: ClaimingStore, name: str, wanted: Definition) -> Definition:
             f"or open the one there as it is with Study.open(store, {name!r})."
         )
     return there
-
-
-def _json_field(text: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(text or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _runner_name() -> str:

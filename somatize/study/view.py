@@ -1,0 +1,145 @@
+"""What one runner knows of its study's trials, kept current at a cost that does not grow
+with the study.
+
+A runner reads the whole study once, when it starts (one scan). After that it reads only
+what may have changed since its last look, one trial's folder at a time:
+
+- the trials it last saw unfinished (running, or abandoned), to learn how they ended or
+  that another runner took them over: as many as other runners are running, not as many
+  as the study has (what this runner wrote itself it knows without reading it back);
+- the trial numbers from its frontier on, the lowest number it has not seen claimed: the
+  first one that holds no attempt is the one it tries to claim, and each one another runner
+  claimed meanwhile is read once, as it goes by.
+
+A trial seen finished is not read again: its highest attempt's record is final (a runner
+writes ``done``, ``failed`` or ``pruned`` once, and only into the attempt it holds). Before
+it says the study is over, the runner reads the whole study once more, so that anything
+its looks could have missed (a trial taken over while its old attempt was finishing) is
+found there.
+
+Nothing here writes or judges; ``study`` claims, writes and judges by the store's stamps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..record.studies import checked_attempt
+from ..store import Store
+from .history import Attempt, History, TrialHistory, attempt_name, read_trial
+
+
+class View:
+    """The trials of ``study`` numbered below ``trials`` as this runner last read them.
+
+    ``trials`` maps number to :class:`TrialHistory` (every trial read so far, whatever its
+    number); ``changed`` lists those read anew since ``taken()`` last emptied it, for the
+    runner's Optuna mirror. ``tests/test_study_claims.py`` counts what this costs the store.
+    """
+
+    def __init__(self, store: Store, study: str, trials: int) -> None:
+        self._store = store
+        self._study = study
+        self._count = trials
+        self.trials: dict[int, TrialHistory] = {}
+        self.blocked: set[int] = set()  # numbers whose entry is there but no read shows it
+        self.changed: list[TrialHistory] = []
+        self._open: set[int] = set()  # numbers last read unfinished
+        self._frontier = 0  # every number below it was read claimed, or is blocked
+        self._lost: set[int] = set()  # numbers this runner failed to create
+
+    def rescan(self) -> None:
+        """Read the whole study again (one scan); what was read before is forgotten."""
+        history = History.scan(self._store, self._study)
+        self.trials = dict(history.trials)
+        self._open = {n for n, trial in self.trials.items() if not trial.finished}
+        self._frontier = 0
+        self.changed = []
+
+    def refresh(self) -> bool:
+        """Read again each trial last read unfinished; whether any had changed."""
+        changed = False
+        for number in sorted(self._open):
+            found = self._read(number)
+            if found is None or _same(found, self.trials[number]):
+                continue  # (None: its entries are gone or unreadable now; keep what was read)
+            self._take(found)
+            changed = True
+        return changed
+
+    def next_free(self, after: int = -1, *, blocked: Callable[[int], Any]) -> int | None:
+        """The lowest number below ``trials`` (and above ``after``) that no read shows
+        claimed, reading on from the frontier (each trial claimed meanwhile is read once);
+        ``None`` when there is none. A number this runner failed to create that a read still
+        shows empty is blocked (an entry is there, says the store, that no read can show:
+        a link, say) and handed to ``blocked``."""
+        self._advance()
+        number = max(self._frontier, after + 1)
+        while number < self._count:
+            if number not in self.trials and number not in self.blocked:
+                found = self._read(number)
+                if found is not None:
+                    self._take(found)
+                elif number in self._lost:
+                    self.blocked.add(number)
+                    blocked(number)
+                else:
+                    return number
+            number += 1
+        return None
+
+    def lost(self, number: int) -> None:
+        """This runner tried to create trial ``number`` and could not: someone holds it."""
+        self._lost.add(number)
+
+    def open(self) -> list[TrialHistory]:
+        """The trials last read unfinished, by number."""
+        return [self.trials[n] for n in sorted(self._open)]
+
+    def finished(self) -> bool:
+        """Whether every trial below ``trials`` was read finished (or is blocked)."""
+        return not self._advance() and not any(n < self._count for n in self._open)
+
+    def wrote(self, number: int, attempt: int, record: dict[str, str], *, mirrored: bool = False) -> None:
+        """This runner wrote ``record`` as attempt ``attempt`` of trial ``number``: created
+        it (a claim), or wrote its result (a result that counts: no later attempt was there
+        when it was written). It is not read back. ``mirrored``: the mirror has it already
+        (the trial the sampler was just asked for), so it is not listed in ``changed``."""
+        name = attempt_name(self._study, number, attempt)
+        mine = Attempt(name, number, attempt, record, checked_attempt(record))
+        trial = self.trials.get(number)
+        earlier = [a for a in trial.attempts if a.attempt < attempt] if trial else []
+        self._take(TrialHistory(number, [*earlier, mine]), changed=not mirrored)
+
+    def taken(self) -> list[TrialHistory]:
+        """The trials read anew since the last call (for the mirror), emptied."""
+        changed, self.changed = self.changed, []
+        return changed
+
+    def _advance(self) -> bool:
+        """Move the frontier past numbers already read claimed; whether one is left below
+        ``trials``."""
+        while self._frontier < self._count and (
+            self._frontier in self.trials or self._frontier in self.blocked
+        ):
+            self._frontier += 1
+        return self._frontier < self._count
+
+    def _read(self, number: int) -> TrialHistory | None:
+        return read_trial(self._store, self._study, number)
+
+    def _take(self, trial: TrialHistory, *, changed: bool = True) -> None:
+        self.trials[trial.number] = trial
+        if changed:
+            self.changed.append(trial)
+        if trial.finished:
+            self._open.discard(trial.number)
+        else:
+            self._open.add(trial.number)
+
+
+def _same(a: TrialHistory, b: TrialHistory) -> bool:
+    return [(x.attempt, x.record, x.problem) for x in a.attempts] == [
+        (x.attempt, x.record, x.problem) for x in b.attempts
+    ]
