@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+import flooding
 import memory
 import paths
 from children import Child
@@ -58,7 +59,7 @@ class Settings:
     graphs: int  # (c) forwards of the small graph per contender
     chains: int  # (d) forwards of the 200-node chain
     records: int  # (e) forwards recorded
-    trials: int = 200  # (f) trials run by two runners
+    trials: int = 2000  # (f) trials run by two runners (and by two Optuna processes)
     history: int = 1000  # (f) trials in the history rebuilt
     blocks: int = 10
 
@@ -68,7 +69,7 @@ class Settings:
 
     @classmethod
     def quick(cls) -> Settings:
-        return cls(calls=50, sizes=(1 << 20,), reps=3, graphs=200, chains=10, records=200, trials=10, history=50,
+        return cls(calls=50, sizes=(1 << 20,), reps=3, graphs=200, chains=10, records=200, trials=40, history=50,
                    blocks=2)
 
 
@@ -344,38 +345,106 @@ def _history(folder: str, name: str, trials: int) -> None:
         })
 
 
-def studies(settings: Settings, floors: Floors) -> list[Row]:
-    """(f) Trials claimed and finished per second by two runner processes with an instant
-    objective, and what rebuilding a study's history costs."""
+def _somatize_runners(folder: str, n: int, env: dict[str, str]) -> tuple[float, list[int]]:
+    """Two ``python -m somatize study`` runners over a fresh study of ``n`` instant trials:
+    seconds from their start to both ends, and when each trial finished, by the store's stamps."""
     from optuna.distributions import FloatDistribution
 
+    store = FolderStore(folder)
+    Study(store, "speed", objective="objectives:instant", space={"x": FloatDistribution(-5, 5)}, trials=n,
+          sampler="random", patience=30.0)
+    command = [sys.executable, "-m", "somatize", "study", "--store", folder, "speed"]
+    took, codes = _both(command, env)
+    done = [t for t in trials(store, study="speed") if t["state"] == "done"]
+    if codes != [0, 0] or len(done) != n:
+        raise AssertionError(f"runners ended with {codes}, {len(done)} of {n} trials done")
+    return took, sorted(store.stamp(f"speed/trial/{t['trial']:06d}/{t['attempts'] - 1:03d}") for t in done)
+
+
+def _optuna_journal(folder: str, n: int, env: dict[str, str]) -> tuple[float, list[float], int]:
+    """Two Optuna processes sharing a ``JournalFileBackend`` file, running the same objective
+    until the study holds ``n`` trials: seconds, when each finished, and how many did."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    path = os.path.join(folder, "journal.log")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = JournalStorage(JournalFileBackend(path))
+    optuna.create_study(study_name="speed", storage=storage)
+    took, codes = _both([sys.executable, str(Path(__file__).with_name("optuna_journal.py")), path, str(n)], env)
+    done = [t for t in optuna.load_study(study_name="speed", storage=storage).trials
+            if t.state == optuna.trial.TrialState.COMPLETE]
+    if codes != [0, 0] or len(done) < n:
+        raise AssertionError(f"Optuna's processes ended with {codes}, {len(done)} of {n} trials complete")
+    return took, sorted(t.datetime_complete.timestamp() for t in done), len(done)
+
+
+def _both(command: list[str], env: dict[str, str]) -> tuple[float, list[int]]:
+    """Start ``command`` twice at once; seconds until both ended, and their exit codes."""
+    started = time.perf_counter()
+    processes = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for _ in range(2)]
+    try:
+        codes = [p.wait(900) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return time.perf_counter() - started, codes
+
+
+def _first_and_last(finished: list[float], window: int) -> tuple[str, float]:
+    """How long the first ``window`` trials took to finish against the last ``window``, per
+    trial and in all, and the ratio of the two per-trial figures. Per trial is the median
+    time for a tenth of the window to finish, over a tenth: a pause of the machine moves it
+    little, and a tenth spans many ticks of a file system's coarse clock (ext4 stamps files
+    with its timer tick, a few ms)."""
+    first, last = finished[:window], finished[-window:]
+    k = max(1, window // 10)
+    per = [median([b - a for a, b in zip(part, part[k:])]) / k for part in (first, last)]
+    spans = [part[-1] - part[0] for part in (first, last)]
+    text = f"{us(per[1])} against {us(per[0])} a trial ({ms(spans[1])} against {ms(spans[0])} in all)"
+    return text, per[1] / per[0] if per[0] else float("inf")
+
+
+def studies(settings: Settings, floors: Floors) -> list[Row]:
+    """(f) Trials claimed and finished per second by two runner processes with an instant
+    objective, beside two Optuna processes sharing a ``JournalFileBackend`` file in the
+    same run (alternating: Optuna, somatize, somatize, Optuna); whether the last claims of
+    the study cost what the first ones did; and what reading a study's history costs."""
     folder = tempfile.mkdtemp(prefix="somatize-bench-study-")
     rows: list[Row] = []
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH", "")]))
+    n = settings.trials
+    window = min(100, n // 4)
     try:
-        store = FolderStore(folder)
-        n = settings.trials
-        Study(store, "speed", objective="objectives:instant", space={"x": FloatDistribution(-5, 5)}, trials=n,
-              sampler="random", patience=30.0)
-        command = [sys.executable, "-m", "somatize", "study", "--store", folder, "speed"]
-        started = time.perf_counter()
-        runners = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                   for _ in range(2)]
-        try:
-            codes = [r.wait(600) for r in runners]
-        finally:
-            for r in runners:
-                if r.poll() is None:
-                    r.kill()
-                    r.wait()
-        took = time.perf_counter() - started
-        done = [t for t in trials(store, study="speed") if t["state"] == "done"]
-        if codes != [0, 0] or len(done) != n:
-            raise AssertionError(f"runners ended with {codes}, {len(done)} of {n} trials done")
-        rows.append(Row("f", f"2 runners, {n:,} trials of an instant objective", f"{n / took:,.1f} trials/s",
-                        target="", verdict=""))
+        ours: list[tuple[float, list[int]]] = []
+        theirs: list[tuple[float, list[float], int]] = []
+        for turn, who in enumerate(["optuna", "somatize", "somatize", "optuna"]):
+            where = os.path.join(folder, f"speed-{turn}")
+            if who == "somatize":
+                ours.append(_somatize_runners(where, n, env))
+            else:
+                os.makedirs(where)
+                theirs.append(_optuna_journal(where, n, env))
+        took, stamps = min(ours, key=lambda run: run[0])  # each side's least disturbed of two
+        their_took, their_finished, their_n = min(theirs, key=lambda run: run[0] / run[2])
+        mine, optuna_rate = n / took, their_n / their_took
+        rows.append(Row("f", f"Optuna JournalFileBackend, 2 processes, {n:,} trials of an instant objective",
+                        f"{optuna_rate:,.1f} trials/s"))
+        rows.append(Row("f", f"2 runners, {n:,} trials of an instant objective", f"{mine:,.1f} trials/s",
+                        f"Optuna journal {optuna_rate:,.1f}/s", ratio(mine / optuna_rate), ">= 1x Optuna",
+                        at_least(mine / optuna_rate, 1.0)))
         rows.append(Row("f", "  the same, per trial (both processes' start included)", ms(took / n)))
+        text, slower = _first_and_last([ns / 1e9 for ns in stamps], window)
+        rows.append(Row("f", f"  the last {window} trials against the first {window} (the store's stamps)", text,
+                        "", ratio(slower), "<= 1.5x", at_most(slower, 1.5)))
+        text, slower = _first_and_last(their_finished, window)
+        rows.append(Row("f", f"  Optuna's journal: the last {window} trials against the first {window}", text,
+                        "", ratio(slower)))
 
         _history(folder, "past", settings.history)
         counting = Counting(FolderStore(folder))
@@ -409,5 +478,6 @@ CASES: dict[str, Callable[[Settings, Floors], list[Row]]] = {
     "d": engine_overhead,
     "e": record_readers,
     "f": studies,
+    "g": flooding.flood_rows,
     "m": memory.memory_rows,
 }

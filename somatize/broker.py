@@ -90,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command.key_options(parser, workers=True)
     parser.add_argument("--bindings", metavar="FILE.json",
                         help="keep which worker key owns which dialed-in host name in this file, so a "
-                             "restarted broker gives each name back only to its key (written 0600)")
+                             "restarted broker gives each name back only to its key (written 0600, in a "
+                             "folder of this user's that others may not write in)")
     command.patience_option(parser)
     command.log_option(parser)
     parser.add_argument("--insecure", action="store_true",

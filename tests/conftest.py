@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 WORKER = [sys.executable, "-m", "somatize.worker"]
 BROKER = [sys.executable, "-m", "somatize.broker"]
+#: Run what follows as another local user, `nobody`, with no groups of ours.
+SETPRIV = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 
 
 class Process:
@@ -130,6 +133,20 @@ def processes(tmp_path):
     yield start
     for process in reversed(started):
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def python_for_nobody():
+    """A Python interpreter `nobody` may run (ours may sit in root's 0700 home)."""
+    if os.geteuid() != 0:
+        pytest.skip("playing another local user needs root (to run a process as `nobody`)")
+    if shutil.which("setpriv") is None:
+        pytest.skip("playing another local user needs `setpriv` (util-linux)")
+    for candidate in dict.fromkeys([sys.executable, shutil.which("python3"), "/usr/bin/python3"]):
+        if candidate and subprocess.run([*SETPRIV, candidate, "-c", "pass"], cwd="/",
+                                         capture_output=True, timeout=30).returncode == 0:
+            return candidate
+    pytest.skip("no Python interpreter that `nobody` may run (ours lies in a folder closed to it)")
 
 
 def env_with_tests() -> dict:

@@ -46,8 +46,8 @@ def test_a_node_that_never_returns_is_overdue_naming_node_host_and_time_and_the_
 
 
 def test_a_hosts_own_deadline_bounds_every_forward_to_it():
-    # A host's deadline counts from when its worker is there: the 3 s bound the work, never
-    # how fast this machine starts and imports a Python process (once before, once after)
+    # A host's deadline counts from when the Work is sent: the 3 s bound the work, never how
+    # fast this machine starts a worker and unpickles its code (once before, once after)
     with spawned(deadline=3.0) as broker:
         pid = Pid().named("pid").at("w1").forward(0, broker=broker)
         started = time.monotonic()

@@ -24,14 +24,13 @@ from pathlib import Path
 import pytest
 
 import fabric_nodes
-from conftest import WORKER
+from conftest import SETPRIV, WORKER
 from fabric_nodes import Add
 from somatize import Broker, ProtocolError, Refused, Worker
 from somatize.fabric import mount
 from somatize.fabric.spawn import Child
 from somatize.wire import Hello, Mounted, Provision, Ready, Runtime, decode, encode
 
-SETPRIV = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 
 # The attacker's client: ZMTP 3.0 (NULL) by hand, standard library only, so that it runs on
 # any Python `nobody` may execute. It connects, sends the messages given on stdin, and
@@ -107,20 +106,6 @@ attempt("plant a link", lambda: os.symlink(spec["target"], os.path.join(folder, 
 attempt("plant a file", lambda: open(os.path.join(folder, "planted"), "w").close())
 print(json.dumps(tried))
 '''
-
-
-@pytest.fixture(scope="module")
-def python_for_nobody():
-    """A Python interpreter `nobody` may run (ours may sit in root's 0700 home)."""
-    if os.geteuid() != 0:
-        pytest.skip("playing another local user needs root (to run a process as `nobody`)")
-    if shutil.which("setpriv") is None:
-        pytest.skip("playing another local user needs `setpriv` (util-linux)")
-    for candidate in dict.fromkeys([sys.executable, shutil.which("python3"), "/usr/bin/python3"]):
-        if candidate and subprocess.run([*SETPRIV, candidate, "-c", "pass"], cwd="/",
-                                         capture_output=True, timeout=30).returncode == 0:
-            return candidate
-    pytest.skip("no Python interpreter that `nobody` may run (ours lies in a folder closed to it)")
 
 
 @pytest.fixture

@@ -277,14 +277,20 @@ CLIENT = textwrap.dedent(
         x = torch.ones(1 << 18, dtype=torch.float32)
     else:
         x = np.ones(1 << 20, np.uint8)
-    broker = Broker.embedded({"w1": Worker.spawn([sys.executable, "-m", "somatize.worker"], mount=folder)})
+    if len(sys.argv) > 4:  # a worker listening there, not this process's child
+        declared = Worker.at(sys.argv[4], mode="network", mount=folder)
+    else:
+        declared = Worker.spawn([sys.executable, "-m", "somatize.worker"], mount=folder)
+    broker = Broker.embedded({"w1": declared})
     Hold(started).named("hold").at("w1").forward(x, broker=broker)
     """
 )
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_a_client_killed_mid_exchange_leaves_no_segment_once_swept(folder, tmp_path, kind):
+def test_a_client_killed_mid_exchange_leaves_no_segment(folder, tmp_path, kind):
+    """Its spawned worker, stuck in a node, ends with it and removes what it lent: nothing
+    of a SIGKILLed notebook stays in memory, with no later client to sweep the folder."""
     cargo(kind)  # skips where torch is not installed
     started = tmp_path / "started"
     client = subprocess.Popen([sys.executable, "-c", CLIENT, str(folder), str(started), kind], env=env_with_tests())
@@ -294,8 +300,7 @@ def test_a_client_killed_mid_exchange_leaves_no_segment_once_swept(folder, tmp_p
         assert files(folder), "the request's segment is not in the folder"
         client.send_signal(signal.SIGKILL)
         client.wait(10)
-        gone = mount.sweep(folder)  # what the next process to use the folder does first
-        assert gone and files(folder) == []
+        wait_until(lambda: files(folder) == [], 30, "the worker removing its dead client's segments")
     finally:
         if client.poll() is None:
             client.kill()
@@ -308,6 +313,26 @@ def test_a_client_killed_mid_exchange_leaves_no_segment_once_swept(folder, tmp_p
             wait_until(lambda: not Path(f"/proc/{worker_pid}").exists()
                        or "zombie" in Path(f"/proc/{worker_pid}/status").read_text().lower(), 10, "the worker ending")
     assert files(folder) == []
+
+
+def test_a_listening_worker_removes_the_segments_of_a_client_killed_mid_exchange(processes, folder, tmp_path):
+    folder.mkdir(mode=0o700)
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "network", "--mount", str(folder)])
+    started = tmp_path / "started"
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, str(folder), str(started), "numpy", worker.endpoint],
+                              env=env_with_tests())
+    try:
+        wait_until(lambda: started.exists() and started.read_text(), 60, "the node starting")
+        assert files(folder), "the request's segment is not in the folder"
+        client.send_signal(signal.SIGKILL)
+        client.wait(10)
+        # the worker is still in the node, serving through its stand-in, and no client comes
+        wait_until(lambda: files(folder) == [], 30, "the worker removing its dead client's segments")
+        assert worker.alive
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(10)
 
 
 # -- hostile requests ----------------------------------------------------------------------------
@@ -456,8 +481,8 @@ def test_mounted_spans_are_checked_before_anything_is_opened():
 def test_a_spawned_worker_uses_this_users_folder_in_memory_unless_told_otherwise():
     declared = Worker.spawn(WORKER, mode="network", send=[sys.modules[__name__]])
     own = mount.own_folder()
-    assert declared.mount == own == f"/dev/shm/somatize-{os.geteuid()}"
-    assert Worker.spawn(WORKER, mount=False).mount is None
+    assert declared.own_mount and own == f"/dev/shm/somatize-{os.geteuid()}"  # looked at when it starts
+    assert not Worker.spawn(WORKER, mount=False).own_mount and Worker.spawn(WORKER, mount=False).mount is None
     x = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: through a pooled segment
     with Broker.embedded({"w1": declared}) as broker:
         np.testing.assert_array_equal(Echo().named("echo").at("w1").forward(x, broker=broker), x)
@@ -480,7 +505,36 @@ def test_a_default_folder_another_user_took_is_not_used(tmp_path, monkeypatch):
         os.chown(squatted, 65534, 65534)  # nobody took the name first
         monkeypatch.setattr(mount, "SHM", str(fake_shm))
         assert mount.own_folder() is None
-        assert Worker.spawn(WORKER).mount is None  # cargo through the socket, never their folder
+    finally:
+        for p in fake_shm.iterdir():
+            p.rmdir()
+        fake_shm.rmdir()
+
+
+def test_a_default_folder_taken_after_the_declaration_means_the_socket_never_a_failed_forward(monkeypatch, capfd):
+    """The default folder is looked at when the worker starts, not when it was declared:
+    another user who takes the name in between gets nothing, and the forward goes through
+    the socket, with one warning."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    fake_shm = SHM / f"somatize-test-squat-late-{os.getpid()}"
+    fake_shm.mkdir()
+    fake_shm.chmod(0o1777)  # like /dev/shm: anyone may make a name there
+    try:
+        monkeypatch.setattr(mount, "SHM", str(fake_shm))
+        declared = Worker.spawn(WORKER, mode="network", send=[sys.modules[__name__]])
+        assert declared.own_mount
+        squatted = fake_shm / f"somatize-{os.geteuid()}"
+        subprocess.run(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
+                        "mkdir", "-m", "777", str(squatted)], check=True, timeout=30)
+        assert squatted.stat().st_uid != os.geteuid()
+        x = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: a pooled segment, had the folder been ours
+        with Broker.embedded({"w1": declared}) as broker:
+            for _ in range(2):
+                np.testing.assert_array_equal(Echo().named("echo").at("w1").forward(x, broker=broker), x)
+            assert broker._located["w1"].path == "direct"
+        assert os.listdir(squatted) == [], "nothing of ours went into their folder"
+        assert capfd.readouterr().err.count("is not this user's safe folder") == 1
     finally:
         for p in fake_shm.iterdir():
             p.rmdir()

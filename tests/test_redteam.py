@@ -8,17 +8,15 @@ every process is reaped by the ``processes`` fixture.
 
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from conftest import BROKER, WORKER, env_with_tests
+from holds_nodes import Hold
+from peers import Raw
 from fabric_nodes import Add, Scale
-from somatize import Broker, Node, Worker
+from somatize import Broker, Worker
 from somatize.packing import Packer
 from reliability_support import wait_until
 from somatize.wire import (
@@ -35,42 +33,10 @@ from somatize.wire import (
     Runtime,
     Where,
     Work,
-    decode,
     encode,
 )
 
 RT = Runtime.here(mode="project")
-
-
-class Raw:
-    """An attacker speaking the wire by hand on one DEALER (one route)."""
-
-    def __init__(self, endpoint: str, *, keys=None) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.linger = 0
-        if keys is not None:
-            public, secret, server = keys
-            self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
-            self.sock.curve_serverkey = server
-        self.sock.connect(endpoint)
-
-    def send(self, message) -> None:
-        self.sock.send_multipart(encode(message))
-
-    def send_frames(self, frames) -> None:
-        self.sock.send_multipart(list(frames))
-
-    def answer(self, timeout: float = 10.0):
-        if not self.sock.poll(int(timeout * 1000)):
-            return None
-        return decode(self.sock.recv_multipart())
-
-    def ask(self, message, timeout: float = 10.0):
-        self.send(message)
-        return self.answer(timeout)
-
-    def close(self) -> None:
-        self.sock.close(0)
 
 
 def project_worker(processes, *extra: str):
@@ -116,22 +82,6 @@ def test_an_allowed_client_cannot_make_another_clients_next_forward_fail_by_crow
 
 
 # -- a client receives another client's answer after its broker restarts -------------------
-
-
-class Hold(Node):
-    """Writes ``started``, runs until ``release`` exists (a minute at most), writes
-    ``finished``, and returns its input."""
-
-    def __init__(self, started: str, release: str, finished: str) -> None:
-        self.started, self.release, self.finished = started, release, finished
-
-    def forward(self, x):
-        Path(self.started).write_text(str(os.getpid()))
-        until = time.monotonic() + 60
-        while not os.path.exists(self.release) and time.monotonic() < until:
-            time.sleep(0.01)
-        Path(self.finished).write_text("done")
-        return x
 
 
 def free_port() -> int:

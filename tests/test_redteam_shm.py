@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import BROKER, WORKER, env_with_tests
+from conftest import BROKER, SETPRIV, WORKER, env_with_tests
 from fabric_nodes import Scale
 from reliability_support import key_ring, wait_until
 from somatize import Node, ProtocolError
@@ -36,7 +36,6 @@ from somatize.wire import (WIRE_VERSION, Done, Hello, Mounted, Ready, Recipe, Re
 
 SHM = Path("/dev/shm")
 in_memory = pytest.mark.skipif(not SHM.is_dir() or not leases.in_memory(SHM), reason="needs /dev/shm on tmpfs")
-SETPRIV = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 RT = Runtime.here(mode="project")
 
 

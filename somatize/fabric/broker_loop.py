@@ -6,54 +6,50 @@ Spawned workers are started on the first such question and stopped when the brok
 closes. Only for workers that dialed in (``--broker URL --offer H``) does cargo pass
 through the broker, and then it is forwarded frame by frame, never decoded.
 
+The loop never blocks: every send goes through the :class:`~.broker_outbox.Outbox`
+(``NOBLOCK``, a bounded queue per peer and tenant; a peer that does not read loses its
+answers, counted), and what can take time (starting a spawned worker, checking one a client
+says it lost, writing the bindings file) runs off this thread (:mod:`.broker_checks`). Each
+tenant (a key; without keys, a connection) has quotas: questions waiting for such a job,
+answers waiting to be read, connections per key. Nobody's pace is another's wait.
+
 This module serves; :mod:`somatize.fabric.broker` is what a graph talks to. It logs one
-line per lifecycle event under ``somatize.broker`` (a host dialing in or leaving, a reload,
-a refusal); the command attaches the handler (:mod:`.command`).
+line per lifecycle event under ``somatize.broker``, and every line a peer can cause goes
+through a limiter (:class:`_Quiet`); the command attaches the handler (:mod:`.command`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from ..errors import BadKeys, ProtocolError, Refused
-from ..wire import (
-    MAX_NAME,
-    Bye,
-    Hello,
-    Hosts,
-    Listed,
-    Located,
-    Ready,
-    Refusal,
-    Relay,
-    Runtime,
-    Where,
-    compatible,
-    decode,
-    encode,
-    variant_of,
-)
-from ..wire.limits import Z85
+from ..wire import Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode, encode, variant_of
+from . import bindings as _bindings
 from . import sockets
+from .broker_checks import Helper, check
+from .broker_outbox import DROPPED, GONE, Outbox
 from .conversation import CLIENT, WORKER, BrokerView, Stale, Violation
 from .curve import Guard, Keys, as_server, peer_name, user_of
-from .worker import Worker
 from .spawn import Child
+from .worker import Worker
 
 #: Hosts that may dial in at once (a `Listed` answer must fit in one message).
 MAX_DIALED = 1000
-#: The longest a broker waits for a spawned worker to answer a probe (seconds).
-PROBE = 2.0
+#: Per tenant: questions waiting for a start or a check; connections of one key; answers
+#: waiting for one connection to read them (past it, its questions are dropped unanswered).
+MAX_PENDING, MAX_CONNECTIONS, MAX_UNREAD = 8, 64, 64
+#: A connection not heard from for this long no longer counts against its key (seconds).
+CONNECTION_IDLE = 60.0
 _EVERYONE = frozenset((CLIENT, WORKER))
-#: Refusals logged per `_QUIET` seconds at most; past it they are counted, and the count said.
+#: Lines of one kind logged per `_QUIET` seconds at most; past it they are counted, and the count said.
 _LOUD, _QUIET = 20, 10.0
 log = logging.getLogger("somatize.broker")
 
@@ -99,16 +95,25 @@ class BrokerLoop:
         # restarted broker must not hand a name to whichever key says Hello first
         self.bindings = Path(bindings) if bindings is not None else None
         if self.bindings is not None:
-            self.view.bindings.update(read_bindings(self.bindings))
-        self._written = self._keyed()
+            _bindings.check_folder(self.bindings)
+            self.view.bindings.update(_bindings.read(self.bindings))
+        self._written: dict[str, str] | None = self._keyed()
         self.endpoint = ""
         self.stopping = threading.Event()
         self._front: zmq.Socket | None = None
         self._drops: zmq.Socket | None = None
+        self._outbox: Outbox | None = None
         self._guard: Guard | None = None
         self._lock = threading.Lock()
+        self._helper = Helper()
+        self._waiting: dict[tuple[str, str], list] = {}  # (host, "start"|"check") -> [(route, tenant, lost)]
+        self._pending: dict[str, int] = {}  # tenant -> questions waiting for a helper job
+        self._connections: dict[str, OrderedDict[bytes, float]] = {}  # key -> route -> last heard
+        self._reload_asked = False
+        self._probed = self._probe_due = 0.0
         self._refusals = _Quiet("refusals")
         self._comings = _Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
+        self._losses = _Quiet("undelivered messages")
 
     @property
     def dialed(self) -> dict:
@@ -117,6 +122,11 @@ class BrokerLoop:
 
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
         self._front = sockets.router()
+        # never a full queue from a peer: libzmq (4.3.5) aborts the process when a peer whose
+        # inbound queue is full disconnects and a heartbeat (ours, or a PING it sent) is then
+        # written (`!_io_error`, stream_engine_base.cpp:310). This loop reads as fast as
+        # anything arrives and drops what it will not serve, so the queue stays short.
+        self._front.setsockopt(zmq.RCVHWM, 0)
         # a connection dropping (a dialed-in worker killed, or silent past the heartbeat)
         # makes the broker check which of its dialed-in workers are still there
         self._drops = self._front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -124,30 +134,46 @@ class BrokerLoop:
         if keys is not None:
             self._guard = Guard(sockets.context(), keys, log=log)
             as_server(self._front, keys)
+            self._free(lambda: self.view.revoke(self._guard.allowed(), self._guard.workers), "at start")
         self._front.bind(url)
+        self._outbox = Outbox(self._front)
         self.endpoint = sockets.bound_endpoint(self._front)
         return self.endpoint
 
     # -- the loop ----------------------------------------------------------------------
     def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._front, zmq.POLLIN)
+        poller.register(self._helper.wake, zmq.POLLIN)
+        if self._drops is not None:
+            poller.register(self._drops, zmq.POLLIN)
         try:
             while not self.stopping.is_set():
+                if self._reload_asked:
+                    self._reload_asked = False
+                    self._reload()
                 self._expire()
-                if self._drops is not None and self._drops.get(zmq.EVENTS) & zmq.POLLIN:
+                events = dict(poller.poll(20 if self._outbox.pending() else 200))
+                if self._drops in events:
                     while self._drops.get(zmq.EVENTS) & zmq.POLLIN:
                         self._drops.recv_multipart()
                     self._probe()
-                if not sockets.poll(self._front, 0.2):
-                    continue
-                for _ in range(256):
+                elif self._probe_due and time.monotonic() >= self._probe_due:
+                    self._probe()
+                if self._helper.wake in events:
+                    self._helper.deliver()
+                for _ in range(1024):
                     if not self._front.get(zmq.EVENTS) & zmq.POLLIN:
                         break
                     self._handle(self._front.recv_multipart(copy=False))
+                for route in self._outbox.flush():
+                    self._gone(route)
         finally:
             self.close()
 
     def close(self) -> None:
         self.stopping.set()
+        self._helper.close()
         with self._lock:
             children, self.children = list(self.children.values()), {}
         for child in children:
@@ -167,6 +193,11 @@ class BrokerLoop:
         return "no keys" if self._guard is None else f"CURVE keys: {self._guard.described()}"
 
     def reload(self) -> None:
+        """Ask for the allow folders to be read again (from a signal handler: the serving
+        thread does it at its next turn, never in the middle of a message)."""
+        self._reload_asked = True
+
+    def _reload(self) -> None:
         """Read the allow folders again; a key taken out loses its hosts and exchanges now.
         A folder that cannot be used refuses the new list as a whole: the old one stays."""
         if self._guard is None:
@@ -178,9 +209,35 @@ class BrokerLoop:
             log.error("the allow-list was not reloaded, the old one stays (%s): %s", self._guard.described(), exc)
             return
         log.info("reloaded the allow-list: %s", self._guard.described())
+        self._revoke()
+
+    def _revoke(self) -> None:
         before = dict(self.view.offers)
-        self.view.revoke(self._guard.allowed())
+        self._free(lambda: self.view.revoke(self._guard.allowed(), self._guard.workers), "at a reload")
         self._left([h for h in before if h not in self.view.offers], before, "its key was taken out of the allow-list")
+        allowed = self._guard.allowed()
+        for exchange in self.view.revoked:  # nothing more of it is delivered, and its other side is told
+            if exchange.key and exchange.key not in allowed:
+                self._outbox.forget(exchange.client)
+                self._outbox.forget(exchange.worker, exchange.tenant)
+                bye = encode(Relay(exchange=exchange.number, tenant=exchange.tenant, inner=tuple(encode(Bye()))))
+                self._deliver(exchange.worker, bye)
+            else:
+                self._outbox.forget(exchange.client, str(exchange.number))
+                self._answer(exchange.client, Refusal(
+                    f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
+                    f"taken out of the allow-list): the work sent to it there ended"))
+        self.view.revoked = []
+        self._keep_bindings()
+
+    def _free(self, revoke: Any, when: str) -> None:
+        """Run ``revoke`` and log each name it set free: bound to a key no longer a worker key."""
+        before = dict(self.view.bindings)
+        revoke()
+        for host, owner in sorted(before.items()):
+            if host not in self.view.bindings:
+                log.info("host `%s` is free again %s: its key %s is no longer in --allow-workers",
+                         host, when, peer_name(b"", owner))
         self._keep_bindings()
 
     def _left(self, hosts: list[str], offers: dict, why: str) -> None:
@@ -201,38 +258,64 @@ class BrokerLoop:
         if more is not None:
             log.info("refused %s: %s%s", peer_name(route, user), why, more)
 
-    def _send(self, parts: list) -> None:
-        try:
-            self._front.send_multipart(parts, copy=False)
-        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: never a silent drop
-            log.warning("a message to %s could not be delivered (%s)", peer_name(bytes(parts[0])), exc)
+    # -- sending: never blocking ------------------------------------------------------
+    def _deliver(self, route: bytes, frames: list, tenant: str = "") -> None:
+        said = self._outbox.send(route, frames, tenant)
+        if said == GONE:
+            more = self._losses.more()
+            if more is not None:
+                log.info("a message to %s could not be delivered: its connection is gone%s", peer_name(route), more)
+            self._gone(route)
+        elif said == DROPPED and self._outbox.dropped_for(route) in (1, 1000, 100_000):
+            more = self._losses.more()
+            if more is not None:
+                log.info("%s does not read what it is sent: %d messages for it dropped so far%s",
+                         peer_name(route), self._outbox.dropped_for(route), more)
 
     def _answer(self, route: Any, message: Any) -> None:
         try:
             frames = encode(message)
         except (ValueError, TypeError) as exc:  # over a wire limit: say so, and keep serving
             frames = encode(Refusal(f"the broker's answer did not fit in a message: {exc}"[:1000]))
-        self._send([route, *frames])
+        self._deliver(route, frames)
 
+    def _gone(self, route: bytes) -> None:
+        """ZeroMQ has no route of that id any more (not a full queue: that is only slow)."""
+        self._outbox.forget(route)
+        before = dict(self.view.offers)
+        self._left(self.view.leave(route), before, "its connection is gone")
+
+    # -- receiving --------------------------------------------------------------------
     def _handle(self, parts: list) -> None:
         if len(parts) < 2:
             return
         route, frames = parts[0].bytes, parts[1:]
+        if self._outbox.waiting(route) >= MAX_UNREAD and route not in self.view.offers_index:
+            self._outbox.dropped += 1  # it does not read its answers: it is not heard until it does
+            return
         user, roles = "", _EVERYONE
         if self._guard is not None:
             user = user_of(parts[1])
             roles = self._guard.roles(user)
-            if not roles:  # its key was taken out of the allow folders since it connected
-                self.view.revoke(self._guard.allowed())
+            if not roles:  # its key was taken out of the allow folders since it connected (the
+                # reload that took it out ended its exchanges and offers)
                 self._refused(route, user, "its key is no longer in the allow-list")
                 self._answer(route, Refusal("this key is no longer allowed on this broker; ask its operator"))
                 return
         now = time.monotonic()
+        self.view.heard(route, now)  # any message from a dialed worker says it is there
+        if user and not self._connected(user, route, now):
+            self._refused(route, user, f"this key already has {MAX_CONNECTIONS} connections open here")
+            self._answer(route, Refusal(f"this key already has {MAX_CONNECTIONS} connections open at this broker; "
+                                        f"use fewer, or wait {CONNECTION_IDLE:g} s after closing some"))
+            return
         try:
             variant = variant_of(frames)
             if variant is Relay:
-                deliver = self.view.relay(route, user, decode(frames), now)
-                self._send([deliver.route, *deliver.frames])
+                relay = decode(frames)
+                deliver = self.view.relay(route, user, relay, now)
+                tenant = str(relay.exchange) if relay.exchange else self.view.tenant(route, user)
+                self._deliver(deliver.route, deliver.frames, tenant)
                 return
             if variant not in (Hello, Where, Hosts, Bye):  # never decode values it will not use
                 raise Violation(f"a broker does not answer a `{variant.__name__}`")
@@ -246,12 +329,28 @@ class BrokerLoop:
         if isinstance(message, Hello):
             self._hello(route, user, roles, message, now)
         elif isinstance(message, Where):
-            self._answer(route, self._where(message))
+            answer = self._where(message, route, self.view.identity(route, user))
+            if answer is not None:
+                self._answer(route, answer)
         elif isinstance(message, Hosts):
             self._answer(route, Listed(self._listing()))
         else:
             before = dict(self.view.offers)
             self._left(self.view.leave(route), before, "it said Bye")
+            self._outbox.forget(route)
+
+    def _connected(self, key: str, route: bytes, now: float) -> bool:
+        """Count ``route`` against ``key``'s connections: False past ``MAX_CONNECTIONS``."""
+        routes = self._connections.setdefault(key, OrderedDict())
+        if route not in routes and len(routes) >= MAX_CONNECTIONS:
+            for old, heard in list(routes.items()):
+                if now - heard > CONNECTION_IDLE and not self.view.offered_by(old):
+                    del routes[old]
+            if len(routes) >= MAX_CONNECTIONS:
+                return False
+        routes[route] = now
+        routes.move_to_end(route)
+        return True
 
     # -- rendezvous --------------------------------------------------------------------
     def _hello(self, route: bytes, user: str, roles: frozenset, hello: Hello, now: float) -> None:
@@ -279,38 +378,56 @@ class BrokerLoop:
         return {h: k for h, k in self.view.bindings.items() if not k.startswith("route:")}
 
     def _keep_bindings(self) -> None:
-        """Write the bindings of keys to names when they changed (atomically, 0600)."""
+        """Write the bindings of keys to names when they changed, off this thread."""
         keyed = self._keyed()
         if self.bindings is None or keyed == self._written:
             return
-        try:
-            write_bindings(self.bindings, keyed)
-            self._written = keyed
-        except OSError as exc:  # a full disk must not stop the serving; say so every time
-            log.warning("could not keep the host bindings in %s: %s", self.bindings, exc)
+        self._written = keyed
+        path = self.bindings
+
+        def written(result: Any) -> None:
+            if isinstance(result, Exception):  # a full disk must not stop the serving
+                self._written = None  # tried again at the next change
+                more = self._losses.more()
+                if more is not None:
+                    log.warning("could not keep the host bindings in %s: %s%s", path, result, more)
+
+        self._helper.submit("bindings", lambda: _bindings.write(path, keyed), written)
 
     def _expire(self) -> None:
-        """A dialed-in worker announces itself every `patience`; one silent for three is gone."""
+        """A dialed-in worker is heard from every `patience`; one silent for three is gone."""
         gone = self.view.expire(time.monotonic())
         if gone:  # a keyed owner's binding outlives its offer: it names the key
             self._left(gone, {}, f"silent for {3 * self.patience:g} s (three patiences)")
 
     def _probe(self) -> None:
-        """Send each dialed-in worker a Ready; ROUTER_MANDATORY says which are gone."""
+        """A connection dropped: which dialed-in workers are gone? A Ready to each says it
+        (``ROUTER_MANDATORY``): unreachable is gone, a full queue is only slow. At most once
+        a second, however often connections drop."""
+        now = time.monotonic()
+        if now - self._probed < 1.0:  # not lost: done when the second is over
+            self._probe_due = self._probed + 1.0
+            return
+        self._probed, self._probe_due = now, 0.0
         hello = encode(Ready(self.runtime))
         for route in {o.route for o in self.view.offers.values()}:
+            if self._outbox.waiting(route):
+                continue  # what waits for it will say, when it is tried
             try:
                 self._front.send_multipart([route, *hello], zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # slow, not gone
             except zmq.ZMQError:
-                before = dict(self.view.offers)
-                self._left(self.view.leave(route), before, "its connection is gone")
+                self._gone(route)
 
     def _listing(self) -> dict[str, str]:
         listing = {name: ("inprocess" if w.how == "inprocess" else w.mode) for name, w in self.hosts.items()}
         listing.update({name: o.runtime.mode or "project" for name, o in self.view.offers.items()})
         return listing
 
-    def _where(self, where: Where) -> Located | Refusal:
+    def _where(self, where: Where, route: bytes, tenant: str) -> Located | Refusal | None:
+        """The answer now, or None when a helper job will give it (a spawned host to start
+        or to check)."""
         host = where.host
         declared = self.hosts.get(host)
         if declared is None:
@@ -329,90 +446,55 @@ class BrokerLoop:
         with self._lock:
             child = self.children.get(host)
             if child is None:
-                child = self.children[host] = Child(host, declared.argv, mode=declared.mode, mount=declared.mount)
-            if where.lost:
-                # a client's word is not enough to stop a worker others may use: look first
-                limit = getattr(declared, "deadline", None)
-                if self.private and where.waited_us:
-                    # the one client of an embedded broker gave up on work after waited_us;
-                    # a child still busy with work at least half that old is stuck in it
-                    # (half: the client's wait includes the work's way there)
-                    waited = where.waited_us / 2e6
-                    limit = waited if limit is None else min(limit, waited)
-                ended = self._check(child, limit)
-                return Located(host, path, address=child.address, mode=declared.mode, mount=declared.mount, ended=ended)
-            if not child.running:
-                try:
-                    child.start()
-                except Refused as exc:
-                    return Refusal(str(exc))
-        return Located(host, path, address=child.address, mode=declared.mode, mount=declared.mount)
-
-    def _check(self, child: Child, deadline: float | None) -> str | None:
-        """Probe a spawned worker a client says it lost. Kill it only if it is gone, does
-        not answer, or has run one piece of work past its host's deadline; return how it
-        ended, or None when it is well (the client's trouble was elsewhere)."""
-        child.settle(0.2)  # a child that was just killed may still be on its way out
-        if not child.running:
-            return child.ended()
-        answer = _probe(child.address, self.runtime, min(PROBE, self.patience))
-        if isinstance(answer, Ready) and (deadline is None or answer.busy_us <= deadline * 1_000_000):
+                child = self.children[host] = Child(host, declared.argv, mode=declared.mode, mount=declared.mount,
+                                                    own=declared.own_mount)
+        kind = "check" if where.lost else "start"
+        if kind == "start" and child.running and not self._helper.busy(host):
+            return _located(host, child, declared.mode)
+        waiting = self._waiting.get((host, kind))
+        if waiting is not None:  # one start, one check of a host at a time: join it
+            waiting.append((route, tenant))
+            self._pending[tenant] = self._pending.get(tenant, 0) + 1
             return None
-        child.settle(0.1)
-        if not child.running:
-            return child.ended()
-        why = (
-            "stopped answering while still running" if not isinstance(answer, Ready)
-            else f"was still running one piece of work after {answer.busy_us / 1e6:.0f} s, past its deadline of {deadline:g} s"
-        )
-        child.kill()  # the next forward starts afresh
-        return why
+        if self._pending.get(tenant, 0) >= MAX_PENDING:
+            return Refusal(f"you already have {MAX_PENDING} questions waiting at this broker; ask again when they are answered")
+        self._waiting[(host, kind)] = [(route, tenant)]
+        self._pending[tenant] = self._pending.get(tenant, 0) + 1
+        if where.lost:
+            # a client's word is not enough to stop a worker others may use: look first
+            limit = getattr(declared, "deadline", None)
+            if self.private and where.waited_us:
+                # the one client of an embedded broker gave up on work after waited_us;
+                # a child still busy with work at least half that old is stuck in it
+                # (half: the client's wait includes the work's way there)
+                waited = where.waited_us / 2e6
+                limit = waited if limit is None else min(limit, waited)
+            job = lambda: check(child, limit, self.runtime, self.patience)  # noqa: E731
+        else:
+            job = lambda: None if child.running else child.start()  # noqa: E731
 
+        def done(result: Any) -> None:
+            for asker, who in self._waiting.pop((host, kind), []):
+                self._pending[who] = self._pending.get(who, 1) - 1
+                if self._pending[who] <= 0:
+                    del self._pending[who]
+                if isinstance(result, Refused):
+                    self._answer(asker, Refusal(str(result)))
+                elif isinstance(result, Exception):
+                    self._answer(asker, Refusal(f"the broker could not start `{host}`: {type(result).__name__}: {result}"))
+                else:
+                    ended = result if kind == "check" else None
+                    self._answer(asker, _located(host, child, declared.mode, ended))
 
-
-
-def _probe(address: str, runtime: Runtime, timeout: float) -> Any:
-    """Say Hello to a worker on a socket of its own; its answer, or None within ``timeout``."""
-    sock = sockets.dealer(timeout)
-    try:
-        sock.connect(address)
-        sock.send_multipart(encode(Hello(runtime)))
-        if not sockets.poll(sock, timeout):
-            return None
-        return decode(sock.recv_multipart(copy=False))
-    except (zmq.ZMQError, ProtocolError):
+        self._helper.submit(host, job, done)
         return None
-    finally:
-        sockets.close(sock)
 
 
-def read_bindings(path: Path) -> dict[str, str]:
-    """The names bound to keys, from a file this broker wrote (a JSON map); none when it
-    does not exist yet. Anything else in it is refused with a sentence."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}
-    try:
-        table = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{path} is not the bindings file this broker writes (a JSON map of host to key): {exc}") from exc
-    if not isinstance(table, dict) or not all(
-        isinstance(h, str) and 0 < len(h) <= MAX_NAME and isinstance(k, str) and len(k) == 40 and set(k) <= Z85
-        for h, k in table.items()
-    ):
-        raise ValueError(f"{path} is not the bindings file this broker writes: it maps host names to Z85 public keys")
-    return table
-
-
-def write_bindings(path: Path, table: dict[str, str]) -> None:
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(table, out, sort_keys=True, indent=1)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temp, path)
+def _located(host: str, child: Child, mode: str, ended: str | None = None) -> Located:
+    """Where a spawned host is: its child's socket, and the folder the child was started
+    with (chosen at each start when none was named), if any."""
+    return Located(host, "mount" if child.mount else "direct", address=child.address, mode=mode,
+                   mount=child.mount, ended=ended)
 
 
 class _Quiet:

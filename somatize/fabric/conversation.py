@@ -18,8 +18,6 @@ process started. The states and transitions are drawn in ``docs/conversation.md`
 
 from __future__ import annotations
 
-import itertools
-import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,19 +28,15 @@ from ..wire import (
     Done,
     Failed,
     Hello,
-    Hosts,
     Provision,
     Ready,
     Recipe,
     Refusal,
-    Relay,
     Runtime,
     Saw,
     Send,
-    Where,
     Work,
     compatible,
-    encode,
     recipe_digest,
     with_recipe,
 )
@@ -102,12 +96,20 @@ class ClientExchange:
 
     An answer carrying the ref of an exchange this channel gave up on is stale: dropped and
     counted in ``stale``, never taken for the answer to the work now open.
+
+    A refusal names the work it ends. One that names no work, arriving once the Work has
+    been wholly sent (``work_delivered``), is never taken for that work's answer: it ends
+    the channel (state ``closed``, ``unplaced`` set), the work's fate unknown, and nothing
+    is sent again on its word. Before then (a stream of the Work still going out) it
+    refuses the carrier of the Work, which the worker never took: that is its answer.
     """
 
     def __init__(self) -> None:
         self.state = "new"
         self.ref: int | None = None
         self.stale = 0
+        self.sent = False  # the open Work has been wholly sent
+        self.unplaced: Refusal | None = None  # a refusal naming no work, after it was sent
         self._given_up: set[int] = set()
 
     def _sending(self, allowed: tuple[str, ...], what: str) -> None:
@@ -124,7 +126,13 @@ class ClientExchange:
 
     def work_sent(self, ref: int) -> None:
         self._sending(("ready",), "Work")
-        self.state, self.ref = "working", ref
+        self.state, self.ref, self.sent = "working", ref, False
+
+    def work_delivered(self) -> None:
+        """The open Work has left whole (the last chunk of its stream, or the message
+        itself): from now on a refusal that names no work is not its answer."""
+        if self.state == "working":
+            self.sent = True
 
     def forgotten(self) -> None:
         """The worker said it does not know this channel (``Refusal(hello=True)``): the
@@ -145,6 +153,10 @@ class ClientExchange:
             if isinstance(msg, (Saw, Send, Done, Failed, Refusal)) and ref is not None and ref != self.ref:
                 self.stale += 1
                 return None
+            if isinstance(msg, Refusal) and ref is None and self.sent:
+                # not the answer: the work may have run. The channel ends; nothing is resent
+                self.state, self.unplaced = "closed", msg
+                return msg
         if not isinstance(msg, _CLIENT_EXPECTS[self.state]):
             was, self.state = self.state, "closed"  # Rule 1: never guess the way back
             raise Violation(f"a worker may not answer a `{_name(msg)}` to a channel that is {was}")
@@ -164,6 +176,7 @@ class _Session:
     tenant: str
     cost: int  # its runtime's and its recipes' together
     open: dict[int, float] = field(default_factory=dict)  # ref -> when it started (monotonic)
+    streams: set[int] = field(default_factory=set)  # answers streaming to it, not yet all credited
     # the recipes this peer sent in full, by the digest this side computed: digest -> (recipe, cost)
     recipes: OrderedDict[str, tuple[Recipe, int]] = field(default_factory=OrderedDict)
 
@@ -184,7 +197,10 @@ class WorkerSessions:
 
     What is kept per peer is bounded: at most ``max_peers`` sessions and ``max_bytes`` of
     remembered runtimes and recipes in all, the least recently heard from forgotten first
-    (it says Hello again if it comes back). Open work is never forgotten while it runs.
+    (it says Hello again if it comes back). A session with an answer in flight (work open,
+    or an answer streaming to it that is not yet all credited, see ``hold``) is never
+    forgotten to make room: when only such sessions are left, the newcomer's Hello is
+    refused (``busy:``), and a recipe that does not fit is not kept (its Work still runs).
 
     Recipes: every recipe a peer sends in full (checked by ``decode``) is kept for that peer
     alone, under the digest computed here (``wire.recipe_digest``), so its next Work may name
@@ -292,7 +308,11 @@ class WorkerSessions:
             held -= dropped
             session.cost -= dropped
             self._bytes -= dropped
-        self._make_room(peer)
+        if not self._make_room(peer):  # every other session has an answer in flight
+            kept = session.recipes.pop(digested.digest, None)
+            if kept is not None:  # not kept: its Work runs, and the next one comes in full
+                session.cost -= kept[1]
+                self._bytes -= kept[1]
 
     def recipes(self, peer: bytes) -> int:
         """How many recipes are kept for ``peer`` (0 for a peer not known)."""
@@ -301,41 +321,80 @@ class WorkerSessions:
 
     def _greet(self, peer: bytes, runtime: Runtime, tenant: str) -> None:
         old = self._sessions.pop(peer, None)
-        # a Hello renews a session: the work it has running stays its own, and nobody else's
-        opened = old.open if old is not None and old.tenant == tenant else {}
+        # a Hello renews a session: what it has in flight stays its own, and nobody else's
+        mine = old is not None and old.tenant == tenant
+        opened = old.open if mine else {}
+        streams = old.streams if mine else set()
         if old is not None:
             self._bytes -= old.cost
         cost = _runtime_cost(runtime)
-        self._sessions[peer] = _Session(runtime, tenant, cost, opened)
+        self._sessions[peer] = session = _Session(runtime, tenant, cost, opened, streams)
         self._bytes += cost
-        self._make_room(peer)
+        if not self._make_room(peer) and not (session.open or session.streams):
+            self._forget(peer)
+            raise Violation(
+                "busy: this worker holds as many sessions as it may, and every one has an answer "
+                "in flight; say Hello again once one has finished"
+            )
 
-    def _make_room(self, peer: bytes) -> None:
-        """Forget the least recently heard from peers (none with work open, never ``peer``)
-        while over ``max_peers`` or ``max_bytes``."""
+    def _make_room(self, peer: bytes) -> bool:
+        """Forget the least recently heard from peers (none with an answer in flight, never
+        ``peer``) while over ``max_peers`` or ``max_bytes``; False when that is not enough."""
         while len(self._sessions) > self.max_peers or self._bytes > self.max_bytes:
-            victim = next((p for p, s in self._sessions.items() if not s.open and p != peer), None)
+            victim = next((p for p, s in self._sessions.items() if not (s.open or s.streams) and p != peer), None)
             if victim is None:
-                break
+                return False
             self._forget(victim)
+        return True
 
     def _forget(self, peer: bytes) -> None:
         session = self._sessions.pop(peer, None)
         if session is not None:
             self._bytes -= session.cost
 
-    def answering(self, peer: bytes, answer: object) -> bool:
+    def answering(self, peer: bytes, answer: object, *, refusing: bool = False) -> bool:
         """Whether ``answer`` may go to ``peer`` now; Send and the terminal answers close
-        the work they answer."""
+        the work they answer. ``refusing``: ``answer`` refuses the message ``peer`` just
+        sent, and may name a Work that never opened (refused on arrival)."""
         ref = getattr(answer, "ref", None)
         if isinstance(answer, Ready) or (isinstance(answer, Refusal) and ref is None):
             return True
         session = self._sessions.get(peer)
         if session is None or ref not in session.open:
-            return False
+            return refusing and isinstance(answer, Refusal)
         if isinstance(answer, (Send, *TERMINAL)):
             del session.open[ref]
         return True
+
+    def is_open(self, peer: bytes, ref: int) -> bool:
+        """Whether work ``ref`` of ``peer`` is open (a refusal of a duplicate must not name it)."""
+        session = self._sessions.get(peer)
+        return session is not None and ref in session.open
+
+    def hold(self, peer: bytes, sid: int) -> None:
+        """An answer streams to ``peer`` as stream ``sid``: its session is not forgotten to
+        make room until ``release``."""
+        session = self._sessions.get(peer)
+        if session is not None:
+            session.streams.add(sid)
+
+    def release(self, peer: bytes, sid: int) -> None:
+        """Stream ``sid`` to ``peer`` was all credited, or dropped."""
+        session = self._sessions.get(peer)
+        if session is not None:
+            session.streams.discard(sid)
+
+    def forget(self, peer: bytes) -> list[int]:
+        """End ``peer``'s session (its key was revoked): nothing more is answered to it.
+        Returns the refs of its work that was open."""
+        session = self._sessions.get(peer)
+        refs = [] if session is None else list(session.open)
+        self._forget(peer)
+        return refs
+
+    def peers(self) -> list[tuple[bytes, str]]:
+        """Every peer known, with its tenant (a direct peer's is its key, where there are keys)."""
+        return [(peer, s.tenant) for peer, s in self._sessions.items()]
 
     def running(self) -> int:
         return sum(len(s.open) for s in self._sessions.values())
@@ -347,239 +406,14 @@ class WorkerSessions:
         return int((now - min(started)) * 1_000_000) if started else 0
 
 
-# -- the broker's view --------------------------------------------------------------------
+# -- the broker's view: in :mod:`.broker_view`, named here too -----------------------------
 
-CLIENT, WORKER = "client", "worker"
-
-
-@dataclass
-class Offer:
-    """A host a worker that dialed in serves."""
-
-    host: str
-    route: bytes
-    owner: str  # the key (Z85) that offered it, or "route:<hex>" where there are no keys
-    runtime: Runtime
-    seen: float
+_BROKER_NAMES = frozenset(("CLIENT", "WORKER", "BrokerView", "Deliver", "Exchange", "Offer"))
 
 
-@dataclass
-class Exchange:
-    """One client's conversation with one relayed host, as the broker carries it."""
+def __getattr__(name: str) -> object:  # PEP 562: imported on first use, so either module may be imported first
+    if name in _BROKER_NAMES:
+        from . import broker_view
 
-    number: int
-    client: bytes  # the client's route
-    tenant: str  # who the client is (key short id, or route)
-    host: str
-    worker: bytes  # the route of the worker it was sent to
-    touched: float
-
-
-@dataclass(frozen=True)
-class Deliver:
-    """What the broker's pump does with a relayed message: send ``frames`` to ``route``."""
-
-    route: bytes
-    frames: list
-
-
-class BrokerView:
-    """The broker's view: which key owns which host, which route may answer which exchange.
-
-    - A host name a dialed worker offers is bound to the identity that offered it first (its
-      CURVE key; without keys, its connection while it stays), while that key is allowed:
-      another identity offering it is refused. Only identities with the worker role may
-      offer, serving at most ``max_offers`` names at once and holding at most
-      ``max_bindings`` (the oldest it no longer serves let go first).
-    - A client's relayed message for host H opens (or reuses) an exchange numbered by the
-      broker; the worker sees only that number and the client's tenant id. An answer is
-      delivered only to the client of the exchange it names, and only if it comes from the
-      worker that exchange was sent to; anything else is refused and delivered nowhere.
-    - At most ``max_exchanges`` exchanges per tenant; the least recently used goes first.
-    - ``revoke`` forgets every offer, binding and exchange of identities no longer allowed.
-    """
-
-    def __init__(
-        self,
-        declared: set[str] | frozenset[str] = frozenset(),
-        *,
-        patience: float = 5.0,
-        max_offers: int = 256,
-        max_bindings: int = 1024,
-        max_dialed: int = 1000,
-        max_exchanges: int = 64,
-        max_open: int = 100_000,
-    ) -> None:
-        self.declared = frozenset(declared)
-        self.patience = patience
-        self.max_offers = max_offers
-        self.max_bindings = max_bindings
-        self.max_dialed = max_dialed
-        self.max_exchanges = max_exchanges
-        self.max_open = max_open
-        self.offers: dict[str, Offer] = {}
-        self._routes: dict[bytes, set[str]] = {}  # route -> the hosts it serves (an index of offers)
-        self.bindings: dict[str, str] = {}  # host -> owner, kept while the broker runs (keyed)
-        self.exchanges: dict[int, Exchange] = {}
-        self._by_pair: dict[tuple[bytes, str], int] = {}
-        # numbered from a random point, so a broker that restarted never reuses a number a
-        # worker may still answer (its late answer would reach whoever holds that number now)
-        self._numbers = itertools.count(secrets.randbelow(1 << 61) + 1)
-        self.refused = 0
-
-    @staticmethod
-    def identity(route: bytes, key: str) -> str:
-        return key if key else "route:" + route.hex()
-
-    @staticmethod
-    def tenant(route: bytes, key: str) -> str:
-        return key[:8] if key else "route:" + route.hex()
-
-    def _refuse(self, why: str) -> Violation:
-        self.refused += 1
-        return Violation(why)
-
-    # -- offers ------------------------------------------------------------------------
-    def hello(self, route: bytes, key: str, roles: frozenset[str], hello: Hello, now: float) -> str:
-        """A Hello from ``route``: "client" (asks only), "offered" (a host is now served
-        by it) or "keepalive" (it already served that host). Raises ``Violation``."""
-        host = hello.offering
-        if host is None:
-            return "client"
-        if WORKER not in roles:
-            raise self._refuse(
-                f"this key may ask for hosts but not offer one: to let it serve `{host}`, put its "
-                f"public key in the broker's folder of worker keys (--allow-workers)"
-            )
-        if host in self.declared:
-            raise self._refuse(f"host `{host}` is declared on this broker's table; a worker cannot dial in under its name")
-        owner = self.identity(route, key)
-        bound = self.bindings.get(host)
-        if bound is not None and bound != owner:
-            raise self._refuse(
-                f"host `{host}` is served by another worker key on this broker; offer another "
-                f"name, or ask the broker's operator to restart it if that key was retired"
-            )
-        known = self.offers.get(host)
-        if known is not None and known.route == route:
-            known.seen = now
-            return "keepalive"
-        if known is None:
-            serving = sum(1 for o in self.offers.values() if o.owner == owner)
-            if serving >= self.max_offers:
-                raise self._refuse(f"this worker key already serves {serving} hosts, as many as one key may at once")
-            if len(self.offers) >= self.max_dialed:
-                raise self._refuse(f"this broker already serves {self.max_dialed} dialed-in hosts")
-        if bound is None:
-            held = [h for h, o in self.bindings.items() if o == owner]
-            if len(held) >= self.max_bindings:
-                # a key whose nodes come and go (a batch job) keeps its newest names; the
-                # oldest it no longer serves is let go, so nobody hoards names by the thousand
-                idle = next((h for h in held if h not in self.offers), None)
-                if idle is None:
-                    raise self._refuse(f"this worker key holds {len(held)} host names, as many as one key may")
-                del self.bindings[idle]
-            self.bindings[host] = owner
-        if known is not None:  # the same owner from a new connection (it restarted): move
-            self._end_exchanges(lambda e: e.worker == known.route and e.host == host)
-        if known is not None:
-            self._drop(host)
-        self.offers[host] = Offer(host, route, owner, hello.runtime, now)
-        self._routes.setdefault(route, set()).add(host)
-        return "offered"
-
-    def offered_by(self, route: bytes) -> list[str]:
-        """The hosts ``route`` serves: asked of every relayed message, so an index, not a walk."""
-        return sorted(self._routes.get(route, ()))
-
-    def _drop(self, host: str) -> Offer:
-        offer = self.offers.pop(host)
-        hosts = self._routes.get(offer.route)
-        if hosts is not None:
-            hosts.discard(host)
-            if not hosts:
-                del self._routes[offer.route]
-        return offer
-
-    def leave(self, route: bytes) -> list[str]:
-        """``route`` said Bye or went away: forget its offers (keyless bindings with them)
-        and every exchange it was part of. Returns the hosts it served."""
-        gone = self.offered_by(route)
-        for host in gone:
-            offer = self._drop(host)
-            if offer.owner.startswith("route:"):
-                self.bindings.pop(host, None)
-        self._end_exchanges(lambda e: route in (e.worker, e.client))
-        return gone
-
-    def expire(self, now: float) -> list[str]:
-        """Offers silent for three patiences are gone, and the exchanges with them. An
-        exchange is never ended for being quiet (work may run for hours with nobody
-        watching); what bounds them is ``max_exchanges`` per tenant and ``max_open`` in all,
-        the least recently used ended first."""
-        gone = [h for h, o in self.offers.items() if now - o.seen > 3 * self.patience]
-        for host in gone:
-            offer = self._drop(host)
-            if offer.owner.startswith("route:"):
-                self.bindings.pop(host, None)
-        self._end_exchanges(lambda e: e.host in gone)
-        return gone
-
-    def revoke(self, allowed: set[str]) -> list[bytes]:
-        """Keys no longer allowed lose their offers, bindings and exchanges; returns their routes."""
-        routes: set[bytes] = set()
-        for host, offer in list(self.offers.items()):
-            if not offer.owner.startswith("route:") and offer.owner not in allowed:
-                routes.add(offer.route)
-                self._drop(host)
-        for host, owner in list(self.bindings.items()):
-            if not owner.startswith("route:") and owner not in allowed:
-                del self.bindings[host]
-        return sorted(routes)
-
-    # -- relaying ----------------------------------------------------------------------
-    def relay(self, route: bytes, key: str, relay: Relay, now: float) -> Deliver:
-        """Where a relayed message goes. From a worker: to the client of the exchange it
-        names, if that exchange was sent to this very worker. From a client: to the worker
-        serving ``relay.host``, in an exchange of the broker's numbering."""
-        if self.offered_by(route):
-            exchange = self.exchanges.get(relay.exchange)
-            if exchange is None or exchange.worker != route:
-                self.refused += 1
-                raise Stale(f"this broker has no exchange {relay.exchange} open with you")
-            exchange.touched = now
-            return Deliver(exchange.client, list(relay.inner))
-        if relay.exchange:
-            raise self._refuse("only a worker that offered a host here answers an exchange; say Hello with `offering` first")
-        offer = self.offers.get(relay.host)
-        if offer is None:
-            raise self._refuse(f"no worker serving `{relay.host}` is connected to this broker")
-        tenant = self.tenant(route, key)
-        number = self._by_pair.get((route, relay.host))
-        exchange = self.exchanges.get(number) if number is not None else None
-        if exchange is None or exchange.worker != offer.route:
-            if exchange is not None:
-                self._end(exchange)
-            mine = [e for e in self.exchanges.values() if e.tenant == tenant]
-            if len(mine) >= self.max_exchanges:
-                self._end(min(mine, key=lambda e: e.touched))
-            if len(self.exchanges) >= self.max_open:
-                self._end(min(self.exchanges.values(), key=lambda e: e.touched))
-            exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now)
-            self.exchanges[exchange.number] = exchange
-            self._by_pair[(route, relay.host)] = exchange.number
-        exchange.touched = now
-        return Deliver(offer.route, encode(Relay(exchange=exchange.number, tenant=tenant, inner=relay.inner)))
-
-    def _end(self, exchange: Exchange) -> None:
-        self.exchanges.pop(exchange.number, None)
-        self._by_pair.pop((exchange.client, exchange.host), None)
-
-    def _end_exchanges(self, which) -> None:  # noqa: ANN001 - a predicate on Exchange
-        for exchange in [e for e in self.exchanges.values() if which(e)]:
-            self._end(exchange)
-
-    # -- what a broker answers itself --------------------------------------------------
-    @staticmethod
-    def answers_itself(msg: object) -> bool:
-        return isinstance(msg, (Hello, Where, Hosts, Bye))
+        return getattr(broker_view, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -212,6 +212,16 @@ def sweep(folder: str | os.PathLike[str]) -> list[str]:
     return gone
 
 
+def leave(folder: str | os.PathLike[str]) -> None:
+    """What a worker does as it ends: the cargo of its dead clients goes (a spawned worker
+    ends when its client died), and the default folder with it when nobody has anything
+    left there (``rmdir`` fails harmlessly otherwise)."""
+    sweep(folder)
+    if str(folder) == own_path():
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+
 def _owner_prefix(msg: Mounted | None) -> str | None:
     match = NAME.fullmatch(msg.files[0]) if msg is not None and msg.files else None
     return f"{match.group(1)}-{match.group(2)}" if match else None

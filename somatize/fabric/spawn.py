@@ -43,14 +43,18 @@ _DIRECTORY = re.compile(r"somatize-(\d+)-[a-z0-9_]+")
 class Child:
     """One spawned worker process for one host."""
 
-    def __init__(self, host: str, argv: tuple[str, ...], *, mode: str, mount: str | None) -> None:
+    def __init__(self, host: str, argv: tuple[str, ...], *, mode: str, mount: str | None, own: bool = False) -> None:
         self.host = host
         self.argv = argv
         self.mode = mode
         self.mount = mount
+        # no mount named: this user's default folder, looked at each start, since another
+        # user may take its name in /dev/shm at any time (then: the socket, never a failure)
+        self.own = own
         self.process: subprocess.Popen | None = None
         self.address = ""
         self.directory: str | None = None  # the private directory holding the child's socket
+        self._warned = False
 
     @property
     def running(self) -> bool:
@@ -60,6 +64,8 @@ class Child:
         """Start the child (stopping one still running) and return its endpoint, or raise
         ``Refused`` saying why not."""
         self.stop()  # a child that died on its own leaves a directory to remove
+        if self.own:
+            self.mount = self._own_folder()
         if self.mount:
             _mount.private(self.mount)  # made 0700 or refused, before the child sees it
             _mount.sweep(self.mount)
@@ -96,6 +102,23 @@ class Child:
         self.address = url
         threading.Thread(target=_relay_output, args=(process, self.host), daemon=True, name=f"somatize-{self.host}-out").start()
         return self.address
+
+    def _own_folder(self) -> str | None:
+        """This user's default folder, made and checked now; None (the socket) where another
+        user holds the name, said once per host."""
+        folder = _mount.own_folder()
+        if folder is not None:
+            try:
+                _mount.private(folder)
+                return folder
+            except Refused:
+                pass  # taken between the look and the make: the socket, as below
+        if not self._warned:
+            self._warned = True
+            print(f"somatize: {_mount.own_path()} is not this user's safe folder (another user may have made it): "
+                  f"cargo for `{self.host}` goes through its socket instead. Remove that folder, or give the "
+                  f"host `mount=` a folder of your own", file=sys.stderr, flush=True)
+        return None
 
     def settle(self, seconds: float) -> None:
         """Give a child that is exiting a moment to finish, so ``ended`` can say how."""

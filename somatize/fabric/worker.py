@@ -32,6 +32,7 @@ class Worker:
     keys: Keys | None = None  # for `at`: this client's keys, with the worker's public key
     deadline: float | None = None  # seconds one piece of work may run here (None: no limit)
     views: bool = False  # mount on this machine: answers' arrays are read-only views of shared memory
+    own_mount: bool = False  # spawned, no mount named: this user's /dev/shm folder, chosen at each start
 
     def server_key(self) -> str:
         """The worker's CURVE public key as text, when the declaration carries one."""
@@ -57,8 +58,9 @@ class Worker:
         them by import name. ``mount`` names a directory both ends see (``/dev/shm/...``
         on one machine): cargo then goes through files there, not through the socket. It
         is this user's alone: made 0700 if it does not exist, refused if others may write
-        there. Left out, it is this user's folder in ``/dev/shm`` (``somatize-UID``) where
-        that is memory and nobody else took the name, and none otherwise; ``mount=False``:
+        there. Left out, it is this user's folder in ``/dev/shm`` (``somatize-UID``), looked
+        at each time the worker starts: where that is memory and nobody else took the name,
+        and the socket otherwise (with one warning; never a failed forward); ``mount=False``:
         cargo always goes through the socket. Only this user's processes can reach the worker (a socket in a 0700 folder).
         With ``mount`` in memory (tmpfs, such as ``/dev/shm``), cargo goes through pooled
         shared-memory segments; ``views=True`` then makes the arrays and tensors of an
@@ -69,10 +71,13 @@ class Worker:
                 "`Worker.spawn` takes the command as a list of strings, such as "
                 "`[sys.executable, \"-m\", \"somatize.worker\"]`"
             )
-        if mount is None:
-            mount = _mount.own_folder()
-        elif mount is False:
+        own = mount is None
+        if mount is False:
             mount = None
+        if own:  # chosen when the child starts (`spawn.Child`): a name taken meanwhile means the socket
+            _views(views, _mount.own_folder())
+            return cls("spawn", argv=tuple(argv), mode=_mode(mode), send=tuple(send), own_mount=True,
+                       deadline=_deadline(deadline), views=views)
         return cls("spawn", argv=tuple(argv), mode=_mode(mode), send=tuple(send), mount=_folder(mount, here=True),
                    deadline=_deadline(deadline), views=_views(views, mount))
 

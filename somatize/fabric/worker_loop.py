@@ -39,9 +39,15 @@ every piece runs on one of N slot threads, and the serving thread never lets go.
 
 Only the thread holding the socket (``_hold``) touches it, the sessions and the streams.
 Answers and facts, from whatever thread (a job, a parallel branch of a piece), go into one
-first-in-first-out outbox, so a piece's facts always leave before its ``Done``; the holder
-sends them, woken through an inproc socket when it is polling, and whoever takes the socket
-sends what waits there first.
+first-in-first-out outbox (:mod:`.outbox`); the holder sends them, woken through an inproc
+socket when it is polling, and whoever takes the socket sends what waits there first. A
+dialed worker's link to its broker (offer, keepalive) is :mod:`.dialing`'s; slots and the
+guard around each node are :mod:`.slots`'; what it logs about peers goes through a limiter
+(:mod:`.worker_said`).
+
+Revocation (a listening worker with keys, reloaded): every session of a key no longer
+allowed ends at once. Its open work is answered ``Refusal`` (naming the ref) and abandoned:
+the piece runs no further node, and nothing it says afterwards (``Saw``, ``Done``) leaves.
 """
 
 from __future__ import annotations
@@ -52,10 +58,9 @@ import logging
 import os
 import queue
 import socket
-import sys
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import zmq
 
@@ -67,68 +72,45 @@ from ..packing import Catalog
 from ..record import report, self_report
 from ..store import FolderStore
 from ..wire import (
-    Begin,
     Bye,
-    Chunk,
-    Credit,
     Failed,
-    Hello,
     Mounted,
     Provision,
     Ready,
     Refusal,
-    Relay,
     Runtime,
     Saw,
     Send,
     Work,
     compatible,
-    decode,
     encode,
-    variant_of,
+    ref_of,
 )
 from . import leases as _leases
 from . import mount as _mount
 from . import sockets
 from . import streams as _streams
-from .conversation import Unheld, Unknown, Violation, WorkerSessions
-from .curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from .curve import Guard, Keys, as_client, as_server, peer_name, user_of
+from .conversation import WorkerSessions
+from .curve import Guard, Keys, as_server, user_of
+from .dialing import MAX_BACKOFF, Dialing
+from .intake import Intake
 from .heap import Heap
 from .imported import Imports
+from .outbox import Outbox, To
 from .pieces import done_of, piece_of
+from .slots import Guarded, Job, NodeExit, Slots, exit_now
+from .worker_said import Limiter, clip
 
-#: The longest a dialed worker waits before saying Hello again to a broker that refused it.
-MAX_BACKOFF = 30.0
+__all__ = ["MAX_BACKOFF", "NodeExit", "WorkerLoop"]
+
 #: How often a spawned worker checks that whoever spawned it is still there (seconds).
 PARENT_CHECK = 0.5
 #: How long a piece runs on the serving thread before a stand-in serves meanwhile (seconds).
 STAND_IN_AFTER = 0.02
-_CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
 log = logging.getLogger("somatize.worker")
-#: Refusals logged per `_QUIET` seconds at most; past it they are counted, and the count said.
-_LOUD, _QUIET = 20, 10.0
 
 
-class NodeExit(Exception):
-    """A node raised what is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
-    ``GeneratorExit``): carried as an ordinary error, so it fails the work, not the worker."""
-
-    def __init__(self, raised: BaseException) -> None:
-        super().__init__(f"{type(raised).__name__}: {raised}".rstrip(": "))
-        self.raised = raised
-
-
-class _To(NamedTuple):
-    """Who an answer goes to: a client's route (Direct), or an exchange a broker relays."""
-
-    peer: bytes  # the sessions' name for it
-    tenant: str = ""  # who the client is, for quotas ("" on a direct route: one per route)
-    route: bytes = b""  # Direct: the ROUTER identity
-    exchange: int = 0  # Relayed: the broker's number for the exchange
-
-
-class WorkerLoop:
+class WorkerLoop(Intake, Dialing, Outbox):
     """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
 
     def __init__(
@@ -162,16 +144,16 @@ class WorkerLoop:
         self._said_at = 0.0
         self.jobs = max(1, int(jobs))
         # one job runs where it arrived (no hop); more run in slots
-        self._slots = _Slots(self.jobs) if self.jobs > 1 else None
+        self._slots = Slots(self.jobs) if self.jobs > 1 else None
         # the process may end itself when stopping finds a node stuck (the command's choice)
         self.exit_when_stuck = exit_when_stuck
         self._hold = threading.Lock()  # whoever holds it serves: the socket is theirs
         self._holder: int | None = None
-        self._inline: _Job | None = None  # the piece running where it arrived, if any
+        self._inline: Job | None = None  # the piece running where it arrived, if any
         self._inline_seq = 0
         self._want_back = False  # the piece returned: the stand-in hands the socket back
         self._last_check = self._last_report = 0.0
-        self._running: dict[int, _Job] = {}  # what runs now, by token
+        self._running: dict[int, Job] = {}  # what runs now, by token
         self._running_lock = threading.Lock()
         self._tokens = itertools.count(1)
         self._busy_said = False  # a busy spell is said on stderr once
@@ -189,14 +171,17 @@ class WorkerLoop:
         self._events: zmq.Socket | None = None  # a dialed worker's connection events
         self._accepted = False  # the broker answered our Hello with Ready
         self._lost = False  # the connection to the broker dropped, said once until it is back
-        self._refusals: list[float] = []  # when the last refusals were logged
-        self._unsaid = 0  # refusals not logged since
+        self._lines = Limiter(log)  # every line a peer can cause goes through it
+        self._advised: dict[str, float] = {}  # advice about stale imports: when last said
+        self._control: list = []  # a dialed worker's keepalive waiting for room (`.dialing`)
+        self._blocked = False  # a stream waits for room on the socket
+        self._revoking = False  # the allow-list was reloaded: end what revoked keys have open
         self._refused_keys = False  # the broker's handshake refused our keys, said once
         self._backoff = 0.0  # seconds to the next Hello after a refusal (0: none pending)
         self._hello_at = self._refused_at = 0.0
         self._next_hello = 0.0
         self._inbound = _streams.Inbound()
-        self._outgoing: dict[tuple[bytes, int], tuple[_To, _streams.Outgoing]] = {}
+        self._outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]] = {}
         self.stopping = threading.Event()
         self._closed = threading.Event()
         self._closing = threading.Lock()
@@ -213,21 +198,6 @@ class WorkerLoop:
             as_server(self._front, keys)
         self._front.bind(url)
         return sockets.bound_endpoint(self._front)
-
-    def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
-        """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
-        With ``keys``, ``keys.server_key`` is the broker's public key."""
-        self._front = sockets.dealer(self.patience)
-        if keys is not None:
-            as_client(self._front, keys, None)
-        # every (re)connection is a broker that may not know us: say Hello on each
-        self._events = self._front.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-        )
-        self._front.connect(broker)
-        self._broker = broker
-        self._offer = offer
-        self._announce(time.monotonic())
 
     # -- the loop ----------------------------------------------------------------------
     def serve(self) -> None:
@@ -255,24 +225,37 @@ class WorkerLoop:
         return poller
 
     def _turn(self, poller: zmq.Poller, timeout_ms: int) -> None:
-        """One round of serving, by whoever holds the socket."""
+        """One round of serving, by whoever holds the socket. A dialed worker's keepalive
+        comes first, before any answer or stream: bulk never starves it."""
+        waiting = self._control or self._blocked  # wake when the socket has room again
+        poller.register(self._front, zmq.POLLIN | (zmq.POLLOUT if waiting else 0))
         events = dict(poller.poll(timeout_ms))
+        now = time.monotonic()
+        if self._offer is not None:
+            self._keep_offering(now)
+        if self._revoking:
+            self._revoke()
         if self._answers in events:
             self._forward_answers()
+        if self._outgoing:
+            self._drain_streams()
+        else:
+            self._blocked = False
         # a stand-in whose piece has returned takes nothing new: the socket goes back first
         if self._front in events and not (self._want_back and self._holder != self._owner):
             self._receive()
         if self._events is not None and self._events in events:
             self._connection_events()
-        now = time.monotonic()
         if now - self._last_check >= 1.0:
             self._last_check = now
             self._expire_streams(now)
+            if self.mount is not None:
+                # a client killed with segments in the folder never gives them back: its
+                # memory is freed here, not when some later client happens to start
+                _mount.sweep(self.mount)
         if self.store is not None and self.reporting and now - self._last_report >= self.reporting:
             self._last_report = now
             self._report()
-        if self._offer is not None:
-            self._keep_offering(now)
 
     def _stand_in(self) -> None:
         """On a thread of its own: serve while a piece runs where it arrived, once it has run
@@ -312,7 +295,7 @@ class WorkerLoop:
         finally:
             self._hold.release()
         if self.exit_when_stuck and self._inline is not None:
-            _exit_now()
+            exit_now()
 
     def _watch_parent(self) -> None:
         """On a thread of its own: a node that never returns must not keep an orphan alive."""
@@ -320,8 +303,10 @@ class WorkerLoop:
             if os.getppid() != self.parent:
                 log.warning("stopping: the process that spawned this worker (%s) is gone", self.parent)
                 self.stopping.set()
+                if self.mount is not None:  # what it lent goes now, even if a node never returns
+                    _mount.leave(self.mount)
                 if not self._closed.wait(min(2.0, self.patience) + 1.0) and self.exit_when_stuck:
-                    _exit_now()  # the serving thread is stuck: nobody will ever ask again
+                    exit_now()  # the serving thread is stuck: nobody will ever ask again
                 return
 
     def running(self) -> int:
@@ -351,6 +336,7 @@ class WorkerLoop:
             log.info("reload asked for, but this worker listens without keys: nothing to reload")
             return
         self._guard.reload()
+        self._revoking = True  # the serving loop ends what revoked keys have open, next turn
         log.info("reloaded the allow-list: %s", self._guard.described())
 
     def described(self) -> str:
@@ -385,134 +371,8 @@ class WorkerLoop:
         if self._slots is not None:
             self._slots.close()
         sockets.close(self._events, self._front, self._answers, *self._pushes)
-
-    # -- sending -------------------------------------------------------------------------
-    def _forward_answers(self) -> None:
-        while self._answers.get(zmq.EVENTS) & zmq.POLLIN:
-            self._answers.recv()  # a wake-up: what to send is in the outbox
-        self._flush()
-
-    def _post(self, to: _To, answer: Any, frames: list) -> None:
-        """Queue an answer from any thread; the thread holding the socket sends it, in order."""
-        self.imports.note()
-        if isinstance(answer, (Failed, Refusal)):
-            stale = self._stale(answer)
-            # only an answer sent as itself is rewritten; one inside a carrier (pooled
-            # segments) was told in `_run`, before it was written there
-            if stale is not answer and variant_of(frames) is type(answer):
-                answer, frames = stale, encode(stale)
-        self._outbox.put((to, answer, frames))
-        holder = self._holder
-        if holder == threading.get_ident():
-            self._flush()
-            return
-        if holder is None:
-            return  # nobody serves this instant: whoever takes the socket sends the outbox first
-        self._wake()
-
-    def _wake(self) -> None:
-        """Wake the thread holding the socket out of its poll."""
-        try:
-            self._push().send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a thousand wake-ups are pending already: the loop is on its way
-        except zmq.ZMQError:
-            pass  # closed: the worker is stopping, nobody sends anything any more
-
-    def _flush(self) -> None:
-        while True:
-            try:
-                to, answer, frames = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            if self.sessions.answering(to.peer, answer):
-                self._deliver(to, frames)
-            else:
-                self.withheld += 1  # its exchange is over (the peer left, or said Hello anew)
-
-    def _refused(self, to: _To, why: str) -> None:
-        """Log a refusal, at most `_LOUD` per `_QUIET` seconds: a flood is counted, not printed."""
-        now = time.monotonic()
-        self._refusals = [t for t in self._refusals if now - t < _QUIET]
-        if len(self._refusals) >= _LOUD:
-            self._unsaid += 1
-            return
-        self._refusals.append(now)
-        more = f" ({self._unsaid} more refusals were not logged)" if self._unsaid else ""
-        self._unsaid = 0
-        whom = f"exchange {to.exchange} of tenant {to.tenant}" if to.exchange else peer_name(to.route)
-        log.info("refused %s: %s%s", whom, _printable(why), more)
-
-    def _stale(self, answer: Any) -> Any:
-        """``answer`` (a Failed or a Refusal), saying so when it comes of code this worker
-        imported before the files changed on disk (see :mod:`.imported`)."""
-        if answer.why.startswith("busy:"):
-            return answer
-        said = self.imports.explain(f"{answer.why}\n{getattr(answer, 'traceback', '')}")
-        if said is None or said in answer.why:  # not stale, or said already (see `_run`)
-            return answer
-        log.warning("%s", said)
-        return dataclasses.replace(answer, why=_clip(f"{answer.why.rstrip('. ')}. {said}", 64 << 10))
-
-    def _reply(self, to: _To, answer: Any) -> None:
-        """Answer from the serving thread, if the conversation allows it."""
-        if isinstance(answer, Refusal):
-            answer = self._stale(answer)
-            # a busy spell is said once, by `_busy`; a recipe forgotten to make room is routine
-            if not answer.why.startswith("busy:") and not answer.recipe:
-                self._refused(to, answer.why)
-        if self.sessions.answering(to.peer, answer):
-            self._deliver(to, encode(answer))
-        else:
-            self.withheld += 1
-
-    def _deliver(self, to: _To, frames: list) -> None:
-        """Send a message's frames to ``to``: straight to its route, or in a ``Relay`` back
-        through the broker, a big one as a stream under the client's credit."""
-        if not to.exchange:
-            self._send([to.route, *frames])
-            return
-        if _streams.worth_streaming(frames):
-            out = _streams.Outgoing(_streams.new_sid(), frames)
-            self._outgoing[(to.peer, out.sid)] = (to, out)
-            self._carry(to, encode(out.begin()))
-            self._drain(to, out)
-            return
-        self._carry(to, frames)
-
-    def _carry(self, to: _To, frames: list) -> None:
-        self._send(encode(Relay(exchange=to.exchange, inner=tuple(frames))))
-
-    def _drain(self, to: _To, out: _streams.Outgoing) -> None:
-        for chunk in out.chunks():
-            self._carry(to, encode(chunk))
-        if out.finished:
-            self._outgoing.pop((to.peer, out.sid), None)
-
-    def _send(self, parts: list) -> None:
-        # never blocks: a peer that stops reading must not stall everyone else's answers
-        try:
-            self._front.send_multipart(parts, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            if self._broker:  # a dialed worker's one peer: the broker, reached or not
-                self._dropped(f"the broker at {self._broker} is not taking messages (not connected yet, "
-                              f"its handshake refused, or its queue full)")
-            else:
-                self._dropped("its client is not reading its answers (its queue is full)")
-        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
-            self._dropped(f"its client is gone ({exc})")
-
-    def _dropped(self, why: str) -> None:
-        self.dropped += 1
-        if self.dropped == 1 or self.dropped % 1000 == 0:
-            log.warning("an answer could not be delivered: %s (%d so far)", why, self.dropped)
-
-    def _expire_streams(self, now: float) -> None:
-        """Streams past their lifetime, or that nobody has moved for a while, are dropped."""
-        self._inbound.expire(now)
-        idle = 3 * self.patience
-        for key in [k for k, (_, out) in self._outgoing.items() if now - out.touched > idle]:
-            del self._outgoing[key]
+        if self.mount is not None:
+            _mount.leave(self.mount)
 
     # -- receiving -----------------------------------------------------------------------
     def _receive(self) -> None:
@@ -526,160 +386,23 @@ class WorkerLoop:
                 if self._offer is None:  # ROUTER: [identity, *frames]
                     if len(parts) >= 2:
                         route = parts[0].bytes
-                        if self._guard is not None and not self._guard.roles(user_of(parts[1])):
+                        # where there are keys, a direct peer's tenant is its key (revocation ends its sessions)
+                        key = user_of(parts[1]) if self._guard is not None else ""
+                        if self._guard is not None and not self._guard.roles(key):
                             # its key was taken out of the allow folder since it connected
                             self.sessions.receive(route, Bye())
                             self._inbound.drop(route)
-                            self._reply(_To(route, route=route), Refusal("this key is no longer allowed on this worker"))
+                            refused = Refusal("this key is no longer allowed on this worker", ref=ref_of(parts[1:]))
+                            self._reply(To(route, key, route=route), refused, refusing=True)
                             continue
-                        self._take(_To(route, route=route), parts[1:])
+                        self._take(To(route, key, route=route), parts[1:])
                 else:
                     self._from_broker(parts)
             except Exception as exc:  # one message's trouble is never the whole worker's
-                log.warning("a message could not be handled: %s: %s", type(exc).__name__, _printable(str(exc)))
+                self._lines.say(logging.WARNING, "a message could not be handled: %s: %s", type(exc).__name__, str(exc))
             if self.heap.due():  # handled, and let go of: what big cargo freed goes back (`.heap`)
                 parts = None
                 self.heap.trim()
-
-    def _attachments(self) -> _leases.Attachments:
-        """The mappings of this worker's clients' pooled segments, kept between calls."""
-        found = getattr(self, "_attached", None)
-        if found is None:
-            found = self._attached = _leases.Attachments(self.mount or "")
-        return found
-
-    def _take(self, to: _To, frames: list, *, opened: bool = False) -> None:
-        """One message from ``to``: a carrier is opened, anything else checked by the
-        conversation and acted on; whatever is refused is answered ``Refusal``."""
-        mounted: Mounted | None = None
-        try:
-            # from a peer that has not said Hello only Hello and Bye are opened; the others
-            # are told by their header's variant alone, and refused unopened
-            if not self.sessions.greeted(to.peer) and variant_of(frames) not in (Hello, Bye):
-                raise Unknown("say Hello first: this worker has not heard from you")
-            message = decode(frames)  # a carrier comes back as itself, its cargo unopened
-            if isinstance(message, _CARRIERS):
-                if opened:
-                    raise Violation(f"a `{type(message).__name__}` cannot travel inside another carrier")
-                if isinstance(message, Relay):
-                    raise Violation("a worker takes `Relay` envelopes only from the broker it dialed")
-                if not isinstance(message, Mounted):
-                    self._stream(to, message)
-                    return
-                if self.mount is None:
-                    raise Violation("this worker sees no shared directory; start it with --mount DIR")
-                if not message.files:  # cargo with no files of its client's is never swept
-                    raise Violation("a `Mounted` names the files of its frames; this one names none")
-                if message.spans:  # pooled segments: views of the client's memory, no copy
-                    frames, mounted = self._attachments().take(message)
-                else:  # one file per frame: the client removes them
-                    mounted = message
-                    frames, _ = _mount.read(mounted, self.mount)
-                if variant_of(frames) is not Work:
-                    raise Violation(f"a `Mounted` carries Work, not a `{variant_of(frames).__name__}`")
-                message = decode(frames)
-                frames = []  # only the work's input points into the segments now...
-                if isinstance(mounted, _leases.Taken):
-                    message = mounted.detach(message)  # ...and it is held by `mounted` until it runs
-            message = self.sessions.receive(to.peer, message, to.tenant)
-        except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError
-            why = getattr(exc, "why", None) or str(exc)
-            self._reply(to, Refusal(why, hello=isinstance(exc, Unknown), recipe=isinstance(exc, Unheld)))
-            return
-        if isinstance(message, Hello):
-            self._reply(to, self._ready())
-        elif isinstance(message, Bye):
-            self._inbound.drop(to.peer)
-        elif isinstance(message, Provision):
-            self._provision(to, message)
-        else:
-            self._work(to, message, mounted)
-
-    def _stream(self, to: _To, message: Any) -> None:
-        if isinstance(message, Credit):
-            pending = self._outgoing.get((to.peer, message.sid))
-            if pending is not None:
-                pending[1].grant(message.amount)
-                self._drain(*pending)
-            return
-        if isinstance(message, Begin):
-            self._inbound.begin(to.peer, to.tenant or to.peer.hex(), message)
-            return
-        granted, frames = self._inbound.chunk(to.peer, message)
-        self._deliver(to, encode(Credit(message.sid, granted)))
-        if frames is not None:
-            self._take(to, frames, opened=True)
-
-    # -- the broker, for a dialed worker -------------------------------------------------
-    def _from_broker(self, parts: list) -> None:
-        """A relayed message for us, or the broker itself speaking: Ready to our Hello (or a
-        probe), Refusal, a Hello checking on us."""
-        try:
-            variant = variant_of(parts)
-            if variant is Relay:
-                relay = decode(parts)  # its header only: the inner message is opened by _take
-                if relay.exchange > 0:
-                    peer = b"relay:%d" % relay.exchange
-                    self._take(_To(peer, relay.tenant or "exchange:%d" % relay.exchange, exchange=relay.exchange),
-                               list(relay.inner))
-                return
-            if variant not in (Ready, Refusal, Hello):
-                raise ProtocolError(f"a broker does not send a worker a `{variant.__name__}`")
-            message = decode(parts)
-        except ProtocolError as exc:
-            log.warning("the broker at %s sent what this worker does not take: %s", self._broker, exc.why)
-            return
-        now = time.monotonic()
-        if isinstance(message, Ready):
-            if not self._accepted:
-                log.info("the broker at %s took this worker's offer of `%s`", self._broker, self._offer)
-            self._accepted, self._backoff = True, 0.0
-        elif isinstance(message, Refusal):
-            # a restarted broker that does not know us (a late answer it cannot place), or a
-            # refusal of our offer: neither is a reason to stop serving. Hello again, later.
-            self._accepted = False
-            self._refused_at = now
-            self._backoff = min(MAX_BACKOFF, max(0.5, self._backoff * 2))
-            self._next_hello = min(self._next_hello, now + self._backoff)
-            log.warning("the broker at %s refused this worker: %s; saying Hello again in %g s",
-                        self._broker, message.why, self._backoff)
-        else:
-            self._send(encode(self._ready()))  # the broker checking on us
-
-    def _announce(self, now: float) -> None:
-        """Hello to the broker: the first, a keepalive every patience, or again after a refusal."""
-        self._send(encode(Hello(self.runtime, offering=self._offer)))
-        self._hello_at = now
-        self._next_hello = now + (self._backoff or self.patience)
-
-    def _keep_offering(self, now: float) -> None:
-        if self._backoff and self._refused_at < self._hello_at and now - self._hello_at > min(2.0, self.patience):
-            # our last Hello drew no refusal: taken (a keepalive is answered with silence)
-            self._backoff = 0.0
-            self._accepted = True
-            self._next_hello = self._hello_at + self.patience
-        if now >= self._next_hello:
-            self._announce(now)
-
-    def _connection_events(self) -> None:
-        while self._events is not None and self._events.get(zmq.EVENTS) & zmq.POLLIN:
-            event = int.from_bytes(self._events.recv_multipart()[0][:2], "little")
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if self._lost:
-                    log.info("reached the broker at %s again; offering `%s`", self._broker, self._offer)
-                self._lost = self._refused_keys = False
-                self._backoff = 0.0
-                self._announce(time.monotonic())  # perhaps a broker that restarted: it learns about us now
-            elif event & _HANDSHAKE_FAILED:
-                if not self._refused_keys:  # once per spell: ZeroMQ tries again every few seconds
-                    self._refused_keys = True
-                    log.error("the broker at %s refused this worker's CURVE handshake: is this worker's "
-                              "public key in the broker's --allow-workers folder (then reload the broker), "
-                              "and is --broker-key the broker's own `.key`? Dialing again meanwhile",
-                              self._broker)
-            elif event == zmq.EVENT_DISCONNECTED and not self._lost:
-                self._accepted, self._lost = False, True
-                log.warning("lost the broker at %s; dialing again", self._broker)
 
     # -- requests ----------------------------------------------------------------------
     def _ready(self) -> Ready:
@@ -688,11 +411,11 @@ class WorkerLoop:
         busy_us = 0 if oldest is None else max(1, int((time.monotonic() - oldest.started) * 1e6))
         return Ready(self.runtime, busy_us=busy_us)
 
-    def _oldest(self) -> _Job | None:
+    def _oldest(self) -> Job | None:
         with self._running_lock:
             return min(self._running.values(), key=lambda job: job.started, default=None)
 
-    def _provision(self, to: _To, message: Provision) -> None:
+    def _provision(self, to: To, message: Provision) -> None:
         if self.mode == "network":
             why = compatible(self.runtime, self.sessions.runtime(to.peer), needs_pickle=True,
                              me="this worker", them="the client")
@@ -706,7 +429,7 @@ class WorkerLoop:
             return
         self._reply(to, self._ready())
 
-    def _work(self, to: _To, work: Work, mounted: Mounted | None) -> None:
+    def _work(self, to: To, work: Work, mounted: Mounted | None) -> None:
         try:
             missing = self.catalog.missing(work.recipe.nodes)
         except Refused as exc:
@@ -719,7 +442,7 @@ class WorkerLoop:
             full = len(self._running) >= self.jobs
             if not full:
                 token = next(self._tokens)
-                job = self._running[token] = _Job(work.recipe.nodes[0].label if work.recipe.nodes else "?")
+                job = self._running[token] = Job(work.recipe.nodes[0].label if work.recipe.nodes else "?", to.peer)
         if full:
             self._busy(to, work)
             return
@@ -730,7 +453,7 @@ class WorkerLoop:
         else:
             self._run_here(token, job, to, work, mounted)
 
-    def _run_here(self, token: int, job: _Job, to: _To, work: Work, mounted: Mounted | None) -> None:
+    def _run_here(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | None) -> None:
         """Run a piece on this thread, letting go of the socket meanwhile (the stand-in
         takes it if the piece runs long), and take it back once the piece has returned."""
         me = threading.get_ident()
@@ -752,7 +475,7 @@ class WorkerLoop:
                 self._running.pop(token, None)
         self._flush()
 
-    def _busy(self, to: _To, work: Work) -> None:
+    def _busy(self, to: To, work: Work) -> None:
         """Every slot is taken: say so at once (the client makes it ``Busy``), never queue."""
         oldest = self._oldest()
         if oldest is None:  # it returned meanwhile: the client may simply send again
@@ -780,9 +503,9 @@ class WorkerLoop:
             self._pushes.append(push)
         return push
 
-    def _run(self, token: int, job: _Job, to: _To, work: Work, mounted: Mounted | None) -> None:
+    def _run(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | None) -> None:
         def told(fact: dict[str, str]) -> None:  # from any thread of the piece
-            saw = Saw(work.ref, {k: _clip(v, 16 << 10) for k, v in fact.items()})
+            saw = Saw(work.ref, {k: clip(v, 16 << 10) for k, v in fact.items()})
             self._post(to, saw, encode(saw))
 
         watch = told if work.watched else None  # nobody on the other side looks: no facts at all
@@ -807,10 +530,10 @@ class WorkerLoop:
             answer = Failed(
                 work.ref,
                 # a node raised: what it raised; an import or a build: what was being done
-                why=_clip(f"{type(cause).__name__}: {cause}" if built else str(exc), 64 << 10),
+                why=clip(f"{type(cause).__name__}: {cause}" if built else str(exc), 64 << 10),
                 node=exc.node,
                 error=type(cause).__name__ if exc.__cause__ is not None else exc.error,
-                traceback=_clip(format_exception(cause), 512 << 10),
+                traceback=clip(format_exception(cause), 512 << 10),
             )
             # its traceback holds this frame, and the frames below it the message as it
             # arrived: kept in a local, that cycle would hold the input until a collection
@@ -856,15 +579,15 @@ class WorkerLoop:
         self._post(to, answer, frames)
 
 
-    def _build(self, work: Work, job: _Job) -> list[Node]:
+    def _build(self, work: Work, job: Job) -> list[Node]:
         """The work's nodes, each in a guard (one per node and name, however often it appears)."""
-        guarded: dict[tuple[int, str], _Guarded] = {}
+        guarded: dict[tuple[int, str], Guarded] = {}
         nodes: list[Node] = []
         for spec in work.recipe.nodes:
             node = self.catalog.build(spec)
             guard = guarded.get((id(node), spec.label))
             if guard is None:
-                guard = guarded[(id(node), spec.label)] = _Guarded(node, spec.label, job)
+                guard = guarded[(id(node), spec.label)] = Guarded(node, spec.label, job)
             nodes.append(guard)
         return nodes
 
@@ -873,88 +596,8 @@ def _failed(ref: int, exc: BaseException, *, why: str | None = None, traceback: 
     """The worker's own trouble (no node to blame) as a ``Failed``."""
     return Failed(
         ref,
-        why=_clip(why or f"{type(exc).__name__}: {exc}", 64 << 10),
+        why=clip(why or f"{type(exc).__name__}: {exc}", 64 << 10),
         node=None,
         error=type(exc).__name__,
-        traceback=_clip(traceback, 512 << 10),
+        traceback=clip(traceback, 512 << 10),
     )
-
-
-class _Job:
-    """One piece of work in a slot: when it started, and the node it is running now."""
-
-    __slots__ = ("node", "started")
-
-    def __init__(self, node: str) -> None:
-        self.node = node
-        self.started = time.monotonic()
-
-
-class _Guarded(Node):
-    """A node as a worker runs it: says which node runs now, and turns what is not an
-    ``Exception`` into one (:class:`NodeExit`), so the engine names the node that raised."""
-
-    def __init__(self, node: Node, label: str, job: _Job) -> None:
-        self.node = node
-        self.label = label
-        self.job = job
-
-    def forward(self, x: Any) -> Any:
-        self.job.node = self.label
-        try:
-            return self.node.forward(x)
-        except Exception:
-            raise
-        except BaseException as exc:
-            raise NodeExit(exc) from exc
-
-
-class _Slots:
-    """``n`` daemon threads taking jobs in order. Daemons: a node that never returns must not
-    keep the process from ending once the worker stops serving."""
-
-    def __init__(self, n: int) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._take, daemon=True, name=f"somatize-job-{i}") for i in range(n)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, fn: Any, *args: Any) -> None:
-        self._tasks.put((fn, args))
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._tasks.put(None)
-
-    def _take(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            fn, args = task
-            try:
-                fn(*args)
-            except BaseException as exc:  # never lose the slot to a bug
-                log.error("a job slot caught %s: %s", type(exc).__name__, exc)
-
-
-def _exit_now() -> None:
-    """End the process at once, after saying what is buffered (a stuck thread never returns)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(0)
-
-
-def _printable(text: str) -> str:
-    """Text for a log line: what is not printable (a route's NUL, say) escaped, never raw."""
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
-
-
-def _clip(text: str, limit: int) -> str:
-    """Texts that cross the wire are bounded; a user's huge message is cut, not refused."""
-    return text if len(text) <= limit else text[: limit - 20] + " ... (cut)"

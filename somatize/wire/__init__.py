@@ -101,7 +101,7 @@ from .messages import (
     Work,
     compatible,
 )
-from .reading import decode, peek_kinds, variant_of, with_recipe
+from .reading import decode, peek_kinds, ref_of, variant_of, with_recipe
 from .writing import Digested, encode, recipe_digest
 
 __all__ = [
@@ -157,6 +157,7 @@ __all__ = [
     "encode",
     "peek_kinds",
     "recipe_digest",
+    "ref_of",
     "variant_of",
     "with_recipe",
 ]

@@ -130,13 +130,31 @@ def variant_of(frames: Sequence[Any]) -> type:
         raise ProtocolError(exc.why) from None
 
 
+def ref_of(frames: Sequence[Any]) -> int | None:
+    """The ``ref`` a ``Work``'s header names (a ``Mounted`` one's too: its frame 1 is the
+    Work's header), read like ``variant_of`` without building anything else; None for any
+    other message, or a header that does not name one. A refusal of a Work that was not
+    opened (its sender unknown, say) names it this way."""
+    try:
+        variant = variant_of(frames)
+        if variant is Mounted and len(frames) > 1:
+            frames, variant = frames[1:2], variant_of(frames[1:2])
+        if variant is not Work:
+            return None
+        ref = _version_and_variant(_buffers(frames[:1])[0], also="ref").get("ref")
+    except (Bad, ProtocolError, TypeError):
+        return None
+    return ref if isinstance(ref, int) and not isinstance(ref, bool) and 0 <= ref < 2**63 else None
+
+
 _PEEKED_KEYS = 16
 _INT_MARKS = frozenset(range(0x00, 0x80)) | frozenset(range(0xE0, 0x100)) | frozenset(range(0xCC, 0xD4))
 _STR_MARKS = frozenset(range(0xA0, 0xC0)) | {0xD9, 0xDA, 0xDB}
 
 
-def _version_and_variant(frame: Any) -> dict[str, Any]:
-    """``{"v": ..., "t": ...}`` from a header map, skipping (never building) other values."""
+def _version_and_variant(frame: Any, *, also: str = "") -> dict[str, Any]:
+    """``{"v": ..., "t": ...}`` from a header map, skipping (never building) other values;
+    with ``also``, that field's too when it is an integer among the first keys."""
     view = memoryview(frame)
     unpacker = msgpack.Unpacker(
         Pieces(view), raw=False, max_buffer_size=max(view.nbytes, 1), max_str_len=limits.MAX_NAME
@@ -150,7 +168,11 @@ def _version_and_variant(frame: Any) -> dict[str, Any]:
                     "a map in the header has a key that is not text; the wire's maps are keyed by text"
                 )
             key = unpacker.unpack()
-            if key in ("v", "t"):
+            if also and key == also:
+                found[key] = unpacker.unpack() if view[unpacker.tell()] in _INT_MARKS else unpacker.skip()
+                if len(found) == 3:
+                    break
+            elif key in ("v", "t"):
                 if key in found:
                     raise Bad(f"a map in the header holds the key {shown(key)} twice")
                 marks = _INT_MARKS if key == "v" else _STR_MARKS
@@ -159,7 +181,7 @@ def _version_and_variant(frame: Any) -> dict[str, Any]:
                 else:
                     found[key] = None
                     unpacker.skip()
-                if len(found) == 2:
+                if len(found) == (3 if also else 2):
                     break
             else:
                 unpacker.skip()
@@ -170,7 +192,7 @@ def _version_and_variant(frame: Any) -> dict[str, Any]:
             f"a message must start with a MessagePack header map; frame 0 is {len(view):,} "
             f"bytes that are not one ({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
-    if len(found) < 2 and pairs > _PEEKED_KEYS:
+    if ("v" not in found or "t" not in found) and pairs > _PEEKED_KEYS:
         raise Bad(
             f"the header names its wire version `v` and its kind of message `t` among its "
             f"first {_PEEKED_KEYS} keys, as the wire writes them; this one does not"

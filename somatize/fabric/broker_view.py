@@ -1,0 +1,273 @@
+"""The broker's view of its peers, sans IO: which key owns which host, which route may answer
+which exchange, and what a revoked key loses.
+
+Part of the conversation (:mod:`.conversation`, which names these classes too): fed the
+messages that arrive, asked "may this arrive now, from this peer?" before the broker's loop
+acts, and tested with no process started (``tests/test_conversation.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass
+
+from ..wire import Bye, Hello, Hosts, Relay, Runtime, Where, encode
+from .conversation import Stale, Violation
+
+
+CLIENT, WORKER = "client", "worker"
+
+
+@dataclass
+class Offer:
+    """A host a worker that dialed in serves."""
+
+    host: str
+    route: bytes
+    owner: str  # the key (Z85) that offered it, or "route:<hex>" where there are no keys
+    runtime: Runtime
+    seen: float
+
+
+@dataclass
+class Exchange:
+    """One client's conversation with one relayed host, as the broker carries it."""
+
+    number: int
+    client: bytes  # the client's route
+    tenant: str  # who the client is (key short id, or route)
+    host: str
+    worker: bytes  # the route of the worker it was sent to
+    touched: float
+    key: str = ""  # the client's key (Z85), so that revoking it ends the exchange
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """What the broker's pump does with a relayed message: send ``frames`` to ``route``."""
+
+    route: bytes
+    frames: list
+
+
+class BrokerView:
+    """The broker's view: which key owns which host, which route may answer which exchange.
+
+    - A host name a dialed worker offers is bound to the identity that offered it first (its
+      CURVE key; without keys, its connection while it stays), while that key is allowed:
+      another identity offering it is refused. Only identities with the worker role may
+      offer, serving at most ``max_offers`` names at once and holding at most
+      ``max_bindings`` (the oldest it no longer serves let go first).
+    - A client's relayed message for host H opens (or reuses) an exchange numbered by the
+      broker; the worker sees only that number and the client's tenant id. An answer is
+      delivered only to the client of the exchange it names, and only if it comes from the
+      worker that exchange was sent to; anything else is refused and delivered nowhere.
+    - At most ``max_exchanges`` exchanges per tenant; the least recently used goes first.
+    - ``revoke`` forgets every offer, binding and exchange of identities no longer allowed
+      (a binding or an offer lasts only while its key is a *worker* key), and returns the
+      exchanges it ended, so the broker can tell their other side.
+    - Any message from a route that serves hosts is a sign of life (``heard``), not only its
+      keepalive Hello: a worker whose keepalives wait behind bulk answers is not silent.
+    """
+
+    def __init__(
+        self,
+        declared: set[str] | frozenset[str] = frozenset(),
+        *,
+        patience: float = 5.0,
+        max_offers: int = 256,
+        max_bindings: int = 1024,
+        max_dialed: int = 1000,
+        max_exchanges: int = 64,
+        max_open: int = 100_000,
+    ) -> None:
+        self.declared = frozenset(declared)
+        self.patience = patience
+        self.max_offers = max_offers
+        self.max_bindings = max_bindings
+        self.max_dialed = max_dialed
+        self.max_exchanges = max_exchanges
+        self.max_open = max_open
+        self.offers: dict[str, Offer] = {}
+        self._routes: dict[bytes, set[str]] = {}  # route -> the hosts it serves (an index of offers)
+        self.bindings: dict[str, str] = {}  # host -> owner, kept while the broker runs (keyed)
+        self.exchanges: dict[int, Exchange] = {}
+        self._by_pair: dict[tuple[bytes, str], int] = {}
+        # numbered from a random point, so a broker that restarted never reuses a number a
+        # worker may still answer (its late answer would reach whoever holds that number now)
+        self._numbers = itertools.count(secrets.randbelow(1 << 61) + 1)
+        self.refused = 0
+        self.revoked: list[Exchange] = []  # the exchanges the last revoke ended
+
+    @staticmethod
+    def identity(route: bytes, key: str) -> str:
+        return key if key else "route:" + route.hex()
+
+    @staticmethod
+    def tenant(route: bytes, key: str) -> str:
+        return key[:8] if key else "route:" + route.hex()
+
+    def _refuse(self, why: str) -> Violation:
+        self.refused += 1
+        return Violation(why)
+
+    # -- offers ------------------------------------------------------------------------
+    def hello(self, route: bytes, key: str, roles: frozenset[str], hello: Hello, now: float) -> str:
+        """A Hello from ``route``: "client" (asks only), "offered" (a host is now served
+        by it) or "keepalive" (it already served that host). Raises ``Violation``."""
+        host = hello.offering
+        if host is None:
+            return "client"
+        if WORKER not in roles:
+            raise self._refuse(
+                f"this key may ask for hosts but not offer one: to let it serve `{host}`, put its "
+                f"public key in the broker's folder of worker keys (--allow-workers)"
+            )
+        if host in self.declared:
+            raise self._refuse(f"host `{host}` is declared on this broker's table; a worker cannot dial in under its name")
+        owner = self.identity(route, key)
+        bound = self.bindings.get(host)
+        if bound is not None and bound != owner:
+            raise self._refuse(
+                f"host `{host}` is served by another worker key on this broker; offer another "
+                f"name, or ask the broker's operator to restart it if that key was retired"
+            )
+        known = self.offers.get(host)
+        if known is not None and known.route == route:
+            known.seen = now
+            return "keepalive"
+        if known is None:
+            serving = sum(1 for o in self.offers.values() if o.owner == owner)
+            if serving >= self.max_offers:
+                raise self._refuse(f"this worker key already serves {serving} hosts, as many as one key may at once")
+            if len(self.offers) >= self.max_dialed:
+                raise self._refuse(f"this broker already serves {self.max_dialed} dialed-in hosts")
+        if bound is None:
+            held = [h for h, o in self.bindings.items() if o == owner]
+            if len(held) >= self.max_bindings:
+                # a key whose nodes come and go (a batch job) keeps its newest names; the
+                # oldest it no longer serves is let go, so nobody hoards names by the thousand
+                idle = next((h for h in held if h not in self.offers), None)
+                if idle is None:
+                    raise self._refuse(f"this worker key holds {len(held)} host names, as many as one key may")
+                del self.bindings[idle]
+            self.bindings[host] = owner
+        if known is not None:  # the same owner from a new connection (it restarted): move
+            self._end_exchanges(lambda e: e.worker == known.route and e.host == host)
+            self._drop(host)
+        self.offers[host] = Offer(host, route, owner, hello.runtime, now)
+        self._routes.setdefault(route, set()).add(host)
+        return "offered"
+
+    def offered_by(self, route: bytes) -> list[str]:
+        """The hosts ``route`` serves: asked of every relayed message, so an index, not a walk."""
+        return sorted(self._routes.get(route, ()))
+
+    def _drop(self, host: str) -> Offer:
+        offer = self.offers.pop(host)
+        hosts = self._routes.get(offer.route)
+        if hosts is not None:
+            hosts.discard(host)
+            if not hosts:
+                del self._routes[offer.route]
+        return offer
+
+    def leave(self, route: bytes) -> list[str]:
+        """``route`` said Bye or went away: forget its offers (keyless bindings with them)
+        and every exchange it was part of. Returns the hosts it served."""
+        gone = self.offered_by(route)
+        for host in gone:
+            offer = self._drop(host)
+            if offer.owner.startswith("route:"):
+                self.bindings.pop(host, None)
+        self._end_exchanges(lambda e: route in (e.worker, e.client))
+        return gone
+
+    def expire(self, now: float) -> list[str]:
+        """Offers silent for three patiences are gone, and the exchanges with them. An
+        exchange is never ended for being quiet (work may run for hours with nobody
+        watching); what bounds them is ``max_exchanges`` per tenant and ``max_open`` in all,
+        the least recently used ended first."""
+        gone = [h for h, o in self.offers.items() if now - o.seen > 3 * self.patience]
+        for host in gone:
+            offer = self._drop(host)
+            if offer.owner.startswith("route:"):
+                self.bindings.pop(host, None)
+        self._end_exchanges(lambda e: e.host in gone)
+        return gone
+
+    @property
+    def offers_index(self) -> dict[bytes, set[str]]:
+        """Route -> the hosts it serves (read only)."""
+        return self._routes
+
+    def heard(self, route: bytes, now: float) -> None:
+        """Any message from ``route``: the hosts it serves are alive."""
+        for host in self._routes.get(route, ()):
+            self.offers[host].seen = now
+
+    def revoke(self, allowed: set[str], workers: set[str] | None = None) -> list[bytes]:
+        """Keys no longer allowed lose their offers, bindings and exchanges (keys no longer
+        in ``workers``, their offers and bindings); returns the routes that lost offers.
+        The exchanges ended are in ``self.revoked``, for the broker to tell their other side."""
+        workers = allowed if workers is None else workers
+        routes: set[bytes] = set()
+        for host, offer in list(self.offers.items()):
+            if not offer.owner.startswith("route:") and offer.owner not in workers:
+                routes.add(offer.route)
+                self._drop(host)
+        for host, owner in list(self.bindings.items()):
+            if not owner.startswith("route:") and owner not in workers:
+                del self.bindings[host]
+        self.revoked = [e for e in self.exchanges.values() if e.worker in routes or (e.key and e.key not in allowed)]
+        for exchange in self.revoked:
+            self._end(exchange)
+        return sorted(routes)
+
+    # -- relaying ----------------------------------------------------------------------
+    def relay(self, route: bytes, key: str, relay: Relay, now: float) -> Deliver:
+        """Where a relayed message goes. From a worker: to the client of the exchange it
+        names, if that exchange was sent to this very worker. From a client: to the worker
+        serving ``relay.host``, in an exchange of the broker's numbering."""
+        if self.offered_by(route):
+            exchange = self.exchanges.get(relay.exchange)
+            if exchange is None or exchange.worker != route:
+                self.refused += 1
+                raise Stale(f"this broker has no exchange {relay.exchange} open with you")
+            exchange.touched = now
+            return Deliver(exchange.client, list(relay.inner))
+        if relay.exchange:
+            raise self._refuse("only a worker that offered a host here answers an exchange; say Hello with `offering` first")
+        offer = self.offers.get(relay.host)
+        if offer is None:
+            raise self._refuse(f"no worker serving `{relay.host}` is connected to this broker")
+        tenant = self.tenant(route, key)
+        number = self._by_pair.get((route, relay.host))
+        exchange = self.exchanges.get(number) if number is not None else None
+        if exchange is None or exchange.worker != offer.route:
+            if exchange is not None:
+                self._end(exchange)
+            mine = [e for e in self.exchanges.values() if e.tenant == tenant]
+            if len(mine) >= self.max_exchanges:
+                self._end(min(mine, key=lambda e: e.touched))
+            if len(self.exchanges) >= self.max_open:
+                self._end(min(self.exchanges.values(), key=lambda e: e.touched))
+            exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now, key)
+            self.exchanges[exchange.number] = exchange
+            self._by_pair[(route, relay.host)] = exchange.number
+        exchange.touched = now
+        return Deliver(offer.route, encode(Relay(exchange=exchange.number, tenant=tenant, inner=relay.inner)))
+
+    def _end(self, exchange: Exchange) -> None:
+        self.exchanges.pop(exchange.number, None)
+        self._by_pair.pop((exchange.client, exchange.host), None)
+
+    def _end_exchanges(self, which) -> None:  # noqa: ANN001 - a predicate on Exchange
+        for exchange in [e for e in self.exchanges.values() if which(e)]:
+            self._end(exchange)
+
+    # -- what a broker answers itself --------------------------------------------------
+    @staticmethod
+    def answers_itself(msg: object) -> bool:
+        return isinstance(msg, (Hello, Where, Hosts, Bye))

@@ -1,0 +1,563 @@
+"""A client's channel: one DEALER to one worker (or to the broker, for a relayed host).
+
+A channel is used by one forward at a time; concurrent forwards borrow concurrent channels
+(:class:`~somatize.fabric.broker.Broker` lends them). A channel that breaks is thrown away,
+so a late answer from a worker that came back is never read. Its conversation (Hello,
+Provision, Work and their answers) is checked by a
+:class:`~somatize.fabric.conversation.ClientExchange`; what carries a message is a message
+of the wire too: a ``Relay`` envelope naming the host for a relayed one, ``Begin`` /
+``Chunk`` / ``Credit`` for a big relayed one (:mod:`.streams`), ``Mounted`` for cargo in a
+shared folder (:mod:`.mount`).
+
+Refusals: a refusal names the work it ends. ``Refusal(hello=True)`` (the worker forgot this
+channel) or ``Refusal(recipe=True)`` (it holds no recipe by that digest) naming this Work
+make the channel greet again, or send the recipe in full, and send the Work again: once
+per Work, never more. A refusal that names no work, once the Work has been wholly sent, is
+never taken for its answer: the channel ends with ``Refused`` saying the work's fate is not
+known, and nothing is sent again. So a piece is never run twice by the library.
+
+Before a value leaves, its codec kinds are checked against those the worker said at Hello
+that it reads: a value it could not read is refused here, naming the kind, the host and
+the fix, and no byte of it is sent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..codec import codecs_registered, readable_kinds
+from ..engine import Deadline, Outcome, Piece
+from ..errors import Broken, Busy, KeysRefused, NodeFailed, ProtocolError, Refused, Unreachable
+from ..packing import Packer
+from ..wire import (
+    Begin,
+    Chunk,
+    Credit,
+    Done,
+    Failed,
+    Hello,
+    Located,
+    Mounted,
+    NodeSpec,
+    Provision,
+    Recipe,
+    Refusal,
+    Relay,
+    Runtime,
+    Saw,
+    Send,
+    compatible,
+    decode,
+    encode,
+    peek_kinds,
+    recipe_digest,
+)
+from . import leases as _leases
+from . import mount as _mount
+from . import sockets
+from . import streams as _streams
+from .conversation import ClientExchange
+from .curve import Keys, as_client, handshake_refusal
+from .pieces import outcome_of, specs_of, work_of
+
+_refs = itertools.count(1)
+# what a socket's EVENTS are read as on every answer: plain ints, not pyzmq's enum (whose
+# `&` alone costs more than the read)
+_EVENTS, _POLLIN, _events = int(zmq.EVENTS), int(zmq.POLLIN), zmq.backend.Socket.get
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+#: A connected worker that does not answer Hello within this many patiences is Busy.
+BUSY_FACTOR = 11
+
+
+class _Dropped(Broken):
+    """The channel's own connection dropped: for a relayed host, that is the broker's."""
+
+
+class _PastDeadline(Exception):
+    """A wait ran past the deadline; the broker turns it into ``Overdue`` with the names."""
+
+    def __init__(self, waiting: str) -> None:
+        super().__init__(waiting)
+        self.waiting = waiting
+        self.waited = 0.0  # seconds since the work given up on was sent (0: none was)
+
+
+#: Recipes whose digests one channel keeps (and digests it keeps sending in full).
+_MEMO_RECIPES = 256
+
+
+class Channel:
+    """One DEALER to one worker (directly, or through the broker for a relayed host).
+
+    The pump: every message that arrives is a carrier (a piece of a stream, a credit, a
+    mounted message), opened here, or an answer, which :class:`ClientExchange` checks
+    against the state of the conversation before anything acts on it. A stale answer (of
+    work given up on) is dropped and counted; an illegal one breaks the channel.
+    """
+
+    def __init__(
+        self,
+        located: Located,
+        address: str,
+        packer: Packer,
+        provisioned: set[str],
+        patience: float,
+        *,
+        keys: Keys | None = None,
+        server_key: bytes | None = None,
+        still_there: Any = None,
+        deadline: Deadline | None = None,
+    ) -> None:
+        self.host = located.host
+        self.located = located
+        self.packer = packer
+        self.provisioned = provisioned
+        self.patience = patience
+        self.address = address
+        self.relayed = located.path == "relayed"
+        self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
+        self.exchange = ClientExchange()
+        self.sock = sockets.dealer(patience)
+        if keys is not None:
+            as_client(self.sock, keys, server_key)
+        # an established link dropping, or a server refusing our key
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
+        self.linked = False  # the ZeroMQ handshake completed: someone is there
+        self.still_there = still_there
+        self._checked = time.monotonic()
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
+        self.sock.connect(self.address)
+        self.mounted: list = []
+        self.bound: Deadline | None = None  # the deadline the open work runs under
+        self.lending: _leases.Lending | None = None  # the pooled segments of the open work
+        self.views = False  # answers' arrays as views of the segments (see `Worker(views=)`)
+        self.sent_at: float | None = None  # when the open work was sent
+        self._outgoing: _streams.Outgoing | None = None
+        self._inbound = _streams.Inbound(per_tenant=1, total=1)  # one answer at a time
+        self._early: list = []
+        self.reads: frozenset[str] = frozenset()  # the kinds the worker said it reads
+        self._sure_for: list[str] | None = None  # the registry for which it reads all ours
+        # recipes: sent in full once per connection, then named by digest (see `run`)
+        self.held: set[str] = set()  # digests sent in full since the last Hello
+        self._unkept: set[str] = set()  # ...that the worker did not keep: sent in full from then on
+        self._last_full: str | None = None  # the digest of the last recipe sent in full
+        self._digests: dict[int, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
+        try:
+            self._hello(deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        _mount.remove(self.mounted)
+        self.mounted = []
+        self._end_lending()
+        if not self.sock.closed:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        sockets.close(self.monitor, self.sock)
+
+    def dropped_while_idle(self) -> bool:
+        """Whether the link dropped since the last work (a worker or broker restarted
+        between calls): nothing of this channel's is in flight, so a fresh channel takes
+        its place rather than the next work being lost to the drop."""
+        dropped = False
+        try:
+            while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+                event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.linked = True
+                else:  # dropped, or a handshake refused (a fresh channel says why)
+                    dropped = True
+        except zmq.ZMQError:
+            return True
+        return dropped
+
+    def waited(self) -> float:
+        """Seconds since the open work was sent (0 when none was)."""
+        return 0.0 if self.sent_at is None else time.monotonic() - self.sent_at
+
+    # -- sending -------------------------------------------------------------------------
+    def _send(self, frames: list, deadline: Deadline | None = None) -> None:
+        if self.relayed and _streams.worth_streaming(frames):
+            self._stream_out(frames, deadline)  # relayed: never more than a window in the broker
+            return
+        self._raw(frames)
+
+    def _raw(self, frames: list) -> None:
+        if self.relayed:  # the broker opens the envelope and passes the message on
+            frames = encode(Relay(host=self.host, inner=tuple(frames)))
+        try:  # the sentence and its context manager only when it fails: this runs every call
+            self.sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:
+            with sockets.translated(f"the worker for `{self.host}` at {self.address}"):
+                raise exc
+
+    def _stream_out(self, frames: list, deadline: Deadline | None = None) -> None:
+        out = self._outgoing = _streams.Outgoing(_streams.new_sid(), frames)
+        try:
+            self._raw(encode(out.begin()))
+            while True:
+                for chunk in out.chunks():
+                    self._raw(encode(chunk))
+                if out.finished:
+                    return
+                message = self._pump(None, "to send the rest of a stream", deadline)  # a credit, most likely
+                if message is not None:
+                    self._early.append(message)  # an answer before the end (a refusal)
+                    if isinstance(message, (Refusal, Failed, Done)):
+                        return  # the worker gave up on this message: no credit will come
+        finally:
+            self._outgoing = None
+
+    # -- receiving -----------------------------------------------------------------------
+    def _next(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> Any:
+        """The next answer from the worker. Raises if it goes away, if it is not reached by
+        ``answer_by`` (``time.monotonic()``), or (``_PastDeadline``) past ``deadline``."""
+        if self._early:
+            return self._early.pop(0)
+        while True:
+            message = self._pump(answer_by, waiting, deadline)
+            if message is not None:
+                return message
+
+    def _pump(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> Any:
+        """Take in one message: an answer the conversation allows now (returned), or a
+        carrier, a piece of a stream or a stale answer (None)."""
+        while True:
+            if deadline is not None and deadline.left() < 0:
+                self.exchange.give_up()
+                raise _PastDeadline(waiting)
+            # a message already waiting is taken without polling: the common case, cheaply
+            if _events(self.sock, _EVENTS) & _POLLIN or self.sock in dict(self._poller.poll(50)):
+                parts = self.sock.recv_multipart(copy=False)
+                break
+            self._watch_link(answer_by, waiting, deadline)
+        try:
+            message = self._open(decode(parts))
+            return None if message is None else self.exchange.receive(message)
+        except ProtocolError as exc:
+            raise ProtocolError(
+                f"what the worker for `{self.host}` at {self.address} sent could not be taken, so "
+                f"this channel was dropped: {exc.why}"
+            ) from exc
+
+    def _open(self, message: Any) -> Any:
+        """A carrier opened: the message it completes, or None while there is none yet."""
+        if isinstance(message, Credit):
+            if self._outgoing is not None and self._outgoing.sid == message.sid:
+                self._outgoing.grant(message.amount)
+            return None
+        if isinstance(message, Begin):
+            self._inbound.begin(b"", "", message)
+            return None
+        if isinstance(message, Chunk):
+            granted, frames = self._inbound.chunk(b"", message)
+            self._raw(encode(Credit(message.sid, granted)))
+            return None if frames is None else self._open(decode(frames))
+        if isinstance(message, Mounted):
+            if self.located.path != "mount":
+                raise ProtocolError("a `Mounted` message arrived on a channel that shares no folder")
+            if self.lending is not None:  # an answer in the segments this exchange lent
+                return self._decode_lent(self.lending.receive(message))
+            if message.spans or message.kept:
+                if _leases.in_memory(self.located.mount or ""):  # a late answer: its new files are ours
+                    _leases.pool(self.located.mount or "").discard(message)
+                raise ProtocolError("an answer names spans of pooled segments, and this client lent none")
+            frames, made = _mount.read(message, self.located.mount or "")
+            self.mounted.extend(made)
+            return decode(frames)
+        if isinstance(message, Relay):
+            raise ProtocolError("a `Relay` envelope reached a client; the broker opens them")
+        return message
+
+    def _watch_link(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> None:
+        """Between polls: the link's events, the broker's word on a relayed worker, and how
+        long this client has waited."""
+        if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.linked = True
+                return
+            if event & _HANDSHAKE_FAILED:
+                raise KeysRefused(self._refusal(event))
+            raise _Dropped(f"the connection to {self.address} dropped")
+        if self.still_there is not None and time.monotonic() - self._checked > self.patience:
+            self._checked = time.monotonic()
+            if not self.still_there(_bounded(self.patience * 2, deadline)):
+                if deadline is not None and deadline.left() < 0:
+                    self.exchange.give_up()
+                    raise _PastDeadline(waiting)
+                raise Broken(f"the worker serving `{self.host}` through the broker is gone")
+        if answer_by is not None and self.linked and time.monotonic() > answer_by + self.patience * BUSY_FACTOR:
+            raise Busy(
+                f"the worker for `{self.host}` at {self.address} is connected and alive, and has "
+                f"not answered (this client waited {waiting}) for {self.patience * (BUSY_FACTOR + 1):.0f} s: "
+                f"it is busy with other work (it runs one piece at a time unless started with --jobs N)"
+            )
+        if answer_by is not None and not self.linked and time.monotonic() > answer_by:
+            raise Unreachable(
+                f"nobody answered at {self.address} for `{self.host}` within {self.patience:.0f} s "
+                f"(this client waited {waiting}): is a worker listening there? Start one with "
+                f"`python -m somatize.worker --listen {self.address.split('://')[-1]}`."
+            )
+
+    def _refusal(self, event: int) -> str:
+        """Why the handshake failed, with the fix, from whose keys this channel used."""
+        if self.relayed:
+            return handshake_refusal(
+                event, who=f"the broker at {self.address}", keys=self.keys, server_key=self.server_key,
+                allow="the broker's allow folder (then `systemctl reload somatize-broker`)",
+                server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
+            )
+        if self.keys is None and not self.located.key:
+            return (
+                f"the worker for `{self.host}` at {self.address} refused this client's CURVE "
+                f"handshake: it listens with keys, and the broker's host table gives no `key =` "
+                f"for `{self.host}`, so this client had none to offer. Add `key = \"keys/{self.host}.key\"` "
+                f"(that worker's public key) to [hosts.{self.host}] in the broker's table and restart the broker"
+            )
+        return handshake_refusal(
+            event, who=f"the worker for `{self.host}` at {self.address}", keys=self.keys, server_key=self.server_key,
+            allow="that worker's allow folder (then `systemctl reload somatize-worker` there)",
+            server_key_from=f"the `key =` of [hosts.{self.host}] in the broker's table",
+        )
+
+    # -- the conversation ----------------------------------------------------------------
+    def _hello(self, deadline: Deadline | None) -> None:
+        mine = Runtime.here(mode=self.packer.mode)
+        self.held.clear()  # a worker greeted (again) holds no recipe of ours
+        self._unkept.clear()
+        self.exchange.hello_sent()
+        self._send(encode(Hello(mine)))
+        answer = self._next(time.monotonic() + self.patience, "for the worker to answer Hello", deadline)
+        if isinstance(answer, Refusal):
+            if answer.why.startswith("busy:"):
+                raise Busy(f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}")
+            raise Refused(f"the worker for `{self.host}` refused this client: {answer.why}")
+        self.reads = frozenset(answer.runtime.kinds)
+        why = compatible(mine, answer.runtime, needs_pickle=self.packer.mode == "network")
+        if why is None and self.packer.mode == "network" and answer.runtime.mode != "network":
+            why = (
+                f"the worker for `{self.host}` runs in {answer.runtime.mode or 'project'} mode and "
+                f"takes no code by value; declare it with mode=\"project\", or start it with --mode network"
+            )
+        if why is not None:
+            raise Refused(why)
+
+    def run(
+        self, piece: Piece, watch: Any, deadline: Deadline | None = None, *, host: Callable[[], Deadline] | None = None
+    ) -> Outcome:
+        """Send ``piece`` and wait for its outcome. ``deadline`` (the forward's) bounds every
+        wait; ``host`` starts the host's own deadline, which bounds the waits from when the
+        Work is first sent (after its code was handed over), the sooner of the two."""
+        ref = next(_refs)
+        specs = specs_of(piece, self.packer)  # packed once per group, kept with the graph's plan
+        watched = watch is not None
+        # the recipe travels in full the first time on this connection, then by its digest
+        digest = self._digest_of(specs, piece.shape)
+        named = digest if digest is not None and digest in self.held else ""
+        frames = encode(work_of(piece, ref, specs, watched=watched, named=named))
+        self._check_kinds(frames)
+        try:
+            self._provision(tuple(dict.fromkeys(
+                s.target for s in specs if s.source == "network" and s.target not in self.provisioned
+            )), deadline)
+            if host is not None:
+                deadline = host().sooner(deadline)
+            self.bound = deadline
+            resent = False  # after `hello` or `recipe`, the Work goes again: once, never more
+            for _ in range(4):
+                self._send_work(ref, frames, deadline)
+                if digest is not None and not named:
+                    self._last_full = digest
+                    if digest not in self._unkept:
+                        self.held.add(digest)  # in full: the worker keeps it for this connection
+                answer = self._answer(watch, deadline)
+                if isinstance(answer, Send):
+                    self.provisioned.difference_update(answer.digests)
+                    self._provision(answer.digests, deadline)
+                    continue
+                if answer is self.exchange.unplaced:
+                    raise Refused(
+                        f"the worker for `{self.host}` refused without naming the work sent to it, "
+                        f"after it was sent: {answer.why}. That is not this work's answer, so whether "
+                        f"it ran is not known; it was not sent again (it may have run)"
+                    )
+                if isinstance(answer, Refusal) and (answer.hello or answer.recipe):
+                    if resent:
+                        raise Refused(
+                            f"the worker for `{self.host}` asked again, for the same work, to be "
+                            f"greeted again or for its recipe in full ({answer.why}); it was sent "
+                            f"again once, and is not sent a third time"
+                        )
+                    resent = True
+                    if answer.hello:
+                        # the worker forgot this channel to make room for others: greet it again
+                        self.exchange.forgotten()
+                        self._hello(deadline)
+                    elif digest is not None:
+                        # it does not hold the recipe: forgotten to make room for others (it
+                        # goes in full this once), or never kept, when no other recipe went
+                        # in full since (too big to keep: it goes in full from now on)
+                        self.held.discard(digest)
+                        if digest == self._last_full and len(self._unkept) < _MEMO_RECIPES:
+                            self._unkept.add(digest)
+                    if named:
+                        named = ""
+                        frames = encode(work_of(piece, ref, specs, watched=watched))
+                        self._check_kinds(frames)
+                        continue
+                    if answer.hello:
+                        continue
+                return self._conclude(answer, piece)
+            raise Refused(
+                f"the worker for `{self.host}` kept asking for the same artifacts, to be greeted "
+                f"again, or for the recipe in full"
+            )
+        finally:
+            _mount.remove(self.mounted)
+            self.mounted = []
+            self._end_lending()
+
+    def _digest_of(self, specs: tuple[NodeSpec, ...], shape: tuple) -> str | None:
+        """The digest of the recipe of ``specs`` and ``shape`` (None: it has none, and always
+        travels in full), computed once per recipe on this channel: ``specs`` is the very
+        tuple the piece's memo keeps, so a repeated call finds it by identity."""
+        kept = self._digests.get(id(specs))
+        if kept is not None and kept[0] is specs and (kept[1] is shape or kept[1] == shape):
+            return kept[2]
+        try:
+            digested = recipe_digest(Recipe(specs, shape))
+        except Exception:  # a value that cannot be written: `encode` says so, in full
+            digested = None
+        digest = None if digested is None else digested.digest
+        if len(self._digests) >= _MEMO_RECIPES:
+            self._digests.clear()
+        self._digests[id(specs)] = (specs, shape, digest)
+        return digest
+
+    def _end_lending(self) -> None:
+        """The lent segments go back to the pool, or are retired when no terminal answer
+        came (the worker may still write there). Idempotent."""
+        lending, self.lending = self.lending, None
+        if lending is not None:
+            lending.end(answered=self.exchange.state not in ("working", "closed"))
+
+    def _decode_lent(self, frames: list) -> Any:
+        """An answer read from the segments: its values copied out (the segments go back to
+        the pool), or with ``views``, read-only views that hold their segment until freed."""
+        return decode(frames, views=self.views)
+
+    def _check_kinds(self, frames: list) -> None:
+        """Refuse, before a byte of it is sent, a value of a kind the worker cannot read.
+
+        The worker said at Hello which kinds it reads. Usually that is every kind this
+        process writes, and that is checked once per state of the registry; otherwise the
+        message's own kinds are read from its header. A network-mode worker also reads the
+        kinds whose codecs travel inside the artifacts (see :mod:`somatize.packing`).
+        """
+        registered = codecs_registered()
+        if registered == self._sure_for:
+            return
+        writable = set(readable_kinds())
+        if self.packer.mode == "network":
+            writable.difference_update(registered)
+        if writable <= self.reads:
+            self._sure_for = registered
+            return
+        missing = sorted((peek_kinds(frames) - self.reads) & writable)
+        if not missing:
+            return
+        kind = missing[0]
+        if kind.startswith("arrow."):
+            fix = "install pyarrow where that worker runs, or send the table's columns as NumPy arrays"
+        elif kind == "torch.Tensor":
+            fix = ("install torch where that worker runs (`pip install somatize[torch]`), or send "
+                   "`t.numpy()` instead")
+        else:
+            fix = (
+                f"make a module the worker imports (the module of a node it runs) call "
+                f"`codec(\"{kind}\", ...)`, or declare `{self.host}` with mode=\"network\" so "
+                f"the codec travels with the nodes"
+            )
+        others = f" (and {', '.join(f'`{k}`' for k in missing[1:])})" if len(missing) > 1 else ""
+        raise Refused(
+            f"the worker for `{self.host}` cannot read values of kind `{kind}`{others}, as it said "
+            f"when this client said hello, so nothing was sent to it: {fix}"
+        )
+
+    def _provision(self, digests: tuple[str, ...], deadline: Deadline | None = None) -> None:
+        for digest in digests:
+            self.exchange.provision_sent(digest)
+            self._send(encode(Provision(digest, self.packer.artifact(digest))), deadline)
+            answer = self._next(None, "for the worker to take an artifact", deadline)
+            if isinstance(answer, Refusal) and answer.hello:
+                self.exchange.forgotten()
+                self._hello(deadline)
+                self.exchange.provision_sent(digest)
+                self._send(encode(Provision(digest, self.packer.artifact(digest))), deadline)
+                answer = self._next(None, "for the worker to take an artifact", deadline)
+            if isinstance(answer, Refusal):
+                raise Refused(f"the worker for `{self.host}` refused the code sent to it: {answer.why}")
+            self.provisioned.add(digest)
+
+    def _send_work(self, ref: int, frames: list, deadline: Deadline | None = None) -> None:
+        if self.located.path == "mount" and len(frames) > 1:
+            folder = self.located.mount or ""
+            if self.lending is not None or _leases.in_memory(folder):  # one machine: pooled memory
+                if self.lending is None:
+                    self.lending = _leases.Lending(_leases.pool(folder))
+                frames = self.lending.send(frames)
+            else:  # a folder other machines see: one file per frame
+                frames, made = _mount.write(frames, folder)
+                self.mounted.extend(made)
+        self.exchange.work_sent(ref)
+        self.sent_at = time.monotonic()
+        self._send(frames, deadline)
+        self.exchange.work_delivered()  # whole: a refusal naming no work is not its answer now
+
+    def _answer(self, watch: Any, deadline: Deadline | None = None) -> Any:
+        """The work's answer (Send or terminal); its facts go to ``watch`` meanwhile."""
+        while True:
+            answer = self._next(None, "for the work's answer", deadline)
+            if not isinstance(answer, Saw):
+                return answer
+            if watch is not None:
+                watch(answer.fact)
+
+    def _conclude(self, answer: Any, piece: Piece) -> Outcome:
+        if isinstance(answer, Done):
+            return outcome_of(answer)
+        if isinstance(answer, Failed):
+            node = answer.node or ", ".join(s.label for s in piece.steps)
+            where = f"node `{answer.node}` on `{self.host}` raised" if answer.node else f"the work on `{self.host}` ({node}) failed:"
+            raise NodeFailed(
+                f"{where} {answer.why}",
+                node=node,
+                error=answer.error,
+                host=self.host,
+                remote_traceback=answer.traceback or None,
+            )
+        # the conversation let through only Done, Failed or Refusal here
+        if answer.why.startswith("busy:"):
+            raise Busy(f"the worker for `{self.host}` is busy and took no new work: {answer.why[5:].strip()}")
+        raise Refused(f"the worker for `{self.host}` refused the work: {answer.why}")
+
+
+def _bounded(seconds: float, deadline: Deadline | None) -> float:
+    """``seconds``, or less when the deadline comes first (never below a moment)."""
+    return seconds if deadline is None else max(0.05, min(seconds, deadline.left()))

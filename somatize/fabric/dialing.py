@@ -1,0 +1,163 @@
+"""A dialed worker's link to its broker: the offer, the keepalive, and what the broker says.
+
+A worker that dials in (``--broker URL --offer NAME``) says ``Hello{offering}`` when it
+connects, again on every reconnection (perhaps a broker that restarted), again after a
+refusal (a backoff capped at ``MAX_BACKOFF``), and as a keepalive every ``patience``.
+
+The keepalive is control, not bulk: it must reach the broker on time while the worker is
+busy answering a flood or streaming a big answer. So the serving loop looks at its timer
+first thing every turn, before it sends anything else; a keepalive the socket cannot take
+now (its queue full of answers) waits in ``_control`` and takes the first place that frees,
+ahead of every answer (:meth:`Outbox._send` tries it first), never dropped; and answers
+streaming back leave only while the socket has room, a window at a time, so a keepalive
+never queues behind a long stream. ZMTP heartbeats (``sockets.heartbeat``) check the
+connection itself beneath all of this.
+
+What is not for here: the conversation with clients (:mod:`.worker_loop`), sending answers
+(:mod:`.outbox`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from ..errors import ProtocolError
+from ..wire import Hello, Ready, Refusal, Relay, decode, encode, variant_of
+from . import sockets
+from .curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
+from .curve import Keys, as_client
+from .outbox import To
+
+#: The longest a dialed worker waits before saying Hello again to a broker that refused it.
+MAX_BACKOFF = 30.0
+#: Messages a dialed worker's socket queues for the broker at most: what a keepalive that
+#: is due can find ahead of it (answers over that wait in the worker, streams a window each).
+QUEUED = 256
+log = logging.getLogger("somatize.worker")
+
+
+class Dialing:
+    """The broker side of :class:`~somatize.fabric.worker_loop.WorkerLoop` (a mixin: the
+    loop's attributes are its own)."""
+
+    _front: Any
+    _offer: str | None
+    _broker: str
+    _events: Any
+    _control: list
+    patience: float
+
+    def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
+        """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
+        With ``keys``, ``keys.server_key`` is the broker's public key."""
+        self._front = sockets.dealer(self.patience)
+        self._front.setsockopt(zmq.SNDHWM, QUEUED)
+        if keys is not None:
+            as_client(self._front, keys, None)
+        # every (re)connection is a broker that may not know us: say Hello on each
+        self._events = self._front.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+        )
+        self._front.connect(broker)
+        self._broker = broker
+        self._offer = offer
+        self._announce(time.monotonic())
+
+    def _announce(self, now: float) -> None:
+        """Hello to the broker: the first, a keepalive every patience, or again after a
+        refusal. It goes ahead of every answer waiting; a newer one replaces one not yet out."""
+        self._next_hello = now + (self._backoff or self.patience)
+        self._control = [m for m in self._control if m[0] != "hello"]
+        self._control.append(("hello", encode(Hello(self.runtime, offering=self._offer))))
+        self._push_control()
+
+    def _push_control(self) -> bool:
+        """Send what control waits (a keepalive, a probe's Ready), ahead of everything else;
+        True when nothing waits any more. Never blocks, never drops it: it waits for room."""
+        while self._control:
+            what, frames = self._control[0]
+            try:
+                self._front.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            except zmq.ZMQError:
+                self._control.clear()  # closed: the worker is stopping
+                return True
+            self._control.pop(0)
+            if what == "hello":
+                self._hello_at = time.monotonic()
+        return True
+
+    def _keep_offering(self, now: float) -> None:
+        if self._backoff and self._refused_at < self._hello_at and now - self._hello_at > min(2.0, self.patience):
+            # our last Hello drew no refusal: taken (a keepalive is answered with silence)
+            self._backoff = 0.0
+            self._accepted = True
+            self._next_hello = self._hello_at + self.patience
+        if now >= self._next_hello:
+            self._announce(now)
+        elif self._control:
+            self._push_control()
+
+    def _connection_events(self) -> None:
+        while self._events is not None and self._events.get(zmq.EVENTS) & zmq.POLLIN:
+            event = int.from_bytes(self._events.recv_multipart()[0][:2], "little")
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._lost:
+                    log.info("reached the broker at %s again; offering `%s`", self._broker, self._offer)
+                self._lost = self._refused_keys = False
+                self._backoff = 0.0
+                self._announce(time.monotonic())  # perhaps a broker that restarted: it learns about us now
+            elif event & _HANDSHAKE_FAILED:
+                if not self._refused_keys:  # once per spell: ZeroMQ tries again every few seconds
+                    self._refused_keys = True
+                    log.error("the broker at %s refused this worker's CURVE handshake: is this worker's "
+                              "public key in the broker's --allow-workers folder (then reload the broker), "
+                              "and is --broker-key the broker's own `.key`? Dialing again meanwhile",
+                              self._broker)
+            elif event == zmq.EVENT_DISCONNECTED and not self._lost:
+                self._accepted, self._lost = False, True
+                log.warning("lost the broker at %s; dialing again", self._broker)
+
+    def _from_broker(self, parts: list) -> None:
+        """A relayed message for us, or the broker itself speaking: Ready to our Hello (or a
+        probe), Refusal, a Hello checking on us."""
+        try:
+            variant = variant_of(parts)
+            if variant is Relay:
+                relay = decode(parts)  # its header only: the inner message is opened by _take
+                if relay.exchange > 0:
+                    peer = b"relay:%d" % relay.exchange
+                    tenant = relay.tenant or "exchange:%d" % relay.exchange
+                    self._take(To(peer, tenant, exchange=relay.exchange), list(relay.inner))
+                return
+            if variant not in (Ready, Refusal, Hello):
+                raise ProtocolError(f"a broker does not send a worker a `{variant.__name__}`")
+            message = decode(parts)
+        except ProtocolError as exc:
+            self._lines.say(logging.WARNING, "the broker at %s sent what this worker does not take: %s",
+                           self._broker, exc.why)
+            return
+        now = time.monotonic()
+        if isinstance(message, Ready):
+            if not self._accepted:
+                log.info("the broker at %s took this worker's offer of `%s`", self._broker, self._offer)
+            self._accepted, self._backoff = True, 0.0
+        elif isinstance(message, Refusal):
+            # a restarted broker that does not know us (a late answer it cannot place), or a
+            # refusal of our offer: neither is a reason to stop serving. Hello again, later.
+            self._accepted = False
+            self._refused_at = now
+            self._backoff = min(MAX_BACKOFF, max(0.5, self._backoff * 2))
+            self._next_hello = min(self._next_hello, now + self._backoff)
+            self._lines.say(logging.WARNING, "the broker at %s refused this worker: %s; saying Hello again in %g s",
+                           self._broker, message.why, self._backoff)
+        else:
+            # the broker checking on us: control, like a keepalive
+            self._control = [m for m in self._control if m[0] != "ready"]  # one is enough
+            self._control.append(("ready", encode(self._ready())))
+            self._push_control()

@@ -1,0 +1,158 @@
+"""How a worker takes a message in, and from whom: carriers opened, the conversation asked.
+
+Every message from a peer is checked by
+:class:`~somatize.fabric.conversation.WorkerSessions` before anything acts on it. From a peer
+that has not said ``Hello`` only ``Hello`` and ``Bye`` are decoded; anything else is refused
+by its header's variant alone (``Refusal(hello=True)``), except a piece of a stream
+(``Chunk``, ``Credit``), which is dropped and counted: its stream was refused at its
+``Begin``, or its session ended, and a refusal would read as an answer. A refusal of a
+``Work`` names its ref (read from the header, ``wire.ref_of``), so the client never takes
+it for the answer to another; a second Work with the ref of one still running is refused
+without a ref, and the running one goes on.
+
+Revocation: after a reload of the allow-list (a listening worker with keys), every session
+of a key no longer allowed ends (:meth:`Intake._revoke`).
+
+What is not for here: the socket loop (:mod:`.worker_loop`), sending (:mod:`.outbox`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ProtocolError, Refused
+from ..wire import (
+    Begin,
+    Bye,
+    Chunk,
+    Credit,
+    Hello,
+    Mounted,
+    Provision,
+    Refusal,
+    Relay,
+    Work,
+    decode,
+    encode,
+    ref_of,
+    variant_of,
+)
+from . import leases as _leases
+from . import mount as _mount
+from .conversation import Unheld, Unknown, Violation
+from .outbox import To
+
+_CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
+
+
+class Intake:
+    """The receiving side of :class:`~somatize.fabric.worker_loop.WorkerLoop` (a mixin: the
+    loop's attributes are its own)."""
+
+    sessions: Any
+    mount: str | None
+
+    def _revoke(self) -> None:
+        """On the thread holding the socket, after a reload: every session of a key no
+        longer allowed ends. Its open work is refused (naming it) and abandoned: the piece
+        runs no further node, and nothing it says afterwards leaves (its session is gone)."""
+        self._revoking = False
+        if self._guard is None:
+            return
+        allowed = self._guard.allowed()
+        why = "this key is no longer allowed on this worker"
+        for peer, tenant in self.sessions.peers():
+            if not tenant or tenant in allowed:
+                continue
+            with self._running_lock:
+                for job in self._running.values():
+                    if job.peer == peer:
+                        job.abandoned = True
+            to = To(peer, tenant, route=peer)
+            for ref in self.sessions.forget(peer):  # the last it hears of that work
+                self._reply(to, Refusal(f"{why}; its work {ref} was abandoned", ref=ref), refusing=True)
+            self._inbound.drop(peer)
+            for key in [k for k in self._outgoing if k[0] == peer]:
+                self._settle(*key)
+
+    def _attachments(self) -> _leases.Attachments:
+        """The mappings of this worker's clients' pooled segments, kept between calls."""
+        found = getattr(self, "_attached", None)
+        if found is None:
+            found = self._attached = _leases.Attachments(self.mount or "")
+        return found
+
+    def _take(self, to: To, frames: list, *, opened: bool = False) -> None:
+        """One message from ``to``: a carrier is opened, anything else checked by the
+        conversation and acted on; whatever is refused is answered ``Refusal``, naming the
+        Work it refuses (read from its header), unless that ref is open (a duplicate)."""
+        mounted: Mounted | None = None
+        arrived = frames
+        try:
+            # from a peer that has not said Hello only Hello and Bye are opened; the others
+            # are told by their header's variant alone, and refused unopened
+            if not self.sessions.greeted(to.peer):
+                variant = variant_of(frames)
+                if variant in (Chunk, Credit):
+                    # of a stream refused at its Begin, or of an answer to a session that
+                    # ended: nothing in it is for anyone; a refusal would read as an answer
+                    self.withheld += 1
+                    return
+                if variant not in (Hello, Bye):
+                    raise Unknown("say Hello first: this worker has not heard from you")
+            message = decode(frames)  # a carrier comes back as itself, its cargo unopened
+            if isinstance(message, _CARRIERS):
+                if opened:
+                    raise Violation(f"a `{type(message).__name__}` cannot travel inside another carrier")
+                if isinstance(message, Relay):
+                    raise Violation("a worker takes `Relay` envelopes only from the broker it dialed")
+                if not isinstance(message, Mounted):
+                    self._stream(to, message)
+                    return
+                if self.mount is None:
+                    raise Violation("this worker sees no shared directory; start it with --mount DIR")
+                if not message.files:  # cargo with no files of its client's is never swept
+                    raise Violation("a `Mounted` names the files of its frames; this one names none")
+                if message.spans:  # pooled segments: views of the client's memory, no copy
+                    frames, mounted = self._attachments().take(message)
+                else:  # one file per frame: the client removes them
+                    mounted = message
+                    frames, _ = _mount.read(mounted, self.mount)
+                if variant_of(frames) is not Work:
+                    raise Violation(f"a `Mounted` carries Work, not a `{variant_of(frames).__name__}`")
+                message = decode(frames)
+                frames = []  # only the work's input points into the segments now...
+                if isinstance(mounted, _leases.Taken):
+                    message = mounted.detach(message)  # ...and it is held by `mounted` until it runs
+            message = self.sessions.receive(to.peer, message, to.tenant)
+        except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError
+            why = getattr(exc, "why", None) or str(exc)
+            ref = ref_of(arrived)
+            if ref is not None and self.sessions.is_open(to.peer, ref):
+                ref = None  # a second Work with the ref of one running: this refusal ends nothing
+            refused = Refusal(why, ref=ref, hello=isinstance(exc, Unknown), recipe=isinstance(exc, Unheld))
+            self._reply(to, refused, refusing=True)
+            return
+        if isinstance(message, Hello):
+            self._reply(to, self._ready())
+        elif isinstance(message, Bye):
+            self._inbound.drop(to.peer)
+        elif isinstance(message, Provision):
+            self._provision(to, message)
+        else:
+            self._work(to, message, mounted)
+
+    def _stream(self, to: To, message: Any) -> None:
+        if isinstance(message, Credit):
+            pending = self._outgoing.get((to.peer, message.sid))
+            if pending is not None:
+                pending[1].grant(message.amount)
+                self._drain(*pending)
+            return
+        if isinstance(message, Begin):
+            self._inbound.begin(to.peer, to.tenant or to.peer.hex(), message)
+            return
+        granted, frames = self._inbound.chunk(to.peer, message)
+        self._deliver(to, encode(Credit(message.sid, granted)))
+        if frames is not None:
+            self._take(to, frames, opened=True)

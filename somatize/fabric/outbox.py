@@ -1,0 +1,211 @@
+"""How a worker's answers leave: in order, only where the conversation allows, never blocking.
+
+Answers and facts, from whatever thread (a job, a parallel branch of a piece), go into one
+first-in-first-out outbox, so a piece's facts always leave before its ``Done``; the thread
+holding the socket sends them, each checked by
+:class:`~somatize.fabric.conversation.WorkerSessions` first (an answer for work that is not
+open for that very peer is withheld and counted). Every send is ``NOBLOCK``: a peer that
+stops reading loses its answers (counted), it never stalls the loop.
+
+A big answer to a relayed exchange streams back (:mod:`.streams`) under the client's
+credit, and only while the socket has room: what waits for room waits in the worker, a
+window per stream, so a dialed worker's keepalive (:mod:`.dialing`), tried before every
+send, never queues behind a long stream. While an answer streams, its peer's session is
+held (``WorkerSessions.hold``): it is not forgotten to make room until every byte of it is
+credited. What is not for here: deciding what to answer (:mod:`.worker_loop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, NamedTuple
+
+import zmq
+
+from ..wire import Failed, Refusal, Relay, encode, variant_of
+from . import streams as _streams
+from .curve import peer_name
+from .worker_said import clip
+
+log = logging.getLogger("somatize.worker")
+#: Seconds between two log lines giving the same advice about stale imports.
+ADVICE_EVERY = 60.0
+
+
+class To(NamedTuple):
+    """Who an answer goes to: a client's route (Direct), or an exchange a broker relays."""
+
+    peer: bytes  # the sessions' name for it
+    tenant: str = ""  # who the client is: its key, or "" on a keyless route (one per route)
+    route: bytes = b""  # Direct: the ROUTER identity
+    exchange: int = 0  # Relayed: the broker's number for the exchange
+
+
+class Outbox:
+    """The sending side of :class:`~somatize.fabric.worker_loop.WorkerLoop` (a mixin: the
+    loop's attributes are its own)."""
+
+    _front: Any
+    _broker: str
+    _control: list
+    _outgoing: dict
+
+    def _forward_answers(self) -> None:
+        while self._answers.get(zmq.EVENTS) & zmq.POLLIN:
+            self._answers.recv()  # a wake-up: what to send is in the outbox
+        self._flush()
+
+    def _post(self, to: To, answer: Any, frames: list) -> None:
+        """Queue an answer from any thread; the thread holding the socket sends it, in order."""
+        self.imports.note()
+        if isinstance(answer, (Failed, Refusal)):
+            stale = self._stale(answer)
+            # only an answer sent as itself is rewritten; one inside a carrier (pooled
+            # segments) was told in `_run`, before it was written there
+            if stale is not answer and variant_of(frames) is type(answer):
+                answer, frames = stale, encode(stale)
+        self._outbox.put((to, answer, frames))
+        holder = self._holder
+        if holder == threading.get_ident():
+            self._flush()
+            return
+        if holder is None:
+            return  # nobody serves this instant: whoever takes the socket sends the outbox first
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the thread holding the socket out of its poll."""
+        try:
+            self._push().send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a thousand wake-ups are pending already: the loop is on its way
+        except zmq.ZMQError:
+            pass  # closed: the worker is stopping, nobody sends anything any more
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                to, answer, frames = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if self.sessions.answering(to.peer, answer):
+                self._deliver(to, frames)
+            else:
+                self.withheld += 1  # its exchange is over (the peer left, was revoked, or said Hello anew)
+
+    def _refused(self, to: To, why: str) -> None:
+        """Log a refusal through the limiter: a flood is counted, not printed."""
+        whom = f"exchange {to.exchange} of tenant {to.tenant}" if to.exchange else peer_name(to.route)
+        self._lines.say(logging.INFO, "refused %s: %s", whom, why)
+
+    def _stale(self, answer: Any) -> Any:
+        """``answer`` (a Failed or a Refusal), saying so when a file this worker imported
+        changed on disk since (see :mod:`.imported`: its record decides, never the text)."""
+        if answer.why.startswith("busy:") or getattr(answer, "hello", False) or getattr(answer, "recipe", False):
+            return answer
+        said = self.imports.explain(f"{answer.why}\n{getattr(answer, 'traceback', '')}")
+        if said is None or said in answer.why:  # not stale, or said already (see `_run`)
+            return answer
+        now = time.monotonic()
+        if now - self._advised.get(said, -1e9) >= ADVICE_EVERY:
+            if len(self._advised) >= 64:
+                self._advised.clear()
+            self._advised[said] = now
+            self._lines.say(logging.WARNING, "%s", said)
+        return dataclasses.replace(answer, why=clip(f"{answer.why.rstrip('. ')}. {said}", 64 << 10))
+
+    def _reply(self, to: To, answer: Any, *, refusing: bool = False) -> None:
+        """Answer from the serving thread, if the conversation allows it. ``refusing``: a
+        refusal of the message just received (it may name a Work that never opened)."""
+        if isinstance(answer, Refusal):
+            answer = self._stale(answer)
+            # a busy spell is said once, by `_busy`; a recipe forgotten to make room is routine
+            if not answer.why.startswith("busy:") and not answer.recipe:
+                self._refused(to, answer.why)
+        if self.sessions.answering(to.peer, answer, refusing=refusing):
+            self._deliver(to, encode(answer))
+        else:
+            self.withheld += 1
+
+    def _deliver(self, to: To, frames: list) -> None:
+        """Send a message's frames to ``to``: straight to its route, or in a ``Relay`` back
+        through the broker, a big one as a stream under the client's credit."""
+        if not to.exchange:
+            self._send([to.route, *frames])
+            return
+        if _streams.worth_streaming(frames):
+            out = _streams.Outgoing(_streams.new_sid(), frames)
+            self._outgoing[(to.peer, out.sid)] = (to, out)
+            self.sessions.hold(to.peer, out.sid)  # its session stays until every byte is credited
+            self._carry(to, encode(out.begin()))
+            self._drain(to, out)
+            return
+        self._carry(to, frames)
+
+    def _carry(self, to: To, frames: list) -> None:
+        self._send(encode(Relay(exchange=to.exchange, inner=tuple(frames))))
+
+    def _drain(self, to: To, out: _streams.Outgoing) -> None:
+        """The chunks the credit allows, while the socket has room; the rest wait here."""
+        chunks = out.chunks()
+        while True:
+            if not self._room():
+                self._blocked = True  # resumed when the socket has room (`_drain_streams`)
+                break
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
+            self._carry(to, encode(chunk))
+        if out.finished and out.credit >= _streams.WINDOW:
+            self._settle(to.peer, out.sid)  # every byte credited: the session may go
+
+    def _drain_streams(self) -> None:
+        """Every turn: streams that waited for room go on, and settled ones are let go."""
+        self._blocked = False
+        for to, out in list(self._outgoing.values()):
+            self._drain(to, out)
+
+    def _settle(self, peer: bytes, sid: int) -> None:
+        self._outgoing.pop((peer, sid), None)
+        self.sessions.release(peer, sid)
+
+    def _room(self) -> bool:
+        """Whether the socket takes a message now, with no keepalive waiting before it."""
+        if self._control and not self._push_control():
+            return False
+        return bool(self._front.get(zmq.EVENTS) & zmq.POLLOUT)
+
+    def _send(self, parts: list) -> None:
+        # never blocks: a peer that stops reading must not stall everyone else's answers;
+        # a keepalive waiting for room goes first (see `.dialing`)
+        try:
+            if self._control and not self._push_control():
+                raise zmq.Again()
+            self._front.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if self._broker:  # a dialed worker's one peer: the broker, reached or not
+                self._dropped(f"the broker at {self._broker} is not taking messages (not connected yet, "
+                              f"its handshake refused, or its queue full)")
+            else:
+                self._dropped("its client is not reading its answers (its queue is full)")
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
+            self._dropped(f"its client is gone ({exc})")
+
+    def _dropped(self, why: str) -> None:
+        self.dropped += 1
+        if self.dropped == 1 or self.dropped % 1000 == 0:
+            log.warning("an answer could not be delivered: %s (%d so far)", why, self.dropped)
+
+    def _expire_streams(self, now: float) -> None:
+        """Streams past their lifetime, or that nobody has moved for a while, are dropped."""
+        self._inbound.expire(now)
+        idle = 3 * self.patience
+        for key in [k for k, (_, out) in self._outgoing.items() if now - out.touched > idle]:
+            self._settle(*key)
+
+    def _push_control(self) -> bool:  # overridden by `Dialing`; a listening worker has no control
+        return True
