@@ -34,7 +34,7 @@ from pathlib import Path
 from .errors import BadKeys
 from .fabric import Worker, command, sockets
 from .fabric.curve import Keys, read_public
-from .fabric.broker_loop import BrokerLoop
+from .fabric.broker.loop import BrokerLoop
 
 
 def read_hosts(path: str | Path) -> dict[str, Worker]:

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 import zmq
 
 from .errors import BadKeys, SomatizeError
-from .fabric import command, sockets
+from .fabric import command
+from .fabric import sockets
 from .fabric.curve import Keys
-from .fabric.worker_loop import WorkerLoop
-from .fabric.spawn import ANNOUNCE
+from .fabric.worker.loop import WorkerLoop
+from .fabric.broker.spawn import ANNOUNCE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from conftest import SETPRIV, WORKER
 from fabric_nodes import Add
 from somatize import Broker, ProtocolError, Refused, Worker
 from somatize.fabric import mount
-from somatize.fabric.spawn import Child
+from somatize.fabric.broker.spawn import Child
 from somatize.wire import Hello, Mounted, Provision, Ready, Runtime, decode, encode
 
 

@@ -10,7 +10,7 @@ each message as it arrived (32 MiB of ``zmq.Frame``): the exception was kept in 
 cycle, and the frames below that one held the message until the cyclic collector ran
 (which, in a worker that builds few objects, it rarely does). After: 266 MiB, the worker's
 own 43 and the catalog's 224. What ``malloc`` keeps of freed cargo (37 MiB after a burst of
-12 MiB arguments) is given back too (:mod:`somatize.fabric.heap`).
+12 MiB arguments) is given back too (:mod:`somatize.fabric.worker.heap`).
 
 Each test reads a real worker process's memory as the kernel counts it (``/proc/PID``),
 after the work it was sent has been answered and a next piece of work has run: no timing.
@@ -30,7 +30,7 @@ from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Pid
 
 from somatize import Broker, NodeFailed, Worker
-from somatize.fabric import heap
+from somatize.fabric.hosts import heap
 from somatize.packing import MAX_BUILT, MAX_BUILT_BYTES
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads a worker's memory from /proc")
@@ -132,7 +132,7 @@ def test_the_heap_counts_cargo_and_trims_once_enough_went_through():
 FRAGMENTED = textwrap.dedent(
     """
     import json
-    from somatize.fabric import heap
+    from somatize.fabric.hosts import heap
 
     def rss():
         with open("/proc/self/status") as status:

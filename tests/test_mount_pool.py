@@ -26,6 +26,7 @@ from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Scale
 from somatize import Broker, Node, NodeFailed, Worker
 from somatize.fabric import leases, mount
+from somatize.fabric.client import lending as client_pool
 from somatize.packing import Packer
 from somatize.wire import WIRE_VERSION, Done, Hello, Mounted, Ready, Recipe, Refusal, Runtime, Work, decode, encode
 from reliability_support import wait_until
@@ -95,7 +96,7 @@ def test_arrays_cross_through_pooled_segments_and_the_pool_is_reused(folder):
         out = g.forward(x, broker=broker)
         np.testing.assert_array_equal(out, x * 3.0)
         assert out.flags.writeable  # a copy: the segment went back to the pool
-        pool = leases.pool(folder)
+        pool = client_pool.pool(folder)
         after_first = files(folder)
         made = pool.made
         for _ in range(5):
@@ -114,7 +115,7 @@ def test_a_big_array_crosses_and_a_repeated_call_makes_nothing_new(folder):
     with spawned(folder) as broker:
         g = Scale(1).named("same").at("w1")
         np.testing.assert_array_equal(g.forward(big, broker=broker), big)
-        pool = leases.pool(folder)
+        pool = client_pool.pool(folder)
         made, adopted, there = pool.made, pool.adopted, files(folder)
         np.testing.assert_array_equal(g.forward(big, broker=broker), big)
         assert (pool.made, pool.adopted, files(folder)) == (made, adopted, there)
@@ -126,13 +127,13 @@ def test_a_node_returning_its_input_sends_it_back_without_a_copy(folder):
     with spawned(folder, views=True) as broker:
         out = Echo().named("echo").at("w1").forward(x, broker=broker)
         np.testing.assert_array_equal(out, x)
-        pool = leases.pool(folder)
+        pool = client_pool.pool(folder)
         # one segment made (the request's), none adopted from the worker, no spare offered:
         # the answer is a span of the request's own segment
         assert (pool.made, pool.adopted) == (1, 0)
         (seg,) = pool.known.values()
-        start, length = leases._address(out)
-        base = leases._address(seg.view)[0]
+        start, length = leases.address_of(out)
+        base = leases.address_of(seg.view)[0]
         assert base <= start and start + length <= base + seg.size
         assert not out.flags.writeable
         del out
@@ -145,7 +146,7 @@ def test_a_node_keeping_its_input_has_that_segment_retired_never_reused(folder):
     with spawned(folder) as broker:
         g = Keep().named("keep").at("w1")
         assert g.forward(x, broker=broker) == 6.0
-        pool = leases.pool(folder)
+        pool = client_pool.pool(folder)
         assert files(folder) == [] and not pool.known, "a kept segment is still in the pool"
         assert g.forward(x, broker=broker) == 6.0
         assert pool.made == 2, "the kept segment was used again"
@@ -160,7 +161,7 @@ def test_a_node_that_raises_lets_go_of_its_input_and_the_segment_is_reused(folde
         for _ in range(3):
             with pytest.raises(NodeFailed):
                 g.forward(np.ones(10_000), broker=broker)
-        pool = leases.pool(folder)
+        pool = client_pool.pool(folder)
         assert pool.made == 1, "a failed call's segment was retired as if a node kept it"
     assert files(folder) == []
 
@@ -172,7 +173,7 @@ def test_views_hold_their_segment_until_the_last_is_freed(folder):
         out = g.forward(x, broker=broker)
         np.testing.assert_array_equal(out, x * 2)
         assert not out.flags.writeable
-        pool = leases.pool(folder)
+        pool = client_pool.pool(folder)
         held = [s for s in pool.known.values() if s.holds]
         assert len(held) == 1 and held[0].name not in pool.free
         part = out[10:20]
@@ -207,7 +208,7 @@ def test_two_workers_and_two_threads_share_one_pool_without_crossing_answers(fol
         for t in threads:
             t.join(60)
         assert not wrong
-        assert len(files(folder)) <= leases.IDLE_COUNT
+        assert len(files(folder)) <= client_pool.IDLE_COUNT
     assert files(folder) == []
 
 
@@ -360,14 +361,14 @@ class Raw:
 def test_hostile_spans_and_names_are_refused_and_the_worker_keeps_serving(processes, folder):
     worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mount", str(folder)], env=env_with_tests())
     raw = Raw(worker.endpoint)
-    pool = leases.pool(folder)
+    pool = client_pool.pool(folder)
     scale = Packer("project").spec(Scale(2.0).named("scale").steps[0])
     x = np.arange(1000, dtype=np.float64)
     work = encode(Work(1, Recipe((scale,), ("step", 0)), x, watched=False))
     me = f"{os.getpid()}-{mount._tag()}"
     try:
         assert isinstance(raw.ask(encode(Hello(Runtime.here(mode="project")))), Ready)
-        lending = leases.Lending(pool)
+        lending = client_pool.Lending(pool)
         good = decode(lending.send(work))
         seg = good.files[0]
 
@@ -433,13 +434,13 @@ def test_tensors_cross_through_pooled_segments(folder):
 
 
 def test_the_pool_keeps_a_bounded_number_of_idle_segments(folder):
-    pool = leases.pool(folder)
-    lent = [pool.lease(1000) for _ in range(leases.IDLE_COUNT + 4)]
-    assert len(files(folder)) == leases.IDLE_COUNT + 4
+    pool = client_pool.pool(folder)
+    lent = [pool.lease(1000) for _ in range(client_pool.IDLE_COUNT + 4)]
+    assert len(files(folder)) == client_pool.IDLE_COUNT + 4
     for seg in lent:
         seg.lent = False
         pool.settle(seg)
-    assert len(pool.free) == leases.IDLE_COUNT == len(files(folder))
+    assert len(pool.free) == client_pool.IDLE_COUNT == len(files(folder))
     again = pool.lease(1000)
     assert again.name in {s.name for s in lent}  # reused, not made
     again.lent = False

@@ -26,7 +26,7 @@ from reliability_support import Proc, child_env, relayed, wait_until
 from somatize import Broker, Worker
 from somatize.errors import ProtocolError
 from somatize.fabric.conversation import Unheld, Unknown, WorkerSessions
-from somatize.fabric.worker_loop import WorkerLoop
+from somatize.fabric.worker.loop import WorkerLoop
 from somatize.packing import Packer
 from somatize.wire import (
     Done,

@@ -28,8 +28,9 @@ from fabric_nodes import Scale
 from reliability_support import key_ring, wait_until
 from somatize import Node, ProtocolError
 from somatize.fabric import leases, mount
+from somatize.fabric.client import lending as client_pool
 from somatize.fabric.curve import read_public, read_secret
-from somatize.fabric.imported import Imports
+from somatize.fabric.worker.imported import Imports
 from somatize.packing import Packer
 from somatize.wire import (WIRE_VERSION, Done, Hello, Mounted, Ready, Recipe, Refusal, Runtime, Where, Work, decode,
                            encode)
@@ -115,7 +116,7 @@ def greeted(endpoint: str) -> Raw:
     return raw
 
 
-def tidy(folder: Path, pool: leases.Pool) -> None:
+def tidy(folder: Path, pool: client_pool.Pool) -> None:
     pool.drain()
     for name in files(folder):
         (folder / name).unlink()
@@ -154,12 +155,12 @@ def test_an_answer_the_client_gave_up_on_leaves_no_segment_behind(processes, fol
     started, go = tmp_path / "started", tmp_path / "go"
     w = worker(processes, folder)
     raw = greeted(w.endpoint)
-    pool = leases.pool(folder)
+    pool = client_pool.pool(folder)
     for seg in [pool.lease(3 << 20), pool.lease(8 << 20)]:  # free: the input's, and a spare for the answer
         seg.lent = False
         pool.settle(seg)
     try:
-        lending = leases.Lending(pool)
+        lending = client_pool.Lending(pool)
         x = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: needs a spare or a new file
         sent = lending.send(work_of(SlowScale(str(started), str(go)), x))
         assert decode(sent).spare, "the request offered no spare"
@@ -184,10 +185,10 @@ def test_a_spare_that_is_the_requests_own_input_is_never_written_over(processes,
     it is still reading. It does not: the answer goes to a new file, the input is intact."""
     w = worker(processes, folder)
     raw = greeted(w.endpoint)
-    pool = leases.pool(folder)
+    pool = client_pool.pool(folder)
     x = np.arange(1 << 16, dtype=np.float64)
     try:
-        lending = leases.Lending(pool)
+        lending = client_pool.Lending(pool)
         good = decode(lending.send(work_of(Scale(3.0), x)))
         (seg,) = good.files
         before = bytes(pool.known[seg].view[: x.nbytes])
@@ -204,7 +205,7 @@ def test_a_spare_that_is_the_requests_own_input_is_never_written_over(processes,
         lending.end(answered=True)
 
         # two spans over the same bytes: the node sees the same memory twice, nothing breaks
-        lending = leases.Lending(pool)
+        lending = client_pool.Lending(pool)
         good = decode(lending.send(work_of(Scale(1.0), x)))
         twice = Mounted(good.files, header=good.header, spans=(good.spans[0], good.spans[0]), spare=good.spare)
         answer = raw.ask(encode(twice))
@@ -224,9 +225,9 @@ def test_a_client_takes_no_answer_in_another_exchanges_segment(folder):
     another exchange of the same client lent, so that it reads, or later reuses, memory
     someone else is writing. The client refuses a name it did not lend to this exchange,
     and a `kept` it did not lend."""
-    pool = leases.pool(folder)
+    pool = client_pool.pool(folder)
     try:
-        first, second = leases.Lending(pool), leases.Lending(pool)
+        first, second = client_pool.Lending(pool), client_pool.Lending(pool)
         a = decode(first.send(work_of(Scale(1.0), np.ones(100))))
         b = decode(second.send(work_of(Scale(1.0), np.ones(100))))
         with pytest.raises(ProtocolError, match="no segment this exchange lent"):
@@ -265,7 +266,7 @@ def test_another_user_can_neither_see_nor_touch_a_pooled_segment(folder):
     makes. The folder is 0700 and each segment 0600: every attempt is refused."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("playing another local user needs root and `setpriv`")
-    pool = leases.pool(folder)
+    pool = client_pool.pool(folder)
     try:
         seg = pool.lease(1000)
         seg.view[:5] = b"12345"
@@ -437,13 +438,13 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
     serves on."""
     w = worker(processes, folder)
     raw = greeted(w.endpoint)
-    pool = leases.pool(folder)
+    pool = client_pool.pool(folder)
     x = np.arange(1 << 17, dtype=np.float64)  # 1 MiB
     try:
         for seg in [pool.lease(2 << 20), pool.lease(2 << 20)]:  # the input's segment and a spare
             seg.lent = False
             pool.settle(seg)
-        lending = leases.Lending(pool)
+        lending = client_pool.Lending(pool)
         first = decode(lending.send(work_of(Scale(2.0), x)))
         assert first.spare
         answer = raw.ask(encode(first))  # now the worker has both mapped
@@ -456,7 +457,7 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
         lending.end(answered=False)
 
         # the input whole, the spare short: the answer goes to a new file
-        lending = leases.Lending(pool)
+        lending = client_pool.Lending(pool)
         second = decode(lending.send(work_of(Scale(2.0), x)))
         spare = f"{me()}{secrets.token_hex(12)}-0"
         with open(os.open(folder / spare, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "r+b") as out:
@@ -479,7 +480,7 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
 @in_memory
 @pytest.mark.xfail(strict=True, reason=(
     "a client that shrinks its own input segment while a node reads it kills the worker with "
-    "SIGBUS (leases.py `Attachments.take` hands the node views of a MAP_SHARED mapping of a file "
+    "SIGBUS (worker/attachments.py `Attachments.take` hands the node views of a MAP_SHARED mapping of a file "
     "the client may still truncate), and with it every other client's work. The mount is one "
     "user's, so a client could also `kill` the worker; but a bug in one client is enough. Fix: "
     "none cheap with named tmpfs files (seals are for memfd only): pass memfds sealed with "
@@ -491,9 +492,9 @@ def test_a_segment_truncated_while_a_node_reads_it_does_not_kill_the_worker(proc
     started, go = tmp_path / "started", tmp_path / "go"
     w = worker(processes, folder)
     raw = greeted(w.endpoint)
-    pool = leases.pool(folder)
+    pool = client_pool.pool(folder)
     try:
-        lending = leases.Lending(pool)
+        lending = client_pool.Lending(pool)
         sent = lending.send(work_of(SlowSum(str(started), str(go)), np.ones(1 << 17)))
         raw.send(sent)
         wait_until(started.exists, 10, "the node starting")

@@ -406,14 +406,14 @@ class WorkerSessions:
         return int((now - min(started)) * 1_000_000) if started else 0
 
 
-# -- the broker's view: in :mod:`.broker_view`, named here too -----------------------------
+# -- the broker's view: in :mod:`somatize.fabric.broker.view`, named here too -----------------------------
 
 _BROKER_NAMES = frozenset(("CLIENT", "WORKER", "BrokerView", "Deliver", "Exchange", "Offer"))
 
 
 def __getattr__(name: str) -> object:  # PEP 562: imported on first use, so either module may be imported first
     if name in _BROKER_NAMES:
-        from . import broker_view
+        from .broker import view as broker_view
 
         return getattr(broker_view, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

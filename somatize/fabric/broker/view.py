@@ -1,7 +1,7 @@
 """The broker's view of its peers, sans IO: which key owns which host, which route may answer
 which exchange, and what a revoked key loses.
 
-Part of the conversation (:mod:`.conversation`, which names these classes too): fed the
+Part of the conversation (:mod:`somatize.fabric.conversation`, which names these classes too): fed the
 messages that arrive, asked "may this arrive now, from this peer?" before the broker's loop
 acts, and tested with no process started (``tests/test_conversation.py``).
 """
@@ -12,8 +12,8 @@ import itertools
 import secrets
 from dataclasses import dataclass
 
-from ..wire import Bye, Hello, Hosts, Relay, Runtime, Where, encode
-from .conversation import Stale, Violation
+from ...wire import Bye, Hello, Hosts, Relay, Runtime, Where, encode
+from ..conversation import Stale, Violation
 
 
 CLIENT, WORKER = "client", "worker"

@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import zmq
 
-from ..errors import ProtocolError
-from ..wire import Hello, Ready, Runtime, decode, encode
-from . import sockets
+from ...errors import ProtocolError
+from ...wire import Hello, Ready, Runtime, decode, encode
+from .. import sockets
 from .spawn import Child
 
 #: The longest a broker waits for a spawned worker to answer a probe (seconds).

@@ -3,7 +3,7 @@
 A :class:`Job` is one piece of work while it runs: which node runs now, since when, whose it
 is, and whether it was abandoned (its peer's key revoked): an abandoned job runs no further
 node (:class:`Guarded` checks between nodes) and its answer is never delivered. What is
-not for here: sockets, sessions, answers (the serving loop's, :mod:`.worker_loop`).
+not for here: sockets, sessions, answers (the serving loop's, :mod:`somatize.fabric.worker.loop`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from ..graph import Node
+from ...graph import Node
 
 log = logging.getLogger("somatize.worker")
 

@@ -19,8 +19,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ..wire import MAX_NAME
-from ..wire.limits import Z85
+from ...wire import MAX_NAME
+from ...wire.limits import Z85
 
 
 def check_folder(path: Path) -> None:

@@ -12,8 +12,8 @@ broker relays. Only ``Hello`` and ``Bye`` are decoded from a peer that has not s
 ``Hello``: for anything else its header's variant is read (``wire.variant_of``) and the
 message refused unopened. The carriers are opened here: ``Relay`` (what a broker passes
 on), ``Begin``/``Chunk``/``Credit`` (a big message streamed through a broker, with
-per-tenant quotas and a lifetime, :mod:`.streams`) and ``Mounted`` (cargo in a shared
-folder, :mod:`.mount`).
+per-tenant quotas and a lifetime, :mod:`somatize.fabric.streams`) and ``Mounted`` (cargo in a shared
+folder, :mod:`somatize.fabric.mount`).
 
 What it survives, and how:
 
@@ -39,11 +39,11 @@ every piece runs on one of N slot threads, and the serving thread never lets go.
 
 Only the thread holding the socket (``_hold``) touches it, the sessions and the streams.
 Answers and facts, from whatever thread (a job, a parallel branch of a piece), go into one
-first-in-first-out outbox (:mod:`.outbox`); the holder sends them, woken through an inproc
+first-in-first-out outbox (:mod:`somatize.fabric.worker.outbox`); the holder sends them, woken through an inproc
 socket when it is polling, and whoever takes the socket sends what waits there first. A
-dialed worker's link to its broker (offer, keepalive) is :mod:`.dialing`'s; slots and the
-guard around each node are :mod:`.slots`'; what it logs about peers goes through a limiter
-(:mod:`.worker_said`).
+dialed worker's link to its broker (offer, keepalive) is :mod:`somatize.fabric.worker.dialing`'s; slots and the
+guard around each node are :mod:`somatize.fabric.worker.slots`'; what it logs about peers goes through a limiter
+(:mod:`somatize.fabric.worker.said`).
 
 Revocation (a listening worker with keys, reloaded): every session of a key no longer
 allowed ends at once. Its open work is answered ``Refusal`` (naming the ref) and abandoned:
@@ -64,14 +64,14 @@ from typing import Any
 
 import zmq
 
-from ..engine import format_exception, run_piece
-from ..errors import CodecError, NodeFailed, ProtocolError, Refused, SomatizeError
-from ..facts import fact, microseconds
-from ..graph import Node
-from ..packing import Catalog
-from ..record import report, self_report
-from ..store import FolderStore
-from ..wire import (
+from ...engine import format_exception, run_piece
+from ...errors import CodecError, NodeFailed, ProtocolError, Refused, SomatizeError
+from ...facts import fact, microseconds
+from ...graph import Node
+from ...packing import Catalog
+from ...record import report, self_report
+from ...store import FolderStore
+from ...wire import (
     Bye,
     Failed,
     Mounted,
@@ -86,20 +86,20 @@ from ..wire import (
     encode,
     ref_of,
 )
-from . import leases as _leases
-from . import mount as _mount
-from . import sockets
-from . import streams as _streams
-from .conversation import WorkerSessions
-from .curve import Guard, Keys, as_server, user_of
+from .attachments import Taken
+from .. import mount as _mount
+from .. import sockets
+from .. import streams as _streams
+from ..conversation import WorkerSessions
+from ..curve import Guard, Keys, as_server, user_of
 from .dialing import MAX_BACKOFF, Dialing
 from .intake import Intake
 from .heap import Heap
 from .imported import Imports
 from .outbox import Outbox, To
-from .pieces import done_of, piece_of
+from ..pieces import done_of, piece_of
 from .slots import Guarded, Job, NodeExit, Slots, exit_now
-from .worker_said import Limiter, clip
+from .said import Limiter, clip, failed_answer
 
 __all__ = ["MAX_BACKOFF", "NodeExit", "WorkerLoop"]
 
@@ -516,7 +516,7 @@ class WorkerLoop(Intake, Dialing, Outbox):
         started = time.perf_counter_ns()
         answer: Any
         built = False
-        if isinstance(mounted, _leases.Taken):
+        if isinstance(mounted, Taken):
             work = mounted.restore(work)  # its input, held here until the answer is written
         try:
             nodes = self._build(work, job)
@@ -541,16 +541,16 @@ class WorkerLoop(Intake, Dialing, Outbox):
         except Refused as exc:
             answer = Refusal(str(exc), ref=work.ref)
         except BaseException as exc:  # the worker's own trouble: still an answer, never a hang
-            answer = _failed(work.ref, exc, traceback=format_exception(exc))
+            answer = failed_answer(work.ref, exc, traceback=format_exception(exc))
         if isinstance(answer, (Failed, Refusal)):
             answer = self._stale(answer)  # here, before it is written into a segment
         try:
             frames = encode(answer)
         except (CodecError, ValueError) as exc:  # unwritable, or over a wire limit
-            answer = _failed(work.ref, exc, why=f"what this work produced cannot travel back: {exc}")
+            answer = failed_answer(work.ref, exc, why=f"what this work produced cannot travel back: {exc}")
             frames = encode(answer)
         self.heap.moved(frames)
-        if isinstance(mounted, _leases.Taken):
+        if isinstance(mounted, Taken):
             # pooled: frames into a spare segment (a view of the input goes back as a span of
             # it), then everything of ours that points into the segments is let go of, and
             # an anchor still alive is a view a node kept: the answer names it in `kept`
@@ -558,7 +558,7 @@ class WorkerLoop(Intake, Dialing, Outbox):
             try:
                 mounted.write(frames)
             except (OSError, Refused, ProtocolError) as exc:
-                mounted.write(encode(_failed(ref, exc, why=f"the answer could not be written to the shared folder: {exc}")))
+                mounted.write(encode(failed_answer(ref, exc, why=f"the answer could not be written to the shared folder: {exc}")))
             if hasattr(answer, "produced"):  # a Done: the conversation needs only its kind and ref
                 answer = dataclasses.replace(answer, output=None, produced={})
             work = frames = outcome = cause = None  # noqa: F841 (the input, the output)
@@ -567,7 +567,7 @@ class WorkerLoop(Intake, Dialing, Outbox):
             try:  # named for the client, which removes them once read
                 frames, _ = _mount.write(frames, self.mount, answering=mounted)
             except (OSError, Refused) as exc:
-                answer = _failed(work.ref, exc, why=f"the answer could not be written to the shared folder: {exc}")
+                answer = failed_answer(work.ref, exc, why=f"the answer could not be written to the shared folder: {exc}")
                 frames = encode(answer)
         if self._slots is not None:
             with self._running_lock:
@@ -590,14 +590,3 @@ class WorkerLoop(Intake, Dialing, Outbox):
                 guard = guarded[(id(node), spec.label)] = Guarded(node, spec.label, job)
             nodes.append(guard)
         return nodes
-
-
-def _failed(ref: int, exc: BaseException, *, why: str | None = None, traceback: str = "") -> Failed:
-    """The worker's own trouble (no node to blame) as a ``Failed``."""
-    return Failed(
-        ref,
-        why=clip(why or f"{type(exc).__name__}: {exc}", 64 << 10),
-        node=None,
-        error=type(exc).__name__,
-        traceback=clip(traceback, 512 << 10),
-    )

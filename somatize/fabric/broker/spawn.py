@@ -29,8 +29,8 @@ import tempfile
 import threading
 import time
 
-from ..errors import Refused
-from . import mount as _mount
+from ...errors import Refused
+from .. import mount as _mount
 
 ANNOUNCE = "somatize-worker ready "
 START_DEADLINE = 30.0
@@ -174,7 +174,7 @@ class Child:
             self.directory = None
         if process is not None and self.mount == _mount.own_path():
             # the default folder start() made goes with its last user, as a pool's does when
-            # it drains (leases): a child whose cargo all went through its socket made no pool
+            # it drains (client.lending): a child whose cargo all went through its socket made no pool
             with contextlib.suppress(OSError):  # not empty: someone else still uses it
                 os.rmdir(self.mount)
 

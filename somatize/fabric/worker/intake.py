@@ -13,15 +13,15 @@ without a ref, and the running one goes on.
 Revocation: after a reload of the allow-list (a listening worker with keys), every session
 of a key no longer allowed ends (:meth:`Intake._revoke`).
 
-What is not for here: the socket loop (:mod:`.worker_loop`), sending (:mod:`.outbox`).
+What is not for here: the socket loop (:mod:`somatize.fabric.worker.loop`), sending (:mod:`somatize.fabric.worker.outbox`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ProtocolError, Refused
-from ..wire import (
+from ...errors import ProtocolError, Refused
+from ...wire import (
     Begin,
     Bye,
     Chunk,
@@ -37,16 +37,16 @@ from ..wire import (
     ref_of,
     variant_of,
 )
-from . import leases as _leases
-from . import mount as _mount
-from .conversation import Unheld, Unknown, Violation
+from . import attachments as _attachments
+from .. import mount as _mount
+from ..conversation import Unheld, Unknown, Violation
 from .outbox import To
 
 _CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
 
 
 class Intake:
-    """The receiving side of :class:`~somatize.fabric.worker_loop.WorkerLoop` (a mixin: the
+    """The receiving side of :class:`~somatize.fabric.worker.loop.WorkerLoop` (a mixin: the
     loop's attributes are its own)."""
 
     sessions: Any
@@ -75,11 +75,11 @@ class Intake:
             for key in [k for k in self._outgoing if k[0] == peer]:
                 self._settle(*key)
 
-    def _attachments(self) -> _leases.Attachments:
+    def _attachments(self) -> _attachments.Attachments:
         """The mappings of this worker's clients' pooled segments, kept between calls."""
         found = getattr(self, "_attached", None)
         if found is None:
-            found = self._attached = _leases.Attachments(self.mount or "")
+            found = self._attached = _attachments.Attachments(self.mount or "")
         return found
 
     def _take(self, to: To, frames: list, *, opened: bool = False) -> None:
@@ -122,7 +122,7 @@ class Intake:
                     raise Violation(f"a `Mounted` carries Work, not a `{variant_of(frames).__name__}`")
                 message = decode(frames)
                 frames = []  # only the work's input points into the segments now...
-                if isinstance(mounted, _leases.Taken):
+                if isinstance(mounted, _attachments.Taken):
                     message = mounted.detach(message)  # ...and it is held by `mounted` until it runs
             message = self.sessions.receive(to.peer, message, to.tenant)
         except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError

@@ -1,13 +1,13 @@
 """A client's channel: one DEALER to one worker (or to the broker, for a relayed host).
 
 A channel is used by one forward at a time; concurrent forwards borrow concurrent channels
-(:class:`~somatize.fabric.broker.Broker` lends them). A channel that breaks is thrown away,
+(:class:`~somatize.fabric.client.handle.Broker` lends them). A channel that breaks is thrown away,
 so a late answer from a worker that came back is never read. Its conversation (Hello,
 Provision, Work and their answers) is checked by a
 :class:`~somatize.fabric.conversation.ClientExchange`; what carries a message is a message
 of the wire too: a ``Relay`` envelope naming the host for a relayed one, ``Begin`` /
-``Chunk`` / ``Credit`` for a big relayed one (:mod:`.streams`), ``Mounted`` for cargo in a
-shared folder (:mod:`.mount`).
+``Chunk`` / ``Credit`` for a big relayed one (:mod:`somatize.fabric.streams`), ``Mounted`` for cargo in a
+shared folder (:mod:`somatize.fabric.mount`).
 
 Refusals: a refusal names the work it ends. ``Refusal(hello=True)`` (the worker forgot this
 channel) or ``Refusal(recipe=True)`` (it holds no recipe by that digest) naming this Work
@@ -30,11 +30,11 @@ from typing import Any
 
 import zmq
 
-from ..codec import codecs_registered, readable_kinds
-from ..engine import Deadline, Outcome, Piece
-from ..errors import Broken, Busy, KeysRefused, NodeFailed, ProtocolError, Refused, Unreachable
-from ..packing import Packer
-from ..wire import (
+from ...codec import codecs_registered, readable_kinds
+from ...engine import Deadline, Outcome, Piece
+from ...errors import Broken, Busy, KeysRefused, NodeFailed, ProtocolError, Refused, Unreachable
+from ...packing import Packer
+from ...wire import (
     Begin,
     Chunk,
     Credit,
@@ -57,13 +57,14 @@ from ..wire import (
     peek_kinds,
     recipe_digest,
 )
-from . import leases as _leases
-from . import mount as _mount
-from . import sockets
-from . import streams as _streams
-from .conversation import ClientExchange
-from .curve import Keys, as_client, handshake_refusal
-from .pieces import outcome_of, specs_of, work_of
+from .. import leases as _leases
+from . import lending as _lending
+from .. import mount as _mount
+from .. import sockets
+from .. import streams as _streams
+from ..conversation import ClientExchange
+from ..curve import Keys, as_client, handshake_refusal
+from ..pieces import outcome_of, specs_of, work_of
 
 _refs = itertools.count(1)
 # what a socket's EVENTS are read as on every answer: plain ints, not pyzmq's enum (whose
@@ -140,7 +141,7 @@ class Channel:
         self.sock.connect(self.address)
         self.mounted: list = []
         self.bound: Deadline | None = None  # the deadline the open work runs under
-        self.lending: _leases.Lending | None = None  # the pooled segments of the open work
+        self.lending: _lending.Lending | None = None  # the pooled segments of the open work
         self.views = False  # answers' arrays as views of the segments (see `Worker(views=)`)
         self.sent_at: float | None = None  # when the open work was sent
         self._outgoing: _streams.Outgoing | None = None
@@ -275,7 +276,7 @@ class Channel:
                 return self._decode_lent(self.lending.receive(message))
             if message.spans or message.kept:
                 if _leases.in_memory(self.located.mount or ""):  # a late answer: its new files are ours
-                    _leases.pool(self.located.mount or "").discard(message)
+                    _lending.pool(self.located.mount or "").discard(message)
                 raise ProtocolError("an answer names spans of pooled segments, and this client lent none")
             frames, made = _mount.read(message, self.located.mount or "")
             self.mounted.extend(made)
@@ -520,7 +521,7 @@ class Channel:
             folder = self.located.mount or ""
             if self.lending is not None or _leases.in_memory(folder):  # one machine: pooled memory
                 if self.lending is None:
-                    self.lending = _leases.Lending(_leases.pool(folder))
+                    self.lending = _lending.Lending(_lending.pool(folder))
                 frames = self.lending.send(frames)
             else:  # a folder other machines see: one file per frame
                 frames, made = _mount.write(frames, folder)

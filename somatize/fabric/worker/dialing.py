@@ -13,8 +13,8 @@ streaming back leave only while the socket has room, a window at a time, so a ke
 never queues behind a long stream. ZMTP heartbeats (``sockets.heartbeat``) check the
 connection itself beneath all of this.
 
-What is not for here: the conversation with clients (:mod:`.worker_loop`), sending answers
-(:mod:`.outbox`).
+What is not for here: the conversation with clients (:mod:`somatize.fabric.worker.loop`), sending answers
+(:mod:`somatize.fabric.worker.outbox`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 
 import zmq
 
-from ..errors import ProtocolError
-from ..wire import Hello, Ready, Refusal, Relay, decode, encode, variant_of
-from . import sockets
-from .curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from .curve import Keys, as_client
+from ...errors import ProtocolError
+from ...wire import Hello, Ready, Refusal, Relay, decode, encode, variant_of
+from .. import sockets
+from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
+from ..curve import Keys, as_client
 from .outbox import To
 
 #: The longest a dialed worker waits before saying Hello again to a broker that refused it.
@@ -41,7 +41,7 @@ log = logging.getLogger("somatize.worker")
 
 
 class Dialing:
-    """The broker side of :class:`~somatize.fabric.worker_loop.WorkerLoop` (a mixin: the
+    """The broker side of :class:`~somatize.fabric.worker.loop.WorkerLoop` (a mixin: the
     loop's attributes are its own)."""
 
     _front: Any

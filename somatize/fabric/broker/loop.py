@@ -6,16 +6,16 @@ Spawned workers are started on the first such question and stopped when the brok
 closes. Only for workers that dialed in (``--broker URL --offer H``) does cargo pass
 through the broker, and then it is forwarded frame by frame, never decoded.
 
-The loop never blocks: every send goes through the :class:`~.broker_outbox.Outbox`
+The loop never blocks: every send goes through the :class:`~somatize.fabric.broker.outbox.Outbox`
 (``NOBLOCK``, a bounded queue per peer and tenant; a peer that does not read loses its
 answers, counted), and what can take time (starting a spawned worker, checking one a client
-says it lost, writing the bindings file) runs off this thread (:mod:`.broker_checks`). Each
+says it lost, writing the bindings file) runs off this thread (:mod:`somatize.fabric.broker.checks`). Each
 tenant (a key; without keys, a connection) has quotas: questions waiting for such a job,
 answers waiting to be read, connections per key. Nobody's pace is another's wait.
 
-This module serves; :mod:`somatize.fabric.broker` is what a graph talks to. It logs one
+This module serves; :mod:`somatize.fabric.client.handle` is what a graph talks to. It logs one
 line per lifecycle event under ``somatize.broker``, and every line a peer can cause goes
-through a limiter (:class:`_Quiet`); the command attaches the handler (:mod:`.command`).
+through a limiter (:class:`_Quiet`); the command attaches the handler (:mod:`somatize.fabric.command`).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from typing import Any
 
 import zmq
 
-from ..errors import BadKeys, ProtocolError, Refused
-from ..wire import Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode, encode, variant_of
+from ...errors import BadKeys, ProtocolError, Refused
+from ...wire import Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode, encode, variant_of
 from . import bindings as _bindings
-from . import sockets
-from .broker_checks import Helper, check
-from .broker_outbox import DROPPED, GONE, Outbox
-from .conversation import CLIENT, WORKER, BrokerView, Stale, Violation
-from .curve import Guard, Keys, as_server, peer_name, user_of
+from .. import sockets
+from .checks import Helper, check
+from .outbox import DROPPED, GONE, Outbox
+from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
+from ..curve import Guard, Keys, as_server, peer_name, user_of
 from .spawn import Child
-from .worker import Worker
+from ..hosts import Worker
 
 #: Hosts that may dial in at once (a `Listed` answer must fit in one message).
 MAX_DIALED = 1000

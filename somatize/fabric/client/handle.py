@@ -6,15 +6,15 @@ Either way the client does the same thing: asks where a host is, once per host p
 session, then sends work down the path it was given. For the engine this is one call,
 :meth:`Broker.run`.
 
-A channel (:mod:`.channel`) is one DEALER socket to one worker (or to the broker, for a
+A channel (:mod:`somatize.fabric.client.channel`) is one DEALER socket to one worker (or to the broker, for a
 relayed host), used by one forward at a time; concurrent forwards borrow concurrent channels. A channel that
 breaks is thrown away, so a late answer from a worker that came back is never read. Each
 channel's conversation (Hello, Provision, Work and their answers) is checked by a
 :class:`~somatize.fabric.conversation.ClientExchange`; what carries a message is a message
 of the wire too: a ``Relay`` envelope naming the host for a relayed one, ``Begin`` /
-``Chunk`` / ``Credit`` for a big relayed one (:mod:`.streams`), ``Mounted`` for cargo in a
-shared folder (:mod:`.mount`). Work is built from a piece, and an outcome from ``Done``,
-in :mod:`.pieces` only.
+``Chunk`` / ``Credit`` for a big relayed one (:mod:`somatize.fabric.streams`), ``Mounted`` for cargo in a
+shared folder (:mod:`somatize.fabric.mount`). Work is built from a piece, and an outcome from ``Done``,
+in :mod:`somatize.fabric.pieces` only.
 
 Deadlines: a forward's deadline (or a host's default, ``Worker.spawn(..., deadline=)``,
 whichever comes first) bounds every wait here, for the broker and for the worker; the
@@ -42,16 +42,16 @@ from typing import Any
 
 import zmq
 
-from ..engine import Deadline, Outcome, Piece, run_piece
-from ..errors import Broken, Closed, KeysRefused, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
-from ..packing import Packer
-from ..wire import Hosts, Listed, Located, Refusal, Where, decode, encode
-from . import leases as _leases
-from . import sockets
-from .broker_loop import BrokerLoop
+from ...engine import Deadline, Outcome, Piece, run_piece
+from ...errors import Broken, Closed, KeysRefused, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
+from ...packing import Packer
+from ...wire import Hosts, Listed, Located, Refusal, Where, decode, encode
+from . import lending as _lending
+from .. import sockets
+from ..broker.loop import BrokerLoop
 from .channel import _HANDSHAKE_FAILED, Channel, _bounded, _Dropped, _PastDeadline
-from .curve import Keys, as_client, handshake_refusal
-from .worker import Worker
+from ..curve import Keys, as_client, handshake_refusal
+from ..hosts import Worker
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
 START_ALLOWANCE = 30.0
@@ -158,7 +158,7 @@ class Broker:
             channel.close()
         for located in list(self._located.values()):  # idle pooled segments: made anew when needed
             if located.path == "mount" and located.mount:
-                _leases.drain(located.mount)
+                _lending.drain(located.mount)
         for thread in checking:
             thread.join(timeout=self.patience * 2)
         if self._server is not None:

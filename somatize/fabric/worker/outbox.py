@@ -7,12 +7,12 @@ holding the socket sends them, each checked by
 open for that very peer is withheld and counted). Every send is ``NOBLOCK``: a peer that
 stops reading loses its answers (counted), it never stalls the loop.
 
-A big answer to a relayed exchange streams back (:mod:`.streams`) under the client's
+A big answer to a relayed exchange streams back (:mod:`somatize.fabric.streams`) under the client's
 credit, and only while the socket has room: what waits for room waits in the worker, a
-window per stream, so a dialed worker's keepalive (:mod:`.dialing`), tried before every
+window per stream, so a dialed worker's keepalive (:mod:`somatize.fabric.worker.dialing`), tried before every
 send, never queues behind a long stream. While an answer streams, its peer's session is
 held (``WorkerSessions.hold``): it is not forgotten to make room until every byte of it is
-credited. What is not for here: deciding what to answer (:mod:`.worker_loop`).
+credited. What is not for here: deciding what to answer (:mod:`somatize.fabric.worker.loop`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from ..wire import Failed, Refusal, Relay, encode, variant_of
-from . import streams as _streams
-from .curve import peer_name
-from .worker_said import clip
+from ...wire import Failed, Refusal, Relay, encode, variant_of
+from .. import streams as _streams
+from ..curve import peer_name
+from .said import clip
 
 log = logging.getLogger("somatize.worker")
 #: Seconds between two log lines giving the same advice about stale imports.
@@ -46,7 +46,7 @@ class To(NamedTuple):
 
 
 class Outbox:
-    """The sending side of :class:`~somatize.fabric.worker_loop.WorkerLoop` (a mixin: the
+    """The sending side of :class:`~somatize.fabric.worker.loop.WorkerLoop` (a mixin: the
     loop's attributes are its own)."""
 
     _front: Any
@@ -104,7 +104,7 @@ class Outbox:
 
     def _stale(self, answer: Any) -> Any:
         """``answer`` (a Failed or a Refusal), saying so when a file this worker imported
-        changed on disk since (see :mod:`.imported`: its record decides, never the text)."""
+        changed on disk since (see :mod:`somatize.fabric.worker.imported`: its record decides, never the text)."""
         if answer.why.startswith("busy:") or getattr(answer, "hello", False) or getattr(answer, "recipe", False):
             return answer
         said = self.imports.explain(f"{answer.why}\n{getattr(answer, 'traceback', '')}")

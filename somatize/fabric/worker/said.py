@@ -14,6 +14,8 @@ import logging
 import threading
 import time
 
+from ...wire import Failed
+
 #: Lines a peer can cause, per `QUIET` seconds at most; past it they are counted.
 LOUD, QUIET = 20, 10.0
 
@@ -57,3 +59,14 @@ def printable(text: str) -> str:
 def clip(text: str, limit: int) -> str:
     """Texts that cross the wire are bounded; a user's huge message is cut, not refused."""
     return text if len(text) <= limit else text[: limit - 20] + " ... (cut)"
+
+
+def failed_answer(ref: int, exc: BaseException, *, why: str | None = None, traceback: str = "") -> Failed:
+    """The worker's own trouble (no node to blame) as a ``Failed``, its texts cut to bounds."""
+    return Failed(
+        ref,
+        why=clip(why or f"{type(exc).__name__}: {exc}", 64 << 10),
+        node=None,
+        error=type(exc).__name__,
+        traceback=clip(traceback, 512 << 10),
+    )
