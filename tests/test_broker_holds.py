@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 
+import pytest
 
 from conftest import BROKER, WORKER, env_with_tests
 from peers import Raw
@@ -27,6 +28,8 @@ from somatize.packing import Packer
 from somatize.wire import (
     Done, Hello, Hosts, Listed, Located, Ready, Recipe, Refusal, Relay, Runtime, Where, Work, encode,
 )
+
+pytestmark = pytest.mark.slow  # `-m "not slow"` leaves this file out
 
 RT = Runtime.here(mode="project")
 

@@ -30,10 +30,10 @@ from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Pid
 
 from somatize import Broker, NodeFailed, Worker
-from somatize.fabric.hosts import heap
+from somatize.fabric.worker import heap
 from somatize.packing import MAX_BUILT, MAX_BUILT_BYTES
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads a worker's memory from /proc")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads a worker's memory from /proc")]
 
 MIB = 1 << 20
 BURST, SIZE = 16, 32 * MIB
@@ -132,7 +132,7 @@ def test_the_heap_counts_cargo_and_trims_once_enough_went_through():
 FRAGMENTED = textwrap.dedent(
     """
     import json
-    from somatize.fabric.hosts import heap
+    from somatize.fabric.worker import heap
 
     def rss():
         with open("/proc/self/status") as status:

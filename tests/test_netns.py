@@ -25,7 +25,7 @@ import pytest
 from conftest import BROKER, WORKER
 from reliability_support import Proc, child_env
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")]
 
 CLIENT = """if True:
     import json, socket, sys, time

@@ -58,7 +58,7 @@ from somatize.wire import (
     encode,
 )
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads processes' memory from /proc")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads processes' memory from /proc")]
 
 PATIENCE = 2.0
 #: How ``Answers`` and ``collect`` count the wire's refusals: by the message's variant name.

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "deployment.md"
 BLOCK = re.compile(r"^```(sh|python) runbook:(\w+)( install)?\n(.*?)^```\n", re.S | re.M)
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")]
 
 # What an `install` block does here: a virtual environment whose Python finds this checkout's
 # somatize (as `pip install .` would have it find an installed copy), and the two commands

@@ -48,6 +48,8 @@ from somatize.wire import (
     variant_of,
 )
 
+pytestmark = pytest.mark.slow  # `-m "not slow"` leaves this file out
+
 RT = Runtime.here(mode="project")
 
 
