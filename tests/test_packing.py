@@ -20,6 +20,7 @@ import pytest
 from packing_nodes import Add, Outer, Slow
 
 from somatize import Node, NodeFailed, PlanError, Refused, codec
+from somatize.code_identity import code_digest
 from somatize.packing import ARTIFACT_FORMAT, Catalog, Packer, digest_of
 from somatize.wire import NodeSpec
 
@@ -103,6 +104,7 @@ def test_project_spec_is_a_name_and_plain_arguments():
         target="packing_nodes:Add",
         args=(2,),
         kwargs={"scale": 3},
+        code=code_digest(Add),  # the worker checks that it runs this code
     )
     assert Packer("project").spec(Outer.Inner()).target == "packing_nodes:Outer.Inner"
     assert Packer("project").spec(Add(1)).label == "Add"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+from ..code_identity import code_digest
 from ..codec import registry
 from ..engine import Outcome, Piece
 from ..graph import Step
@@ -32,22 +33,25 @@ MEMO_PACKERS = 8
 def specs_of(piece: Piece, packer: Packer) -> tuple[NodeSpec, ...]:
     """The specs of ``piece``'s steps as ``packer`` packs them, in order.
 
-    Packed once per group and packer, and kept in the piece's memo, for as long as the codec
-    registry stays as it was: a codec registered (or registered again) since changes what a
-    network-mode artifact carries, so the steps are then packed again. The memo holds the
+    Packed once per group and packer, and kept in the piece's memo, for as long as what the
+    specs hold stays as it was: in network mode the codec registry (a codec registered, or
+    registered again, since changes what an artifact carries), in project mode the code of
+    each step's class (a spec carries its digest, which changes when a class is replaced in
+    place, as IPython's autoreload does). The steps are then packed again. The memo holds the
     packer weakly: a closed broker's packer is not kept alive by a graph.
     """
     memo = piece.memo
     if memo is None:
         return tuple(packer.spec(step) for step in piece.steps)
-    codecs = registry() if packer.mode == "network" else ()
+    network = packer.mode == "network"
+    now = registry() if network else tuple(code_digest(type(s.node)) if s.cache else "" for s in piece.steps)
     kept = memo.get(id(packer))
-    if kept is not None and kept[0]() is packer and _same(kept[1], codecs):
+    if kept is not None and kept[0]() is packer and (_same(kept[1], now) if network else kept[1] == now):
         return kept[2]
     specs = tuple(packer.spec(step) for step in piece.steps)
     if len(memo) >= MEMO_PACKERS:
         memo.clear()
-    memo[id(packer)] = (weakref.ref(packer), codecs, specs)
+    memo[id(packer)] = (weakref.ref(packer), now, specs)
     return specs
 
 

@@ -9,7 +9,11 @@ There are two ways to pack, chosen per worker declaration, and they are not inte
     codec. The worker imports the module, finds the class and calls it with those
     arguments. What changed in the node after it was constructed (trained weights, say)
     does not travel: the worker builds its own from the same recipe, once per worker for
-    each class and arguments, and reuses it for every Work after. A class defined in
+    each class and arguments, and reuses it for every Work after. The spec also carries the
+    client's digest of the class's code (:func:`~somatize.code_identity.code_digest`), and
+    the worker refuses to run a class it digests otherwise: one it imported before the file
+    was edited would run the old code, and what it made would be kept under the key the
+    client computed from the new code. A class defined in
     ``__main__`` or inside a function cannot be imported over there, so the client refuses
     it before anything is sent.
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 
+from ..code_identity import code_digest
 from ..codec import codec, codecs_registered, dumps
 from ..errors import CodecError, NodeFailed, Refused
 from ..graph import Node
@@ -46,11 +47,12 @@ _CARRY_LOCK = threading.Lock()
 
 
 class _Slot:
-    __slots__ = ("lock", "node", "size")
+    __slots__ = ("cls", "lock", "node", "size")
 
     def __init__(self, size: int) -> None:
         self.lock = threading.Lock()
         self.node: Node | None = None
+        self.cls: type[Node] | None = None  # the class the name led to: its code is checked
         self.size = size
 
 
@@ -203,11 +205,13 @@ class Catalog:
                     self.built_bytes -= self._built.popitem(last=False)[1].size
             else:
                 self._built.move_to_end(key)
-        if slot.node is not None:
+        if slot.node is not None and slot.cls is not None:
+            _same_code(spec, slot.cls, module)  # every Work: each client says its own code
             return slot.node
         with slot.lock:  # one build per class and arguments, however many Works ask at once
             if slot.node is None:
                 cls = _node_class(module, qualname, target, label)
+                _same_code(spec, cls, module)  # before its constructor runs
                 try:
                     slot.node = cls(*args, **kwargs)
                 except Exception as exc:
@@ -216,7 +220,36 @@ class Catalog:
                     ) from exc
                 except BaseException as exc:  # SystemExit and the like: the node's, not the worker's
                     raise _failed(label, f"building `{label}` as `{target}`", exc) from exc
+                slot.cls = cls
+            else:
+                _same_code(spec, slot.cls, module)  # built meanwhile, for another Work
             return slot.node
+
+
+def _same_code(spec: NodeSpec, cls: type[Node] | None, module: str) -> None:
+    """Refuse to run ``cls`` when its code, as this worker imported it, is not the code the
+    client digested (``spec.code``; ``""`` says nothing, and nothing is compared).
+
+    The client computed the node's cache key from its own code; a worker that imported the
+    module before an edit would run the old code and have its output kept under the new
+    code's key, on every machine sharing the store. Comparing costs a few microseconds per
+    node and Work (``code_digest`` is kept per class)."""
+    theirs = getattr(spec, "code", "")
+    if (isinstance(theirs, str) and not theirs) or cls is None:
+        return
+    ours = code_digest(cls)
+    if ours == theirs:
+        return
+    theirs = theirs if isinstance(theirs, str) else type(theirs).__name__
+    label, target = getattr(spec, "label", "?"), getattr(spec, "target", "?")
+    # the worker adds, when its record says so, which file changed since it imported it
+    raise Refused(
+        f"`{label}` is `{target}`, and this worker's code for that class is not the client's "
+        f"(`{ours[:13]}…` here, `{theirs[:13]}…` on the client), so it was not run: its output "
+        f"would be kept under the key the client made from other code. Either this worker "
+        f"imported `{module}` before its file was edited (restart the worker), or it has "
+        f"another copy of it (install the client's code on the worker)"
+    )
 
 
 def _check_digest(digest: object) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import cloudpickle
 
+from ..code_identity import code_digest
 from ..codec import dumps, registry
 from ..errors import CodecError, PlanError
 from ..graph import Node, Step
@@ -72,7 +73,8 @@ class Packer:
         return f"Packer({self.mode!r}{sent})"
 
     def spec(self, step: Step | Node) -> NodeSpec:
-        """What travels for ``step``: a name and arguments (project) or a digest (network).
+        """What travels for ``step``: a name, arguments and the digest of the class's code
+        (project), or an artifact's digest (network).
 
         Raises ``PlanError`` with a sentence when the node cannot travel this way.
         """
@@ -94,6 +96,11 @@ class Packer:
                 target=target,
                 args=args,
                 kwargs=kwargs,
+                # a cached node's: the worker checks it runs the code its key was made from
+                # (whatever `.cached(version=...)` names: a version names a key, not code);
+                # an uncached node's output is kept nowhere, and its bases may differ by
+                # library version from machine to machine, as they always could
+                code=code_digest(type(step.node)) if step.cache else "",
             )
         digest = self._pack(step.node, step.label)
         return NodeSpec(label=step.label, cache=step.cache, source="network", target=digest)

@@ -225,6 +225,10 @@ def _node(n: Any, where: str) -> None:
             )
     else:
         _qualname(n.target, f"{where}.target")
+    code = n.code  # the class's digest, project only; "" says nothing
+    if type(code) is not str or (code and (n.source != "project" or not limits.CODE.fullmatch(code))):
+        raise Bad(f'`{where}.code` is "", or in project mode "code:" and 32 lowercase hex digits; '
+                  f"it is {shown(code)}", ValueError if type(code) is str else TypeError)
     if not isinstance(n.args, (Slot, tuple)):
         raise Bad(f"`{where}.args` has to be a tuple, and it is {_a(n.args)}", TypeError)
     if not isinstance(n.kwargs, Slot):
@@ -579,9 +583,7 @@ def _choice(x: Any, where: str, options: tuple[str, ...]) -> None:
 def _digest(x: Any, where: str) -> None:
     _text(x, where, limits.MAX_NAME)
     if not limits.DIGEST.fullmatch(x):
-        raise Bad(
-            f'`{where}` has to be "sha256:" and 64 lowercase hex digits, and it is {shown(x)}'
-        )
+        raise Bad(f'`{where}` has to be "sha256:" and 64 lowercase hex digits, and it is {shown(x)}')
 
 
 def _qualname(x: Any, where: str) -> None:
@@ -592,7 +594,4 @@ def _qualname(x: Any, where: str) -> None:
         and all(part.isidentifier() for part in module.split("."))
         and all(part.isidentifier() for part in qualname.split("."))
     ):
-        raise Bad(
-            f'`{where}` names a class to import, like "package.module:Class", and it is '
-            f"{shown(x)}"
-        )
+        raise Bad(f'`{where}` names a class to import, like "package.module:Class", and it is {shown(x)}')

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
-WIRE_VERSION = 4
-"""The version of this layout. Two sides talk only when it is the same on both."""
+WIRE_VERSION = 5
+"""The version of this layout. Two sides talk only when it is the same on both. (5: a
+project-mode ``NodeSpec`` carries the client's digest of the node's code, ``code``.)"""
 
 # -- sizes: decode refuses anything beyond these, before building anything -----------------
 
@@ -70,6 +71,8 @@ MAX_SEGMENTS = 64
 
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 """A content digest: an artifact's (``NodeSpec.target``), a cache key. Use ``fullmatch``."""
+CODE = re.compile(r"code:[0-9a-f]{32}")
+"""The digest of a node's code (``NodeSpec.code``, from ``code_identity.code_digest``)."""
 PYTHON = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}")
 """Python's major.minor version."""
 MOUNT_FILE = re.compile(r"(?:[0-9]{1,10}-)?[0-9a-f]{32}-[0-9]{1,6}")

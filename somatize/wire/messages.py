@@ -75,6 +75,11 @@ class NodeSpec:
     """Constructor positional arguments, any values the codec writes (project only)."""
     kwargs: dict = field(default_factory=dict)
     """Constructor keyword arguments, keyed by str (project only)."""
+    code: str = ""
+    """The client's digest of the node's class (``"code:"`` and 32 hex digits, from
+    :func:`~somatize.code_identity.code_digest`), project only: the worker refuses to run a
+    class whose code it digests otherwise (it imported the module before an edit). ``""``
+    says nothing, and nothing is compared: network mode, where the class itself travels."""
 
 
 @dataclass(frozen=True)

@@ -455,14 +455,14 @@ def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
     nodes = []
     for i, raw in enumerate(raw_nodes):
         where = f"Work.recipe.nodes[{i}]"
-        label, cache, source, target, args, kwargs = _take(raw, NodeSpec, where)
+        label, cache, source, target, args, kwargs, code = _take(raw, NodeSpec, where)
         _tagged(args, "T", f"{where}.args", "a tuple")
         _tagged(kwargs, "D", f"{where}.kwargs", "a dict")
         for k in range(1, len(kwargs), 2):
             if type(kwargs[k]) is not str:
                 raise Bad(f"`{where}.kwargs` has a key that is not a str")
         nodes.append(
-            NodeSpec(label, cache, source, target, _slot(args, descriptors), _slot(kwargs, descriptors))
+            NodeSpec(label, cache, source, target, _slot(args, descriptors), _slot(kwargs, descriptors), code)
         )
     return Work(
         ref,

@@ -115,6 +115,7 @@ def _recipe_map(recipe: Recipe, parts: Any) -> dict[str, Any]:
             "target": n.target,
             "args": next(parts),
             "kwargs": next(parts),
+            "code": n.code,
         }
         for n in recipe.nodes
     ]
