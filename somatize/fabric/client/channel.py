@@ -63,6 +63,7 @@ from .. import mount as _mount
 from .. import sockets
 from .. import streams as _streams
 from ..conversation import ClientExchange
+from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client, handshake_refusal
 from ..pieces import outcome_of, specs_of, work_of
 
@@ -70,18 +71,15 @@ _refs = itertools.count(1)
 # what a socket's EVENTS are read as on every answer: plain ints, not pyzmq's enum (whose
 # `&` alone costs more than the read)
 _EVENTS, _POLLIN, _events = int(zmq.EVENTS), int(zmq.POLLIN), zmq.backend.Socket.get
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 #: A connected worker that does not answer Hello within this many patiences is Busy.
 BUSY_FACTOR = 11
 
 
-class _Dropped(Broken):
+class Dropped(Broken):
     """The channel's own connection dropped: for a relayed host, that is the broker's."""
 
 
-class _PastDeadline(Exception):
+class PastDeadline(Exception):
     """A wait ran past the deadline; the broker turns it into ``Overdue`` with the names."""
 
     def __init__(self, waiting: str) -> None:
@@ -227,7 +225,7 @@ class Channel:
     # -- receiving -----------------------------------------------------------------------
     def _next(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> Any:
         """The next answer from the worker. Raises if it goes away, if it is not reached by
-        ``answer_by`` (``time.monotonic()``), or (``_PastDeadline``) past ``deadline``."""
+        ``answer_by`` (``time.monotonic()``), or (``PastDeadline``) past ``deadline``."""
         if self._early:
             return self._early.pop(0)
         while True:
@@ -241,7 +239,7 @@ class Channel:
         while True:
             if deadline is not None and deadline.left() < 0:
                 self.exchange.give_up()
-                raise _PastDeadline(waiting)
+                raise PastDeadline(waiting)
             # a message already waiting is taken without polling: the common case, cheaply
             if _events(self.sock, _EVENTS) & _POLLIN or self.sock in dict(self._poller.poll(50)):
                 parts = self.sock.recv_multipart(copy=False)
@@ -295,13 +293,13 @@ class Channel:
                 return
             if event & _HANDSHAKE_FAILED:
                 raise KeysRefused(self._refusal(event))
-            raise _Dropped(f"the connection to {self.address} dropped")
+            raise Dropped(f"the connection to {self.address} dropped")
         if self.still_there is not None and time.monotonic() - self._checked > self.patience:
             self._checked = time.monotonic()
-            if not self.still_there(_bounded(self.patience * 2, deadline)):
+            if not self.still_there(bounded(self.patience * 2, deadline)):
                 if deadline is not None and deadline.left() < 0:
                     self.exchange.give_up()
-                    raise _PastDeadline(waiting)
+                    raise PastDeadline(waiting)
                 raise Broken(f"the worker serving `{self.host}` through the broker is gone")
         if answer_by is not None and self.linked and time.monotonic() > answer_by + self.patience * BUSY_FACTOR:
             raise Busy(
@@ -559,6 +557,6 @@ class Channel:
         raise Refused(f"the worker for `{self.host}` refused the work: {answer.why}")
 
 
-def _bounded(seconds: float, deadline: Deadline | None) -> float:
+def bounded(seconds: float, deadline: Deadline | None) -> float:
     """``seconds``, or less when the deadline comes first (never below a moment)."""
     return seconds if deadline is None else max(0.05, min(seconds, deadline.left()))

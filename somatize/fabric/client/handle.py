@@ -49,7 +49,8 @@ from ...wire import Hosts, Listed, Located, Refusal, Where, decode, encode
 from . import lending as _lending
 from .. import sockets
 from ..broker.loop import BrokerLoop
-from .channel import _HANDSHAKE_FAILED, Channel, _bounded, _Dropped, _PastDeadline
+from .channel import Channel, Dropped, PastDeadline, bounded
+from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client, handshake_refusal
 from ..hosts import Worker
 
@@ -215,7 +216,7 @@ class Broker:
         deadline = piece.deadline
         try:
             located = self._locate(piece.host, deadline)
-        except _PastDeadline as late:
+        except PastDeadline as late:
             raise self._overdue(piece, deadline, late, None) from None
         if located.path == "inprocess":
             try:
@@ -230,11 +231,11 @@ class Broker:
                 ) from cause
         try:
             channel = self._borrow(located, deadline)
-        except _PastDeadline as late:
+        except PastDeadline as late:
             raise self._overdue(piece, deadline, late, located) from None
         try:
             outcome = channel.run(piece, watch, deadline, host=self._host_deadline(piece.host))
-        except _PastDeadline as late:
+        except PastDeadline as late:
             channel.close()
             late.waited = channel.waited()
             raise self._overdue(piece, channel.bound or deadline, late, located) from None
@@ -254,7 +255,7 @@ class Broker:
             return None
         return lambda: Deadline.after(seconds, f"host `{host}`'s")
 
-    def _overdue(self, piece: Piece, deadline: Deadline | None, late: _PastDeadline, located: Located | None) -> Overdue:
+    def _overdue(self, piece: Piece, deadline: Deadline | None, late: PastDeadline, located: Located | None) -> Overdue:
         """The sentence for a piece past its deadline; a worker that may be stuck is
         forgotten here and reported to the broker, which checks it (and may restart it)."""
         host = piece.host
@@ -312,7 +313,7 @@ class Broker:
         host = piece.host
         self._forget(host)
         running = ", ".join(f"`{s.label}`" for s in piece.steps)
-        if located.path == "relayed" and isinstance(exc, _Dropped):
+        if located.path == "relayed" and isinstance(exc, Dropped):
             # a relayed channel's connection is the broker's: it went away, whatever it says
             # now (a broker restarted at once knows nothing of this work)
             return Broken(
@@ -357,9 +358,9 @@ class Broker:
     def _locate(self, host: str, deadline: Deadline | None = None) -> Located:
         checking = self._checking.get(host)
         if checking is not None:  # the broker is checking a stuck worker: wait for its word
-            checking.join(timeout=_bounded(self.patience * 2, deadline))
+            checking.join(timeout=bounded(self.patience * 2, deadline))
             if checking.is_alive() and deadline is not None and deadline.left() < 0:
-                raise _PastDeadline("for the broker to check on a worker that was stuck")
+                raise PastDeadline("for the broker to check on a worker that was stuck")
             with self._lock:
                 if self._checking.get(host) is checking:
                     del self._checking[host]
@@ -369,7 +370,7 @@ class Broker:
         timeout = self.patience + START_ALLOWANCE
         if deadline is not None and deadline.left() < timeout:
             if deadline.left() <= 0:
-                raise _PastDeadline("before asking the broker where it is")
+                raise PastDeadline("before asking the broker where it is")
             answer = self._ask(Where(host), deadline.left(), late="for the broker to say where it is")
         else:
             answer = self._ask(Where(host), timeout)
@@ -382,7 +383,7 @@ class Broker:
 
     def _ask(self, message: Any, timeout: float, *, late: str | None = None) -> Any:
         """One request to the broker and its answer. Past ``timeout``: ``Unreachable``, or
-        ``_PastDeadline(late)`` when a deadline set the timeout."""
+        ``PastDeadline(late)`` when a deadline set the timeout."""
         with self._lock:
             if self._closed:
                 raise Closed("this broker was closed; make a new one")
@@ -426,7 +427,7 @@ class Broker:
                         server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
                     ))
                 if late is not None:
-                    raise _PastDeadline(late)
+                    raise PastDeadline(late)
                 if linked:  # connected, handshake done: something is there and says nothing
                     raise Unreachable(
                         f"the broker at {self.url} took this client's connection but did not answer "
