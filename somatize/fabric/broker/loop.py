@@ -111,6 +111,7 @@ class BrokerLoop:
         self._connections: dict[str, OrderedDict[bytes, float]] = {}  # key -> route -> last heard
         self._reload_asked = False
         self._probed = self._probe_due = 0.0
+        self._probes_left = 0  # probes still to make after a connection dropped, a second apart
         self._refusals = _Quiet("refusals")
         self._comings = _Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
         self._losses = _Quiet("undelivered messages")
@@ -157,6 +158,7 @@ class BrokerLoop:
                 if self._drops in events:
                     while self._drops.get(zmq.EVENTS) & zmq.POLLIN:
                         self._drops.recv_multipart()
+                    self._probes_left = 3
                     self._probe()
                 elif self._probe_due and time.monotonic() >= self._probe_due:
                     self._probe()
@@ -403,12 +405,16 @@ class BrokerLoop:
     def _probe(self) -> None:
         """A connection dropped: which dialed-in workers are gone? A Ready to each says it
         (``ROUTER_MANDATORY``): unreachable is gone, a full queue is only slow. At most once
-        a second, however often connections drop."""
+        a second, however often connections drop; and again a second and two later, since
+        ZeroMQ may still hold the route of a connection that just dropped (its pipe ends
+        after the event is said), and nothing else would look before three patiences."""
         now = time.monotonic()
         if now - self._probed < 1.0:  # not lost: done when the second is over
             self._probe_due = self._probed + 1.0
             return
-        self._probed, self._probe_due = now, 0.0
+        self._probes_left = max(0, self._probes_left - 1)
+        self._probed = now
+        self._probe_due = now + 1.0 if self._probes_left else 0.0
         hello = encode(Ready(self.runtime))
         for route in {o.route for o in self.view.offers.values()}:
             if self._outbox.waiting(route):
