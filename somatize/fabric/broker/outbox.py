@@ -23,6 +23,8 @@ import zmq
 HELD = 256
 #: Bytes held for one peer, all tenants together, and for every peer together.
 HELD_BYTES, ALL_BYTES = 64 << 20, 512 << 20
+#: Peers whose losses are remembered (the most recent ones), for the log's counts.
+REMEMBERED = 4096
 
 SENT, HELD_BACK, DROPPED, GONE = "sent", "held", "dropped", "gone"
 
@@ -35,7 +37,6 @@ def _size(frames: list) -> int:
 class _Peer:
     queues: OrderedDict[str, deque] = field(default_factory=OrderedDict)  # tenant -> frames lists
     bytes: int = 0
-    dropped: int = 0
 
 
 class Outbox:
@@ -46,6 +47,7 @@ class Outbox:
         self.front = front
         self.held, self.held_bytes, self.all_bytes = held, held_bytes, all_bytes
         self._peers: dict[bytes, _Peer] = {}
+        self._losses: OrderedDict[bytes, int] = OrderedDict()  # route -> messages lost, recent peers only
         self._bytes = 0
         self.dropped = 0  # messages lost, in all
 
@@ -55,8 +57,7 @@ class Outbox:
         return 0 if peer is None else sum(len(q) for q in peer.queues.values())
 
     def dropped_for(self, route: bytes) -> int:
-        peer = self._peers.get(route)
-        return 0 if peer is None else peer.dropped
+        return self._losses.get(route, 0)
 
     def send(self, route: bytes, frames: list, tenant: str = "") -> str:
         """``SENT``, ``HELD_BACK`` (it waits here), ``DROPPED`` (over a bound) or ``GONE``."""
@@ -77,7 +78,9 @@ class Outbox:
         size = _size(frames)
         if (queue is not None and len(queue) >= self.held) or peer.bytes + size > self.held_bytes \
                 or self._bytes + size > self.all_bytes:
-            peer.dropped += 1
+            self._losses[route] = self._losses.pop(route, 0) + 1
+            if len(self._losses) > REMEMBERED:
+                self._losses.popitem(last=False)
             self.dropped += 1
             return DROPPED
         if queue is None:
@@ -93,8 +96,7 @@ class Outbox:
         gone = []
         for route, peer in list(self._peers.items()):
             if not peer.queues:
-                if not peer.dropped:
-                    del self._peers[route]
+                del self._peers[route]
                 continue
             try:
                 self._drain(route, peer)
@@ -124,6 +126,8 @@ class Outbox:
 
     def forget(self, route: bytes, tenant: str | None = None) -> int:
         """Drop what waits for ``route`` (only ``tenant``'s, if given); returns how many."""
+        if tenant is None:
+            self._losses.pop(route, None)
         peer = self._peers.get(route)
         if peer is None:
             return 0
