@@ -2,8 +2,10 @@
 from several connections and never reads an answer; meanwhile another client asks ``Hosts``
 on a connection of its own. The row reports that client's answer time (median and p99) and
 the broker's resident memory while the flood goes on (its peak, ``VmHWM``): the broker
-answers the other tenant within 100 ms at the median, and holds a fixed amount whatever the
-flooder sends (a peer that does not read loses its answers; it never stalls the loop).
+answers the other tenant within 100 ms at the median, and holds a bounded amount however
+long the flood lasts (a peer that does not read loses its answers and never stalls the
+loop; one that asks faster than the loop reads has its connection closed, and with it what
+it had queued).
 
 Run alone: ``python benchmarks/flooding.py [SECONDS]`` prints the figures as JSON.
 """

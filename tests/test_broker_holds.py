@@ -21,7 +21,7 @@ import pytest
 from conftest import BROKER, WORKER, env_with_tests
 from peers import Raw
 from fabric_nodes import Add, Sleep
-from reliability_support import key_ring, wait_until
+from reliability_support import key_ring, rss_kib, wait_until
 from somatize import Broker
 from somatize.fabric.curve import read_public, read_secret
 from somatize.packing import Packer
@@ -83,6 +83,58 @@ def test_a_client_that_never_reads_stalls_nobody_and_its_leaving_kills_nothing(p
                 raw.close()
     said = hub.stderr().splitlines()
     assert len(said) < 40, f"{len(said)} lines logged for one flooder:\n" + "\n".join(said[-10:])
+
+
+def test_a_key_that_floods_from_many_connections_is_cut_and_the_broker_stays_small(processes, tmp_path):
+    """Attacker: an allowed client. From eight connections it sends control requests as fast
+    as it can and reads nothing. Dropping them unanswered kept the broker serving, but what
+    arrived faster than the loop read it piled up in ZeroMQ (a peer's input queue cannot be
+    bounded: libzmq aborts when a peer whose queue is full leaves), and the broker grew past a
+    gigabyte in ten seconds. Now, while the broker is behind, a key past its share of
+    questions a second has each connection it asks on closed: what it queued goes with it,
+    and it must dial again."""
+    ring = key_ring(tmp_path, clients=("alice", "bob"), workers=("victim",))
+    hub = keyed_broker(processes, ring)
+    flooders = [Raw(hub.endpoint, raw_keys(ring, "alice"), hwm=0) for _ in range(8)]
+    bob = Raw(hub.endpoint, raw_keys(ring, "bob"))
+    try:
+        assert isinstance(bob.ask(Hosts(), 20.0), Listed)
+        before = rss_kib(hub.pid)
+        ask = encode(Hosts())
+        for _ in range(200):  # 1.6 million requests: without the cut, more than a gigabyte queued
+            for raw in flooders:
+                for _ in range(1000):
+                    raw.sock.send_multipart(ask)
+            assert hub.alive
+        for _ in range(5):  # another key is answered meanwhile
+            assert isinstance(bob.ask(Hosts(), 10.0), Listed), hub.stderr()[-1500:]
+        peak = rss_kib(hub.pid, "VmHWM")
+        assert peak - before < 256 * 1024, f"the broker grew by {(peak - before) // 1024} MiB"
+        assert "its key asked more than" in hub.stderr()
+        for raw in flooders:
+            raw.close()
+        flooders = [Raw(hub.endpoint, raw_keys(ring, "alice"))]
+        # a cut is not a ban: once the flood stops, the key is heard again
+        wait_until(lambda: isinstance(flooders[0].ask(Hosts(), 2.0), Listed), 20, "alice heard again")
+        assert hub.alive
+    finally:
+        for raw in (*flooders, bob):
+            raw.close()
+
+
+def test_a_relayed_work_the_broker_refuses_is_named_in_the_refusal(processes):
+    """A refusal that ends work names it: a Work relayed to a name nobody serves is refused by
+    the broker itself, with the Work's ref, so the client ends that call and no other."""
+    hub = keyless_broker(processes)
+    client = Raw(hub.endpoint)
+    try:
+        spec = Packer("project").spec(Add(1).named("a").steps[0])
+        answer = client.ask(Relay(host="nowhere", inner=tuple(encode(Work(7, Recipe((spec,), ("step", 0)), 41)))))
+        assert isinstance(answer, Refusal) and "no worker serving `nowhere`" in answer.why and answer.ref == 7, answer
+        answer = client.ask(Relay(host="nowhere", inner=tuple(encode(Hello(RT)))))
+        assert isinstance(answer, Refusal) and answer.ref is None  # nothing to name: no work ended
+    finally:
+        client.close()
 
 
 def test_where_lost_from_many_connections_is_checked_once_per_host_off_the_serving_thread(processes, tmp_path):
@@ -177,6 +229,59 @@ def test_revoking_a_client_key_ends_its_open_exchanges(processes, tmp_path):
         assert not [a for a in got if isinstance(a, Done)], f"a revoked key got its Done: {got}"
     finally:
         alice.close()
+
+
+def test_revoking_a_worker_key_tells_its_clients_their_work_ended(processes, tmp_path):
+    """The other direction of a revocation: the key of the worker serving a piece is taken
+    out of `--allow-workers` while the piece runs, and the broker reloaded. The client hears a
+    refusal that says so at once, instead of waiting on a worker the broker no longer relays
+    for, and nothing of that exchange reaches it afterwards."""
+    ring = key_ring(tmp_path, clients=("alice",), workers=("victim",))
+    hub = keyed_broker(processes, ring)
+    dial(processes, hub.endpoint, "node017", ring)
+    probe, alice = Raw(hub.endpoint, raw_keys(ring, "alice")), Raw(hub.endpoint, raw_keys(ring, "alice"))
+    try:
+        wait_until(lambda: isinstance(probe.ask(Where("node017"), 2.0), Located), 20, "node017 dialing in")
+        assert isinstance(alice.ask(Relay(host="node017", inner=tuple(encode(Hello(RT))))), Ready)
+        spec = Packer("project").spec(Sleep(4.0).named("s").steps[0])
+        alice.send(Relay(host="node017", inner=tuple(encode(Work(5, Recipe((spec,), ("step", 0)), 41, watched=True)))))
+        (ring["workers"] / "victim.key").unlink()
+        hub.signal(signal.SIGHUP)
+        got = []
+        while True:  # until the piece would have ended, and its answer travelled
+            answer = alice.answer(7.0)
+            if answer is None:
+                break
+            got.append(answer)
+        told = [i for i, a in enumerate(got) if isinstance(a, Refusal) and "no longer allowed" in a.why]
+        assert told, got
+        assert not [a for a in got[told[0]:] if not isinstance(a, Refusal)], got  # nothing of it after
+        assert not [a for a in got if isinstance(a, Done)], got
+        assert isinstance(alice.ask(Where("node017"), 5.0), Refusal)  # and the name is no longer served
+    finally:
+        probe.close()
+        alice.close()
+
+
+def test_a_key_holds_at_most_its_share_of_connections(processes, tmp_path):
+    """Attacker: an allowed client opening connections without end (each costs the broker a
+    ZeroMQ pipe and a CURVE session). Past `MAX_CONNECTIONS` for one key, a new connection is
+    refused with what to do; another key is not counted with it."""
+    from somatize.fabric.broker.loop import MAX_CONNECTIONS
+
+    ring = key_ring(tmp_path, clients=("alice", "bob"), workers=("victim",))
+    hub = keyed_broker(processes, ring)
+    mine = [Raw(hub.endpoint, raw_keys(ring, "alice")) for _ in range(MAX_CONNECTIONS + 1)]
+    bob = Raw(hub.endpoint, raw_keys(ring, "bob"))
+    try:
+        answers = [raw.ask(Hosts(), 20.0) for raw in mine]
+        assert all(isinstance(a, Listed) for a in answers[:MAX_CONNECTIONS]), answers
+        assert isinstance(answers[-1], Refusal) and f"{MAX_CONNECTIONS} connections" in answers[-1].why
+        assert isinstance(bob.ask(Hosts(), 20.0), Listed)
+        assert isinstance(mine[0].ask(Hosts(), 20.0), Listed)  # those it holds go on being served
+    finally:
+        for raw in (*mine, bob):
+            raw.close()
 
 
 def test_a_name_bound_to_a_key_taken_out_of_the_worker_keys_is_free_again(processes, tmp_path):

@@ -13,6 +13,7 @@ import contextlib
 import ipaddress
 import itertools
 import os
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -84,6 +85,47 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     """The real endpoint after a bind (port 0 becomes the port the kernel chose)."""
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def cut(frame: zmq.Frame, endpoint: str) -> bool:
+    """Close the connection ``frame`` arrived on, if it is one this socket accepted at
+    ``endpoint``: the peer sees its connection end (a ZeroMQ peer dials again by itself).
+
+    ZeroMQ has no call that drops one peer of a ROUTER; its input queue cannot be bounded
+    either (libzmq 4.3.5 aborts when a peer whose input was stopped by a high-water mark
+    disconnects, see the broker's ``bind``). So a peer that floods is cut at the socket: the
+    descriptor a message came from (``ZMQ_SRCFD``) is shut down, after checking that it is
+    still a connection accepted at ``endpoint`` (a number reused by a file or another socket
+    of this process is left alone). Returns whether a connection was shut down."""
+    fd = frame.get(zmq.SRCFD)
+    if not isinstance(fd, int) or fd < 0:
+        return False  # inproc: there is no connection to cut
+    try:
+        conn = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if conn.type != socket.SOCK_STREAM or not _accepted_at(conn, endpoint):
+            return False
+        conn.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        conn.close()  # the duplicate only: libzmq closes its own when it sees the end
+
+
+def _accepted_at(conn: socket.socket, endpoint: str) -> bool:
+    try:
+        here, there = conn.getsockname(), conn.getpeername()
+    except OSError:
+        return False  # a listening socket, or not a socket: never ours to cut
+    if endpoint.startswith("ipc://"):
+        return here == endpoint[len("ipc://"):] and conn.family == socket.AF_UNIX
+    if not endpoint.startswith("tcp://") or not there:
+        return False
+    port = endpoint.rsplit(":", 1)[-1]
+    return isinstance(here, tuple) and str(here[1]) == port
 
 
 def tcp_url(address: str) -> str:

@@ -31,10 +31,13 @@ from typing import Any
 import zmq
 
 from ...errors import BadKeys, ProtocolError, Refused
-from ...wire import Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode, encode, variant_of
+from ...wire import (
+    Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode, encode, ref_of, variant_of,
+)
 from . import bindings as _bindings
 from .. import sockets
 from .checks import Helper, check
+from .floods import Gate
 from .outbox import DROPPED, GONE, Outbox
 from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name, user_of
@@ -112,6 +115,7 @@ class BrokerLoop:
         self._reload_asked = False
         self._probed = self._probe_due = 0.0
         self._probes_left = 0  # probes still to make after a connection dropped, a second apart
+        self._gate = Gate()  # who is cut while this loop is behind
         self._refusals = _Quiet("refusals")
         self._comings = _Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
         self._losses = _Quiet("undelivered messages")
@@ -164,10 +168,7 @@ class BrokerLoop:
                     self._probe()
                 if self._helper.wake in events:
                     self._helper.deliver()
-                for _ in range(1024):
-                    if not self._front.get(zmq.EVENTS) & zmq.POLLIN:
-                        break
-                    self._handle(self._front.recv_multipart(copy=False))
+                self._take()
                 for route in self._outbox.flush():
                     self._gone(route)
         finally:
@@ -288,31 +289,94 @@ class BrokerLoop:
         self._left(self.view.leave(route), before, "its connection is gone")
 
     # -- receiving --------------------------------------------------------------------
-    def _handle(self, parts: list) -> None:
-        if len(parts) < 2:
-            return
-        route, frames = parts[0].bytes, parts[1:]
-        if self._outbox.waiting(route) >= MAX_UNREAD and route not in self.view.offers_index:
-            self._outbox.dropped += 1  # it does not read its answers: it is not heard until it does
+    def _take(self, most: int = 1024) -> None:
+        """Read up to ``most`` messages. A peer that does not read its answers is not heard
+        until it does: its messages are read and dropped at the least cost this loop can pay
+        (the route first, the rest as bytes never decoded), so a flood costs the broker a read
+        per message and no more. Never left queued in ZeroMQ: see `bind`."""
+        front, waiting, offers = self._front, self._outbox.waiting, self.view.offers_index
+        for _ in range(most):
+            if not front.get(zmq.EVENTS) & zmq.POLLIN:
+                self._gate.caught_up()
+                return
+            route = front.recv()
+            if not front.get(zmq.RCVMORE):
+                continue
+            if self._gate.severed(route):  # what a cut connection queued before it was cut
+                while front.get(zmq.RCVMORE):
+                    front.recv()
+                continue
+            if waiting(route) >= MAX_UNREAD and route not in offers:
+                first = front.recv(copy=False)
+                while front.get(zmq.RCVMORE):
+                    front.recv()
+                if not self._chatty(route, first, time.monotonic()):  # past its share: cut
+                    self._outbox.dropped += 1
+                continue
+            self._handle(route, front.recv_multipart(copy=False))
+        self._gate.fell_behind(time.monotonic())
+
+    def _cut(self, route: bytes, frame: zmq.Frame, why: str) -> None:
+        """Close the connection of a peer that floods (`sockets.cut`): read and dropped, its
+        messages would still pile up in ZeroMQ faster than this loop reads them (nothing
+        bounds that queue, see `bind`); cut, it must dial again, and what it queued goes with
+        the connection. Only while ZeroMQ still has its route (the refusal that says why is
+        sent, or finds its queue full), so the connection cut is the one ``frame`` came from."""
+        try:
+            self._front.send_multipart([route, *encode(Refusal(
+                f"the broker closed this connection: {why}; ask less often, and read its answers"))], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        except zmq.ZMQError:
+            return  # gone already
+        self._gate.sever(route)
+        if sockets.cut(frame, self.endpoint):
+            self._outbox.forget(route)
+            more = self._losses.more()
+            if more is not None:
+                log.info("closed the connection of %s: %s%s", peer_name(route), why, more)
+
+    def _chatty(self, route: bytes, frame: zmq.Frame, now: float) -> bool:
+        """Count a question from ``route`` (`floods.Gate`): past its share while this loop is
+        behind, the connection it came on is cut and the question dropped."""
+        if route in self.view.offers_index:
+            return False
+        over = self._gate.over(route, user_of(frame) if self._guard is not None else None, now)
+        if not over:
+            return False
+        self._cut(route, frame, over)
+        self._outbox.dropped += 1
+        return True
+
+    def _handle(self, route: bytes, frames: list) -> None:
+        now = time.monotonic()
+        try:
+            variant = variant_of(frames)
+        except ProtocolError as exc:
+            variant, junk = None, exc
+        # a question, or junk, counts against its connection; a relayed message only when it
+        # is refused (past its share while this loop is behind, the connection is cut: `floods`)
+        if variant is not Relay and self._chatty(route, frames[0], now):
             return
         user, roles = "", _EVERYONE
         if self._guard is not None:
-            user = user_of(parts[1])
+            user = user_of(frames[0])
             roles = self._guard.roles(user)
             if not roles:  # its key was taken out of the allow folders since it connected (the
                 # reload that took it out ended its exchanges and offers)
                 self._refused(route, user, "its key is no longer in the allow-list")
                 self._answer(route, Refusal("this key is no longer allowed on this broker; ask its operator"))
                 return
-        now = time.monotonic()
         self.view.heard(route, now)  # any message from a dialed worker says it is there
         if user and not self._connected(user, route, now):
             self._refused(route, user, f"this key already has {MAX_CONNECTIONS} connections open here")
             self._answer(route, Refusal(f"this key already has {MAX_CONNECTIONS} connections open at this broker; "
                                         f"use fewer, or wait {CONNECTION_IDLE:g} s after closing some"))
             return
+        relay = None
         try:
-            variant = variant_of(frames)
+            if variant is None:
+                raise junk
             if variant is Relay:
                 relay = decode(frames)
                 deliver = self.view.relay(route, user, relay, now)
@@ -323,10 +387,14 @@ class BrokerLoop:
                 raise Violation(f"a broker does not answer a `{variant.__name__}`")
             message = decode(frames)
         except Stale:
+            if variant is Relay:
+                self._chatty(route, frames[0], now)
             return  # counted by the view; the answer's client is gone and nobody is owed a word
         except ProtocolError as exc:
-            self._refused(route, user, exc.why)
-            self._answer(route, Refusal(exc.why))
+            if variant is Relay and self._chatty(route, frames[0], now):
+                return
+            self._refused(route, user, exc.why)  # a relayed Work refused here is named: it ended
+            self._answer(route, Refusal(exc.why, ref=None if relay is None else ref_of(relay.inner)))
             return
         if isinstance(message, Hello):
             self._hello(route, user, roles, message, now)
