@@ -35,6 +35,7 @@ from somatize.wire import (
     Credit,
     Done,
     Hello,
+    Located,
     NodeSpec,
     Ready,
     Recipe,
@@ -42,6 +43,7 @@ from somatize.wire import (
     Relay,
     Runtime,
     Saw,
+    Where,
     Work,
     decode,
     encode,
@@ -372,3 +374,32 @@ def test_a_session_with_an_answer_in_flight_is_never_forgotten_the_newcomer_is_r
     # a refusal of a Work that never opened may name it; an answer to it may not leave
     assert w.answering(b"newcomer", Refusal("no", ref=9), refusing=True)
     assert not w.answering(b"newcomer", Saw(9, {}))
+
+
+def test_a_big_message_dropped_for_being_slow_is_refused_naming_its_work(processes):
+    """A stream the worker drops (it came slower than its rate after the grace) left its
+    sender waiting until its own deadline, told nothing. Now the worker refuses it at once,
+    naming the Work whose header had arrived, so the client ends that call and no other.
+    (The worker runs with a grace of 2 s instead of 30, as in test_redteam.)"""
+    quick = ("import sys; import somatize.fabric.streams as s; s.GRACE = 2.0; "
+             "from somatize.worker import main; sys.exit(main(sys.argv[1:]))")
+    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"])
+    processes([WORKER[0], "-c", quick, "--broker", hub.endpoint, "--offer", "w1", "--patience", "2"],
+              announce=None, env=env_with_tests())
+    client = Raw(hub.endpoint)
+    try:
+        wait_until(lambda: isinstance(client.ask(Where("w1"), 2.0), Located), 20, "w1 dialing in")
+        assert isinstance(client.ask(Relay(host="w1", inner=tuple(encode(Hello(RT))))), Ready)
+        spec = Packer("project").spec(Add(1).named("a").steps[0])
+        header = encode(Work(9, Recipe((spec,), ("step", 0)), 41))[0]
+        client.send(Relay(host="w1", inner=tuple(encode(Begin(5, (len(header), 1 << 20))))))
+        client.send(Relay(host="w1", inner=tuple(encode(Chunk(5, header)))))  # the header, then nothing
+        got = []
+        while not any(isinstance(a, Refusal) for a in got):
+            answer = client.answer(15.0)
+            assert answer is not None, f"told nothing within 15 s: {got}"
+            got.append(answer)
+        refusal = next(a for a in got if isinstance(a, Refusal))
+        assert refusal.ref == 9 and "dropped the big message" in refusal.why and "stream 5" in refusal.why, refusal
+    finally:
+        client.close()

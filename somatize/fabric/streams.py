@@ -23,10 +23,11 @@ import itertools
 import os
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..wire import MAX_FRAME, MAX_FRAMES, MAX_TOTAL, Begin, Chunk
+from ..wire import MAX_FRAME, MAX_FRAMES, MAX_TOTAL, Begin, Chunk, ref_of
 from .conversation import Violation
 
 #: Bytes per chunk.
@@ -93,10 +94,11 @@ class Outgoing:
 class _Receiving:
     """The receiver's side of one stream: frames filled in as chunks arrive."""
 
-    def __init__(self, tenant: str, sizes: tuple[int, ...], now: float) -> None:
+    def __init__(self, tenant: str, sizes: tuple[int, ...], now: float, reply: Any = None) -> None:
         if not 1 <= len(sizes) <= MAX_FRAMES or any(s > MAX_FRAME for s in sizes) or sum(sizes) > MAX_TOTAL:
             raise Violation("a stream's Begin states frame sizes beyond what this side accepts")
         self.tenant = tenant
+        self.reply = reply  # where a refusal goes when the stream is dropped
         self.sizes = sizes
         self.frames: list = []  # completed frames, in order
         self._chunks: list[memoryview] = []  # of the frame being received
@@ -136,6 +138,15 @@ class _Receiving:
             self._frame += 1
 
 
+class Dropped(NamedTuple):
+    """A stream dropped unfinished: its sender, its number, where to answer, the Work's ref."""
+
+    peer: bytes
+    sid: int
+    reply: Any
+    ref: int | None
+
+
 class Inbound:
     """Every stream one side is receiving, keyed by the peer that sends it and its number."""
 
@@ -147,7 +158,7 @@ class Inbound:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def begin(self, peer: bytes, tenant: str, msg: Begin, now: float | None = None) -> None:
+    def begin(self, peer: bytes, tenant: str, msg: Begin, now: float | None = None, *, reply: Any = None) -> None:
         key = (peer, msg.sid)
         if key in self._streams:
             raise Violation(f"stream {msg.sid} began twice")
@@ -159,7 +170,7 @@ class Inbound:
             )
         if len(self._streams) >= self.total:
             raise Violation("this side is receiving as many big messages as it takes; try again shortly")
-        self._streams[key] = _Receiving(tenant, msg.sizes, time.monotonic() if now is None else now)
+        self._streams[key] = _Receiving(tenant, msg.sizes, time.monotonic() if now is None else now, reply)
 
     def chunk(self, peer: bytes, msg: Chunk) -> tuple[int, list | None]:
         """Place one chunk: (bytes to grant back, the message's frames once complete)."""
@@ -177,13 +188,17 @@ class Inbound:
         del self._streams[key]
         return granted, stream.frames
 
-    def expire(self, now: float | None = None) -> list[bytes]:
-        """Drop streams past their lifetime; return the peers that sent them."""
+    def expire(self, now: float | None = None) -> list[Dropped]:
+        """Drop streams past their lifetime; return what the sender of each is to be told."""
         now = time.monotonic() if now is None else now
         gone = [key for key, s in self._streams.items() if s.outlived(now)]
+        dropped = []
         for key in gone:
-            del self._streams[key]
-        return [peer for peer, _ in gone]
+            stream = self._streams.pop(key)
+            # the Work it carried, when its header arrived: the refusal names what it ends
+            ref = ref_of(stream.frames[:1]) if stream.frames else None
+            dropped.append(Dropped(key[0], key[1], stream.reply, ref))
+        return dropped
 
     def drop(self, peer: bytes) -> None:
         for key in [k for k in self._streams if k[0] == peer]:

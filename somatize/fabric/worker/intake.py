@@ -150,7 +150,7 @@ class Intake:
                 self._drain(*pending)
             return
         if isinstance(message, Begin):
-            self._inbound.begin(to.peer, to.tenant or to.peer.hex(), message)
+            self._inbound.begin(to.peer, to.tenant or to.peer.hex(), message, reply=to)
             return
         granted, frames = self._inbound.chunk(to.peer, message)
         self._deliver(to, encode(Credit(message.sid, granted)))

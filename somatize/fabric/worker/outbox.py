@@ -202,7 +202,12 @@ class Outbox:
 
     def _expire_streams(self, now: float) -> None:
         """Streams past their lifetime, or that nobody has moved for a while, are dropped."""
-        self._inbound.expire(now)
+        for dropped in self._inbound.expire(now):  # its sender would wait to its deadline: tell it
+            if dropped.reply is not None:
+                self._reply(dropped.reply, Refusal(
+                    f"this worker dropped the big message you were sending (stream {dropped.sid}): it came "
+                    f"slower than {_streams.MIN_RATE >> 20} MiB/s after a grace of {_streams.GRACE:g} s; "
+                    f"send it again, over a faster link or as a smaller value", ref=dropped.ref), refusing=True)
         idle = 3 * self.patience
         for key in [k for k, (_, out) in self._outgoing.items() if now - out.touched > idle]:
             self._settle(*key)
