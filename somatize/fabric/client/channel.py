@@ -36,6 +36,7 @@ from ...errors import Broken, Busy, KeysRefused, NodeFailed, ProtocolError, Refu
 from ...packing import Packer
 from ...wire import (
     Begin,
+    Bye,
     Chunk,
     Credit,
     Done,
@@ -162,6 +163,11 @@ class Channel:
         _mount.remove(self.mounted)
         self.mounted = []
         self._end_lending()
+        if self.relayed and self.linked and not self.sock.closed:
+            try:  # the broker ends this connection's exchanges now, not when they are crowded out
+                self.sock.send_multipart(encode(Bye()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         if not self.sock.closed:
             try:
                 self.sock.disable_monitor()
@@ -306,6 +312,12 @@ class Channel:
                 f"the worker for `{self.host}` at {self.address} is connected and alive, and has "
                 f"not answered (this client waited {waiting}) for {self.patience * (BUSY_FACTOR + 1):.0f} s: "
                 f"it is busy with other work (it runs one piece at a time unless started with --jobs N)"
+            )
+        if answer_by is not None and not self.linked and time.monotonic() > answer_by and self.relayed:
+            raise Unreachable(
+                f"the broker at {self.address} did not take this connection for `{self.host}` within "
+                f"{self.patience:.0f} s (this client waited {waiting}): is it overloaded, or gone? "
+                f"`systemctl status somatize-broker` on its machine says"
             )
         if answer_by is not None and not self.linked and time.monotonic() > answer_by:
             raise Unreachable(

@@ -37,6 +37,7 @@ import contextlib
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,10 @@ from ..hosts import Worker
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
 START_ALLOWANCE = 30.0
+#: Channels kept open between calls, for all hosts together (the least recently used is
+#: closed past it): a client that reaches a thousand hosts holds this many connections, not
+#: a thousand, and never meets ZeroMQ's limit on sockets (1,023 by default).
+MAX_IDLE = 32
 
 
 class Broker:
@@ -88,6 +93,7 @@ class Broker:
         self._here: tuple[dict[str, str], frozenset[str]] | None = None  # (listing, its in-process hosts)
         self._located: dict[str, Located] = {}
         self._idle: dict[str, list[Channel]] = {}
+        self._idle_order: OrderedDict[int, Channel] = OrderedDict()  # id -> channel, least recently used first
         self._packers: dict[str, Packer] = {}
         self._provisioned: dict[str, set[str]] = {}
         self._packable: weakref.WeakSet = weakref.WeakSet()
@@ -153,6 +159,7 @@ class Broker:
             self._closed = True
             channels = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
+            self._idle_order.clear()
             checking = list(self._checking.values())
             self._close_control()
         for channel in channels:
@@ -277,6 +284,7 @@ class Broker:
             self._located.pop(host, None)
             self._provisioned.pop(host, None)  # a worker started afresh holds no artifacts
             for channel in self._idle.pop(host, []):
+                self._idle_order.pop(id(channel), None)
                 channel.close()
 
     def _check_on(self, host: str, waited: float) -> None:
@@ -467,6 +475,7 @@ class Broker:
             idle = self._idle.get(located.host)
             while idle:
                 channel = idle.pop()
+                self._idle_order.pop(id(channel), None)
                 if not channel.dropped_while_idle():
                     return channel
                 channel.close()  # its peer went away between calls: a fresh one says Hello
@@ -507,8 +516,19 @@ class Broker:
         return None, None
 
     def _give_back(self, channel: Channel) -> None:
+        closing = []
         with self._lock:
             if self._closed:
-                channel.close()
+                closing.append(channel)
             else:
                 self._idle.setdefault(channel.host, []).append(channel)
+                self._idle_order[id(channel)] = channel
+                while len(self._idle_order) > MAX_IDLE:
+                    _, oldest = self._idle_order.popitem(last=False)
+                    idle = self._idle[oldest.host]
+                    idle.remove(oldest)
+                    if not idle:
+                        del self._idle[oldest.host]
+                    closing.append(oldest)
+        for old in closing:
+            old.close()
