@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+import fleet
 import flooding
 import memory
 import paths
@@ -62,6 +63,8 @@ class Settings:
     trials: int = 2000  # (f) trials run by two runners (and by two Optuna processes)
     history: int = 1000  # (f) trials in the history rebuilt
     blocks: int = 10
+    fleet: int = 1000  # (h) dialed workers on one broker
+    fleet_forwards: int = 2000  # (h) relayed forwards, each to the next host
 
     @classmethod
     def full(cls) -> Settings:
@@ -70,7 +73,7 @@ class Settings:
     @classmethod
     def quick(cls) -> Settings:
         return cls(calls=50, sizes=(1 << 20,), reps=3, graphs=200, chains=10, records=200, trials=40, history=50,
-                   blocks=2)
+                   blocks=2, fleet=50, fleet_forwards=100)
 
 
 @dataclasses.dataclass
@@ -479,5 +482,6 @@ CASES: dict[str, Callable[[Settings, Floors], list[Row]]] = {
     "e": record_readers,
     "f": studies,
     "g": flooding.flood_rows,
+    "h": fleet.fleet_rows,
     "m": memory.memory_rows,
 }

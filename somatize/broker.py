@@ -26,6 +26,8 @@ entry: they are served Relayed under the name they offer.
 from __future__ import annotations
 
 import argparse
+import logging
+import resource
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -34,7 +36,7 @@ from pathlib import Path
 from .errors import BadKeys
 from .fabric import Worker, command, sockets
 from .fabric.curve import Keys, read_public
-from .fabric.broker.loop import BrokerLoop
+from .fabric.broker.loop import MAX_DIALED, MAX_HOSTS_PER_KEY, BrokerLoop
 
 
 def read_hosts(path: str | Path) -> dict[str, Worker]:
@@ -82,6 +84,21 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
     return out
 
 
+def _more_descriptors(log: logging.Logger) -> None:
+    """A connection is a descriptor: raise the soft limit to the hard one (a login shell's
+    1,024 stops a broker at about a thousand workers), and say so when that is still low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < MAX_DIALED:
+        log.warning("this broker may hold %d descriptors, one a connection: fewer than the %d workers it "
+                    "takes; raise the limit (`ulimit -n`, or LimitNOFILE in its unit)", soft, MAX_DIALED)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=command.prog("somatize.broker"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--listen", metavar="URL", default="tcp://127.0.0.1:5555",
@@ -94,11 +111,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "folder of this user's that others may not write in)")
     command.patience_option(parser)
     command.log_option(parser)
+    parser.add_argument("--max-hosts-per-key", metavar="N", type=int, default=MAX_HOSTS_PER_KEY,
+                        help=f"hosts one worker key may serve at once (default {MAX_HOSTS_PER_KEY:,}: one SLURM job "
+                             f"of that many nodes on one key)")
     parser.add_argument("--insecure", action="store_true",
                         help="allow listening on an address other machines can reach, with no keys")
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     log = command.configure_log(args.log_level).getChild("broker")
+    if args.max_hosts_per_key < 1:
+        print("somatize broker: --max-hosts-per-key must be at least 1", file=sys.stderr)
+        return 2
+    _more_descriptors(log)
 
     try:
         hosts = read_hosts(args.hosts) if args.hosts else {}
@@ -112,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command.may_listen(url, insecure=args.insecure, who="broker", risk="use its workers", keyed=keys is not None):
         return 2
     try:
-        server = BrokerLoop(hosts, patience=args.patience, bindings=args.bindings)
+        server = BrokerLoop(hosts, patience=args.patience, bindings=args.bindings, max_hosts_per_key=args.max_hosts_per_key)
     except (OSError, ValueError) as exc:
         print(f"somatize broker: cannot use the bindings file: {exc}", file=sys.stderr)
         return 2

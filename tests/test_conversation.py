@@ -247,8 +247,9 @@ def test_a_host_is_bound_to_the_key_that_offered_it_first():
 def test_without_keys_a_name_is_bound_to_its_connection_while_it_stays():
     b = BrokerView()
     b.hello(b"r1", "", EVERYONE, offering("w"), 0.0)
-    with pytest.raises(Violation):
+    with pytest.raises(Violation, match="another connection") as refused:  # no key is named where none is used
         b.hello(b"r2", "", EVERYONE, offering("w"), 0.0)
+    assert "key" not in refused.value.why.replace("without keys", "")
     b.leave(b"r1")
     assert b.hello(b"r2", "", EVERYONE, offering("w"), 0.0) == "offered"
 
@@ -399,3 +400,73 @@ def test_a_key_whose_nodes_come_and_go_keeps_offering_new_names():
     b.hello(b"now2", "SLURM", EVERYONE, offering("node41"), 9.0)
     with pytest.raises(Violation, match="as many as one key may at once"):
         b.hello(b"now3", "SLURM", EVERYONE, offering("node99"), 9.0)
+
+
+def test_a_client_that_leaves_has_its_exchanges_ended():
+    """A client's channel says Bye as it closes: what it had open ends now, not when 64 newer
+    exchanges of its tenant crowd it out."""
+    b = BrokerView()
+    for host in ("w1", "w2", "w3"):
+        b.hello(b"worker-" + host.encode(), "W", EVERYONE, offering(host), 0.0)
+        relay_from_client(b, b"alice", "A", host)
+    kept = decode(relay_from_client(b, b"bob", "B", "w1").frames).exchange
+    b.leave(b"alice")
+    assert [e.client for e in b.exchanges.values()] == [b"bob"] and kept in b.exchanges
+
+
+def test_one_route_serving_thousands_of_names_is_heard_at_the_cost_of_one():
+    b = BrokerView(patience=1.0)
+    names = [f"node{n:04d}" for n in range(2000)]
+    for name in names:
+        assert b.hello(b"one", "JOB", EVERYONE, offering(name), 0.0) == "offered"
+    b.heard(b"one", 2.9)  # any message from it, not a Hello per name
+    assert b.expire(3.5) == []
+    assert sorted(b.expire(6.0)) == names  # silent past three patiences: all of them go
+
+
+def test_the_views_indexes_follow_every_change():
+    """What the view keeps to answer in constant time (hosts per key, names per key,
+    exchanges per route, host and tenant) always equals what a walk over everything finds."""
+    import random
+
+    rng = random.Random(7)
+    b = BrokerView(patience=1.0, max_offers=5, max_bindings=7, max_exchanges=3, max_open=20)
+    workers = [b"w%d" % n for n in range(6)]
+    clients = [b"c%d" % n for n in range(5)]
+    keys = ["K1", "K2", ""]
+    now = 0.0
+    for _ in range(3000):
+        now += rng.random() * 0.3
+        op = rng.random()
+        try:
+            if op < 0.35:
+                b.hello(rng.choice(workers), rng.choice(keys), EVERYONE, offering(f"h{rng.randrange(12)}"), now)
+            elif op < 0.7:
+                relay_from_client(b, rng.choice(clients), rng.choice(["A", "B"]), f"h{rng.randrange(12)}")
+            elif op < 0.8:
+                b.leave(rng.choice(workers + clients))
+            elif op < 0.9:
+                b.heard(rng.choice(workers), now)
+                b.expire(now)
+            elif op < 0.93:
+                b.revoke({"K1", "K2"} - {rng.choice(keys)})
+        except Violation:
+            pass
+        serving: dict = {}
+        for offer in b.offers.values():
+            serving[offer.owner] = serving.get(offer.owner, 0) + 1
+        assert b._serving == serving
+        for owner in set(b.bindings.values()):
+            assert sorted(b.bindings.held(owner)) == sorted(h for h, o in b.bindings.items() if o == owner)
+        by_route: dict = {}
+        by_host: dict = {}
+        by_tenant: dict = {}
+        for number, e in b.exchanges.items():
+            by_route.setdefault(e.client, set()).add(number)
+            by_route.setdefault(e.worker, set()).add(number)
+            by_host.setdefault(e.host, set()).add(number)
+            by_tenant.setdefault(e.tenant, set()).add(number)
+        assert b._of_route == by_route and b._of_host == by_host
+        assert {t: set(n) for t, n in b._of_tenant.items()} == by_tenant
+        assert all(len(n) <= 3 for n in by_tenant.values()) and len(b.exchanges) <= 20
+        assert set(b._heard) == set(b.offers_index)

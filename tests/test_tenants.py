@@ -129,8 +129,9 @@ def test_a_worker_cannot_inject_answers_into_another_clients_exchange(ring, proc
 
 
 def test_one_worker_key_cannot_squat_every_name(ring, processes):
-    """Attack: 1,000 squatted names locked real workers out."""
-    broker = start_broker(processes, ring)
+    """Attack: 1,000 squatted names locked real workers out. A key serves at most
+    `--max-hosts-per-key` names at once (4,096 by default: a SLURM job's; 256 here)."""
+    broker = start_broker(processes, ring, "--max-hosts-per-key", "256")
     evil = Raw(ring, broker, "evil")
     try:
         answers = [evil.ask(Hello(RT, offering=f"node{n:04d}")) for n in range(300)]

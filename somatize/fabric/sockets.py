@@ -50,22 +50,27 @@ def router(*, mandatory: bool = True) -> zmq.Socket:
     return sock
 
 
-def dealer(patience: float = PATIENCE, *, identity: bytes | None = None) -> zmq.Socket:
+def dealer(patience: float = PATIENCE, *, identity: bytes | None = None, pings: int = 4) -> zmq.Socket:
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
-    heartbeat(sock, patience)
+    heartbeat(sock, patience, pings=pings)
     return sock
 
 
-def heartbeat(sock: zmq.Socket, patience: float) -> None:
-    """ZMTP heartbeats: ping every patience/4, drop the connection after patience of silence."""
-    interval = max(100, int(patience * 1000 / 4))
+def heartbeat(sock: zmq.Socket, patience: float, *, pings: int = 4) -> None:
+    """ZMTP heartbeats: ``pings`` pings a patience; the connection is dropped when a ping is
+    not answered within patience, and the peer drops it when nothing came for its time to
+    live (a patience, or one and a half intervals when that is longer). A client's sockets
+    ping four times a patience (a stopped worker is noticed soon); a broker's front twice
+    and a dialed worker's link once (its keepalive speaks every patience too): a fleet of
+    them is a fleet of timers in the broker's one I/O thread."""
+    interval = max(100, int(patience * 1000 / pings))
     sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(patience * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(patience * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(int(patience * 1000), interval * 3 // 2)))
 
 
 def pair(kind: int) -> zmq.Socket:

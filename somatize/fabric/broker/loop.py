@@ -15,7 +15,7 @@ answers waiting to be read, connections per key. Nobody's pace is another's wait
 
 This module serves; :mod:`somatize.fabric.client.handle` is what a graph talks to. It logs one
 line per lifecycle event under ``somatize.broker``, and every line a peer can cause goes
-through a limiter (:class:`_Quiet`); the command attaches the handler (:mod:`somatize.fabric.command`).
+through a limiter (:class:`~somatize.fabric.broker.quiet.Quiet`); the command attaches the handler (:mod:`somatize.fabric.command`).
 """
 
 from __future__ import annotations
@@ -38,22 +38,23 @@ from . import bindings as _bindings
 from .. import sockets
 from .checks import Helper, check
 from .floods import Gate
+from .probes import Probes
+from .quiet import Quiet
 from .outbox import DROPPED, GONE, Outbox
 from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name, user_of
 from .spawn import Child
 from ..hosts import Worker
 
-#: Hosts that may dial in at once (a `Listed` answer must fit in one message).
-MAX_DIALED = 1000
+#: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
+#: worker key may serve at once (a SLURM job of that many nodes on one key; `--max-hosts-per-key`).
+MAX_DIALED, MAX_HOSTS_PER_KEY = 10_000, 4096
 #: Per tenant: questions waiting for a start or a check; connections of one key; answers
 #: waiting for one connection to read them (past it, its questions are dropped unanswered).
 MAX_PENDING, MAX_CONNECTIONS, MAX_UNREAD = 8, 64, 64
 #: A connection not heard from for this long no longer counts against its key (seconds).
 CONNECTION_IDLE = 60.0
 _EVERYONE = frozenset((CLIENT, WORKER))
-#: Lines of one kind logged per `_QUIET` seconds at most; past it they are counted, and the count said.
-_LOUD, _QUIET = 20, 10.0
 log = logging.getLogger("somatize.broker")
 
 
@@ -79,6 +80,7 @@ class BrokerLoop:
         patience: float = sockets.PATIENCE,
         private: bool = False,
         bindings: str | os.PathLike[str] | None = None,
+        max_hosts_per_key: int = MAX_HOSTS_PER_KEY,
     ) -> None:
         for name, worker in hosts.items():
             if not isinstance(name, str) or not name:
@@ -93,7 +95,7 @@ class BrokerLoop:
         self.patience = patience
         self.runtime = Runtime.here()
         self.children: dict[str, Child] = {}
-        self.view = BrokerView(set(hosts), patience=patience, max_dialed=MAX_DIALED)
+        self.view = BrokerView(set(hosts), patience=patience, max_dialed=MAX_DIALED, max_offers=max_hosts_per_key)
         # which key owns which dialed-in name, kept across restarts when given a file: a
         # restarted broker must not hand a name to whichever key says Hello first
         self.bindings = Path(bindings) if bindings is not None else None
@@ -101,6 +103,7 @@ class BrokerLoop:
             _bindings.check_folder(self.bindings)
             self.view.bindings.update(_bindings.read(self.bindings))
         self._written: dict[str, str] | None = self._keyed()
+        self._looked_at = self.view.bindings.version  # the bindings' version last compared with the file
         self.endpoint = ""
         self.stopping = threading.Event()
         self._front: zmq.Socket | None = None
@@ -113,12 +116,12 @@ class BrokerLoop:
         self._pending: dict[str, int] = {}  # tenant -> questions waiting for a helper job
         self._connections: dict[str, OrderedDict[bytes, float]] = {}  # key -> route -> last heard
         self._reload_asked = False
-        self._probed = self._probe_due = 0.0
-        self._probes_left = 0  # probes still to make after a connection dropped, a second apart
+        self._probes = Probes()  # which dialed workers to look at when connections drop
+        self._keepalives: dict[bytes, int] = {}  # a dialed worker's route -> its last Hello, hashed
         self._gate = Gate()  # who is cut while this loop is behind
-        self._refusals = _Quiet("refusals")
-        self._comings = _Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
-        self._losses = _Quiet("undelivered messages")
+        self._refusals = Quiet("refusals")
+        self._comings = Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
+        self._losses = Quiet("undelivered messages")
 
     @property
     def dialed(self) -> dict:
@@ -130,12 +133,15 @@ class BrokerLoop:
         # never a full queue from a peer: libzmq (4.3.5) aborts the process when a peer whose
         # inbound queue is full disconnects and a heartbeat (ours, or a PING it sent) is then
         # written (`!_io_error`, stream_engine_base.cpp:310). This loop reads as fast as
-        # anything arrives and drops what it will not serve, so the queue stays short.
+        # anything arrives, drops what it will not serve, and cuts a flooder (`floods`), so
+        # the queue stays short.
         self._front.setsockopt(zmq.RCVHWM, 0)
-        # a connection dropping (a dialed-in worker killed, or silent past the heartbeat)
-        # makes the broker check which of its dialed-in workers are still there
+        # a connection dropping (a dialed-in worker killed, or silent past a heartbeat) makes
+        # the broker probe that worker
         self._drops = self._front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sockets.heartbeat(self._front, self.patience)
+        # its own pings, twice a patience: a peer's pings alone do not say when it stopped
+        # (ZeroMQ's time to live is re-armed by pings only, and any message disarms it)
+        sockets.heartbeat(self._front, self.patience, pings=2)
         if keys is not None:
             self._guard = Guard(sockets.context(), keys, log=log)
             as_server(self._front, keys)
@@ -159,16 +165,17 @@ class BrokerLoop:
                     self._reload()
                 self._expire()
                 events = dict(poller.poll(20 if self._outbox.pending() else 200))
+                self._take()  # what a peer said before its connection dropped is heard first (its Bye)
                 if self._drops in events:
+                    dropped = []
                     while self._drops.get(zmq.EVENTS) & zmq.POLLIN:
-                        self._drops.recv_multipart()
-                    self._probes_left = 3
-                    self._probe()
-                elif self._probe_due and time.monotonic() >= self._probe_due:
+                        dropped.append(self._drops.recv_multipart()[0])
+                    if self._probes.dropped(dropped):
+                        self._probe()
+                elif self._probes.due and time.monotonic() >= self._probes.due:
                     self._probe()
                 if self._helper.wake in events:
                     self._helper.deliver()
-                self._take()
                 for route in self._outbox.flush():
                     self._gone(route)
         finally:
@@ -218,6 +225,7 @@ class BrokerLoop:
         before = dict(self.view.offers)
         self._free(lambda: self.view.revoke(self._guard.allowed(), self._guard.workers), "at a reload")
         self._left([h for h in before if h not in self.view.offers], before, "its key was taken out of the allow-list")
+        self._prune()
         allowed = self._guard.allowed()
         for exchange in self.view.revoked:  # nothing more of it is delivered, and its other side is told
             if exchange.key and exchange.key not in allowed:
@@ -256,7 +264,7 @@ class BrokerLoop:
                 log.info("host `%s` left (%s): %s%s", host, who, why, more)
 
     def _refused(self, route: bytes, user: str, why: str) -> None:
-        """Log a refusal, at most `_LOUD` per `_QUIET` seconds: a flood is counted, not printed."""
+        """Log a refusal, at most `quiet.LOUD` per `quiet.QUIET` seconds: a flood is counted, not printed."""
         more = self._refusals.more()
         if more is not None:
             log.info("refused %s: %s%s", peer_name(route, user), why, more)
@@ -285,8 +293,15 @@ class BrokerLoop:
     def _gone(self, route: bytes) -> None:
         """ZeroMQ has no route of that id any more (not a full queue: that is only slow)."""
         self._outbox.forget(route)
-        before = dict(self.view.offers)
-        self._left(self.view.leave(route), before, "its connection is gone")
+        self._leave(route, "its connection is gone")
+
+    def _leave(self, route: bytes, why: str) -> None:
+        """``route`` is gone or said Bye: its offers and exchanges end (at the cost of what it
+        had, not of the fleet's size)."""
+        offers = {h: self.view.offers[h] for h in self.view.offers_index.get(route, ())}
+        self._left(self.view.leave(route), offers, why)
+        self._probes.forget(route)
+        self._keepalives.pop(route, None)
 
     # -- receiving --------------------------------------------------------------------
     def _take(self, most: int = 1024) -> None:
@@ -296,10 +311,11 @@ class BrokerLoop:
         per message and no more. Never left queued in ZeroMQ: see `bind`."""
         front, waiting, offers = self._front, self._outbox.waiting, self.view.offers_index
         for _ in range(most):
-            if not front.get(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                route = front.recv(zmq.NOBLOCK)
+            except zmq.Again:
                 self._gate.caught_up()
                 return
-            route = front.recv()
             if not front.get(zmq.RCVMORE):
                 continue
             if self._gate.severed(route):  # what a cut connection queued before it was cut
@@ -350,6 +366,9 @@ class BrokerLoop:
 
     def _handle(self, route: bytes, frames: list) -> None:
         now = time.monotonic()
+        if route in self.view.offers_index and self._keepalives.get(route) == hash(b"".join(f.bytes for f in frames)):
+            self.view.heard(route, now)  # the very Hello it said before: a keepalive, nothing to decode
+            return
         try:
             variant = variant_of(frames)
         except ProtocolError as exc:
@@ -368,9 +387,11 @@ class BrokerLoop:
                 self._answer(route, Refusal("this key is no longer allowed on this broker; ask its operator"))
                 return
         self.view.heard(route, now)  # any message from a dialed worker says it is there
-        if user and not self._connected(user, route, now):
-            self._refused(route, user, f"this key already has {MAX_CONNECTIONS} connections open here")
-            self._answer(route, Refusal(f"this key already has {MAX_CONNECTIONS} connections open at this broker; "
+        # a worker key is a job's key: one connection per node it runs on, up to the hosts it may serve
+        most = MAX_CONNECTIONS + (self.view.max_offers if WORKER in roles else 0)
+        if user and not self._connected(user, route, now, most):
+            self._refused(route, user, f"this key already has {most} connections open here")
+            self._answer(route, Refusal(f"this key already has {most} connections open at this broker; "
                                         f"use fewer, or wait {CONNECTION_IDLE:g} s after closing some"))
             return
         relay = None
@@ -398,6 +419,10 @@ class BrokerLoop:
             return
         if isinstance(message, Hello):
             self._hello(route, user, roles, message, now)
+            if route in self.view.offers_index:
+                if not self._probes.knows(route):
+                    self._probes.know(route, frames[0])
+                self._keepalives[route] = hash(b"".join(f.bytes for f in frames))
         elif isinstance(message, Where):
             answer = self._where(message, route, self.view.identity(route, user))
             if answer is not None:
@@ -405,18 +430,19 @@ class BrokerLoop:
         elif isinstance(message, Hosts):
             self._answer(route, Listed(self._listing()))
         else:
-            before = dict(self.view.offers)
-            self._left(self.view.leave(route), before, "it said Bye")
+            self._leave(route, "it said Bye")
             self._outbox.forget(route)
+            if user:  # a channel closed: it no longer counts against its key's connections
+                self._connections.get(user, {}).pop(route, None)
 
-    def _connected(self, key: str, route: bytes, now: float) -> bool:
-        """Count ``route`` against ``key``'s connections: False past ``MAX_CONNECTIONS``."""
+    def _connected(self, key: str, route: bytes, now: float, most: int) -> bool:
+        """Count ``route`` against ``key``'s connections: False past ``most``."""
         routes = self._connections.setdefault(key, OrderedDict())
-        if route not in routes and len(routes) >= MAX_CONNECTIONS:
+        if route not in routes and len(routes) >= most:
             for old, heard in list(routes.items()):
-                if now - heard > CONNECTION_IDLE and not self.view.offered_by(old):
+                if now - heard > CONNECTION_IDLE and old not in self.view.offers_index:
                     del routes[old]
-            if len(routes) >= MAX_CONNECTIONS:
+            if len(routes) >= most:
                 return False
         routes[route] = now
         routes.move_to_end(route)
@@ -432,9 +458,17 @@ class BrokerLoop:
         try:
             said = self.view.hello(route, user, roles, hello, now)
         except Violation as exc:
-            self._refused(route, user, exc.why)
-            self._answer(route, Refusal(exc.why))
-            return
+            if not self._still_served(hello.offering):  # its old connection is gone: the name is free
+                try:
+                    said = self.view.hello(route, user, roles, hello, now)
+                except Violation as again:
+                    exc = again
+                else:
+                    exc = None
+            if exc is not None:
+                self._refused(route, user, exc.why)
+                self._answer(route, Refusal(exc.why))
+                return
         if said == "offered":
             more = self._comings.more()
             if more is not None:
@@ -444,20 +478,40 @@ class BrokerLoop:
         if said != "keepalive":
             self._answer(route, Ready(self.runtime))
 
+    def _still_served(self, host: str | None) -> bool:
+        """Whether the connection serving ``host`` is still there (asked when another offers
+        it: a worker that dialed again after its connection dropped finds its name taken by
+        the old connection until it is found gone). Without keys only; a key keeps its names."""
+        offer = self.view.offers.get(host) if host else None
+        if offer is None or not offer.owner.startswith("route:"):
+            return True
+        try:
+            self._front.send_multipart([offer.route, *encode(Ready(self.runtime))], zmq.NOBLOCK)
+        except zmq.Again:
+            return True  # slow, not gone
+        except zmq.ZMQError:
+            self._gone(offer.route)
+            return False
+        return True
+
     def _keyed(self) -> dict[str, str]:
         return {h: k for h, k in self.view.bindings.items() if not k.startswith("route:")}
 
     def _keep_bindings(self) -> None:
-        """Write the bindings of keys to names when they changed, off this thread."""
+        """Write the bindings of keys to names when they changed, off this thread. Asked at
+        every offer and keepalive: it looks at the fleet only when a binding did change."""
+        if self.bindings is None or self.view.bindings.version == self._looked_at:
+            return
+        self._looked_at = self.view.bindings.version
         keyed = self._keyed()
-        if self.bindings is None or keyed == self._written:
+        if keyed == self._written:
             return
         self._written = keyed
         path = self.bindings
 
         def written(result: Any) -> None:
             if isinstance(result, Exception):  # a full disk must not stop the serving
-                self._written = None  # tried again at the next change
+                self._written, self._looked_at = None, -1  # tried again at the next turn that asks
                 more = self._losses.more()
                 if more is not None:
                     log.warning("could not keep the host bindings in %s: %s%s", path, result, more)
@@ -469,22 +523,20 @@ class BrokerLoop:
         gone = self.view.expire(time.monotonic())
         if gone:  # a keyed owner's binding outlives its offer: it names the key
             self._left(gone, {}, f"silent for {3 * self.patience:g} s (three patiences)")
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget what was kept of routes that serve nothing any more (offers expired or
+        revoked, rather than left)."""
+        serving = self.view.offers_index
+        self._probes.prune(serving)
+        for route in [r for r in self._keepalives if r not in serving]:
+            del self._keepalives[route]
 
     def _probe(self) -> None:
-        """A connection dropped: which dialed-in workers are gone? A Ready to each says it
-        (``ROUTER_MANDATORY``): unreachable is gone, a full queue is only slow. At most once
-        a second, however often connections drop; and again a second and two later, since
-        ZeroMQ may still hold the route of a connection that just dropped (its pipe ends
-        after the event is said), and nothing else would look before three patiences."""
-        now = time.monotonic()
-        if now - self._probed < 1.0:  # not lost: done when the second is over
-            self._probe_due = self._probed + 1.0
-            return
-        self._probes_left = max(0, self._probes_left - 1)
-        self._probed = now
-        self._probe_due = now + 1.0 if self._probes_left else 0.0
+        """A dialed worker's connection dropped: is it gone? (`probes`)"""
         hello = encode(Ready(self.runtime))
-        for route in {o.route for o in self.view.offers.values()}:
+        for route in [r for r in self._probes.take(time.monotonic()) if r in self.view.offers_index]:
             if self._outbox.waiting(route):
                 continue  # what waits for it will say, when it is tried
             try:
@@ -524,7 +576,7 @@ class BrokerLoop:
                                                     own=declared.own_mount)
         kind = "check" if where.lost else "start"
         if kind == "start" and child.running and not self._helper.busy(host):
-            return _located(host, child, declared.mode)
+            return child.located(host, declared.mode)
         waiting = self._waiting.get((host, kind))
         if waiting is not None:  # one start, one check of a host at a time: join it
             waiting.append((route, tenant))
@@ -558,38 +610,8 @@ class BrokerLoop:
                     self._answer(asker, Refusal(f"the broker could not start `{host}`: {type(result).__name__}: {result}"))
                 else:
                     ended = result if kind == "check" else None
-                    self._answer(asker, _located(host, child, declared.mode, ended))
+                    self._answer(asker, child.located(host, declared.mode, ended))
 
         self._helper.submit(host, job, done)
         return None
 
-
-def _located(host: str, child: Child, mode: str, ended: str | None = None) -> Located:
-    """Where a spawned host is: its child's socket, and the folder the child was started
-    with (chosen at each start when none was named), if any."""
-    return Located(host, "mount" if child.mount else "direct", address=child.address, mode=mode,
-                   mount=child.mount, ended=ended)
-
-
-class _Quiet:
-    """At most `_LOUD` lines of one kind per `_QUIET` seconds: past it lines are counted, and
-    the count is said with the next line logged. Whoever sends can make a broker log; nobody
-    can make it flood its journal."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.said: list[float] = []
-        self.unsaid = 0
-
-    def more(self) -> str | None:
-        """The suffix for a line that may be logged now (``""`` or the count left out), or
-        None when this one is to be counted, not logged."""
-        now = time.monotonic()
-        self.said = [t for t in self.said if now - t < _QUIET]
-        if len(self.said) >= _LOUD:
-            self.unsaid += 1
-            return None
-        self.said.append(now)
-        more = f" ({self.unsaid} more {self.what} were not logged)" if self.unsaid else ""
-        self.unsaid = 0
-        return more

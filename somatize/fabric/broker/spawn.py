@@ -30,6 +30,7 @@ import threading
 import time
 
 from ...errors import Refused
+from ...wire import Located
 from .. import mount as _mount
 
 ANNOUNCE = "somatize-worker ready "
@@ -153,6 +154,12 @@ class Child:
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
         self.stop()
+
+    def located(self, host: str, mode: str, ended: str | None = None) -> Located:
+        """Where this child's host is: its socket, and the folder it was started with (chosen
+        at each start when none was named), if any."""
+        return Located(host, "mount" if self.mount else "direct", address=self.address, mode=mode,
+                       mount=self.mount, ended=ended)
 
     def stop(self) -> None:
         """Terminate, wait a moment, then kill; always reaped; its socket's directory removed."""

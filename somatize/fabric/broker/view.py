@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 from ...wire import Bye, Hello, Hosts, Relay, Runtime, Where, encode
@@ -41,6 +42,53 @@ class Exchange:
     worker: bytes  # the route of the worker it was sent to
     touched: float
     key: str = ""  # the client's key (Z85), so that revoking it ends the exchange
+
+
+class Bindings(MutableMapping):
+    """Host name -> the owner it is bound to, with each owner's names in the order they were
+    bound and a count of changes (``version``): what is asked of every offer (how many names a
+    key holds, which it holds longest) costs the same whatever the size of the fleet."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, str] = {}
+        self._held: dict[str, dict[str, None]] = {}  # owner -> its names, oldest first
+        self.version = 0
+
+    def __getitem__(self, host: str) -> str:
+        return self._owner[host]
+
+    def __setitem__(self, host: str, owner: str) -> None:
+        old = self._owner.get(host)
+        if old == owner:
+            return
+        if old is not None:
+            self._unhold(host, old)
+        self._owner[host] = owner
+        self._held.setdefault(owner, {})[host] = None
+        self.version += 1
+
+    def __delitem__(self, host: str) -> None:
+        self._unhold(host, self._owner.pop(host))
+        self.version += 1
+
+    def _unhold(self, host: str, owner: str) -> None:
+        names = self._held[owner]
+        del names[host]
+        if not names:
+            del self._held[owner]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def held(self, owner: str) -> list[str]:
+        """The names ``owner`` holds, the longest held first."""
+        return list(self._held.get(owner, ()))
+
+    def count(self, owner: str) -> int:
+        return len(self._held.get(owner, ()))
 
 
 @dataclass(frozen=True)
@@ -76,24 +124,31 @@ class BrokerView:
         declared: set[str] | frozenset[str] = frozenset(),
         *,
         patience: float = 5.0,
-        max_offers: int = 256,
-        max_bindings: int = 1024,
-        max_dialed: int = 1000,
+        max_offers: int = 4096,
+        max_bindings: int | None = None,
+        max_dialed: int = 10_000,
         max_exchanges: int = 64,
         max_open: int = 100_000,
     ) -> None:
         self.declared = frozenset(declared)
         self.patience = patience
         self.max_offers = max_offers
-        self.max_bindings = max_bindings
+        self.max_bindings = 2 * max_offers if max_bindings is None else max_bindings
         self.max_dialed = max_dialed
         self.max_exchanges = max_exchanges
         self.max_open = max_open
         self.offers: dict[str, Offer] = {}
         self._routes: dict[bytes, set[str]] = {}  # route -> the hosts it serves (an index of offers)
-        self.bindings: dict[str, str] = {}  # host -> owner, kept while the broker runs (keyed)
+        self._serving: dict[str, int] = {}  # owner -> how many hosts it serves
+        self._heard: dict[bytes, float] = {}  # route serving hosts -> when it was last heard
+        self._next_expiry = 0.0
+        self.bindings = Bindings()  # host -> owner, kept while the broker runs (keyed)
         self.exchanges: dict[int, Exchange] = {}
         self._by_pair: dict[tuple[bytes, str], int] = {}
+        # indexes of the exchanges, so that a peer leaving costs what it had, not what all have
+        self._of_route: dict[bytes, set[int]] = {}  # a client's or a worker's route -> numbers
+        self._of_host: dict[str, set[int]] = {}
+        self._of_tenant: dict[str, dict[int, None]] = {}
         # numbered from a random point, so a broker that restarted never reuses a number a
         # worker may still answer (its late answer would reach whoever holds that number now)
         self._numbers = itertools.count(secrets.randbelow(1 << 61) + 1)
@@ -129,6 +184,11 @@ class BrokerView:
         owner = self.identity(route, key)
         bound = self.bindings.get(host)
         if bound is not None and bound != owner:
+            if bound.startswith("route:"):
+                raise self._refuse(
+                    f"host `{host}` is served by another connection to this broker (without keys, a name is "
+                    f"the connection's that offered it, while it stays); offer another name"
+                )
             raise self._refuse(
                 f"host `{host}` is served by another worker key on this broker; offer another "
                 f"name, or ask the broker's operator to restart it if that key was retired"
@@ -138,26 +198,28 @@ class BrokerView:
             known.seen = now
             return "keepalive"
         if known is None:
-            serving = sum(1 for o in self.offers.values() if o.owner == owner)
+            serving = self._serving.get(owner, 0)
             if serving >= self.max_offers:
                 raise self._refuse(f"this worker key already serves {serving} hosts, as many as one key may at once")
             if len(self.offers) >= self.max_dialed:
                 raise self._refuse(f"this broker already serves {self.max_dialed} dialed-in hosts")
         if bound is None:
-            held = [h for h, o in self.bindings.items() if o == owner]
-            if len(held) >= self.max_bindings:
+            held = self.bindings.count(owner)
+            if held >= self.max_bindings:
                 # a key whose nodes come and go (a batch job) keeps its newest names; the
                 # oldest it no longer serves is let go, so nobody hoards names by the thousand
-                idle = next((h for h in held if h not in self.offers), None)
+                idle = next((h for h in self.bindings.held(owner) if h not in self.offers), None)
                 if idle is None:
-                    raise self._refuse(f"this worker key holds {len(held)} host names, as many as one key may")
+                    raise self._refuse(f"this worker key holds {held} host names, as many as one key may")
                 del self.bindings[idle]
             self.bindings[host] = owner
         if known is not None:  # the same owner from a new connection (it restarted): move
-            self._end_exchanges(lambda e: e.worker == known.route and e.host == host)
+            self._end_numbers(self._of_host.get(host, set()) & self._of_route.get(known.route, set()))
             self._drop(host)
         self.offers[host] = Offer(host, route, owner, hello.runtime, now)
         self._routes.setdefault(route, set()).add(host)
+        self._serving[owner] = self._serving.get(owner, 0) + 1
+        self._heard[route] = now
         return "offered"
 
     def offered_by(self, route: bytes) -> list[str]:
@@ -171,6 +233,12 @@ class BrokerView:
             hosts.discard(host)
             if not hosts:
                 del self._routes[offer.route]
+                self._heard.pop(offer.route, None)
+        left = self._serving.get(offer.owner, 0) - 1
+        if left > 0:
+            self._serving[offer.owner] = left
+        else:
+            self._serving.pop(offer.owner, None)
         return offer
 
     def leave(self, route: bytes) -> list[str]:
@@ -181,20 +249,25 @@ class BrokerView:
             offer = self._drop(host)
             if offer.owner.startswith("route:"):
                 self.bindings.pop(host, None)
-        self._end_exchanges(lambda e: route in (e.worker, e.client))
+        self._end_numbers(set(self._of_route.get(route, ())))
         return gone
 
     def expire(self, now: float) -> list[str]:
-        """Offers silent for three patiences are gone, and the exchanges with them. An
+        """Offers silent for three patiences are gone, and the exchanges with them. Looked
+        at every half patience, not at every turn of the loop (a walk over the fleet). An
         exchange is never ended for being quiet (work may run for hours with nobody
         watching); what bounds them is ``max_exchanges`` per tenant and ``max_open`` in all,
         the least recently used ended first."""
-        gone = [h for h, o in self.offers.items() if now - o.seen > 3 * self.patience]
+        if now < self._next_expiry:
+            return []
+        self._next_expiry = now + self.patience / 2
+        heard = self._heard
+        gone = [h for h, o in self.offers.items() if now - max(o.seen, heard.get(o.route, 0.0)) > 3 * self.patience]
         for host in gone:
             offer = self._drop(host)
             if offer.owner.startswith("route:"):
                 self.bindings.pop(host, None)
-        self._end_exchanges(lambda e: e.host in gone)
+            self._end_numbers(set(self._of_host.get(host, ())))
         return gone
 
     @property
@@ -203,9 +276,10 @@ class BrokerView:
         return self._routes
 
     def heard(self, route: bytes, now: float) -> None:
-        """Any message from ``route``: the hosts it serves are alive."""
-        for host in self._routes.get(route, ()):
-            self.offers[host].seen = now
+        """Any message from ``route``: the hosts it serves are alive (one entry per route,
+        however many hosts it serves)."""
+        if route in self._heard:
+            self._heard[route] = now
 
     def revoke(self, allowed: set[str], workers: set[str] | None = None) -> list[bytes]:
         """Keys no longer allowed lose their offers, bindings and exchanges (keys no longer
@@ -248,24 +322,47 @@ class BrokerView:
         if exchange is None or exchange.worker != offer.route:
             if exchange is not None:
                 self._end(exchange)
-            mine = [e for e in self.exchanges.values() if e.tenant == tenant]
+            mine = self._of_tenant.get(tenant, {})
             if len(mine) >= self.max_exchanges:
-                self._end(min(mine, key=lambda e: e.touched))
+                self._end(min((self.exchanges[n] for n in mine), key=lambda e: e.touched))
             if len(self.exchanges) >= self.max_open:
                 self._end(min(self.exchanges.values(), key=lambda e: e.touched))
             exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now, key)
-            self.exchanges[exchange.number] = exchange
-            self._by_pair[(route, relay.host)] = exchange.number
+            self._open(exchange)
         exchange.touched = now
         return Deliver(offer.route, encode(Relay(exchange=exchange.number, tenant=tenant, inner=relay.inner)))
 
-    def _end(self, exchange: Exchange) -> None:
-        self.exchanges.pop(exchange.number, None)
-        self._by_pair.pop((exchange.client, exchange.host), None)
+    def _open(self, exchange: Exchange) -> None:
+        number = exchange.number
+        self.exchanges[number] = exchange
+        self._by_pair[(exchange.client, exchange.host)] = number
+        self._of_route.setdefault(exchange.client, set()).add(number)
+        self._of_route.setdefault(exchange.worker, set()).add(number)
+        self._of_host.setdefault(exchange.host, set()).add(number)
+        self._of_tenant.setdefault(exchange.tenant, {})[number] = None
 
-    def _end_exchanges(self, which) -> None:  # noqa: ANN001 - a predicate on Exchange
-        for exchange in [e for e in self.exchanges.values() if which(e)]:
-            self._end(exchange)
+    def _end(self, exchange: Exchange) -> None:
+        number = exchange.number
+        if self.exchanges.pop(number, None) is None:
+            return
+        if self._by_pair.get((exchange.client, exchange.host)) == number:
+            del self._by_pair[(exchange.client, exchange.host)]
+        for index, at in ((self._of_route, exchange.client), (self._of_route, exchange.worker),
+                          (self._of_host, exchange.host), (self._of_tenant, exchange.tenant)):
+            numbers = index.get(at)
+            if numbers is not None and number in numbers:
+                if isinstance(numbers, dict):
+                    del numbers[number]
+                else:
+                    numbers.discard(number)
+                if not numbers:
+                    del index[at]
+
+    def _end_numbers(self, numbers) -> None:  # noqa: ANN001 - exchange numbers
+        for number in numbers:
+            exchange = self.exchanges.get(number)
+            if exchange is not None:
+                self._end(exchange)
 
     # -- what a broker answers itself --------------------------------------------------
     @staticmethod

@@ -54,7 +54,9 @@ class Dialing:
     def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
         """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
         With ``keys``, ``keys.server_key`` is the broker's public key."""
-        self._front = sockets.dealer(self.patience)
+        # one ping a patience (the broker pings twice): a fleet's worth of timers is in the
+        # broker's one I/O thread, and the keepalive speaks every patience as well
+        self._front = sockets.dealer(self.patience, pings=1)  # its keepalive speaks every patience too
         self._front.setsockopt(zmq.SNDHWM, QUEUED)
         if keys is not None:
             as_client(self._front, keys, None)
@@ -65,6 +67,7 @@ class Dialing:
         self._front.connect(broker)
         self._broker = broker
         self._offer = offer
+        self._keyed = keys is not None
         self._announce(time.monotonic())
 
     def _announce(self, now: float) -> None:
@@ -115,10 +118,14 @@ class Dialing:
             elif event & _HANDSHAKE_FAILED:
                 if not self._refused_keys:  # once per spell: ZeroMQ tries again every few seconds
                     self._refused_keys = True
-                    log.error("the broker at %s refused this worker's CURVE handshake: is this worker's "
-                              "public key in the broker's --allow-workers folder (then reload the broker), "
-                              "and is --broker-key the broker's own `.key`? Dialing again meanwhile",
-                              self._broker)
+                    if self._keyed:
+                        log.error("the broker at %s refused this worker's CURVE handshake: is this worker's "
+                                  "public key in the broker's --allow-workers folder (then reload the broker), "
+                                  "and is --broker-key the broker's own `.key`? Dialing again meanwhile",
+                                  self._broker)
+                    else:  # no keys: a handshake that failed is a broker too busy, or not a broker
+                        log.warning("the handshake with the broker at %s failed (is it overloaded, or is "
+                                    "something else listening there?); dialing again", self._broker)
             elif event == zmq.EVENT_DISCONNECTED and not self._lost:
                 self._accepted, self._lost = False, True
                 log.warning("lost the broker at %s; dialing again", self._broker)

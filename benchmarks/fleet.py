@@ -1,0 +1,201 @@
+"""Case (h): a fleet on one broker. N workers dial in to one standalone broker as real worker
+loops (many to a process, on threads, as a cluster's nodes would each run one), and clients
+forward a small value to every host through the broker (Relayed).
+
+The row reports what the fleet costs the broker: how long until every host is registered,
+its resident memory and open descriptors per worker, its CPU while the fleet idles, its
+CPU per relayed forward, and forwards a second for one client and for four at once.
+
+Run alone: ``python benchmarks/fleet.py [N]`` prints the figures as JSON. The workers'
+processes are this file too: ``python benchmarks/fleet.py --workers URL PREFIX COUNT``
+runs COUNT dialed worker loops named PREFIX00000... until its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PER_PROCESS = 125  # worker loops in one process
+
+
+def serve_workers(url: str, prefix: str, count: int, patience: float = 5.0, mode: str = "project") -> None:
+    """Run ``count`` dialed worker loops on threads of this process until stdin closes."""
+    import zmq
+
+    from somatize.fabric.worker.loop import WorkerLoop
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, max(1023, 4 * count + 64))  # before the first socket
+    loops = []
+    for n in range(count):
+        loop = WorkerLoop(mode=mode, patience=patience)
+        loop.dial(url, f"{prefix}{n:05d}")
+        threading.Thread(target=loop.serve, daemon=True, name=f"worker-{n}").start()
+        loops.append(loop)
+    print(f"dialing {count}", flush=True)
+    sys.stdin.read()  # until whoever started us closes our stdin (or goes away)
+    for loop in loops:
+        loop.stopping.set()
+    time.sleep(0.5)  # a turn of each loop: they close their sockets
+    sys.stdout.flush()
+    os._exit(0)
+
+
+class Fleet:
+    """``count`` dialed workers in processes of `PER_PROCESS`, started and stopped together."""
+
+    def __init__(self, url: str, count: int, *, prefix: str = "node", patience: float = 5.0, env=None) -> None:
+        self.procs = []
+        self.hosts = [f"{prefix}{n:05d}" for n in range(count)]
+        for first in range(0, count, PER_PROCESS):
+            size = min(PER_PROCESS, count - first)
+            # each process numbers its own loops from 0: give each its own prefix
+            part = f"{prefix}{first // PER_PROCESS:02d}x"
+            self.procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--workers", url, part, str(size), str(patience)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, env=env))
+        self.hosts = [f"{prefix}{first // PER_PROCESS:02d}x{n:05d}"
+                      for first in range(0, count, PER_PROCESS) for n in range(min(PER_PROCESS, count - first))]
+        for proc in self.procs:
+            proc.stdout.readline()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _status(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dict:
+    from nodes import Echo  # benchmarks/nodes.py: the workers import it by name (project mode)
+
+    from somatize import Broker
+
+    broker = subprocess.Popen([sys.executable, "-m", "somatize.broker", "--listen", "tcp://127.0.0.1:0", "--announce",
+                               "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT)
+    fleet = None
+    try:
+        url = broker.stdout.readline().decode().split("ready ", 1)[1].strip()
+        rss_empty = _status(broker.pid, "VmRSS")
+        fds_empty = len(os.listdir(f"/proc/{broker.pid}/fd"))
+        started = time.perf_counter()
+        fleet = Fleet(url, count)
+        client = Broker.at(url)
+        try:
+            while len(client.hosts()) < count:
+                time.sleep(0.05)
+            registered = time.perf_counter() - started
+            time.sleep(1.0)
+            rss = _status(broker.pid, "VmRSS")
+            fds = len(os.listdir(f"/proc/{broker.pid}/fd"))
+            cpu0, t0 = _cpu(broker.pid), time.perf_counter()
+            time.sleep(idle_s)
+            idle = (_cpu(broker.pid) - cpu0) / (time.perf_counter() - t0)
+        finally:
+            client.close()
+        echo = Echo()
+        rates = {}
+        for clients in (1, 4):
+            done, failed = [0], [0]
+
+            def run(share: list[str]) -> None:
+                b = Broker.at(url)
+                try:
+                    for host in share:
+                        try:
+                            echo.at(host).forward(1, broker=b)
+                            done[0] += 1
+                        except Exception:  # noqa: BLE001 - counted, and shown
+                            failed[0] += 1
+                finally:
+                    b.close()
+
+            hosts = [fleet.hosts[n % count] for n in range(forwards)]
+            shares = [hosts[k::clients] for k in range(clients)]
+            cpu0, t0 = _cpu(broker.pid), time.perf_counter()
+            threads = [threading.Thread(target=run, args=(share,)) for share in shares]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            took = time.perf_counter() - t0
+            rates[clients] = {"per_s": done[0] / took, "failed": failed[0],
+                              "cpu_ms_per_forward": 1000 * (_cpu(broker.pid) - cpu0) / max(1, done[0])}
+        time.sleep(2.0)
+        rss_after = _status(broker.pid, "VmRSS")
+        return {
+            "workers": count, "registered_s": registered,
+            "rss_per_worker_kib": (rss - rss_empty) / count / 1024, "fds_per_worker": (fds - fds_empty) / count,
+            "idle_cpu_percent": 100 * idle, "rss_after_clients_mib": rss_after / 2**20, "rss_registered_mib": rss / 2**20,
+            "one_client": rates[1], "four_clients": rates[4],
+        }
+    finally:
+        if fleet is not None:
+            fleet.close()
+        broker.terminate()
+        try:
+            broker.wait(10)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+            broker.wait()
+
+
+def fleet_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, cases.Floors)
+    from table import Row, at_least, at_most
+
+    n = settings.fleet
+    got = measure(n, settings.fleet_forwards, idle_s=10.0 if n >= 1000 else 3.0)
+    one, four = got["one_client"], got["four_clients"]
+    return [
+        Row("h", f"{n:,} dialed workers registered", f"{got['registered_s']:.1f} s", target="all"),
+        Row("h", "broker memory and descriptors a worker", f"{got['rss_per_worker_kib']:.1f} KiB, "
+            f"{got['fds_per_worker']:.2f} fds", target="<= 40 KiB", verdict=at_most(got["rss_per_worker_kib"], 40.0)),
+        Row("h", f"idle broker CPU with {n:,} workers", f"{got['idle_cpu_percent']:.1f}%", target="<= 2%",
+            verdict=at_most(got["idle_cpu_percent"], 2.0)),
+        Row("h", "relayed forwards a second, 1 client, a new host each",
+            f"{one['per_s']:,.0f}/s, {one['failed']} failed, {one['cpu_ms_per_forward']:.2f} ms broker CPU each"),
+        Row("h", "relayed forwards a second, 4 clients at once",
+            f"{four['per_s']:,.0f}/s, {four['failed']} failed, {four['cpu_ms_per_forward']:.2f} ms broker CPU each",
+            target=">= 1,000/s, none failed",
+            verdict=at_least(four["per_s"], 1000.0) if not four["failed"] else "MISS"),
+        Row("h", "broker memory after the clients left", f"{got['rss_after_clients_mib']:.0f} MiB "
+            f"({got['rss_registered_mib']:.0f} MiB registered)", target="within 10%",
+            verdict=at_most(got["rss_after_clients_mib"], 1.1 * got["rss_registered_mib"])),
+    ]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--workers":
+        serve_workers(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 5.0)
+    else:
+        print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 1000), indent=1))

@@ -1,0 +1,172 @@
+"""One broker, a whole fleet (issue 20): thousands of dialed workers, a client that reaches
+every host, costs that do not grow with the fleet.
+
+Real processes: a standalone broker (``python -m somatize.broker``); workers as real dialed
+worker loops, many to a process (``benchmarks/fleet.py``), or as raw DEALERs saying what a
+dialing worker says, thousands on threads of this process. What it costs per worker, and how
+many forwards a second four clients get, is measured by case (h) of ``benchmarks/``
+(``benchmarks/fleet.py``), never asserted here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+
+from conftest import BROKER, env_with_tests
+from fabric_nodes import Add
+from reliability_support import key_ring, wait_until
+from somatize import Broker
+from somatize.fabric.curve import read_public, read_secret
+from somatize.wire import Hello, Hosts, Listed, Ready, Runtime, decode, encode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from fleet import Fleet  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RT = Runtime.here(mode="project")
+
+
+def broker(processes, *extra):
+    return processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", "5", *extra],
+                     env=env_with_tests())
+
+
+class Dialers:
+    """``count`` DEALERs in a context of their own (ZeroMQ's default allows 1,023 sockets),
+    each saying what a dialing worker says: ``Hello(offering=name)``."""
+
+    def __init__(self, endpoint: str, count: int, keys=None) -> None:
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 2 * count + 64)
+        self.socks = []
+        for _ in range(count):
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            if keys is not None:
+                sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+            sock.connect(endpoint)
+            self.socks.append(sock)
+
+    def offer(self, names) -> list:
+        """Each socket offers its name (or one socket all of them); the answers, in order."""
+        pairs = list(zip(self.socks, names)) if len(self.socks) > 1 else [(self.socks[0], n) for n in names]
+        for sock, name in pairs:
+            sock.send_multipart(encode(Hello(RT, offering=name)))
+        answers = []
+        for sock, _ in pairs:
+            answers.append(decode(sock.recv_multipart()) if sock.poll(30_000) else None)
+        return answers
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close(0)
+        self.ctx.term()
+
+
+def hosts_of(endpoint: str, keys=None) -> dict:
+    asker = Dialers(endpoint, 1, keys)
+    try:
+        asker.socks[0].send_multipart(encode(Hosts()))
+        assert asker.socks[0].poll(30_000)
+        listed = decode(asker.socks[0].recv_multipart())
+        assert isinstance(listed, Listed), listed
+        return listed.hosts
+    finally:
+        asker.close()
+
+
+def test_two_thousand_workers_dial_in_to_one_broker(processes):
+    """A broker took 1,000 dialed workers at most; the 1,001st was refused."""
+    hub = broker(processes)
+    names = [f"node{n:05d}" for n in range(2000)]
+    fleet = Dialers(hub.endpoint, len(names))
+    try:
+        answers = fleet.offer(names)
+        refused = [a for a in answers if not isinstance(a, Ready)]
+        assert not refused, f"{len(refused)} refused, the first: {refused[0]}"
+        assert set(names) <= set(hosts_of(hub.endpoint))
+        for sock, name in zip(fleet.socks, names):  # every worker's keepalive: not answered, and kept
+            sock.send_multipart(encode(Hello(RT, offering=name)))
+        assert set(names) <= set(hosts_of(hub.endpoint))
+    finally:
+        fleet.close()
+    assert hub.alive
+
+
+def test_one_worker_key_serves_two_thousand_names(processes, tmp_path):
+    """A worker key served 256 hosts at most, from 64 connections at most: one SLURM job's
+    key stopped at 64 nodes."""
+    ring = key_ring(tmp_path, clients=("alice",), workers=("slurm",))
+    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
+                     "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"])], env=env_with_tests())
+    public, secret = read_secret(ring["slurm_secret"])
+    keys = (public, secret, read_public(ring["broker"]))
+    names = [f"job7-node{n:04d}" for n in range(2000)]
+    fleet = Dialers(hub.endpoint, len(names), keys)  # a node each, one key for the whole job
+    try:
+        answers = fleet.offer(names)
+        refused = [a for a in answers if not isinstance(a, Ready)]
+        assert not refused, f"{len(refused)} refused, the first: {refused[0]}"
+        alice = read_secret(ring["alice_secret"])
+        assert set(names) <= set(hosts_of(hub.endpoint, (*alice, read_public(ring["broker"]))))
+    finally:
+        fleet.close()
+
+
+def test_one_client_reaches_every_host_of_a_fleet_with_the_default_socket_limit(processes):
+    """Each relayed host cost a client a DEALER, a monitor and a connection kept idle for the
+    whole session: at ZeroMQ's default 1,023 sockets the 342nd host raised a raw
+    ``ZMQError: Too many open files``, and the broker held clients x hosts connections."""
+    hub = broker(processes)
+    fleet = Fleet(hub.endpoint, 400, env=env_with_tests())
+    client = Broker.at(hub.endpoint)
+    try:
+        wait_until(lambda: set(fleet.hosts) <= set(client.hosts()), 60, "the fleet dialing in")
+        for n, host in enumerate(fleet.hosts):
+            assert Add(1).named("a").at(host).forward(n, broker=client) == n + 1
+        held = len(os.listdir(f"/proc/{hub.pid}/fd"))
+        assert held < len(fleet.hosts) + 100, f"the broker holds {held} descriptors for {len(fleet.hosts)} workers"
+    finally:
+        client.close()
+        fleet.close()
+
+
+def test_a_worker_without_keys_never_blames_curve_for_a_failed_handshake(processes):
+    """A dialed worker without keys whose handshake failed (here: something that is not a
+    broker answers on the port; in the fleet, a broker too busy to finish handshakes) logged
+    "the broker ... refused this worker's CURVE handshake", about keys nobody used."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def not_a_broker() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n" * 8)
+
+    threading.Thread(target=not_a_broker, daemon=True).start()
+    try:
+        worker = processes([sys.executable, "-m", "somatize.worker", "--broker", f"tcp://127.0.0.1:{port}",
+                            "--offer", "w1", "--patience", "1"], announce=None, env=env_with_tests())
+        wait_until(lambda: "handshake with the broker" in worker.stderr(), 20, "the failed handshake logged")
+        assert "CURVE" not in worker.stderr(), worker.stderr()
+        assert worker.alive  # it dials on
+    finally:
+        stop.set()
+        server.close()
