@@ -151,6 +151,7 @@ class WorkerLoop(Intake, Dialing, Outbox):
         self._holder: int | None = None
         self._inline: Job | None = None  # the piece running where it arrived, if any
         self._inline_seq = 0
+        self._began = threading.Event()  # a piece began where it arrived: the stand-in looks
         self._want_back = False  # the piece returned: the stand-in hands the socket back
         self._last_check = self._last_report = 0.0
         self._running: dict[int, Job] = {}  # what runs now, by token
@@ -262,23 +263,29 @@ class WorkerLoop(Intake, Dialing, Outbox):
         ``STAND_IN_AFTER`` seconds; hand the socket back as soon as it returns."""
         me = threading.get_ident()
         poller: zmq.Poller | None = None
-        seen = -1
-        while not self.stopping.wait(STAND_IN_AFTER):
-            seq = self._inline_seq
-            if self._inline is None or seq != seen:
-                seen = seq  # not running, or a piece that started since the last look
+        while not self.stopping.is_set():
+            if not self._began.wait(1.0):  # idle, it sleeps: never fifty wakeups a second
                 continue
-            if self._want_back or not self._hold.acquire(blocking=False):
-                continue
-            self._holder = me
-            try:
-                poller = poller or self._poller()
-                self._flush()  # what the piece said so far
-                while not self._want_back and not self.stopping.is_set():
-                    self._turn(poller, 20)
-            finally:
-                self._holder = None
-                self._hold.release()
+            self._began.clear()
+            seen = -1
+            while not self.stopping.wait(STAND_IN_AFTER):
+                seq = self._inline_seq
+                if self._inline is None:
+                    break  # it returned: wait for the next
+                if seq != seen:
+                    seen = seq  # a piece that started since the last look
+                    continue
+                if self._want_back or not self._hold.acquire(blocking=False):
+                    continue
+                self._holder = me
+                try:
+                    poller = poller or self._poller()
+                    self._flush()  # what the piece said so far
+                    while not self._want_back and not self.stopping.is_set():
+                        self._turn(poller, 20)
+                finally:
+                    self._holder = None
+                    self._hold.release()
         self._stop_stuck()
 
     def _stop_stuck(self) -> None:
@@ -459,6 +466,7 @@ class WorkerLoop(Intake, Dialing, Outbox):
         me = threading.get_ident()
         self._inline = job
         self._inline_seq += 1
+        self._began.set()
         self._holder = None
         self._hold.release()
         try:
