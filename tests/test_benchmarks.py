@@ -28,6 +28,8 @@ ROWS = {
     "d": ["Python loop over 200 forwards", "engine, 200-node local chain", "Dask"],
     "e": ["forwards(), summarised run", "curve(), summarised run", "curve(), unsummarised run"],
     "f": ["Optuna JournalFileBackend, 2 processes", "2 runners,", "the last", "rebuilding a", "trials(),"],
+    "h": ["50 dialed workers registered", "broker memory and descriptors a worker", "idle broker CPU",
+          "relayed forwards a second, 1 client", "relayed forwards a second, 4 clients", "broker memory after the clients left"],
     "m": ["raw pyzmq echo, numpy 1 MiB: peak RSS", "Direct, numpy 1 MiB: peak RSS", "Mount, numpy 1 MiB: peak RSS", "Mount views, numpy 1 MiB: peak RSS",
           "Relayed, numpy 1 MiB: peak RSS"],
 }

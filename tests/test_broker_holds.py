@@ -26,7 +26,7 @@ from somatize import Broker
 from somatize.fabric.curve import read_public, read_secret
 from somatize.packing import Packer
 from somatize.wire import (
-    Done, Hello, Hosts, Listed, Located, Ready, Recipe, Refusal, Relay, Runtime, Where, Work, encode,
+    Done, Hello, Hosts, Listed, Located, Ready, Recipe, Refusal, Relay, Runtime, Where, Work, decode, encode,
 )
 
 pytestmark = pytest.mark.slow  # `-m "not slow"` leaves this file out
@@ -133,6 +133,11 @@ def test_a_relayed_work_the_broker_refuses_is_named_in_the_refusal(processes):
         assert isinstance(answer, Refusal) and "no worker serving `nowhere`" in answer.why and answer.ref == 7, answer
         answer = client.ask(Relay(host="nowhere", inner=tuple(encode(Hello(RT)))))
         assert isinstance(answer, Refusal) and answer.ref is None  # nothing to name: no work ended
+        # a channel that is one lane of many over the connection hears it on its lane
+        answer = client.ask(Relay(host="nowhere", lane=5, inner=tuple(encode(Work(8, Recipe((spec,), ("step", 0)), 1)))))
+        assert isinstance(answer, Relay) and answer.lane == 5, answer
+        inner = decode(list(answer.inner))
+        assert isinstance(inner, Refusal) and inner.ref == 8 and "no worker serving" in inner.why, inner
     finally:
         client.close()
 

@@ -131,7 +131,39 @@ def test_one_client_reaches_every_host_of_a_fleet_with_the_default_socket_limit(
         for n, host in enumerate(fleet.hosts):
             assert Add(1).named("a").at(host).forward(n, broker=client) == n + 1
         held = len(os.listdir(f"/proc/{hub.pid}/fd"))
-        assert held < len(fleet.hosts) + 100, f"the broker holds {held} descriptors for {len(fleet.hosts)} workers"
+        # a connection a worker, and the client's two (its questions, and every relayed channel's lane)
+        assert held < len(fleet.hosts) + 20, f"the broker holds {held} descriptors for {len(fleet.hosts)} workers"
+    finally:
+        client.close()
+        fleet.close()
+
+
+def test_concurrent_relayed_calls_over_one_connection_each_get_their_own_answer(processes):
+    """Every relayed channel of a client is a lane of its one connection to the broker: calls
+    running at once, to one host and to several, never see each other's answers."""
+    import threading
+
+    hub = broker(processes)
+    fleet = Fleet(hub.endpoint, 3, env=env_with_tests())
+    client = Broker.at(hub.endpoint)
+    try:
+        wait_until(lambda: set(fleet.hosts) <= set(client.hosts()), 60, "the fleet dialing in")
+        wrong: list = []
+
+        def calls(k: int) -> None:
+            for n in range(15):
+                x = 1000 * k + n
+                host = fleet.hosts[(k + n) % len(fleet.hosts)]
+                got = Add(1).named("a").at(host).forward(x, broker=client)
+                if got != x + 1:
+                    wrong.append((host, x, got))
+
+        threads = [threading.Thread(target=calls, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not [t for t in threads if t.is_alive()] and not wrong, wrong[:5]
     finally:
         client.close()
         fleet.close()

@@ -304,7 +304,7 @@ def test_a_relay_carries_its_inner_frames_untouched_and_unread():
     frames = encode(Relay(host="w1", inner=tuple(inner)))
     assert len(frames) == 1 + len(inner)
     assert all(a is b for a, b in zip(frames[1:], inner))
-    assert header_of(frames) == {"v": WIRE_VERSION, "t": "Relay", "host": "w1", "exchange": 0, "tenant": ""}
+    assert header_of(frames) == {"v": WIRE_VERSION, "t": "Relay", "host": "w1", "exchange": 0, "tenant": "", "lane": 0}
     back = decode(frames)
     assert type(back.inner) is tuple and all(a is b for a, b in zip(back.inner, inner))
     assert same(decode(list(back.inner)), work(input=np.zeros(1000)))

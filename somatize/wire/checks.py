@@ -297,6 +297,7 @@ def _check_relay(m: Relay) -> None:
     _text(m.host, "Relay.host", limits.MAX_NAME, empty=True)
     _int(m.exchange, "Relay.exchange", 0, limits.MAX_REF)
     _text(m.tenant, "Relay.tenant", limits.MAX_NAME, empty=True)
+    _int(m.lane, "Relay.lane", 0, limits.MAX_REF)
     if not isinstance(m.inner, (tuple, list)):
         raise Bad(f"`Relay.inner` has to be a tuple of frames, and it is {_a(m.inner)}", TypeError)
     if not m.inner:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 """The version of this layout. Two sides talk only when it is the same on both. (5: a
 project-mode ``NodeSpec`` carries the client's digest of the node's code, ``code``.)"""
 

@@ -285,6 +285,10 @@ class Relay:
     tenant: str = ""
     """Broker -> worker: who the client is (its CURVE key's short id, or a per-connection
     id when keyless); the worker keeps quotas per tenant."""
+    lane: int = 0
+    """Client <-> broker: the client's number for one of its channels to ``host``, when it
+    carries many over one connection; the broker's answers for that channel come back in a
+    Relay naming it (0: a connection of its own, answered with bare messages)."""
     inner: tuple = field(default=(), repr=False)
     """The inner message's frames, as buffers (at least one)."""
 

@@ -30,13 +30,14 @@ from typing import Any
 
 import zmq
 
-from ...errors import BadKeys, ProtocolError, Refused
+from ...errors import BadKeys, ProtocolError
 from ...wire import (
     Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode, encode, ref_of, variant_of,
 )
 from . import bindings as _bindings
 from .. import sockets
-from .checks import Helper, check
+from .checks import Helper
+from .children import Spawned
 from .floods import Gate
 from .probes import Probes
 from .quiet import Quiet
@@ -49,9 +50,9 @@ from ..hosts import Worker
 #: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
 #: worker key may serve at once (a SLURM job of that many nodes on one key; `--max-hosts-per-key`).
 MAX_DIALED, MAX_HOSTS_PER_KEY = 10_000, 4096
-#: Per tenant: questions waiting for a start or a check; connections of one key; answers
+#: Per tenant: connections of one key (`children.MAX_PENDING`: questions waiting for a start); answers
 #: waiting for one connection to read them (past it, its questions are dropped unanswered).
-MAX_PENDING, MAX_CONNECTIONS, MAX_UNREAD = 8, 64, 64
+MAX_CONNECTIONS, MAX_UNREAD = 64, 64
 #: A connection not heard from for this long no longer counts against its key (seconds).
 CONNECTION_IDLE = 60.0
 _EVERYONE = frozenset((CLIENT, WORKER))
@@ -94,7 +95,6 @@ class BrokerLoop:
         self.hosts = dict(hosts)
         self.patience = patience
         self.runtime = Runtime.here()
-        self.children: dict[str, Child] = {}
         self.view = BrokerView(set(hosts), patience=patience, max_dialed=MAX_DIALED, max_offers=max_hosts_per_key)
         # which key owns which dialed-in name, kept across restarts when given a file: a
         # restarted broker must not hand a name to whichever key says Hello first
@@ -112,8 +112,7 @@ class BrokerLoop:
         self._guard: Guard | None = None
         self._lock = threading.Lock()
         self._helper = Helper()
-        self._waiting: dict[tuple[str, str], list] = {}  # (host, "start"|"check") -> [(route, tenant, lost)]
-        self._pending: dict[str, int] = {}  # tenant -> questions waiting for a helper job
+        self._spawned = Spawned(self._helper, self._answer, runtime=self.runtime, patience=patience, private=private)
         self._connections: dict[str, OrderedDict[bytes, float]] = {}  # key -> route -> last heard
         self._reload_asked = False
         self._probes = Probes()  # which dialed workers to look at when connections drop
@@ -122,6 +121,11 @@ class BrokerLoop:
         self._refusals = Quiet("refusals")
         self._comings = Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
         self._losses = Quiet("undelivered messages")
+
+    @property
+    def children(self) -> dict[str, Child]:
+        """The workers this broker spawned, by host."""
+        return self._spawned.children
 
     @property
     def dialed(self) -> dict:
@@ -184,10 +188,7 @@ class BrokerLoop:
     def close(self) -> None:
         self.stopping.set()
         self._helper.close()
-        with self._lock:
-            children, self.children = list(self.children.values()), {}
-        for child in children:
-            child.stop()
+        self._spawned.close()
         if self._front is not None and self._drops is not None and not self._front.closed:
             try:
                 self._front.disable_monitor()
@@ -235,9 +236,13 @@ class BrokerLoop:
                 self._deliver(exchange.worker, bye)
             else:
                 self._outbox.forget(exchange.client, str(exchange.number))
-                self._answer(exchange.client, Refusal(
+                refusal = Refusal(
                     f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
-                    f"taken out of the allow-list): the work sent to it there ended"))
+                    f"taken out of the allow-list): the work sent to it there ended")
+                if exchange.lane:
+                    self._deliver(exchange.client, encode(Relay(lane=exchange.lane, inner=tuple(encode(refusal)))))
+                else:
+                    self._answer(exchange.client, refusal)
         self.view.revoked = []
         self._keep_bindings()
 
@@ -415,7 +420,11 @@ class BrokerLoop:
             if variant is Relay and self._chatty(route, frames[0], now):
                 return
             self._refused(route, user, exc.why)  # a relayed Work refused here is named: it ended
-            self._answer(route, Refusal(exc.why, ref=None if relay is None else ref_of(relay.inner)))
+            refusal = Refusal(exc.why, ref=None if relay is None else ref_of(relay.inner))
+            if relay is not None and relay.lane:  # to the channel it came from, among the client's many
+                self._deliver(route, encode(Relay(lane=relay.lane, inner=tuple(encode(refusal)))))
+            else:
+                self._answer(route, refusal)
             return
         if isinstance(message, Hello):
             self._hello(route, user, roles, message, now)
@@ -569,49 +578,5 @@ class BrokerLoop:
                 host, path, address=sockets.tcp_url(declared.address), mode=declared.mode,
                 mount=declared.mount, key=declared.server_key(),
             )
-        with self._lock:
-            child = self.children.get(host)
-            if child is None:
-                child = self.children[host] = Child(host, declared.argv, mode=declared.mode, mount=declared.mount,
-                                                    own=declared.own_mount)
-        kind = "check" if where.lost else "start"
-        if kind == "start" and child.running and not self._helper.busy(host):
-            return child.located(host, declared.mode)
-        waiting = self._waiting.get((host, kind))
-        if waiting is not None:  # one start, one check of a host at a time: join it
-            waiting.append((route, tenant))
-            self._pending[tenant] = self._pending.get(tenant, 0) + 1
-            return None
-        if self._pending.get(tenant, 0) >= MAX_PENDING:
-            return Refusal(f"you already have {MAX_PENDING} questions waiting at this broker; ask again when they are answered")
-        self._waiting[(host, kind)] = [(route, tenant)]
-        self._pending[tenant] = self._pending.get(tenant, 0) + 1
-        if where.lost:
-            # a client's word is not enough to stop a worker others may use: look first
-            limit = getattr(declared, "deadline", None)
-            if self.private and where.waited_us:
-                # the one client of an embedded broker gave up on work after waited_us;
-                # a child still busy with work at least half that old is stuck in it
-                # (half: the client's wait includes the work's way there)
-                waited = where.waited_us / 2e6
-                limit = waited if limit is None else min(limit, waited)
-            job = lambda: check(child, limit, self.runtime, self.patience)  # noqa: E731
-        else:
-            job = lambda: None if child.running else child.start()  # noqa: E731
-
-        def done(result: Any) -> None:
-            for asker, who in self._waiting.pop((host, kind), []):
-                self._pending[who] = self._pending.get(who, 1) - 1
-                if self._pending[who] <= 0:
-                    del self._pending[who]
-                if isinstance(result, Refused):
-                    self._answer(asker, Refusal(str(result)))
-                elif isinstance(result, Exception):
-                    self._answer(asker, Refusal(f"the broker could not start `{host}`: {type(result).__name__}: {result}"))
-                else:
-                    ended = result if kind == "check" else None
-                    self._answer(asker, child.located(host, declared.mode, ended))
-
-        self._helper.submit(host, job, done)
-        return None
+        return self._spawned.where(host, declared, where, route, tenant)
 

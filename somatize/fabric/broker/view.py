@@ -42,6 +42,7 @@ class Exchange:
     worker: bytes  # the route of the worker it was sent to
     touched: float
     key: str = ""  # the client's key (Z85), so that revoking it ends the exchange
+    lane: int = 0  # the client's number for its channel, when it carries many over one connection
 
 
 class Bindings(MutableMapping):
@@ -127,7 +128,7 @@ class BrokerView:
         max_offers: int = 4096,
         max_bindings: int | None = None,
         max_dialed: int = 10_000,
-        max_exchanges: int = 64,
+        max_exchanges: int = 1024,
         max_open: int = 100_000,
     ) -> None:
         self.declared = frozenset(declared)
@@ -144,7 +145,7 @@ class BrokerView:
         self._next_expiry = 0.0
         self.bindings = Bindings()  # host -> owner, kept while the broker runs (keyed)
         self.exchanges: dict[int, Exchange] = {}
-        self._by_pair: dict[tuple[bytes, str], int] = {}
+        self._by_pair: dict[tuple[bytes, str, int], int] = {}  # (client route, host, lane) -> number
         # indexes of the exchanges, so that a peer leaving costs what it had, not what all have
         self._of_route: dict[bytes, set[int]] = {}  # a client's or a worker's route -> numbers
         self._of_host: dict[str, set[int]] = {}
@@ -310,6 +311,8 @@ class BrokerView:
                 self.refused += 1
                 raise Stale(f"this broker has no exchange {relay.exchange} open with you")
             exchange.touched = now
+            if exchange.lane:  # one of many channels over the client's connection: say which
+                return Deliver(exchange.client, encode(Relay(lane=exchange.lane, inner=relay.inner)))
             return Deliver(exchange.client, list(relay.inner))
         if relay.exchange:
             raise self._refuse("only a worker that offered a host here answers an exchange; say Hello with `offering` first")
@@ -317,7 +320,7 @@ class BrokerView:
         if offer is None:
             raise self._refuse(f"no worker serving `{relay.host}` is connected to this broker")
         tenant = self.tenant(route, key)
-        number = self._by_pair.get((route, relay.host))
+        number = self._by_pair.get((route, relay.host, relay.lane))
         exchange = self.exchanges.get(number) if number is not None else None
         if exchange is None or exchange.worker != offer.route:
             if exchange is not None:
@@ -327,7 +330,7 @@ class BrokerView:
                 self._end(min((self.exchanges[n] for n in mine), key=lambda e: e.touched))
             if len(self.exchanges) >= self.max_open:
                 self._end(min(self.exchanges.values(), key=lambda e: e.touched))
-            exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now, key)
+            exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now, key, relay.lane)
             self._open(exchange)
         exchange.touched = now
         return Deliver(offer.route, encode(Relay(exchange=exchange.number, tenant=tenant, inner=relay.inner)))
@@ -335,7 +338,7 @@ class BrokerView:
     def _open(self, exchange: Exchange) -> None:
         number = exchange.number
         self.exchanges[number] = exchange
-        self._by_pair[(exchange.client, exchange.host)] = number
+        self._by_pair[(exchange.client, exchange.host, exchange.lane)] = number
         self._of_route.setdefault(exchange.client, set()).add(number)
         self._of_route.setdefault(exchange.worker, set()).add(number)
         self._of_host.setdefault(exchange.host, set()).add(number)
@@ -345,8 +348,9 @@ class BrokerView:
         number = exchange.number
         if self.exchanges.pop(number, None) is None:
             return
-        if self._by_pair.get((exchange.client, exchange.host)) == number:
-            del self._by_pair[(exchange.client, exchange.host)]
+        pair = (exchange.client, exchange.host, exchange.lane)
+        if self._by_pair.get(pair) == number:
+            del self._by_pair[pair]
         for index, at in ((self._of_route, exchange.client), (self._of_route, exchange.worker),
                           (self._of_host, exchange.host), (self._of_tenant, exchange.tenant)):
             numbers = index.get(at)

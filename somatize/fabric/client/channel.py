@@ -62,6 +62,7 @@ from .. import leases as _leases
 from . import lending as _lending
 from .. import mount as _mount
 from .. import sockets
+from .link import Lane
 from .. import streams as _streams
 from ..conversation import ClientExchange
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
@@ -114,6 +115,7 @@ class Channel:
         server_key: bytes | None = None,
         still_there: Any = None,
         deadline: Deadline | None = None,
+        lane: Lane | None = None,
     ) -> None:
         self.host = located.host
         self.located = located
@@ -124,20 +126,25 @@ class Channel:
         self.relayed = located.path == "relayed"
         self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
         self.exchange = ClientExchange()
-        self.sock = sockets.dealer(patience)
-        if keys is not None:
-            as_client(self.sock, keys, server_key)
-        # an established link dropping, or a server refusing our key
-        self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        )
-        self.linked = False  # the ZeroMQ handshake completed: someone is there
+        self.lane = lane  # a relayed channel: a lane of the client's one link to the broker
         self.still_there = still_there
         self._checked = time.monotonic()
-        self._poller = zmq.Poller()
-        self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self.monitor, zmq.POLLIN)
-        self.sock.connect(self.address)
+        if lane is not None:
+            self.sock = self.monitor = self._poller = None
+            self.linked = lane.link.linked
+        else:
+            self.sock = sockets.dealer(patience)
+            if keys is not None:
+                as_client(self.sock, keys, server_key)
+            # an established link dropping, or a server refusing our key
+            self.monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            )
+            self.linked = False  # the ZeroMQ handshake completed: someone is there
+            self._poller = zmq.Poller()
+            self._poller.register(self.sock, zmq.POLLIN)
+            self._poller.register(self.monitor, zmq.POLLIN)
+            self.sock.connect(self.address)
         self.mounted: list = []
         self.bound: Deadline | None = None  # the deadline the open work runs under
         self.lending: _lending.Lending | None = None  # the pooled segments of the open work
@@ -163,6 +170,9 @@ class Channel:
         _mount.remove(self.mounted)
         self.mounted = []
         self._end_lending()
+        if self.lane is not None:
+            self.lane.close()  # its worker hears Bye; the link stays for the other lanes
+            return
         if self.relayed and self.linked and not self.sock.closed:
             try:  # the broker ends this connection's exchanges now, not when they are crowded out
                 self.sock.send_multipart(encode(Bye()), zmq.NOBLOCK)
@@ -179,6 +189,8 @@ class Channel:
         """Whether the link dropped since the last work (a worker or broker restarted
         between calls): nothing of this channel's is in flight, so a fresh channel takes
         its place rather than the next work being lost to the drop."""
+        if self.lane is not None:
+            return self.lane.dropped() or self.lane.link.refused is not None
         dropped = False
         try:
             while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
@@ -203,6 +215,9 @@ class Channel:
         self._raw(frames)
 
     def _raw(self, frames: list) -> None:
+        if self.lane is not None:  # the link puts it in an envelope naming host and lane
+            self.lane.send(frames)
+            return
         if self.relayed:  # the broker opens the envelope and passes the message on
             frames = encode(Relay(host=self.host, inner=tuple(frames)))
         try:  # the sentence and its context manager only when it fails: this runs every call
@@ -246,8 +261,12 @@ class Channel:
             if deadline is not None and deadline.left() < 0:
                 self.exchange.give_up()
                 raise PastDeadline(waiting)
+            if self.lane is not None:
+                parts = self.lane.receive(0.05)
+                if parts is not None:
+                    break
             # a message already waiting is taken without polling: the common case, cheaply
-            if _events(self.sock, _EVENTS) & _POLLIN or self.sock in dict(self._poller.poll(50)):
+            elif _events(self.sock, _EVENTS) & _POLLIN or self.sock in dict(self._poller.poll(50)):
                 parts = self.sock.recv_multipart(copy=False)
                 break
             self._watch_link(answer_by, waiting, deadline)
@@ -292,7 +311,14 @@ class Channel:
     def _watch_link(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> None:
         """Between polls: the link's events, the broker's word on a relayed worker, and how
         long this client has waited."""
-        if self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        if self.lane is not None:
+            link = self.lane.link
+            if link.refused is not None:
+                raise KeysRefused(self._refusal(link.refused))
+            if self.lane.dropped():
+                raise Dropped(f"the connection to {self.address} dropped")
+            self.linked = link.linked
+        elif self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
             event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.linked = True

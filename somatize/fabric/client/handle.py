@@ -51,6 +51,7 @@ from . import lending as _lending
 from .. import sockets
 from ..broker.loop import BrokerLoop
 from .channel import Channel, Dropped, PastDeadline, bounded
+from .link import Link
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client, handshake_refusal
 from ..hosts import Worker
@@ -59,8 +60,10 @@ from ..hosts import Worker
 START_ALLOWANCE = 30.0
 #: Channels kept open between calls, for all hosts together (the least recently used is
 #: closed past it): a client that reaches a thousand hosts holds this many connections, not
-#: a thousand, and never meets ZeroMQ's limit on sockets (1,023 by default).
-MAX_IDLE = 32
+#: a thousand, and never meets ZeroMQ's limit on sockets (1,023 by default). A relayed
+#: channel is a lane of the client's one link to the broker (`link`), no socket of its own:
+#: as many are kept as the broker keeps exchanges for one client.
+MAX_IDLE, MAX_IDLE_LANES = 32, 1024
 
 
 class Broker:
@@ -94,6 +97,8 @@ class Broker:
         self._located: dict[str, Located] = {}
         self._idle: dict[str, list[Channel]] = {}
         self._idle_order: OrderedDict[int, Channel] = OrderedDict()  # id -> channel, least recently used first
+        self._idle_lanes: OrderedDict[int, Channel] = OrderedDict()  # the same, for relayed channels
+        self._link: Link | None = None  # the one connection every relayed channel is a lane of
         self._packers: dict[str, Packer] = {}
         self._provisioned: dict[str, set[str]] = {}
         self._packable: weakref.WeakSet = weakref.WeakSet()
@@ -160,10 +165,14 @@ class Broker:
             channels = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
             self._idle_order.clear()
+            self._idle_lanes.clear()
             checking = list(self._checking.values())
             self._close_control()
+            link, self._link = self._link, None
         for channel in channels:
             channel.close()
+        if link is not None:
+            link.close()
         for located in list(self._located.values()):  # idle pooled segments: made anew when needed
             if located.path == "mount" and located.mount:
                 _lending.drain(located.mount)
@@ -284,7 +293,7 @@ class Broker:
             self._located.pop(host, None)
             self._provisioned.pop(host, None)  # a worker started afresh holds no artifacts
             for channel in self._idle.pop(host, []):
-                self._idle_order.pop(id(channel), None)
+                self._order(channel).pop(id(channel), None)
                 channel.close()
 
     def _check_on(self, host: str, waited: float) -> None:
@@ -475,22 +484,40 @@ class Broker:
             idle = self._idle.get(located.host)
             while idle:
                 channel = idle.pop()
-                self._idle_order.pop(id(channel), None)
+                self._order(channel).pop(id(channel), None)
                 if not channel.dropped_while_idle():
                     return channel
                 channel.close()  # its peer went away between calls: a fresh one says Hello
             provisioned = self._provisioned.setdefault(located.host, set())
-        # a relayed host is reached through the very broker this client talks to
-        address = self.url if located.path == "relayed" else located.address
+        # a relayed host is reached through the very broker this client talks to, as a lane
+        # of the one link every relayed channel shares
+        relayed = located.path == "relayed"
+        address = self.url if relayed else located.address
         keys, server_key = self._keys_for(located)
         channel = Channel(
             located, address, self._packer(located.host, located.mode), provisioned, self.patience,
             keys=keys, server_key=server_key,
-            still_there=(lambda timeout: self._still_there(located.host, timeout)) if located.path == "relayed" else None,
-            deadline=deadline,
+            still_there=(lambda timeout: self._still_there(located.host, timeout)) if relayed else None,
+            deadline=deadline, lane=self._relay_link().lane(located.host) if relayed else None,
         )
         channel.views = located.host in self._views
         return channel
+
+    def _relay_link(self) -> Link:
+        """The link relayed channels are lanes of: made at the first, made anew once the broker
+        refused its handshake (its keys may have been fixed since)."""
+        with self._lock:
+            if self._closed:
+                raise Closed("this broker was closed; make a new one")
+            stale = self._link if self._link is not None and self._link.refused is not None else None
+            if self._link is None or stale is not None:
+                self._link = Link(self.url, self.patience, self.keys)
+        if stale is not None:
+            stale.close()
+        return self._link
+
+    def _order(self, channel: Channel) -> OrderedDict[int, Channel]:
+        return self._idle_lanes if channel.lane is not None else self._idle_order
 
     def _still_there(self, host: str, timeout: float) -> bool:
         """Whether the broker still has a worker serving ``host`` (relayed work is waited
@@ -522,9 +549,10 @@ class Broker:
                 closing.append(channel)
             else:
                 self._idle.setdefault(channel.host, []).append(channel)
-                self._idle_order[id(channel)] = channel
-                while len(self._idle_order) > MAX_IDLE:
-                    _, oldest = self._idle_order.popitem(last=False)
+                order, most = (self._idle_lanes, MAX_IDLE_LANES) if channel.lane is not None else (self._idle_order, MAX_IDLE)
+                order[id(channel)] = channel
+                while len(order) > most:
+                    _, oldest = order.popitem(last=False)
                     idle = self._idle[oldest.host]
                     idle.remove(oldest)
                     if not idle:
