@@ -560,6 +560,9 @@ def test_a_relayed_worker_killed_or_stopped_mid_work_is_broken_within_patience(p
         try:
             assert not thread.is_alive(), f"the client still waits, {bound:.0f} s after its relayed worker got {signum!r}"
             assert isinstance(box.get("error"), Broken), box
+            # one cause, one sentence: killed or stopped, however the client came to notice
+            assert str(box["error"]).startswith("the worker serving `w1` went away while running `sleepy`; "
+                                                "the broker at "), box["error"]
             report(f"relayed worker {signal.Signals(signum).name} mid-work", seconds=round(box["ended"] - signalled, 2),
                    said=str(box["error"])[:120])
         finally:

@@ -354,9 +354,11 @@ class Broker:
                 f"network. Nothing was kept; check both (`systemctl status`), then forward again"
             )
         if located.path == "relayed":
+            # one sentence for one cause: how the client noticed (the broker's word, a silence,
+            # a refusal) depends on timing, and is not the user's business
             return Broken(
-                f"the worker serving `{host}` went away while running {running} ({exc}); the broker "
-                f"at {self.url} is still there. Nothing was kept; restart that worker where it runs "
+                f"the worker serving `{host}` went away while running {running}; the broker at "
+                f"{self.url} is still there. Nothing was kept; restart that worker where it runs "
                 f"(its unit, or its SLURM job): it is served again once it dials in"
             )
         ended = answer.ended if isinstance(answer, Located) else None
