@@ -68,6 +68,13 @@ class Fleet:
         for proc in self.procs:
             proc.stdout.readline()
 
+    def registered(self, client) -> bool:  # noqa: ANN001 - a somatize.Broker
+        """Whether ``client`` sees every host of the fleet (`Broker.hosts` is the listing it
+        last had; `Broker.knows` asks again for a host it lacks)."""
+        listed = set(client.hosts())
+        missing = next((h for h in self.hosts if h not in listed), None)
+        return missing is None or (client.knows(missing) and set(self.hosts) <= set(client.hosts()))
+
     def close(self) -> None:
         for proc in self.procs:
             try:
@@ -113,10 +120,10 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
         client = Broker.at(url)
         try:
             until = time.monotonic() + 120 + count / 10
-            while len(seen := client.hosts()) < count and time.monotonic() < until:
+            while not fleet.registered(client) and time.monotonic() < until:
                 time.sleep(0.05)
             registered = time.perf_counter() - started
-            registered_count = len(seen)
+            registered_count = len(set(fleet.hosts) & set(client.hosts()))
             time.sleep(1.0)
             rss = _status(broker.pid, "VmRSS")
             fds = len(os.listdir(f"/proc/{broker.pid}/fd"))

@@ -127,7 +127,7 @@ def test_one_client_reaches_every_host_of_a_fleet_with_the_default_socket_limit(
     fleet = Fleet(hub.endpoint, 400, env=env_with_tests())
     client = Broker.at(hub.endpoint)
     try:
-        wait_until(lambda: set(fleet.hosts) <= set(client.hosts()), 60, "the fleet dialing in")
+        wait_until(lambda: fleet.registered(client), 60, "the fleet dialing in")
         for n, host in enumerate(fleet.hosts):
             assert Add(1).named("a").at(host).forward(n, broker=client) == n + 1
         held = len(os.listdir(f"/proc/{hub.pid}/fd"))
@@ -147,7 +147,7 @@ def test_concurrent_relayed_calls_over_one_connection_each_get_their_own_answer(
     fleet = Fleet(hub.endpoint, 3, env=env_with_tests())
     client = Broker.at(hub.endpoint)
     try:
-        wait_until(lambda: set(fleet.hosts) <= set(client.hosts()), 60, "the fleet dialing in")
+        wait_until(lambda: fleet.registered(client), 60, "the fleet dialing in")
         wrong: list = []
 
         def calls(k: int) -> None:
