@@ -507,11 +507,11 @@ class Broker:
 
     def _relay_link(self) -> Link:
         """The link relayed channels are lanes of: made at the first, made anew once the broker
-        refused its handshake (its keys may have been fixed since)."""
+        refused its handshake (its keys may have been fixed since) or the link ended."""
         with self._lock:
             if self._closed:
                 raise Closed("this broker was closed; make a new one")
-            stale = self._link if self._link is not None and self._link.refused is not None else None
+            stale = self._link if self._link is not None and (self._link.refused is not None or self._link.closed) else None
             if self._link is None or stale is not None:
                 self._link = Link(self.url, self.patience, self.keys)
         if stale is not None:

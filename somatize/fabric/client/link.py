@@ -172,7 +172,15 @@ class Link:
                 self.drops += 1
             self._changed.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _end(self) -> None:
+        with self._changed:  # whatever ended the thread, the link is over: lanes hear it
+            self._closed = True
+            self.drops += 1
+            self._changed.notify_all()
         with contextlib.suppress(zmq.ZMQError):
             if self.linked:  # the broker ends every exchange of this connection now
                 self.sock.send_multipart(encode(Bye()), zmq.NOBLOCK)
