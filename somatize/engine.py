@@ -24,12 +24,16 @@ A forward may be given a deadline. Every wait for another process is bounded by 
 broker raises ``Overdue``); a node running in this process cannot be interrupted (Python
 has no safe way to stop a thread), so for local nodes the deadline is checked before each
 one starts, and one that never returns holds its forward.
+
+What crosses to a broker (a :class:`~somatize.pieces.Piece`, its
+:class:`~somatize.pieces.Outcome`, a :class:`~somatize.pieces.Deadline`) is
+:mod:`somatize.pieces`; how a plan's operations feed each other, and the plans of pieces
+compiled once per shape, :mod:`somatize.wiring`. This module walks plans.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import queue
 import sys
@@ -43,64 +47,10 @@ from . import keys as _keys
 from .codec import loads, written_parts
 from .errors import CodecError, Missing, NodeFailed, Overdue, SomatizeError
 from .facts import Watchers, elsewhere, fact, microseconds
-from .graph import Graph, Shape, Step, as_graph
+from .graph import Graph, Step, as_graph
+from .pieces import Deadline, Outcome, Piece
 from .plan import Closes, Join, Plan, Recall, Remote, Run, check, compile, group, keys_for, prune
-
-# -- what crosses to a broker ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Deadline:
-    """When something has to be done by: ``seconds`` as given, ``until`` on the clock of
-    ``time.monotonic()``, and ``whose`` it is, for messages ("the forward's")."""
-
-    seconds: float
-    until: float
-    whose: str = "the forward's"
-
-    @classmethod
-    def after(cls, seconds: float, whose: str = "the forward's") -> Deadline:
-        return cls(seconds, time.monotonic() + seconds, whose)
-
-    def left(self) -> float:
-        """Seconds left; negative once it has passed."""
-        return self.until - time.monotonic()
-
-    def sooner(self, other: Deadline | None) -> Deadline:
-        return self if other is None or self.until <= other.until else other
-
-    def __str__(self) -> str:
-        return f"{self.whose} deadline of {self.seconds:g} s"
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """A remote group, self-contained: its steps (numbered from 0), how they are wired,
-    the value entering it, and the cache keys of its cached steps' outputs."""
-
-    host: str
-    steps: tuple[Step, ...]
-    shape: Shape
-    value: Any
-    keys: dict[int, str]
-    deadline: Deadline | None = None
-    """The forward's deadline; the broker may make it sooner with the host's own."""
-    memo: dict | None = dataclasses.field(default=None, compare=False, repr=False)
-    """Where whoever carries the piece may keep what it works out for this group of this
-    graph and that stays the same from forward to forward (the packed specs of its steps,
-    :func:`somatize.fabric.pieces.specs_of`); it lives as long as the graph's plan."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What a piece gave back: its output, and what its cached steps produced (by step
-    number), so the client can keep those under their keys."""
-
-    output: Any
-    produced: dict[int, Any]
-    took_us: int | None = None
-    """What the side that ran the piece measured, from taking it to having its answer."""
-
+from .wiring import inputs_of, piece_plan, wiring_of
 
 # -- the pool ----------------------------------------------------------------------------
 
@@ -155,10 +105,10 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
 
     Says ``ran`` and ``failed`` as a local walk would, but neither ``finished`` nor
     ``broke``: the forward belongs to the client, which closes it. The piece's plan is
-    compiled once per shape (see :func:`_piece_plan`), so a repeated call does not plan again.
+    compiled once per shape (see :func:`somatize.wiring.piece_plan`), so a repeated call does not plan again.
     """
     started = time.perf_counter_ns()
-    plan = _piece_plan(piece.steps, piece.shape)
+    plan = piece_plan(piece.steps, piece.shape)
     walk = _Walk(plan, watch if isinstance(watch, Watchers) else Watchers(watch), keys=piece.keys, produced={})
     output = walk.run(piece.value)
     return Outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
@@ -232,7 +182,7 @@ class _Walk:
         plan = self.plan
         ops = plan.ops
         output = plan.output
-        wiring = _wiring(plan)
+        wiring = wiring_of(plan)
         sources_of, consumers = wiring.sources, wiring.consumers
         values: dict[int, Any] = {0: x}
         waiting = list(wiring.waiting)
@@ -261,7 +211,7 @@ class _Walk:
                 if len(ready) == 1 and in_flight == 0:
                     index = ready.pop()
                     try:
-                        result = self._do(ops[index], _inputs(ops[index], values))
+                        result = self._do(ops[index], inputs_of(ops[index], values))
                     except BaseException as exc:
                         failure = exc
                     else:
@@ -273,7 +223,7 @@ class _Walk:
                     finished = queue.SimpleQueue()
                 while ready:
                     index = ready.pop(0)
-                    pool.submit(self._async, finished, index, ops[index], _inputs(ops[index], values), carried)
+                    pool.submit(self._async, finished, index, ops[index], inputs_of(ops[index], values), carried)
                     in_flight += 1
             if failure is not None:
                 ready.clear()  # start nothing new; wait for what is running
@@ -509,96 +459,6 @@ def _within(carried: Any) -> Any:
     if carried is None:
         return contextlib.nullcontext()
     return sys.modules["torch"].set_grad_enabled(carried)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Wiring:
-    """How a plan's operations feed each other, worked out once per plan: each one's
-    sources, who reads each value, how many read it, how many of each one's sources the
-    forward's input leaves missing, and which are ready at the start."""
-
-    sources: tuple[tuple[int, ...], ...]
-    consumers: dict[int, tuple[int, ...]]
-    uses: dict[int, int]
-    waiting: tuple[int, ...]
-    ready: tuple[int, ...]
-
-
-#: How many shapes of pieces a process keeps compiled (a worker serving many recipes).
-PIECE_PLANS = 256
-_piece_plans: dict[Shape, tuple[Plan, _Wiring, int]] = {}
-_piece_plans_lock = threading.Lock()
-
-
-def _piece_plan(steps: tuple[Step, ...], shape: Shape) -> Plan:
-    """The plan of a piece: compiled once per shape and kept (bounded), then given the
-    piece's own steps.
-
-    What is kept is a function of the shape alone, which the process computed itself from
-    the (already checked) message: operations over numbered values, no node, no value, no
-    key, nothing of the client who sent it. So one client's piece can never run on what
-    another's left behind; the most a client can do with many shapes is push others' out
-    of the cache, which costs them a compile (microseconds), nothing else.
-    """
-    try:
-        kept = _piece_plans.get(shape)
-    except TypeError:  # not hashable (a list where a tuple belongs): compile, keep nothing
-        return compile(steps, shape)
-    if kept is None:
-        template = compile(steps, shape)
-        needs = 1 + max((op.step for op in template.ops if isinstance(op, Run)), default=-1)
-        kept = (template, _wiring(template), needs)
-        with _piece_plans_lock:
-            if len(_piece_plans) >= PIECE_PLANS:
-                _piece_plans.pop(next(iter(_piece_plans)))  # the oldest in
-            _piece_plans[shape] = kept
-    template, wiring, needs = kept
-    if template.steps is steps:
-        return template
-    if len(steps) < needs:
-        raise ValueError(f"a piece of {len(steps)} steps has a shape that uses {needs}")
-    plan = Plan(steps, template.ops, template.output)
-    plan.__dict__["_somatize_wiring"] = wiring  # the same operations, wired the same way
-    return plan
-
-
-def _wiring(plan: Plan) -> _Wiring:
-    found = plan.__dict__.get("_somatize_wiring")
-    if found is not None:
-        return found
-    sources = tuple(_sources(op) for op in plan.ops)
-    consumers: dict[int, list[int]] = {}
-    uses: dict[int, int] = {}
-    for index, mine in enumerate(sources):
-        for source in mine:
-            consumers.setdefault(source, []).append(index)
-            uses[source] = uses.get(source, 0) + 1
-    waiting = tuple(sum(1 for source in mine if source != 0) for mine in sources)  # value 0: the input
-    wiring = _Wiring(
-        sources,
-        {value: tuple(readers) for value, readers in consumers.items()},
-        uses,
-        waiting,
-        tuple(index for index, count in enumerate(waiting) if count == 0),
-    )
-    plan.__dict__["_somatize_wiring"] = wiring  # a plan is frozen, and so is this
-    return wiring
-
-
-def _sources(op: Any) -> tuple[int, ...]:
-    if isinstance(op, Join):
-        return op.sources
-    if isinstance(op, Recall):
-        return ()
-    return (op.source,)
-
-
-def _inputs(op: Any, values: dict[int, Any]) -> Any:
-    if isinstance(op, Join):
-        return tuple(values[s] for s in op.sources)
-    if isinstance(op, Recall):
-        return None
-    return values[op.source]
 
 
 def _here(broker: Any, graph: Graph) -> frozenset[str]:

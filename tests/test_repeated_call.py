@@ -28,7 +28,8 @@ from conftest import WORKER
 from fabric_nodes import Add, Boom, Count, Sleep
 from somatize import Broker, FolderStore, Node, NodeFailed, Overdue, Worker, codec
 from somatize.codec import forget
-from somatize.engine import Piece, _plan_of, _piece_plans, run_piece
+from somatize.engine import Piece, _plan_of, run_piece
+from somatize.wiring import _piece_plans
 from somatize.graph import Step, as_graph
 from somatize.plan import Join, Remote, Run, make
 

@@ -1,0 +1,69 @@
+"""What crosses from the engine to a broker and back: a remote group as a :class:`Piece`,
+what it gave back as an :class:`Outcome`, and the :class:`Deadline` both run under.
+
+The engine (:mod:`somatize.engine`) makes pieces and runs them (:func:`~somatize.engine.run_piece`);
+the fabric carries them (:mod:`somatize.fabric.pieces` turns them into ``Work`` and ``Done``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from .graph import Shape, Step
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadline:
+    """When something has to be done by: ``seconds`` as given, ``until`` on the clock of
+    ``time.monotonic()``, and ``whose`` it is, for messages ("the forward's")."""
+
+    seconds: float
+    until: float
+    whose: str = "the forward's"
+
+    @classmethod
+    def after(cls, seconds: float, whose: str = "the forward's") -> Deadline:
+        return cls(seconds, time.monotonic() + seconds, whose)
+
+    def left(self) -> float:
+        """Seconds left; negative once it has passed."""
+        return self.until - time.monotonic()
+
+    def sooner(self, other: Deadline | None) -> Deadline:
+        return self if other is None or self.until <= other.until else other
+
+    def __str__(self) -> str:
+        return f"{self.whose} deadline of {self.seconds:g} s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A remote group, self-contained: its steps (numbered from 0), how they are wired,
+    the value entering it, and the cache keys of its cached steps' outputs."""
+
+    host: str
+    steps: tuple[Step, ...]
+    shape: Shape
+    value: Any
+    keys: dict[int, str]
+    deadline: Deadline | None = None
+    """The forward's deadline; the broker may make it sooner with the host's own."""
+    memo: dict | None = dataclasses.field(default=None, compare=False, repr=False)
+    """Where whoever carries the piece may keep what it works out for this group of this
+    graph and that stays the same from forward to forward (the packed specs of its steps,
+    :func:`somatize.fabric.pieces.specs_of`); it lives as long as the graph's plan."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a piece gave back: its output, and what its cached steps produced (by step
+    number), so the client can keep those under their keys."""
+
+    output: Any
+    produced: dict[int, Any]
+    took_us: int | None = None
+    """What the side that ran the piece measured, from taking it to having its answer."""
+
+
