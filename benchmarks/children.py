@@ -10,6 +10,7 @@ import os
 import selectors
 import signal
 import subprocess
+import sys
 import time
 
 START_DEADLINE = 60.0  # a loaded 2-core machine takes a while to import numpy and zmq
@@ -67,3 +68,24 @@ class Child:
                 self.popen.wait(5)
         if self.popen.stdout is not None:
             self.popen.stdout.close()
+
+
+#: A standalone broker on a port of its choosing, announcing itself; quiet but for warnings.
+BROKER = [sys.executable, "-m", "somatize.broker", "--listen", "tcp://127.0.0.1:0", "--announce", "--log-level", "warning"]
+BROKER_READY = "somatize-broker ready "
+
+
+def status(pid: int, field: str) -> int:
+    """A field of ``/proc/PID/status`` in bytes (``VmRSS``, ``VmHWM``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time a process used so far (user and system)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

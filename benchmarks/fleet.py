@@ -55,7 +55,6 @@ class Fleet:
 
     def __init__(self, url: str, count: int, *, prefix: str = "node", patience: float = 5.0, env=None) -> None:
         self.procs = []
-        self.hosts = [f"{prefix}{n:05d}" for n in range(count)]
         for first in range(0, count, PER_PROCESS):
             size = min(PER_PROCESS, count - first)
             # each process numbers its own loops from 0: give each its own prefix
@@ -89,31 +88,17 @@ class Fleet:
                 proc.wait()
 
 
-def _cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _status(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dict:
     from nodes import Echo  # benchmarks/nodes.py: the workers import it by name (project mode)
 
+    from children import BROKER, BROKER_READY, Child, cpu_seconds, status
     from somatize import Broker
 
-    broker = subprocess.Popen([sys.executable, "-m", "somatize.broker", "--listen", "tcp://127.0.0.1:0", "--announce",
-                               "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT)
+    broker = Child(BROKER, announce=BROKER_READY)
     fleet = None
     try:
-        url = broker.stdout.readline().decode().split("ready ", 1)[1].strip()
-        rss_empty = _status(broker.pid, "VmRSS")
+        url = broker.endpoint
+        rss_empty = status(broker.pid, "VmRSS")
         fds_empty = len(os.listdir(f"/proc/{broker.pid}/fd"))
         started = time.perf_counter()
         fleet = Fleet(url, count)
@@ -125,11 +110,11 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
             registered = time.perf_counter() - started
             registered_count = len(set(fleet.hosts) & set(client.hosts()))
             time.sleep(1.0)
-            rss = _status(broker.pid, "VmRSS")
+            rss = status(broker.pid, "VmRSS")
             fds = len(os.listdir(f"/proc/{broker.pid}/fd"))
-            cpu0, t0 = _cpu(broker.pid), time.perf_counter()
+            cpu0, t0 = cpu_seconds(broker.pid), time.perf_counter()
             time.sleep(idle_s)
-            idle = (_cpu(broker.pid) - cpu0) / (time.perf_counter() - t0)
+            idle = (cpu_seconds(broker.pid) - cpu0) / (time.perf_counter() - t0)
         finally:
             client.close()
         echo = Echo()
@@ -151,7 +136,7 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
 
             hosts = [fleet.hosts[n % count] for n in range(forwards)]
             shares = [hosts[k::clients] for k in range(clients)]
-            cpu0, t0 = _cpu(broker.pid), time.perf_counter()
+            cpu0, t0 = cpu_seconds(broker.pid), time.perf_counter()
             threads = [threading.Thread(target=run, args=(share,)) for share in shares]
             for t in threads:
                 t.start()
@@ -159,9 +144,9 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
                 t.join()
             took = time.perf_counter() - t0
             rates[clients] = {"per_s": done[0] / took, "failed": failed[0],
-                              "cpu_ms_per_forward": 1000 * (_cpu(broker.pid) - cpu0) / max(1, done[0])}
+                              "cpu_ms_per_forward": 1000 * (cpu_seconds(broker.pid) - cpu0) / max(1, done[0])}
         time.sleep(2.0)
-        rss_after = _status(broker.pid, "VmRSS")
+        rss_after = status(broker.pid, "VmRSS")
         return {
             "workers": count, "registered": registered_count, "registered_s": registered,
             "rss_per_worker_kib": (rss - rss_empty) / count / 1024, "fds_per_worker": (fds - fds_empty) / count,
@@ -171,12 +156,7 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
     finally:
         if fleet is not None:
             fleet.close()
-        broker.terminate()
-        try:
-            broker.wait(10)
-        except subprocess.TimeoutExpired:
-            broker.kill()
-            broker.wait()
+        broker.stop()
 
 
 def fleet_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, cases.Floors)

@@ -13,34 +13,22 @@ Run alone: ``python benchmarks/flooding.py [SECONDS]`` prints the figures as JSO
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import zmq
 
-ROOT = Path(__file__).resolve().parent.parent
 FLOODERS = 8  # connections of the flooding client
-
-
-def _status(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def measure(seconds: float = 10.0) -> dict:
     from somatize.wire import Hosts, Where, encode
 
-    broker = subprocess.Popen([sys.executable, "-m", "somatize.broker", "--listen", "tcp://127.0.0.1:0", "--announce",
-                               "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT)
-    try:
-        line = broker.stdout.readline().decode()
-        url = line.split("ready ", 1)[1].strip()
+    from children import BROKER, BROKER_READY, Child, status
+
+    with Child(BROKER, announce=BROKER_READY) as broker:
+        url = broker.endpoint
         ctx = zmq.Context.instance()
         stop = threading.Event()
         sent = [0]
@@ -69,7 +57,7 @@ def measure(seconds: float = 10.0) -> dict:
         other.send_multipart(encode(Hosts()))
         assert other.poll(10_000), "the broker did not answer before the flood"
         other.recv_multipart()
-        rss_before = _status(broker.pid, "VmRSS")
+        rss_before = status(broker.pid, "VmRSS")
         flooder = threading.Thread(target=flood, daemon=True)
         flooder.start()
         latencies, unanswered = [], 0
@@ -83,13 +71,13 @@ def measure(seconds: float = 10.0) -> dict:
             else:
                 unanswered += 1
             time.sleep(0.05)
-        peak = _status(broker.pid, "VmHWM")
-        rss = _status(broker.pid, "VmRSS")
+        peak = status(broker.pid, "VmHWM")
+        rss = status(broker.pid, "VmRSS")
         stop.set()
         flooder.join(10)
         time.sleep(1.0)  # the flooder's connections close with their queues full
         other.send_multipart(encode(Hosts()))
-        survived = broker.poll() is None and other.poll(5_000)
+        survived = broker.popen.poll() is None and other.poll(5_000)
         other.close(0)
         latencies.sort()
         return {
@@ -99,13 +87,6 @@ def measure(seconds: float = 10.0) -> dict:
             "rss_before_mib": rss_before / 2**20, "rss_mib": rss / 2**20, "peak_mib": peak / 2**20,
             "survived": bool(survived),
         }
-    finally:
-        broker.terminate()
-        try:
-            broker.wait(10)
-        except subprocess.TimeoutExpired:
-            broker.kill()
-            broker.wait()
 
 
 def flood_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, cases.Floors)

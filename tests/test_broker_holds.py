@@ -208,6 +208,16 @@ def _forward(broker):
         return f"{type(exc).__name__}: {exc}"
 
 
+def sleep_on_node017(client: Raw, asker: Raw | None = None) -> None:
+    """Once `node017` has dialed in (``asker`` asks where it is: a socket of its own keeps a
+    late answer out of ``client``'s), ``client`` starts a 4 s piece there, relayed."""
+    asker = asker or client
+    wait_until(lambda: isinstance(asker.ask(Where("node017"), 2.0), Located), 20, "node017 dialing in")
+    assert isinstance(client.ask(Relay(host="node017", inner=tuple(encode(Hello(RT))))), Ready)
+    spec = Packer("project").spec(Sleep(4.0).named("s").steps[0])
+    client.send(Relay(host="node017", inner=tuple(encode(Work(5, Recipe((spec,), ("step", 0)), 41, watched=True)))))
+
+
 def test_revoking_a_client_key_ends_its_open_exchanges(processes, tmp_path):
     """Attacker: a client whose key was taken out of the allow-list and the broker reloaded.
     Its piece already running on a dialed worker went on streaming `Saw` and delivered its
@@ -218,10 +228,7 @@ def test_revoking_a_client_key_ends_its_open_exchanges(processes, tmp_path):
     dial(processes, hub.endpoint, "node017", ring)
     alice = Raw(hub.endpoint, raw_keys(ring, "alice"))
     try:
-        wait_until(lambda: isinstance(alice.ask(Where("node017"), 2.0), Located), 20, "node017 dialing in")
-        assert isinstance(alice.ask(Relay(host="node017", inner=tuple(encode(Hello(RT))))), Ready)
-        spec = Packer("project").spec(Sleep(4.0).named("s").steps[0])
-        alice.send(Relay(host="node017", inner=tuple(encode(Work(5, Recipe((spec,), ("step", 0)), 41, watched=True)))))
+        sleep_on_node017(alice)
         (ring["allow"] / "alice.key").unlink()
         hub.signal(signal.SIGHUP)
         wait_until(lambda: "reloaded the allow-list" in hub.stderr(), 10, "the reload")
@@ -246,10 +253,7 @@ def test_revoking_a_worker_key_tells_its_clients_their_work_ended(processes, tmp
     dial(processes, hub.endpoint, "node017", ring)
     probe, alice = Raw(hub.endpoint, raw_keys(ring, "alice")), Raw(hub.endpoint, raw_keys(ring, "alice"))
     try:
-        wait_until(lambda: isinstance(probe.ask(Where("node017"), 2.0), Located), 20, "node017 dialing in")
-        assert isinstance(alice.ask(Relay(host="node017", inner=tuple(encode(Hello(RT))))), Ready)
-        spec = Packer("project").spec(Sleep(4.0).named("s").steps[0])
-        alice.send(Relay(host="node017", inner=tuple(encode(Work(5, Recipe((spec,), ("step", 0)), 41, watched=True)))))
+        sleep_on_node017(alice, probe)
         (ring["workers"] / "victim.key").unlink()
         hub.signal(signal.SIGHUP)
         got = []

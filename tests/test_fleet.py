@@ -54,8 +54,8 @@ class Dialers:
             self.socks.append(sock)
 
     def offer(self, names) -> list:
-        """Each socket offers its name (or one socket all of them); the answers, in order."""
-        pairs = list(zip(self.socks, names)) if len(self.socks) > 1 else [(self.socks[0], n) for n in names]
+        """Each socket offers its name; the answers, in order."""
+        pairs = list(zip(self.socks, names, strict=True))
         for sock, name in pairs:
             sock.send_multipart(encode(Hello(RT, offering=name)))
         answers = []
