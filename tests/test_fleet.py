@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,40 @@ def test_a_worker_without_keys_never_blames_curve_for_a_failed_handshake(process
     finally:
         stop.set()
         server.close()
+
+
+@pytest.mark.parametrize("how", ["listening", "dialed"])
+def test_an_idle_worker_sleeps_and_still_stops_at_once(processes, how):
+    """An idle worker loop woke five times a second to look for a stop, whatever its
+    patience: a process of a thousand dialed loops took a quarter of a core doing nothing.
+    Now it sleeps until something is due (here a 30 s patience), and a stop wakes it."""
+    from somatize.fabric.worker.loop import WorkerLoop
+
+    loop = WorkerLoop(mode="project", patience=30.0)
+    if how == "listening":
+        loop.bind("tcp://127.0.0.1:0")
+    else:
+        hub = broker(processes, patience="30")
+        loop.dial(hub.endpoint, "sleeper")
+    turns, turn = [], loop._turn
+    loop._turn = lambda *a: (turns.append(a[1]), turn(*a))  # counts the turns, does each
+    serving = threading.Thread(target=loop.serve, daemon=True)
+    serving.start()
+    try:
+        if how == "dialed":
+            client = Broker.at(hub.endpoint)
+            try:
+                wait_until(lambda: client.knows("sleeper"), 30, "the worker dialing in")
+            finally:
+                client.close()
+        wait_until(lambda: turns, 10, "a first turn")
+        before = len(turns)
+        stopped = threading.Event()
+        threading.Timer(1.5, stopped.set).start()
+        stopped.wait()  # a window of idleness: how often did it wake meanwhile?
+        assert len(turns) - before <= 2, f"{len(turns) - before} turns in 1.5 s idle (timeouts {turns[-5:]} ms)"
+        assert max(turns[before:] or [1_000_000]) >= 1_000
+    finally:
+        loop.close()
+    serving.join(10)
+    assert not serving.is_alive(), "a stop did not wake the sleeping loop"

@@ -7,6 +7,7 @@ when writing and when reading. It knows nothing of descriptors or frames.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -116,13 +117,27 @@ def readable_kinds() -> list[str]:
     tensors when torch is), the registry, and the library's own kinds it would import by
     name on arrival. Sorted."""
     kinds = {PLAIN, NDARRAY, NPSCALAR}
-    if importlib.util.find_spec("pyarrow") is not None:
+    if _installed("pyarrow"):
         kinds |= ARROW_KINDS
     kinds.update(_by_kind)
     kinds.update(k for k in OWN_KINDS if k != TENSOR)
-    if sys.modules.get("torch") is not None or importlib.util.find_spec("torch") is not None:
+    if _installed("torch"):
         kinds.add(TENSOR)
     return sorted(kinds)
+
+
+def _installed(name: str) -> bool:
+    """Whether ``name`` imports here. What ``sys.modules`` holds says so first (``None`` there
+    is Python's way to say "not importable"); otherwise the path is searched once a process:
+    a search stats the file system, and every new channel's greeting asks."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return _found_on_path(name)
+
+
+@functools.cache
+def _found_on_path(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def for_type(t: type) -> Entry | None:

@@ -173,3 +173,42 @@ def translated(where: str) -> Iterator[None]:
 def poll(sock: zmq.Socket, timeout: float) -> bool:
     """Whether a message is waiting on ``sock`` within ``timeout`` seconds."""
     return bool(sock.poll(int(timeout * 1000), zmq.POLLIN))
+
+
+class Alarm(threading.Event):
+    """An ``Event`` a ``zmq.Poller`` can wait on: once set, its ``fileno`` is readable, so a
+    loop that polls with long timeouts still stops at once, whichever thread (or signal
+    handler) sets it. The descriptor pair is made at the first ``fileno`` (only a loop that
+    polls pays for it) and closed by ``close``; a set after that is only an ``Event``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        self._made = threading.Lock()
+
+    def fileno(self) -> int:
+        with self._made:
+            if self._pair is None:
+                self._pair = socket.socketpair()
+                for end in self._pair:
+                    end.setblocking(False)
+                if self.is_set():
+                    self._ring()
+            return self._pair[0].fileno()
+
+    def set(self) -> None:
+        super().set()
+        self._ring()
+
+    def _ring(self) -> None:
+        pair = self._pair
+        if pair is not None:
+            with contextlib.suppress(OSError):  # full (rung already) or closed: nothing to add
+                pair[1].send(b"\0")
+
+    def close(self) -> None:
+        with self._made:
+            pair, self._pair = self._pair, None
+        if pair is not None:
+            for end in pair:
+                end.close()

@@ -99,18 +99,17 @@ from .imported import Imports
 from .outbox import Outbox, To
 from ..pieces import done_of, piece_of
 from .slots import Guarded, Job, NodeExit, Slots, exit_now
+from .standin import StandIn
 from .said import Limiter, clip, failed_answer
 
 __all__ = ["MAX_BACKOFF", "NodeExit", "WorkerLoop"]
 
 #: How often a spawned worker checks that whoever spawned it is still there (seconds).
 PARENT_CHECK = 0.5
-#: How long a piece runs on the serving thread before a stand-in serves meanwhile (seconds).
-STAND_IN_AFTER = 0.02
 log = logging.getLogger("somatize.worker")
 
 
-class WorkerLoop(Intake, Dialing, Outbox):
+class WorkerLoop(Intake, Dialing, Outbox, StandIn):
     """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
 
     def __init__(
@@ -183,7 +182,7 @@ class WorkerLoop(Intake, Dialing, Outbox):
         self._next_hello = 0.0
         self._inbound = _streams.Inbound()
         self._outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]] = {}
-        self.stopping = threading.Event()
+        self.stopping = sockets.Alarm()  # an Event that also wakes the serving poll
         self._closed = threading.Event()
         self._closing = threading.Lock()
         self.imports = Imports()  # what was imported, to tell stale code from a plain failure
@@ -210,12 +209,29 @@ class WorkerLoop(Intake, Dialing, Outbox):
         if self._slots is None:
             threading.Thread(target=self._stand_in, daemon=True, name="somatize-stand-in").start()
         poller = self._poller()
+        poller.register(self.stopping, zmq.POLLIN)  # whoever stops us wakes the poll
         self._last_check = time.monotonic()
         try:
             while not self.stopping.is_set():
-                self._turn(poller, 200)
+                self._turn(poller, self._until_due())
         finally:
             self.close()
+            self.stopping.close()
+
+    def _until_due(self) -> int:
+        """Milliseconds until the loop has something to do on its own: the once-a-second
+        look at open streams and a mount's segments, a dialed worker's keepalive, a report.
+        Everything else wakes the poll (a message, an answer, a stop): an idle worker sleeps
+        a patience at a time, so a thousand idle workers in one process cost little."""
+        looks = self._inbound or self._outgoing or self.mount is not None
+        due = self._last_check + (1.0 if looks else self.patience)
+        if self._offer is not None:
+            due = min(due, self._next_hello)
+            if self._backoff and self._refused_at < self._hello_at:  # a Hello not refused yet: taken, soon
+                due = min(due, self._hello_at + min(2.0, self.patience))
+        if self.store is not None and self.reporting:
+            due = min(due, self._last_report + self.reporting)
+        return max(0, int(1000 * (due - time.monotonic())) + 1)
 
     def _poller(self) -> zmq.Poller:
         poller = zmq.Poller()
@@ -257,52 +273,6 @@ class WorkerLoop(Intake, Dialing, Outbox):
         if self.store is not None and self.reporting and now - self._last_report >= self.reporting:
             self._last_report = now
             self._report()
-
-    def _stand_in(self) -> None:
-        """On a thread of its own: serve while a piece runs where it arrived, once it has run
-        ``STAND_IN_AFTER`` seconds; hand the socket back as soon as it returns."""
-        me = threading.get_ident()
-        poller: zmq.Poller | None = None
-        while not self.stopping.is_set():
-            if not self._began.wait(1.0):  # idle, it sleeps: never fifty wakeups a second
-                continue
-            self._began.clear()
-            seen = -1
-            while not self.stopping.wait(STAND_IN_AFTER):
-                seq = self._inline_seq
-                if self._inline is None:
-                    break  # it returned: wait for the next
-                if seq != seen:
-                    seen = seq  # a piece that started since the last look
-                    continue
-                if self._want_back or not self._hold.acquire(blocking=False):
-                    continue
-                self._holder = me
-                try:
-                    poller = poller or self._poller()
-                    self._flush()  # what the piece said so far
-                    while not self._want_back and not self.stopping.is_set():
-                        self._turn(poller, 20)
-                finally:
-                    self._holder = None
-                    self._hold.release()
-        self._stop_stuck()
-
-    def _stop_stuck(self) -> None:
-        """Stopping while a piece runs where it arrived: give it a moment to return (the
-        serving thread then closes), else close without it, and end the process if the
-        command said so: a piece that never returns must not keep a stopped worker alive."""
-        until = time.monotonic() + min(2.0, self.patience)
-        while self._inline is not None and time.monotonic() < until:
-            time.sleep(0.02)
-        if self._inline is None or not self._hold.acquire(timeout=1.0):
-            return
-        try:
-            self.close()
-        finally:
-            self._hold.release()
-        if self.exit_when_stuck and self._inline is not None:
-            exit_now()
 
     def _watch_parent(self) -> None:
         """On a thread of its own: a node that never returns must not keep an orphan alive."""
@@ -355,6 +325,7 @@ class WorkerLoop(Intake, Dialing, Outbox):
     def close(self) -> None:
         """Stop serving; never waits for work still running (its threads are daemons)."""
         self.stopping.set()
+        self._began.set()  # the stand-in, asleep while idle, sees the stop
         with self._closing:
             if self._closed.is_set():
                 return
