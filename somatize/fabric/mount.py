@@ -48,6 +48,10 @@ from ..wire import Mounted, encode
 #: random), then the frame's number.
 NAME = re.compile(r"(\d{1,10})-([0-9a-f]{8})[0-9a-f]{24}-\d{1,6}")
 
+#: The file a dialing worker makes in its folder (``mark``), and a dead one's (``sweep``).
+SEEN = re.compile(r"\d{1,10}-[0-9a-f]{32}")
+_SEEN_FILE = re.compile(r"seen-(\d{1,10})-([0-9a-f]{8})[0-9a-f]{24}")
+
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never hangs us
 _OPEN_READWRITE = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -197,7 +201,7 @@ def sweep(folder: str | os.PathLike[str]) -> list[str]:
         return gone
     dead: dict[int, bool] = {}
     for name in names:
-        match = NAME.fullmatch(name)
+        match = NAME.fullmatch(name) or _SEEN_FILE.fullmatch(name)
         if match is None or match.group(2) != tag:
             continue
         pid = int(match.group(1))
@@ -210,6 +214,46 @@ def sweep(folder: str | os.PathLike[str]) -> list[str]:
                 os.unlink(root / name)
                 gone.append(name)
     return gone
+
+
+def mark(folder: str | os.PathLike[str]) -> str:
+    """Make the file by which a client tells that it sees this very folder (a dialing
+    worker's, named to the broker); return its token. ``Refused`` as ``private`` says."""
+    root = private(folder)
+    token = f"{os.getpid()}-{_tag()}{secrets.token_hex(12)}"
+    try:
+        os.close(os.open(root / f"seen-{token}", _OPEN_WRITE, 0o600))
+    except OSError as exc:
+        raise Refused(f"could not make a file in the mount folder {root}: {exc}") from exc
+    return token
+
+
+def unmark(folder: str | os.PathLike[str], token: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(Path(folder) / f"seen-{token}")
+
+
+def sees(folder: str, token: str) -> bool:
+    """Whether this process sees the folder a worker marked with ``token``: the folder is
+    safe for cargo (``unsafe``) and holds the worker's file, a regular file of this user's
+    with one link. A folder named by a peer is only looked at, never made or swept."""
+    if not SEEN.fullmatch(token) or not os.path.isabs(folder) or unsafe(folder) is not None:
+        return False
+    try:
+        directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        descriptor = os.open(f"seen-{token}", _OPEN_READ, dir_fd=directory)  # never through a link
+    except OSError:
+        return False
+    finally:
+        os.close(directory)
+    try:
+        info = os.fstat(descriptor)
+    finally:
+        os.close(descriptor)
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_nlink == 1
 
 
 def leave(folder: str | os.PathLike[str]) -> None:

@@ -144,6 +144,18 @@ def _check_hello(m: Hello) -> None:
     _runtime(m.runtime, "Hello.runtime")
     if m.offering is not None:
         _printable(_text(m.offering, "Hello.offering", limits.MAX_NAME), "Hello.offering")
+    if m.mount is not None or m.seen:
+        if m.offering is None:
+            raise Bad("`Hello.mount` is a dialing worker's folder for cargo, and this Hello offers no host")
+        _mount_and_token(m.mount, m.seen, "Hello")
+
+
+def _mount_and_token(mount: Any, seen: Any, where: str) -> None:
+    if mount is None:
+        raise Bad(f"`{where}.seen` names a file in the worker's folder for cargo, and `{where}.mount` names none")
+    _printable(_text(mount, f"{where}.mount", limits.MAX_PATH), f"{where}.mount")
+    if not isinstance(seen, str) or not limits.SEEN.fullmatch(seen):
+        raise Bad(f"`{where}.seen` is {shown(seen)}, not a file's token (a pid, a dash, 32 hex digits)")
 
 
 def _check_provision(m: Provision) -> None:
@@ -454,8 +466,12 @@ def _check_located(m: Located) -> None:
         if m.mount is None:
             raise Bad('`Located.mount` names the shared directory, and a "mount" path has none')
         _text(m.mount, "Located.mount", limits.MAX_PATH)
-    elif m.mount is not None:
-        raise Bad(f'`Located.mount` is only for the "mount" path, and this path is "{m.path}"')
+        if m.seen:
+            raise Bad('`Located.seen` is for a relayed worker\'s folder; a "mount" path is declared')
+    elif m.path == "relayed" and (m.mount is not None or m.seen):
+        _mount_and_token(m.mount, m.seen, "Located")
+    elif m.mount is not None or m.seen:
+        raise Bad(f'`Located.mount` is only for the "mount" and "relayed" paths, and this path is "{m.path}"')
     if m.ended is not None:
         _text(m.ended, "Located.ended", limits.MAX_NAME)
     _text(m.key, "Located.key", 40, empty=True)

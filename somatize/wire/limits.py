@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 """The version of this layout. Two sides talk only when it is the same on both. (5: a
-project-mode ``NodeSpec`` carries the client's digest of the node's code, ``code``.)"""
+project-mode ``NodeSpec`` carries the client's digest of the node's code, ``code``; 7: a
+dialing worker's ``Hello`` and a relayed ``Located`` may name its folder for cargo.)"""
 
 # -- sizes: decode refuses anything beyond these, before building anything -----------------
 
@@ -86,6 +87,9 @@ MODES = ("", "project", "network")
 SOURCES = ("project", "network")
 """How a node travels (``NodeSpec.source``): the packing modes, without "none"."""
 PATHS = ("inprocess", "direct", "relayed", "mount")
+#: The token of the file a dialing worker makes in its folder for cargo (``seen-<token>``):
+#: its pid, then 32 hex (a machine tag and random), as a cargo file's name begins.
+SEEN = re.compile(r"\d{1,10}-[0-9a-f]{32}")
 """How a client reaches a host (``Located.path``)."""
 LISTED = ("inprocess", "project", "network")
 """How a broker lists a host (``Listed.hosts``)."""

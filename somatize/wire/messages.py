@@ -102,11 +102,16 @@ class Recipe:
 class Hello:
     """The first message on a connection: who is speaking. Answered ``Ready`` or ``Refusal``.
 
-    A worker dialing in to a broker names the host it serves in ``offering``.
+    A worker dialing in to a broker names the host it serves in ``offering``; one started
+    with a folder for cargo (``--mount``) names it in ``mount``, and in ``seen`` the token of
+    a file it made there (``seen-<token>``, the token its pid and 32 hex), by which a client tells whether it sees the very
+    same folder.
     """
 
     runtime: Runtime
     offering: str | None = None
+    mount: str | None = None
+    seen: str = ""
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,9 @@ class Located:
 
     ``path`` is ``"inprocess"``, ``"direct"``, ``"relayed"`` or ``"mount"``; ``address`` the
     worker's endpoint (direct, mount) or the broker's (relayed); ``mode`` its packing mode;
-    ``mount`` the shared directory, for ``"mount"`` only; ``ended`` how a lost worker ended
+    ``mount`` the shared directory, for ``"mount"``, and for a ``"relayed"`` worker that dialed
+    in with one, with ``seen``, the token of the file it made there (a client that finds
+    that file sends cargo through the folder, and the rest through the broker); ``ended`` how a lost worker ended
     (``"killed by SIGKILL"``), when known; ``key`` the worker's CURVE public key (Z85, 40
     characters) when it listens with one, so the client can check whom it reached.
     """
@@ -255,6 +262,7 @@ class Located:
     mount: str | None = None
     ended: str | None = None
     key: str = ""
+    seen: str = ""
 
 
 @dataclass(frozen=True)

@@ -569,7 +569,8 @@ class BrokerLoop:
             offer = self.view.offers.get(host)
             if offer is None:
                 return Refusal(f"this broker knows no host `{host}` (it knows: {_some(self._listing())})")
-            return Located(host, "relayed", address=self.endpoint, mode=offer.runtime.mode or "project")
+            return Located(host, "relayed", address=self.endpoint, mode=offer.runtime.mode or "project",
+                           mount=offer.mount, seen=offer.token)
         if declared.how == "inprocess":
             return Located(host, "inprocess")
         path = "mount" if declared.mount else "direct"

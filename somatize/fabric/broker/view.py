@@ -29,6 +29,8 @@ class Offer:
     owner: str  # the key (Z85) that offered it, or "route:<hex>" where there are no keys
     runtime: Runtime
     seen: float
+    mount: str | None = None  # its folder for cargo, as its Hello named it
+    token: str = ""  # the file it made there (`Hello.seen`)
 
 
 @dataclass
@@ -217,7 +219,7 @@ class BrokerView:
         if known is not None:  # the same owner from a new connection (it restarted): move
             self._end_numbers(self._of_host.get(host, set()) & self._of_route.get(known.route, set()))
             self._drop(host)
-        self.offers[host] = Offer(host, route, owner, hello.runtime, now)
+        self.offers[host] = Offer(host, route, owner, hello.runtime, now, hello.mount, hello.seen)
         self._routes.setdefault(route, set()).add(host)
         self._serving[owner] = self._serving.get(owner, 0) + 1
         self._heard[route] = now

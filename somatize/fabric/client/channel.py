@@ -124,6 +124,10 @@ class Channel:
         self.patience = patience
         self.address = address
         self.relayed = located.path == "relayed"
+        # the folder cargo goes through: a declared mount's, or a relayed worker's that this
+        # process sees (it finds the file the worker made there); none, and it is sent
+        self.folder = located.mount if located.path == "mount" or (
+            self.relayed and located.mount and _mount.sees(located.mount, located.seen)) else None
         self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
         self.exchange = ClientExchange()
         self.lane = lane  # a relayed channel: a lane of the client's one link to the broker
@@ -293,15 +297,15 @@ class Channel:
             self._raw(encode(Credit(message.sid, granted)))
             return None if frames is None else self._open(decode(frames))
         if isinstance(message, Mounted):
-            if self.located.path != "mount":
+            if self.folder is None:
                 raise ProtocolError("a `Mounted` message arrived on a channel that shares no folder")
             if self.lending is not None:  # an answer in the segments this exchange lent
                 return self._decode_lent(self.lending.receive(message))
             if message.spans or message.kept:
-                if _leases.in_memory(self.located.mount or ""):  # a late answer: its new files are ours
-                    _lending.pool(self.located.mount or "").discard(message)
+                if _leases.in_memory(self.folder):  # a late answer: its new files are ours
+                    _lending.pool(self.folder).discard(message)
                 raise ProtocolError("an answer names spans of pooled segments, and this client lent none")
-            frames, made = _mount.read(message, self.located.mount or "")
+            frames, made = _mount.read(message, self.folder)
             self.mounted.extend(made)
             return decode(frames)
         if isinstance(message, Relay):
@@ -553,8 +557,8 @@ class Channel:
             self.provisioned.add(digest)
 
     def _send_work(self, ref: int, frames: list, deadline: Deadline | None = None) -> None:
-        if self.located.path == "mount" and len(frames) > 1:
-            folder = self.located.mount or ""
+        if self.folder is not None and len(frames) > 1:
+            folder = self.folder
             if self.lending is not None or _leases.in_memory(folder):  # one machine: pooled memory
                 if self.lending is None:
                     self.lending = _lending.Lending(_lending.pool(folder))

@@ -174,7 +174,7 @@ class Broker:
         if link is not None:
             link.close()
         for located in list(self._located.values()):  # idle pooled segments: made anew when needed
-            if located.path == "mount" and located.mount:
+            if located.mount:  # a declared mount, or a relayed worker's folder this process may use
                 _lending.drain(located.mount)
         for thread in checking:
             thread.join(timeout=self.patience * 2)

@@ -20,6 +20,7 @@ What is not for here: the conversation with clients (:mod:`somatize.fabric.worke
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ import zmq
 
 from ...errors import ProtocolError
 from ...wire import Hello, Ready, Refusal, Relay, decode, encode, variant_of
+from .. import mount as _mount
 from .. import sockets
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client
@@ -50,6 +52,8 @@ class Dialing:
     _events: Any
     _control: list
     patience: float
+    mount: str | None
+    _seen: str  # the token of our file in the mount folder, named in every Hello
 
     def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
         """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
@@ -64,6 +68,9 @@ class Dialing:
         self._events = self._front.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
         )
+        if self.mount is not None and not self._seen:
+            # a client that finds this file sees our folder: its cargo comes through it
+            self._seen = _mount.mark(self.mount)
         self._front.connect(broker)
         self._broker = broker
         self._offer = offer
@@ -75,7 +82,9 @@ class Dialing:
         refusal. It goes ahead of every answer waiting; a newer one replaces one not yet out."""
         self._next_hello = now + (self._backoff or self.patience)
         self._control = [m for m in self._control if m[0] != "hello"]
-        self._control.append(("hello", encode(Hello(self.runtime, offering=self._offer))))
+        hello = Hello(self.runtime, offering=self._offer, seen=self._seen,
+                      mount=os.path.abspath(self.mount) if self.mount is not None else None)
+        self._control.append(("hello", encode(hello)))
         self._push_control()
 
     def _push_control(self) -> bool:

@@ -167,6 +167,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         self._front: zmq.Socket | None = None
         self._guard: Guard | None = None
         self._offer: str | None = None
+        self._seen = ""  # a dialed worker's file in its mount folder (`.dialing`)
         self._broker = ""
         self._events: zmq.Socket | None = None  # a dialed worker's connection events
         self._accepted = False  # the broker answered our Hello with Ready
@@ -350,6 +351,8 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             self._slots.close()
         sockets.close(self._events, self._front, self._answers, *self._pushes)
         if self.mount is not None:
+            if self._seen:
+                _mount.unmark(self.mount, self._seen)
             _mount.leave(self.mount)
 
     # -- receiving -----------------------------------------------------------------------
