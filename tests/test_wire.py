@@ -498,7 +498,8 @@ def test_a_header_that_is_not_messagepack_is_refused():
 
 def test_a_different_wire_version_says_who_upgrades():
     frames = encode(Bye())
-    why = refused(with_header(frames, v=7), f"speaks wire version {WIRE_VERSION}", "version 7", "upgrade somatize")
+    newer = WIRE_VERSION + 1
+    why = refused(with_header(frames, v=newer), f"speaks wire version {WIRE_VERSION}", f"version {newer}", "upgrade somatize")
     assert "(this side)" in why
     why = refused(with_header(frames, v=0), "version 0")
     assert "(the side that sent it)" in why
@@ -559,7 +560,7 @@ def test_fields_over_their_limits_are_refused():
     refused(with_header(encode(Send(1, (DIGEST,))), digests=[DIGEST.upper()]), "lowercase hex")
     refused(with_header(encode(Located("w1", "direct")), path="teleport"), "`Located.path`")
     refused(with_header(encode(Located("w1", "direct")), mode="fast"), "`Located.mode`")
-    refused(with_header(encode(Located("w1", "direct")), mount="/x"), "only for the \"mount\" path")
+    refused(with_header(encode(Located("w1", "direct")), mount="/x"), "only for the \"mount\" and \"relayed\" paths")
     refused(with_header(encode(Listed({"a": "project"})), hosts={"a": "elsewhere"}), "Listed.hosts['a']")
     refused(with_header(encode(Hello(runtime())), offering=""), "`Hello.offering`")
 
