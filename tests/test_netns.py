@@ -18,8 +18,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import BROKER, WORKER
@@ -163,3 +166,82 @@ def test_direct_where_a_route_exists_relayed_where_none_does(hosts, tmp_path):
     assert w2_listening.endpoint in seen["w2_direct"]  # the sentence names the address
     for process in hosts.procs[:-1]:
         assert process.alive, process.stderr()[-2000:]
+
+
+SPAWNED_CLIENT = """if True:
+    import json, sys, time
+    import zmq
+    from fabric_nodes import Add
+    from somatize import Broker, Keys
+    from somatize.fabric.curve import read_public, read_secret
+    from somatize.wire import Hello, Runtime, Where, decode, encode
+    url, secret, broker_public, other_secret, phase = sys.argv[1:6]
+    keys = Keys.client(secret, server=broker_public)
+    out = {}
+
+    def greet(address, server_key, pair):
+        # a raw DEALER straight to the child: answered only when the child allows ``pair``
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        if pair is not None:
+            sock.curve_publickey, sock.curve_secretkey = pair
+            sock.curve_serverkey = server_key
+        sock.connect(address)
+        sock.send_multipart(encode(Hello(Runtime.here(mode="project"))))
+        answered = bool(sock.poll(5_000))
+        sock.close()
+        return answered
+
+    with Broker.at(url, keys=keys) as broker:
+        if phase == "serve":
+            out["w3"] = Add(2).named("a").at("w3").forward(1, broker=broker)
+        located = broker._locate("w3", None)
+        out["where"] = [located.path, located.address, located.key]
+    key = located.key.encode()
+    out["with_my_key"] = greet(located.address, key, read_secret(secret))
+    out["with_another_key"] = greet(located.address, key, read_secret(other_secret))
+    out["with_no_key"] = greet(located.address, key, None)
+    print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_broker_s_spawned_hosts_are_reached_from_another_machine_with_keys(hosts, tmp_path, request):
+    """A standalone broker's spawned workers listened on a socket file of the head node: a
+    client on another machine was told an ``ipc://`` address it could never reach."""
+    from reliability_support import key_ring
+
+    ring = key_ring(tmp_path, clients=("alice",), workers=(), others=("mallory",))
+    table = tmp_path / "hosts.toml"
+    table.write_text(f'[hosts.w3]\nspawn = {json.dumps([sys.executable, "-m", "somatize.worker"])}\nmode = "project"\n')
+    # the head node's socket files: where the client runs, that folder is another (a machine's own)
+    sockets_here = Path(tempfile.mkdtemp(prefix="smz-run-"))  # short: a socket's path has a limit
+    request.addfinalizer(lambda: shutil.rmtree(sockets_here, ignore_errors=True))
+    hub = hosts.run("b", [*BROKER, "--listen", "tcp://10.200.1.2:0", "--announce", "--key", str(ring["broker_secret"]),
+                          "--allow", str(ring["allow"]), "--hosts", str(table)],
+                    env={**child_env(), "XDG_RUNTIME_DIR": str(sockets_here)})
+
+    def client(phase: str, me: str, other: str) -> dict:
+        argv = [sys.executable, "-c", SPAWNED_CLIENT, hub.endpoint, str(ring[f"{me}_secret"]), str(ring["broker"]),
+                str(ring[f"{other}_secret"]), phase]
+        elsewhere = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                     f'mount -t tmpfs -o mode=0700 none "{sockets_here}" && exec "$@"', "sh"]
+        run = hosts.run("c", [*elsewhere, *argv], announce=None)
+        line = run.line(90.0)
+        assert line, f"the client said nothing:\n{run.stderr()[-3000:]}\n{hub.stderr()[-3000:]}"
+        return json.loads(line)
+
+    seen = client("serve", "alice", "mallory")
+    print(f"\n[netns] {seen}")
+    assert seen["w3"] == 3
+    path, address, key = seen["where"]
+    assert path == "direct" and address.startswith("tcp://10.200.1.2:") and len(key) == 40
+    assert seen["with_my_key"] and not seen["with_another_key"] and not seen["with_no_key"]
+
+    # the allow folder changed and the broker reloaded: its running child reads it again
+    (ring["allow"] / "alice.key").unlink()
+    (ring["allow"] / "mallory.key").write_bytes(ring["mallory"].read_bytes())
+    os.kill(hub.pid, signal.SIGHUP)
+    later = client("look", "mallory", "alice")
+    assert later["where"] == seen["where"]  # the same child, still running
+    assert later["with_my_key"] and not later["with_another_key"]

@@ -118,8 +118,10 @@ def test_the_wire_says_what_a_folder_and_its_token_must_be():
             encode(bad)
     relayed = Located("w1", "relayed", address="tcp://127.0.0.1:1", mode="project", mount="/shared/cargo", seen=token)
     assert decode(encode(relayed)) == relayed
-    with pytest.raises(ValueError, match="only for"):
+    with pytest.raises(ValueError, match="names none"):
         encode(Located("w1", "direct", address="tcp://127.0.0.1:1", mode="project", seen=token))
+    with pytest.raises(ValueError, match="only for"):
+        encode(Located("w1", "inprocess", mount="/shared/cargo", seen=token))
 
 
 def test_the_mark_of_a_killed_worker_is_swept_like_its_cargo(tmp_path):

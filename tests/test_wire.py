@@ -560,7 +560,8 @@ def test_fields_over_their_limits_are_refused():
     refused(with_header(encode(Send(1, (DIGEST,))), digests=[DIGEST.upper()]), "lowercase hex")
     refused(with_header(encode(Located("w1", "direct")), path="teleport"), "`Located.path`")
     refused(with_header(encode(Located("w1", "direct")), mode="fast"), "`Located.mode`")
-    refused(with_header(encode(Located("w1", "direct")), mount="/x"), "only for the \"mount\" and \"relayed\" paths")
+    refused(with_header(encode(Located("w1", "inprocess")), mount="/x"), "only for the \"mount\", \"relayed\" and \"direct\" paths")
+    refused(with_header(encode(Located("w1", "direct", address="tcp://h:1")), mount="/x"), "`Located.seen`", "token")
     refused(with_header(encode(Listed({"a": "project"})), hosts={"a": "elsewhere"}), "Listed.hosts['a']")
     refused(with_header(encode(Hello(runtime())), offering=""), "`Hello.offering`")
 

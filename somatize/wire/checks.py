@@ -467,11 +467,11 @@ def _check_located(m: Located) -> None:
             raise Bad('`Located.mount` names the shared directory, and a "mount" path has none')
         _text(m.mount, "Located.mount", limits.MAX_PATH)
         if m.seen:
-            raise Bad('`Located.seen` is for a relayed worker\'s folder; a "mount" path is declared')
-    elif m.path == "relayed" and (m.mount is not None or m.seen):
+            raise Bad('`Located.seen` is for a folder a client may not see; a "mount" path is declared')
+    elif m.path in ("relayed", "direct") and (m.mount is not None or m.seen):
         _mount_and_token(m.mount, m.seen, "Located")
     elif m.mount is not None or m.seen:
-        raise Bad(f'`Located.mount` is only for the "mount" and "relayed" paths, and this path is "{m.path}"')
+        raise Bad(f'`Located.mount` is only for the "mount", "relayed" and "direct" paths, and this path is "{m.path}"')
     if m.ended is not None:
         _text(m.ended, "Located.ended", limits.MAX_NAME)
     _text(m.key, "Located.key", 40, empty=True)

@@ -248,9 +248,10 @@ class Located:
 
     ``path`` is ``"inprocess"``, ``"direct"``, ``"relayed"`` or ``"mount"``; ``address`` the
     worker's endpoint (direct, mount) or the broker's (relayed); ``mode`` its packing mode;
-    ``mount`` the shared directory, for ``"mount"``, and for a ``"relayed"`` worker that dialed
-    in with one, with ``seen``, the token of the file it made there (a client that finds
-    that file sends cargo through the folder, and the rest through the broker); ``ended`` how a lost worker ended
+    ``mount`` the shared directory, for ``"mount"``; and for a worker that dialed in with one
+    (``"relayed"``), or a broker's child other machines reach (``"direct"``), with ``seen``,
+    the token of a file made there: a client that finds that file sends cargo through the
+    folder, any other sends it on the socket; ``ended`` how a lost worker ended
     (``"killed by SIGKILL"``), when known; ``key`` the worker's CURVE public key (Z85, 40
     characters) when it listens with one, so the client can check whom it reached.
     """

@@ -17,7 +17,7 @@ from ...errors import Refused
 from ...wire import Located, Refusal, Runtime, Where
 from ..hosts import Worker
 from .checks import Helper, check
-from .spawn import Child
+from .spawn import Child, Reach
 
 #: Questions one tenant may have waiting for a start or a check.
 MAX_PENDING = 8
@@ -36,6 +36,7 @@ class Spawned:
         self.runtime = runtime
         self.patience = patience
         self.private = private  # embedded: its one client is the process its children serve
+        self.reach: Reach | None = None  # how other machines reach the children, if they may
         self._lock = threading.Lock()  # the children, also seen from the thread that closes
         self._waiting: dict[tuple[str, str], list] = {}  # (host, "start"|"check") -> [(route, tenant)]
         self._pending: dict[str, int] = {}  # tenant -> questions waiting for a helper job
@@ -47,7 +48,7 @@ class Spawned:
             child = self.children.get(host)
             if child is None:
                 child = self.children[host] = Child(host, declared.argv, mode=declared.mode, mount=declared.mount,
-                                                    own=declared.own_mount)
+                                                    own=declared.own_mount, reach=self.reach)
         kind = "check" if where.lost else "start"
         if kind == "start" and child.running and not self._helper.busy(host):
             return child.located(host, declared.mode)
@@ -88,6 +89,12 @@ class Spawned:
 
         self._helper.submit(host, job, done)
         return None
+
+    def reload(self) -> None:
+        with self._lock:
+            children = list(self.children.values())
+        for child in children:
+            child.reload()
 
     def close(self) -> None:
         with self._lock:

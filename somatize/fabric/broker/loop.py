@@ -44,7 +44,7 @@ from .quiet import Quiet
 from .outbox import DROPPED, GONE, Outbox
 from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name, user_of
-from .spawn import Child
+from .spawn import Child, Reach
 from ..hosts import Worker
 
 #: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
@@ -153,6 +153,9 @@ class BrokerLoop:
         self._front.bind(url)
         self._outbox = Outbox(self._front)
         self.endpoint = sockets.bound_endpoint(self._front)
+        if keys is not None and keys.allow is not None and not sockets.is_loopback(url):
+            # clients on other machines: its children listen beside it, with keys, not on a socket file
+            self._spawned.reach = Reach(self.endpoint.removeprefix("tcp://").rpartition(":")[0], keys.allow)
         return self.endpoint
 
     # -- the loop ----------------------------------------------------------------------
@@ -220,6 +223,7 @@ class BrokerLoop:
             log.error("the allow-list was not reloaded, the old one stays (%s): %s", self._guard.described(), exc)
             return
         log.info("reloaded the allow-list: %s", self._guard.described())
+        self._spawned.reload()  # children reached from other machines allow the same keys
         self._revoke()
 
     def _revoke(self) -> None:

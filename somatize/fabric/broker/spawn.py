@@ -4,8 +4,12 @@ A child is started as ``argv + ["--listen", "ipc:///.../w.sock", "--announce", .
 prints one line with its endpoint, which is read with a deadline and must be the socket it
 was given. Everything it prints afterwards is passed on, prefixed with the host's name.
 
-Who may reach a child: only this user's processes. Its socket lies in a fresh 0700
-directory this process makes (``tempfile.mkdtemp`` under ``$XDG_RUNTIME_DIR``, else the
+Who may reach a child: only this user's processes, unless its broker listens for other
+machines with keys (``reach``): then the child listens on the broker's address, on a port of
+its own, with a key pair the broker made for it in that private directory, and allows the
+keys the broker allows (``--allow``, read again when the broker is reloaded); a client checks
+it reached that child by its public key, which the broker names in ``Located.key``.
+Otherwise its socket lies in a fresh 0700 directory this process makes (``tempfile.mkdtemp`` under ``$XDG_RUNTIME_DIR``, else the
 temporary folder), so the kernel refuses another user's ``connect`` before a byte is read;
 no TCP port is opened for anyone to find in ``/proc/net/tcp``. (An ipc round trip costs no
 more than a TCP one on loopback, and needs no keys to hand over.) The directory is removed
@@ -28,10 +32,13 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from ...errors import Refused
 from ...wire import Located
 from .. import mount as _mount
+from ..curve import make_pair, read_public
 
 ANNOUNCE = "somatize-worker ready "
 START_DEADLINE = 30.0
@@ -44,11 +51,15 @@ _DIRECTORY = re.compile(r"somatize-(\d+)-[a-z0-9_]+")
 class Child:
     """One spawned worker process for one host."""
 
-    def __init__(self, host: str, argv: tuple[str, ...], *, mode: str, mount: str | None, own: bool = False) -> None:
+    def __init__(self, host: str, argv: tuple[str, ...], *, mode: str, mount: str | None, own: bool = False,
+                 reach: Reach | None = None) -> None:
         self.host = host
         self.argv = argv
         self.mode = mode
         self.mount = mount
+        self.reach = reach
+        self.key = ""  # its public key (Z85), when it listens for other machines
+        self.seen = ""  # the mark in its default folder, when clients elsewhere may not see it
         # no mount named: this user's default folder, looked at each start, since another
         # user may take its name in /dev/shm at any time (then: the socket, never a failure)
         self.own = own
@@ -70,9 +81,18 @@ class Child:
         if self.mount:
             _mount.private(self.mount)  # made 0700 or refused, before the child sees it
             _mount.sweep(self.mount)
+            if self.own and self.reach is not None:
+                # this machine's memory: only a client that finds our mark there uses it
+                self.seen = _mount.mark(self.mount)
         self.directory = private_directory()
         url = f"ipc://{self.directory}/w.sock"
-        command = [*self.argv, "--listen", url, "--announce", "--mode", self.mode, "--parent", str(os.getpid())]
+        keyed: list[str] = []
+        if self.reach is not None:  # other machines reach it, with keys: a pair of its own
+            public, secret = make_pair(self.directory, "worker")
+            self.key = read_public(public).decode()
+            url = f"tcp://{self.reach.interface}:0"
+            keyed = ["--key", str(secret), "--allow", str(self.reach.allow)]
+        command = [*self.argv, "--listen", url, "--announce", "--mode", self.mode, "--parent", str(os.getpid()), *keyed]
         if self.mode == "project":
             # the spawner's own folder is the project its nodes come from (a notebook's modules
             # beside it); a worker puts no other working directory on its import path
@@ -86,6 +106,8 @@ class Child:
             raise Refused(f"the worker for `{self.host}` could not be started from {list(self.argv)}: {exc}") from exc
         self.process = process
         line = _first_line(process, START_DEADLINE)
+        if line is not None and self.reach is not None and _on_interface(line[len(ANNOUNCE):], self.reach.interface):
+            url = line[len(ANNOUNCE):]  # the port it was given: the system's choice
         if line is None or line != ANNOUNCE + url:
             ended = self.ended() if process.poll() is not None else None
             self.stop()
@@ -100,7 +122,7 @@ class Child:
                 + (f"{ended} (its stderr is above)" if ended else f"said nothing usable within {START_DEADLINE:.0f} s")
                 + "; check that it runs `python -m somatize.worker`"
             )
-        self.address = url
+        self.address = url if self.reach is None else self.reach.address(url)
         threading.Thread(target=_relay_output, args=(process, self.host), daemon=True, name=f"somatize-{self.host}-out").start()
         return self.address
 
@@ -158,8 +180,18 @@ class Child:
     def located(self, host: str, mode: str, ended: str | None = None) -> Located:
         """Where this child's host is: its socket, and the folder it was started with (chosen
         at each start when none was named), if any."""
+        if self.seen:  # the default folder, for the clients that see it (`mount.sees`)
+            return Located(host, "direct", address=self.address, mode=mode, mount=self.mount, seen=self.seen,
+                           ended=ended, key=self.key)
         return Located(host, "mount" if self.mount else "direct", address=self.address, mode=mode,
-                       mount=self.mount, ended=ended)
+                       mount=self.mount, ended=ended, key=self.key)
+
+    def reload(self) -> None:
+        """Its broker's allow folder was read again: so is its own (the same folder)."""
+        process = self.process
+        if self.reach is not None and process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGHUP)
 
     def stop(self) -> None:
         """Terminate, wait a moment, then kill; always reaped; its socket's directory removed."""
@@ -179,11 +211,35 @@ class Child:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)  # also after a SIGKILL: the child removed nothing
             self.directory = None
+        if self.seen and self.mount:
+            _mount.unmark(self.mount, self.seen)
+            self.seen = ""
         if process is not None and self.mount == _mount.own_path():
             # the default folder start() made goes with its last user, as a pool's does when
             # it drains (client.lending): a child whose cargo all went through its socket made no pool
             with contextlib.suppress(OSError):  # not empty: someone else still uses it
                 os.rmdir(self.mount)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How a broker's children are reached from other machines: on ``interface`` (the
+    address the broker listens on), allowing the keys in ``allow`` (the broker's)."""
+
+    interface: str
+    allow: Path
+
+    def address(self, bound: str) -> str:
+        """What clients are told: a wildcard listens everywhere, and is reached by name."""
+        if self.interface in ("*", "0.0.0.0", "[::]"):
+            return f"tcp://{socket.gethostname()}:{bound.rsplit(':', 1)[1]}"
+        return bound
+
+
+def _on_interface(endpoint: str, interface: str) -> bool:
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    same = host == interface or (interface == "*" and host in ("0.0.0.0", "[::]"))
+    return endpoint.startswith("tcp://") and same and port.isdigit()
 
 
 def private_directory() -> str:

@@ -127,7 +127,7 @@ class Channel:
         # the folder cargo goes through: a declared mount's, or a relayed worker's that this
         # process sees (it finds the file the worker made there); none, and it is sent
         self.folder = located.mount if located.path == "mount" or (
-            self.relayed and located.mount and _mount.sees(located.mount, located.seen)) else None
+            located.mount and located.seen and _mount.sees(located.mount, located.seen)) else None
         self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
         self.exchange = ClientExchange()
         self.lane = lane  # a relayed channel: a lane of the client's one link to the broker
