@@ -349,7 +349,7 @@ class Broker:
                     f"running {running}; nothing was kept from it"
                 )
             return Broken(
-                f"the worker for `{host}` went away while running {running} ({exc}), and the broker "
+                f"the worker for `{host}` went away while running {running}, and the broker "
                 f"at {self.url} did not answer either: both are gone, or this machine lost its "
                 f"network. Nothing was kept; check both (`systemctl status`), then forward again"
             )
@@ -367,8 +367,10 @@ class Broker:
                 f"the worker for `{host}` went away while running {running}: {ended}. "
                 f"Nothing was kept from it; it is started again on the next forward."
             )
+        # one cause, one sentence: how it was noticed (a dropped connection, a silence past
+        # patience, a refusal from a restarted worker) is timing, kept as the cause, not said
         return Broken(
-            f"the worker for `{host}` went away while running {running} ({exc}). Nothing was kept "
+            f"the worker for `{host}` went away while running {running}. Nothing was kept "
             f"from it; a worker the broker spawned is started again on the next forward, one that "
             f"listens on its own machine must be restarted there (`systemctl status somatize-worker`)."
         )
