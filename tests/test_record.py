@@ -1050,6 +1050,20 @@ def test_scores_draws_each_trial_and_the_best_so_far_as_text(counting, capsys):
     assert capsys.readouterr().out == ""  # never prints by itself
 
 
+def test_one_diverged_trial_does_not_flatten_the_others_bars(store):
+    """Scores from 0.93 to 0.978 were all drawn as full bars because one trial scored 0.48:
+    the bars spanned every score. Now they span the scores but those far out."""
+    define(store, "acc", "maximize")
+    for trial, score in enumerate([0.95, 0.48, 0.93, 0.978, 0.94, 0.96]):
+        attempt(store, "acc", trial, 0, state="done", score=score)
+    title, *lines = scores(store, study="acc", as_text=True).splitlines()
+    assert title.endswith("; bars span 0.93 to 0.978, < and > mark scores beyond")
+    bars = {float(line.split()[2]): line.split()[3] for line in lines}
+    assert bars[0.48] == "<"
+    assert bars[0.93] == "#" and bars[0.978] == "#" * 40
+    assert len(bars[0.93]) < len(bars[0.94]) < len(bars[0.95]) < len(bars[0.96]) < len(bars[0.978])
+
+
 def test_scores_without_matplotlib_is_the_text_chart(store, monkeypatch):
     a_study(store)
     monkeypatch.setitem(sys.modules, "matplotlib", None)

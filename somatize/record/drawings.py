@@ -9,6 +9,7 @@ draws costs, and nothing more.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from ..store import Store
@@ -118,19 +119,39 @@ def _fleet_figure(Figure: Any, run: str, hosts: dict[str, dict[str, Any]]) -> An
 def _scores_text(study: str, direction: str, rows: list[dict[str, Any]]) -> Chart:
     if not rows:
         return Chart(f"study {study!r} has no trials yet")
-    scored = [row["score"] for row in rows if _finite(row["score"])]
-    low, high = (min(scored), max(scored)) if scored else (0.0, 0.0)
+    low, high = _scale([row["score"] for row in rows if _finite(row["score"])])
     wide = max(5, len(str(rows[-1]["trial"])))
     lines = [f"study {study!r} ({direction}): score per trial, the best so far, * a new best"]
+    if any(_finite(row["score"]) and not low <= row["score"] <= high for row in rows):
+        lines[0] += f"; bars span {low:.6g} to {high:.6g}, < and > mark scores beyond"
     for row in rows:
         score = row["score"]
         bar = ""
         if _finite(score):
-            bar = "#" * (_WIDTH if high == low else 1 + round((score - low) * (_WIDTH - 1) / (high - low)))
+            if score < low:
+                bar = "<"
+            elif score > high:
+                bar = "#" * (_WIDTH - 1) + ">"
+            else:
+                bar = "#" * (_WIDTH if high == low else 1 + round((score - low) * (_WIDTH - 1) / (high - low)))
         best = "" if row["best"] is None else f"  best {row['best']:.6g}"
         line = f"{row['trial']:>{wide}}  {row['state']:<9}  {_number(score):>11}  {bar:<{_WIDTH}}{best}"
         lines.append((line + ("  *" if row["improved"] else "")).rstrip())
     return Chart("\n".join(lines))
+
+
+def _scale(scores: list[float]) -> tuple[float, float]:
+    """The range the bars span: the scores', less those far out (beyond 1.5 interquartile
+    ranges from the quartiles, Tukey's fences), so one diverged trial does not flatten the
+    differences among the rest into full bars."""
+    if not scores:
+        return 0.0, 0.0
+    if len(scores) < 4:
+        return min(scores), max(scores)
+    first, _, third = statistics.quantiles(scores, n=4, method="inclusive")
+    reach = 1.5 * (third - first)
+    kept = [s for s in scores if first - reach <= s <= third + reach]
+    return min(kept), max(kept)
 
 
 def _number(value: float | None) -> str:
