@@ -263,6 +263,19 @@ def test_malformed_records_are_left_out_and_stop_no_runner_and_no_reader(shared,
     assert shown.stdout.startswith("study 'junk': 9 trials (1 done, 6 failed)")
 
 
+def test_show_prints_no_escape_sequence_a_record_holds(shared):
+    """A runner's name or an error from the folder reached the terminal as written: an
+    escape sequence there could clear a reader's screen or retitle the terminal."""
+    store = FolderStore(shared)
+    Study(store, "ansi", objective="study_objectives:quadratic", space=X, trials=1)
+    store.put("ansi/trial/000000/000", attempt_record(1.0, runner="\x1b]0;owned\x07r1\x1b[2J",
+                                                       state="failed", score="", error="boom\x1b[31m red"))
+    shown = runner(store, "ansi", "--show")
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
+    assert "?]0;owned?r1?[2J" in shown.stdout and "boom?[31m red" in shown.stdout
+
+
 def test_a_malformed_record_is_named_once_per_process(tmp_path, capfd):
     store = FolderStore(tmp_path / "store")
     Study(store, "tune", objective="study_objectives:quadratic", space=X, trials=2)

@@ -170,6 +170,10 @@ def test_a_runner_killed_mid_trial_is_finished_by_the_other_as_attempt_1(folder,
     assert trial0[1]["config"] == trial0[0]["config"]  # the same configuration, again
     assert all(r["state"] == "done" for r in counted(store, "killed").values())
     assert "taking it over as attempt 1" in output(b)
+    # --show says who took it over
+    shown = {row.split()[0]: row for row in table(Study.open(store, "killed")).splitlines()[2:]}
+    assert shown["0"].split()[:3] == ["0", "done", "2"] and "b, took over" in shown["0"]
+    assert "took over" not in shown["1"]
 
 
 def test_a_paused_runner_that_wakes_after_a_takeover_changes_nothing_that_counts(folder, start):

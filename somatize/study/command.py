@@ -83,9 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def table(study: Study) -> str:
-    """The study's trials as text: one row per trial, from its highest attempt (one scan)."""
+    """The study's trials as text: one row per trial, from its highest attempt (one scan),
+    as a runner sees them (a record it cannot read is a failed trial, with the reason), with
+    who ran that attempt, and ``took over`` where an earlier one was given up."""
     history = History.scan(study.store, study.name)
-    rows = [("trial", "state", "attempts", "score", "took", "config", "error")]
+    rows = [("trial", "state", "attempts", "score", "took", "runner", "config", "error")]
     states: dict[str, int] = {}
     best: tuple[float, int] | None = None
     sign = 1.0 if study.direction == "minimize" else -1.0
@@ -100,6 +102,7 @@ def table(study: Study) -> str:
                 best = (value, trial.number)
         took = last.get("took_us", "")
         error = (trial.last.problem or last.get("error") or "").strip().splitlines()
+        runner = _printable(str(last.get("runner", "")), 40)
         rows.append(
             (
                 str(trial.number),
@@ -107,8 +110,9 @@ def table(study: Study) -> str:
                 str(len(trial.attempts)),
                 score,
                 _took(int(took)) if took.isdigit() else "",
+                runner + (", took over" if len(trial.attempts) > 1 and runner else ""),
                 json.dumps(trial.last.config(), sort_keys=True),
-                error[-1][:60] if error else "",
+                _printable(error[-1], 60) if error else "",
             )
         )
     counted = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none claimed yet"
@@ -121,6 +125,12 @@ def table(study: Study) -> str:
         cells = [cell.rjust(w) if i in (0, 2) else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def _printable(text: str, limit: int) -> str:
+    """A field of a record (anyone who may write the folder wrote it) as a terminal may show
+    it: no escape sequences, no line breaks, at most ``limit`` characters."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 def _took(us: int) -> str:
