@@ -45,6 +45,7 @@ from typing import Any
 
 from . import keys as _keys
 from .codec import loads, written_parts
+from .computing import Claims, claim, claiming, depths
 from .errors import CodecError, Missing, NodeFailed, Overdue, SomatizeError
 from .facts import Watchers, elsewhere, fact, microseconds
 from .graph import Graph, Step, as_graph
@@ -90,7 +91,11 @@ def forward(
     started = time.perf_counter_ns()
     try:
         walk = _Walk.prepare(graph, x, broker=broker, store=store, watch=watch, deadline=until, here=here)
-        output = walk.run(x)
+        try:
+            output = walk.run(x)
+        finally:
+            if walk.claims is not None:  # what it claimed and did not keep: others compute it
+                walk.claims.release_all()
     except BaseException as exc:
         if watch:
             watch(fact("broke", error=_describe(exc), took_us=microseconds(time.perf_counter_ns() - started)))
@@ -129,8 +134,12 @@ class _Walk:
         recalled: dict[int, Any] | None = None,
         produced: dict[int, Any] | None = None,
         deadline: Deadline | None = None,
+        claims: Claims | None = None,
+        waited: dict[int, int] | None = None,
     ) -> None:
         self.plan = plan
+        self.claims = claims  # the missing entries this forward computes, claimed (`computing`)
+        self.waited = waited or {}  # recalled after waiting for another forward: how long (us)
         self.deadline = deadline
         self.watch = watch
         self.keys = keys
@@ -163,10 +172,14 @@ class _Walk:
             )
             keys = {}
         recalled: dict[int, Any] = {}
+        missed: dict[int, str] = {}
 
         def recall(index: int, key: str) -> bool:
+            if index in recalled:
+                return True
             found = _recall(store, key, steps[index])
             if found is _NOTHING:
+                missed[index] = key
                 return False
             recalled[index] = found
             return True
@@ -174,8 +187,19 @@ class _Walk:
         if not keys:
             return cls(_plan_of(graph, here), watch, keys=keys, store=store, broker=broker, deadline=deadline)
         shape = prune(graph.shape, steps, keys, recall)
+        claims, waited = None, {}
+        if missed and claiming(store):
+            # one forward computes a missing entry, the others wait for it (`computing`)
+            claims = Claims(store)
+            limit = None if deadline is None else max(0.0, deadline.left() / 2)
+            order = depths(graph.shape)
+            while claim(claims, missed, order, lambda i: steps[i].label, recall, limit, waited):
+                missed.clear()
+                shape = prune(graph.shape, steps, keys, recall)
+                claims.release_all(keep=missed.values())
         plan = compile(steps, group(shape, steps), recalled_keys=keys, here=here)
-        return cls(plan, watch, keys=keys, store=store, broker=broker, recalled=recalled, deadline=deadline)
+        return cls(plan, watch, keys=keys, store=store, broker=broker, recalled=recalled, deadline=deadline,
+                   claims=claims, waited=waited)
 
     # -- scheduling --------------------------------------------------------------------
     def run(self, x: Any) -> Any:
@@ -276,7 +300,10 @@ class _Walk:
             return value
         if isinstance(op, Recall):
             step = self.plan.steps[op.step]
-            self.watch(fact("recalled", node=step.label, key=op.key))
+            if op.step in self.waited:  # another forward computed it meanwhile; we waited for it
+                self.watch(fact("recalled", node=step.label, key=op.key, waited_us=self.waited[op.step]))
+            else:
+                self.watch(fact("recalled", node=step.label, key=op.key))
             return self.recalled[op.step]
         return self._remote(op, value)
 
@@ -377,6 +404,8 @@ class _Walk:
             _say(f"what `{step.label}` produced could not be kept: the store refused it: {type(exc).__name__}: {exc}")
             return
         self.watch(fact("kept", node=step.label, key=key))
+        if self.claims is not None:
+            self.claims.release(key)  # kept: who waits for it reads it now
 
 
 # -- helpers -----------------------------------------------------------------------------
