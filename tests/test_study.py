@@ -492,6 +492,48 @@ def test_each_sampler_rebuilt_from_the_folder_proposes_new_points(folder, sample
     assert len(configs) == 10 and len(set(configs)) == 10
 
 
+def test_watch_says_how_far_a_study_is_until_it_ends(folder, start):
+    """A runner said nothing about how far the study was, and nothing else could, live."""
+    store = FolderStore(folder)
+    Study(store, "watched", objective="study_objectives:quadratic_slowly", space=X, trials=10, sampler="random")
+    runner = start("watched", "a")
+    watching = subprocess.run(
+        [sys.executable, "-m", "somatize", "study", "--store", str(folder), "watched", "--watch", "0.1"],
+        capture_output=True, text=True, timeout=60, env=env_with_tests(),
+    )
+    assert finished(runner) == 0, runner.stderr()
+    assert watching.returncode == 0, watching.stderr
+    said = watching.stdout.splitlines()
+    assert all(line.startswith("study 'watched': ") for line in said)
+    best = min((r for r in counted(store, "watched").values()), key=lambda r: float(r["score"]))
+    assert said[-1] == f"study 'watched': 10/10 finished (10 done); best {float(best['score']):.6g} (trial {best['trial']})"
+    counts = [int(re.match(r"study 'watched': (\d+)/10", line).group(1)) for line in said]
+    assert counts == sorted(counts)  # never backwards
+    assert study_main(["--store", str(folder), "watched", "--watch", "0"]) == 2
+
+
+def test_watch_on_a_terminal_draws_one_line_in_place(tmp_path):
+    import io
+
+    from somatize.study.watching import Seen, line, watch
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    seen = Seen(40, {"done": 10, "failed": 2, "running": 3}, (0.0123, 7))
+    assert line("tune", seen, 2.1) == ("study 'tune': 12/40 finished (10 done, 2 failed), 3 running; "
+                                       "best 0.0123 (trial 7); 2.1 trials/s, about 13 s left")
+    assert line("tune", seen, None).endswith("; time left not known yet")
+    store = FolderStore(tmp_path / "ended")
+    study = Study(store, "ended", objective="study_objectives:quadratic", space=X, trials=3, sampler="random")
+    study.run()
+    screen = Terminal()
+    assert watch(study, every=0.05, out=screen).finished == 3
+    drawn = screen.getvalue()
+    assert "study 'ended': 3/3 finished (3 done)" in drawn and "\r" in drawn  # drawn in place, by tqdm
+
+
 def test_show_prints_the_trials(folder, capsys):
     store = FolderStore(folder)
     study = Study(store, "shown", objective="study_objectives:quadratic", space=X, trials=3, sampler="random")

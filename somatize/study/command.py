@@ -2,7 +2,8 @@
 
 Run it on any machine that sees the folder, as many times as you like: each process runs
 trials of the study until all have finished. The study must already be defined there by a
-``Study(...)`` call. ``--show`` prints the trials as a table instead.
+``Study(...)`` call. ``--show`` prints the trials as a table instead, and ``--watch`` says
+how far the study is, live, until it ends.
 
 SIGTERM (``scancel``, ``kill``) and Ctrl-C stop a runner between two writes: its attempt is
 marked abandoned, so another runner takes the trial over at once rather than after the
@@ -21,6 +22,7 @@ from pathlib import Path
 from ..errors import SomatizeError
 from .history import History
 from .study import Study
+from .watching import watch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("name", metavar="NAME", help="the study's name, as given to Study(...)")
     parser.add_argument("--show", action="store_true", help="print the trials as a table and exit")
+    parser.add_argument(
+        "--watch", metavar="SECONDS", nargs="?", type=float, const=2.0,
+        help="say the study's progress every SECONDS (default 2) until every trial has finished; runs nothing",
+    )
     parser.add_argument(
         "--runner", metavar="ID", help="this runner's name in the records (default: host-pid-random)"
     )
@@ -54,6 +60,12 @@ def command(args: argparse.Namespace) -> int:
         )
         if args.show:
             print(table(study))
+            return 0
+        if args.watch is not None:
+            if not args.watch > 0:
+                print("somatize study: --watch takes a number of seconds above 0", file=sys.stderr)
+                return 2
+            watch(study, every=args.watch)
             return 0
         previous = signal.signal(signal.SIGTERM, _stop)
         try:

@@ -1,0 +1,122 @@
+"""``--watch``: a study's progress, live, from any machine that sees its folder.
+
+One scan of the study's trials every few seconds (what ``--show`` reads, as a runner sees
+it), said as one line: how many trials have finished of how many, how many are done,
+failed, pruned and running, the best score so far, the pace since the watch began, and
+about how long is left at that pace. On a terminal it is one line drawn again in place
+(a tqdm bar, where tqdm is installed); elsewhere (a log, a pipe) a line each time it
+changes. It ends when every trial has finished, and only looks: it writes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from .history import FINISHED, History
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What one look at a study found."""
+
+    trials: int  # how many the study runs
+    states: dict[str, int]
+    best: tuple[float, int] | None  # (score, trial)
+
+    @property
+    def finished(self) -> int:
+        return sum(n for state, n in self.states.items() if state in FINISHED)
+
+
+def look(study: Any) -> Seen:
+    """One scan of ``study``'s trials, counted by state, with the best done score."""
+    states: dict[str, int] = {}
+    best: tuple[float, int] | None = None
+    sign = 1.0 if study.direction == "minimize" else -1.0
+    for trial in History.scan(study.store, study.name):
+        if trial.number >= study.trials:
+            continue  # a record past the study's end (a writer of the folder's): not counted
+        state = trial.state
+        states[state] = states.get(state, 0) + 1
+        score = trial.last.record.get("score", "")
+        if state == "done" and score:
+            try:
+                value = float(score)
+            except ValueError:
+                continue
+            if math.isfinite(value) and (best is None or sign * value < sign * best[0]):
+                best = (value, trial.number)
+    return Seen(study.trials, states, best)
+
+
+def line(name: str, seen: Seen, pace: float | None) -> str:
+    """What a look says: ``study 'tune': 12/40 finished (10 done, 2 failed), 3 running;
+    best 0.0123 (trial 7); 2.1 trials/s, about 13 s left``."""
+    finished = ", ".join(f"{seen.states[s]} {s}" for s in ("done", "failed", "pruned") if seen.states.get(s))
+    text = f"study {name!r}: {seen.finished}/{seen.trials} finished" + (f" ({finished})" if finished else "")
+    running = seen.states.get("running", 0)
+    if running:
+        text += f", {running} running"
+    if seen.best is not None:
+        text += f"; best {seen.best[0]:.6g} (trial {seen.best[1]})"
+    left = seen.trials - seen.finished
+    if left <= 0:
+        return text
+    if pace:
+        text += f"; {pace:.3g} trials/s, about {_duration(left / pace)} left"
+    else:
+        text += "; time left not known yet"
+    return text
+
+
+def watch(study: Any, *, every: float = 2.0, out: TextIO | None = None) -> Seen:
+    """Say ``study``'s progress every ``every`` seconds until every trial has finished;
+    return the last look. Ctrl-C stops it (``KeyboardInterrupt``)."""
+    out = out or sys.stdout
+    bar = _bar(study, out)
+    started, first = time.monotonic(), None
+    said = ""
+    try:
+        while True:
+            seen = look(study)
+            first = seen.finished if first is None else first
+            elapsed = time.monotonic() - started
+            pace = (seen.finished - first) / elapsed if elapsed > 0 and seen.finished > first else None
+            text = line(study.name, seen, pace)
+            if bar is not None:
+                bar.n = seen.finished
+                bar.set_description_str(text, refresh=True)
+            elif text != said:
+                print(text, file=out, flush=True)
+            said = text
+            if seen.finished >= seen.trials:
+                return seen
+            time.sleep(every)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _bar(study: Any, out: TextIO) -> Any:
+    """A tqdm bar on a terminal, where tqdm is installed; None elsewhere (lines instead)."""
+    if not (hasattr(out, "isatty") and out.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=study.trials, file=out, bar_format="{desc} {bar}", dynamic_ncols=True, leave=True)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return "under a second"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
