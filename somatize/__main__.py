@@ -39,9 +39,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     study_arguments(run_study)
 
+    from . import view
+
+    run_view = commands.add_parser(
+        "view",
+        help="show a store's record (runs, machines, studies) live in a browser",
+        description="Serve a live view of a store's record to a browser; it only reads the store.",
+    )
+    view.add_arguments(run_view)
+
     args = parser.parse_args(argv)
     if args.command == "study":
         return study_command(args)
+    if args.command == "view":
+        return view.command(args)
     if args.command == "keys":
         return _keys(args.folder, args.names or [socket.gethostname()])
     if args.command == "demo":

@@ -1,0 +1,207 @@
+"""The view's web application: a page, the record's readers as JSON, and a stream of changes.
+
+Only ``GET``: nothing a request does writes the store or runs code. Every answer is read
+from the store by the readers of :mod:`somatize.record` (one scan each, as they say), and a
+name in a URL is checked as those readers check it, so no path leaves the store. The page
+draws every text it is given with ``textContent``, never as markup: a label written by
+someone else's process shows as the text it is.
+
+Who may look: whoever holds the token (a cookie set from ``?token=`` on the first visit, or
+an ``Authorization: token ...`` header), unless the view was started without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import BadName, SomatizeError
+from ..record import best, curve, fleet, forwards, latest, nodes, runs, trials
+from ..record.readers import facts as facts_of
+from .changes import Changes, studies
+
+STATIC = Path(__file__).parent / "static"
+_FILES = {  # what the page is made of, and nothing else from the disk
+    "app.js": "text/javascript", "style.css": "text/css",
+    "uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css",
+}
+_COOKIE = "somatize-view"
+#: How many rows of a table one answer holds at most (a page asks for the next ones).
+PAGE = 500
+#: How often the stream looks at the store for changes (seconds).
+LOOK = 0.5
+
+
+def make_app(store: Any, *, token: str | None) -> Starlette:
+    """The view of ``store``; with ``token``, only requests that carry it are answered."""
+    changes = Changes(store)
+
+    async def index(request: Request) -> Response:
+        given = request.query_params.get("token")
+        if token is not None and given is not None:
+            if not secrets.compare_digest(given, token):
+                return PlainTextResponse("this view's token is not that one", status_code=403)
+            answer = RedirectResponse("/", status_code=303)  # the token leaves the address bar
+            answer.set_cookie(_COOKIE, token, httponly=True, samesite="strict")
+            return answer
+        refused = _refused(request, token)
+        if refused is not None:
+            return refused
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=_HEADERS)
+
+    async def static(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in _FILES:
+            return PlainTextResponse("no such file", status_code=404)
+        return FileResponse(STATIC / name, media_type=_FILES[name], headers=_HEADERS)
+
+    def api(read):  # noqa: ANN001, ANN202 - a reader of the request, in a thread
+        async def answer(request: Request) -> Response:
+            refused = _refused(request, token)
+            if refused is not None:
+                return refused
+            try:
+                body = await asyncio.to_thread(read, request)
+            except (BadName, ValueError) as exc:
+                return JSONResponse({"error": str(exc)}, status_code=400, headers=_HEADERS)
+            except (OSError, SomatizeError) as exc:
+                return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=404, headers=_HEADERS)
+            return Response(json.dumps(_plain(body), allow_nan=False), media_type="application/json",
+                            headers=_HEADERS)
+        return answer
+
+    def read_runs(request: Request) -> Any:
+        out = []
+        for run in runs(store):
+            rows = forwards(store, run)
+            last = rows[-1] if rows else {}
+            out.append({"run": run, "forwards": len(rows), "state": last.get("state", ""),
+                        "took_us": last.get("took_us"), "loss": last.get("loss.value")})
+        return sorted(out, key=lambda row: row["run"], reverse=True)
+
+    def read_run(request: Request) -> Any:
+        run = request.path_params["run"]
+        rows = forwards(store, run)
+        start = _whole(request.query_params.get("from"), 0)
+        kinds = sorted({key for row in rows for key in row if "." in key})
+        return {"run": run, "count": len(rows), "from": start, "forwards": rows[start:start + PAGE],
+                "kinds": kinds, "curve": curve(store, run),
+                "took": [(row["forward"], row["took_us"]) for row in rows if row["took_us"] is not None]}
+
+    def read_nodes(request: Request) -> Any:
+        return nodes(store, request.path_params["run"], last=_whole(request.query_params.get("last"), 100) or None)
+
+    def read_facts(request: Request) -> Any:
+        return [dict(f) for f in facts_of(store, request.path_params["run"], int(request.path_params["forward"]))]
+
+    def read_machines(request: Request) -> Any:
+        run = request.query_params.get("run")
+        return {"said": latest(store), "fleet": fleet(store, run, last=100) if run else {}}
+
+    def read_studies(request: Request) -> Any:
+        return studies(store)
+
+    def read_study(request: Request) -> Any:
+        name = request.path_params["study"]
+        rows = trials(store, name)
+        start = _whole(request.query_params.get("from"), 0)
+        return {"study": name, "count": len(rows), "from": start, "trials": rows[start:start + PAGE],
+                "best": best(store, name), "direction": studies(store, only=name).get("direction", ""),
+                "scores": [(row["trial"], row["score"]) for row in rows
+                           if row["state"] == "done" and isinstance(row["score"], float)]}
+
+    async def events(request: Request) -> Response:
+        """Server-Sent Events: one ``changed`` whenever what ``subject`` shows has changed
+        in the store (by the folders' stamps), and a comment every 15 s to keep it open."""
+        refused = _refused(request, token)
+        if refused is not None:
+            return refused
+        subject = request.query_params.get("subject", "runs")
+
+        async def stream():  # noqa: ANN202
+            try:
+                before = await asyncio.to_thread(changes.stamp, subject)
+            except (BadName, ValueError) as exc:
+                yield f"event: refused\ndata: {json.dumps(str(exc))}\n\n"
+                return
+            quiet = 0.0
+            while not await request.is_disconnected():
+                await asyncio.sleep(LOOK)
+                now = await asyncio.to_thread(changes.stamp, subject)
+                if now != before:
+                    before, quiet = now, 0.0
+                    yield "event: changed\ndata: {}\n\n"
+                else:
+                    quiet += LOOK
+                    if quiet >= 15:
+                        quiet = 0.0
+                        yield ": still here\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={**_HEADERS, "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    routes = [
+        Route("/", index),
+        Route("/static/{name}", static),
+        Route("/api/runs", api(read_runs)),
+        Route("/api/run/{run}", api(read_run)),
+        Route("/api/run/{run}/nodes", api(read_nodes)),
+        Route("/api/run/{run}/facts/{forward:int}", api(read_facts)),
+        Route("/api/machines", api(read_machines)),
+        Route("/api/studies", api(read_studies)),
+        Route("/api/study/{study}", api(read_study)),
+        Route("/api/events", events),
+    ]
+    return Starlette(routes=routes)
+
+
+# nothing of the page may come from elsewhere, be framed, or be guessed as another type
+_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def _refused(request: Request, token: str | None) -> Response | None:
+    if token is None:
+        return None
+    given = request.cookies.get(_COOKIE, "")
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("token "):
+        given = header[6:].strip()
+    if given and secrets.compare_digest(given, token):
+        return None
+    return PlainTextResponse(
+        "this view needs its token: open the address it printed when it started (…/?token=…)",
+        status_code=403,
+    )
+
+
+def _whole(value: str | None, default: int) -> int:
+    if value is None:
+        return default
+    if not value.isdigit() or len(value) > 9:
+        raise ValueError(f"a row number is a whole number, not {value[:20]!r}")
+    return int(value)
+
+
+def _plain(value: Any) -> Any:
+    """JSON has no NaN or infinity: they travel as their names, as text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

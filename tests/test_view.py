@@ -1,0 +1,173 @@
+"""The live view (issue 22), in a real browser: Debian's ``chromium``, driven by Playwright.
+
+A real ``python -m somatize view`` process serves a real store folder; what the pages show is
+written meanwhile by other real processes (a Recorder, a study's runner). The page is only
+waited on for facts it shows (a row, a count of points), never for a time. Skipped, with the
+reason, where Playwright or Chromium is not installed (``.ci/run`` installs both where it can).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import env_with_tests
+from somatize import FolderStore
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:  # pragma: no cover - where the dev extra is not installed
+    sync_playwright = None
+
+pytestmark = pytest.mark.timeout(120)
+READY = "somatize-view ready "
+
+RECORDING = """if True:
+    import sys, time
+    from somatize import FolderStore, Node
+    from somatize.facts import fact
+    from somatize.record import Recorder
+
+    class Step(Node):
+        def forward(self, x):
+            return x + 1
+
+    store, run, go_on = FolderStore(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rec = Recorder(store, run=run, summarising=["loss"])
+    graph = Step().named("step")
+    n = 0
+    while n < 400:
+        graph.forward(n, watching=rec)
+        rec(fact("loss", value=1.0 / (n + 1)))
+        n += 1
+        time.sleep(0.25)
+        print(n, flush=True)
+"""
+
+
+@pytest.fixture
+def browser():
+    if sync_playwright is None:
+        pytest.skip("needs Playwright (pip install -e '.[dev]')")
+    if CHROMIUM is None:
+        pytest.skip("needs Chromium: apt-get install chromium (Debian's package)")
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+def view(processes, folder, *extra):
+    process = processes([sys.executable, "-m", "somatize", "view", "--store", str(folder), "--listen", "127.0.0.1:0",
+                         "--announce", *extra], env=env_with_tests(), announce=READY)
+    return process, process.endpoint  # the address with its token
+
+
+def base(address: str) -> str:
+    return address.split("/?")[0]
+
+
+def test_a_run_being_recorded_elsewhere_shows_up_and_its_curve_grows(processes, browser, tmp_path):
+    folder = tmp_path / "store"
+    FolderStore(folder)
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    dialogs: list = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(address)
+    expect(page.locator("#note")).to_have_text("no run recorded in this store yet")
+    recording = processes([sys.executable, "-c", RECORDING, str(folder), "tuesday", "x"],
+                          env=env_with_tests(), announce=None)
+    recording.line(30)  # its first forward is written
+    expect(page.locator("#runs a", has_text="tuesday")).to_be_visible(timeout=10_000)  # without a reload
+    page.locator("#runs a", has_text="tuesday").click()
+    expect(page.locator("#title")).to_have_text("Run tuesday")
+    first = int(page.locator("#curve").get_attribute("data-points"))
+    page.wait_for_function(f"() => Number(document.querySelector('#curve').dataset.points) > {first + 2}",
+                           timeout=15_000)  # the curve gains points while we watch
+    assert page.locator("#forwards tr").count() > first  # and the table its rows
+    assert not dialogs
+
+
+def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):
+    from optuna.distributions import FloatDistribution
+
+    from somatize import Study
+
+    folder = tmp_path / "store"
+    Study(FolderStore(folder), "tune", objective="study_objectives:quadratic_slowly",
+          space={"x": FloatDistribution(-5, 5)}, trials=30, sampler="random")
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)  # the token, once: a cookie from here on
+    page.goto(base(address) + "/#/study/tune")
+    expect(page.locator("#title")).to_have_text("Study tune")
+    processes([sys.executable, "-m", "somatize", "study", "--store", str(folder), "tune"],
+              env=env_with_tests(), announce=None)
+    expect(page.locator("#trials td.done").first).to_be_visible(timeout=15_000)
+    expect(page.locator("#note")).to_contain_text("30 done", timeout=30_000)
+    expect(page.locator("#note")).to_contain_text("best")
+    # the picture in docs/view.md is this page (SOMATIZE_VIEW_SCREENSHOT=docs/view.png to take it again)
+    page.set_viewport_size({"width": 1100, "height": 760})
+    shot = page.screenshot(path=os.environ.get("SOMATIZE_VIEW_SCREENSHOT") or str(tmp_path / "view.png"))
+    assert shot.startswith(b"\x89PNG")
+
+
+def test_a_hostile_label_shows_as_text(processes, browser, tmp_path):
+    from somatize import Node
+    from somatize.record import Recorder
+
+    class Step(Node):
+        def forward(self, x):
+            return x
+
+    folder = tmp_path / "store"
+    store = FolderStore(folder)
+    hostile = '<img src=x onerror="document.title=\'owned\'">'
+    Step().named(hostile).forward(1, watching=Recorder(store, run="r"))
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)
+    page.goto(base(address) + "/#/run/r")
+    expect(page.locator("#nodes td").first).to_have_text(hostile)  # the text, as it was written
+    assert page.locator("main img").count() == 0
+    assert page.title() == "somatize view"
+
+
+def test_a_view_refuses_a_request_without_its_token(processes, browser, tmp_path):
+    folder = tmp_path / "store"
+    FolderStore(folder)
+    _, address = view(processes, folder)
+    for path in ("/", "/api/runs", "/api/events?subject=runs", "/api/run/r"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base(address) + path, timeout=10)
+        assert refused.value.code == 403
+    with pytest.raises(urllib.error.HTTPError) as wrong:
+        urllib.request.urlopen(base(address) + "/?token=not-it", timeout=10)
+    assert wrong.value.code == 403
+    page = browser.new_page()
+    assert page.goto(base(address) + "/").status == 403
+    page.goto(address)  # with the token: a cookie, and the token leaves the address bar
+    assert "token" not in page.url
+    expect(page.locator("#title")).to_have_text("Runs")
+    asked = urllib.request.Request(base(address) + "/api/runs", headers={"Authorization": "token " + address.split("token=")[1]})
+    assert json.loads(urllib.request.urlopen(asked, timeout=10).read()) == []
+
+
+def test_the_view_listens_beyond_loopback_only_with_its_token(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "somatize", "view", "--store", str(tmp_path), "--listen", "0.0.0.0:0",
+                           "--insecure"], capture_output=True, text=True, timeout=60, env=env_with_tests())
+    assert done.returncode == 2 and "without a token" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "somatize", "view", "--store", str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, timeout=60, env=env_with_tests())
+    assert done.returncode == 2 and "there is no folder" in done.stderr
