@@ -144,6 +144,37 @@ def test_a_hostile_label_shows_as_text(processes, browser, tmp_path):
     assert page.title() == "somatize view"
 
 
+def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_path):
+    folder = tmp_path / "store"
+    store = FolderStore(folder)
+    store.put("run/r/0", {"state": "ok"})
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "study.rec").write_text("not yours")
+    before = sorted((p.relative_to(folder), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+    _, address = view(processes, folder)
+    token = address.split("token=")[1]
+
+    def get(path: str) -> int:
+        asked = urllib.request.Request(base(address) + path, headers={"Authorization": "token " + token})
+        try:
+            with urllib.request.urlopen(asked, timeout=10) as answer:
+                answer.read()
+                return answer.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    for path in ("/api/runs", "/api/run/r", "/api/run/r/nodes", "/api/run/r/facts/0", "/api/machines",
+                 "/api/studies", "/api/study/none"):
+        assert get(path) in (200, 404), path
+    for path in ("/api/study/..%2Fsecret", "/api/study/..", "/api/run/..%2F..", "/api/run/r/facts/-1",
+                 "/static/..%2F__init__.py", "/static/app.py", "/api/run/r?from=-5",
+                 "/api/events?subject=study:..%2Fsecret", "/api/events?subject=study:..", "/api/events?subject=run:a/b",
+                 "/api/events?subject=anything"):
+        assert get(path) in (400, 404), path
+    after = sorted((p.relative_to(folder), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+    assert after == before  # read-only: not a file made, changed or touched
+
+
 def test_a_view_refuses_a_request_without_its_token(processes, browser, tmp_path):
     folder = tmp_path / "store"
     FolderStore(folder)

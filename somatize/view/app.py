@@ -126,14 +126,13 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         if refused is not None:
             return refused
         subject = request.query_params.get("subject", "runs")
+        try:
+            first = await asyncio.to_thread(changes.stamp, subject)
+        except (BadName, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400, headers=_HEADERS)
 
         async def stream():  # noqa: ANN202
-            try:
-                before = await asyncio.to_thread(changes.stamp, subject)
-            except (BadName, ValueError) as exc:
-                yield f"event: refused\ndata: {json.dumps(str(exc))}\n\n"
-                return
-            quiet = 0.0
+            before, quiet = first, 0.0
             while not await request.is_disconnected():
                 await asyncio.sleep(LOOK)
                 now = await asyncio.to_thread(changes.stamp, subject)
