@@ -25,7 +25,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from ..errors import BadName, SomatizeError
-from ..record import best, curve, fleet, forwards, latest, nodes, runs, trials
+from ..record import fleet, forwards, latest, nodes, trials
 from ..record.readers import facts as facts_of
 from .changes import Changes, studies
 
@@ -81,11 +81,10 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
 
     def read_runs(request: Request) -> Any:
         out = []
-        for run in runs(store):
-            rows = forwards(store, run)
-            last = rows[-1] if rows else {}
-            out.append({"run": run, "forwards": len(rows), "state": last.get("state", ""),
-                        "took_us": last.get("took_us"), "loss": last.get("loss.value")})
+        for run in changes.runs():
+            count, last = changes.last_forward(run)  # a listing and one record, not a scan of the run
+            out.append({"run": run, "forwards": count, "state": last.get("state", ""),
+                        "took_us": _int(last.get("took_us")), "loss": _number(last.get("loss.value"))})
         return sorted(out, key=lambda row: row["run"], reverse=True)
 
     def read_run(request: Request) -> Any:
@@ -93,9 +92,11 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         rows = forwards(store, run)
         start = _whole(request.query_params.get("from"), 0)
         kinds = sorted({key for row in rows for key in row if "." in key})
+        # the curve from the same scan (what `curve` reads: each record's summarised loss)
+        loss = [(row["forward"], row["loss.value"]) for row in rows if isinstance(row.get("loss.value"), float)]
+        took = [(row["forward"], row["took_us"]) for row in rows if row["took_us"] is not None]
         return {"run": run, "count": len(rows), "from": start, "forwards": rows[start:start + PAGE],
-                "kinds": kinds, "curve": curve(store, run),
-                "took": [(row["forward"], row["took_us"]) for row in rows if row["took_us"] is not None]}
+                "kinds": kinds, "curve": _thinned(loss), "took": _thinned(took)}
 
     def read_nodes(request: Request) -> Any:
         return nodes(store, request.path_params["run"], last=_whole(request.query_params.get("last"), 100) or None)
@@ -112,12 +113,16 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
 
     def read_study(request: Request) -> Any:
         name = request.path_params["study"]
-        rows = trials(store, name)
+        rows = trials(store, name)  # one scan; the best is found in it, as `best` would
         start = _whole(request.query_params.get("from"), 0)
+        direction = studies(store, only=name).get("direction", "minimize")
+        scores = [(row["trial"], row["score"]) for row in rows
+                  if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])]
+        sign = -1.0 if direction == "maximize" else 1.0
+        top = min(scores, key=lambda p: (sign * p[1], p[0]), default=None)
         return {"study": name, "count": len(rows), "from": start, "trials": rows[start:start + PAGE],
-                "best": best(store, name), "direction": studies(store, only=name).get("direction", ""),
-                "scores": [(row["trial"], row["score"]) for row in rows
-                           if row["state"] == "done" and isinstance(row["score"], float)]}
+                "best": None if top is None else next(r for r in rows if r["trial"] == top[0]),
+                "direction": direction, "scores": scores}
 
     async def events(request: Request) -> Response:
         """Server-Sent Events: one ``changed`` whenever what ``subject`` shows has changed
@@ -185,6 +190,40 @@ def _refused(request: Request, token: str | None) -> Response | None:
         "this view needs its token: open the address it printed when it started (…/?token=…)",
         status_code=403,
     )
+
+
+#: The most points a chart is sent: a line of 100,000 forwards is drawn from this many.
+POINTS = 2000
+
+
+def _thinned(points: list) -> list:
+    """At most ``POINTS`` of ``points``: in each stretch, its lowest and highest (what a line
+    at that width shows), and always the last point."""
+    if len(points) <= POINTS:
+        return points
+    step = 2 * len(points) / POINTS
+    out: list = []
+    start = 0.0
+    while int(start) < len(points):
+        chunk = points[int(start):int(start + step)] or points[int(start):int(start) + 1]
+        low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
+        out.extend(sorted({low, high}, key=lambda p: p[0]))
+        start += step
+    if out[-1] != points[-1]:
+        out.append(points[-1])
+    return out
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+def _number(value: str | None) -> float | None:
+    try:
+        number = float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    return number if number is not None and math.isfinite(number) else None
 
 
 def _whole(value: str | None, default: int) -> int:

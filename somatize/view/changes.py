@@ -30,6 +30,7 @@ class Changes:
         if path is None:
             raise TypeError("the view reads a folder store: give it a FolderStore (or --store DIR)")
         self.root = Path(path)
+        self.store = store
 
     def stamp(self, subject: str) -> tuple:
         """A value that changes whenever what ``subject`` shows changes: ``runs``, ``run:NAME``,
@@ -51,6 +52,42 @@ class Changes:
             check_name(f"{name}/study")
             return self._folders(self.root / name) + self._folders(self.root / name / "trial", depth=1)
         raise ValueError(f"the view shows runs, run:NAME, machines, studies or study:NAME; not {subject[:40]!r}")
+
+    def runs(self) -> list[str]:
+        """The runs the store holds, from a listing of ``run/`` (``runs`` reads every record)."""
+        try:
+            with os.scandir(self.root / RUNS.rstrip("/")) as entries:
+                names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+        kept = []
+        for name in sorted(names):
+            try:
+                kept.append(check_run(name, "the view"))
+            except BadName:
+                continue
+        return kept
+
+    def last_forward(self, run: str) -> tuple[int, dict[str, str]]:
+        """How many forwards ``run`` holds, and the last one's record: a listing of its folder
+        and one read, where ``forwards`` would read every record."""
+        check_run(run, "the view")
+        folder = self.root / RUNS.rstrip("/") / run
+        numbers = []
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    stem = entry.name[:-4] if entry.name.endswith(".rec") else ""
+                    if stem.isdigit() and entry.is_file(follow_symlinks=False):
+                        numbers.append(int(stem))
+        except OSError:
+            return 0, {}
+        if not numbers:
+            return 0, {}
+        try:
+            return len(numbers), self.store.record(f"{RUNS}{run}/{max(numbers)}")
+        except (Missing, OSError, SomatizeError):
+            return len(numbers), {}
 
     def _folders(self, folder: Path, depth: int = 0) -> tuple:
         """The stamps of ``folder`` and, ``depth`` levels down, of the folders in it."""

@@ -208,7 +208,9 @@ function open() {
   if (stream) stream.close();
   draw(page);
   stream = new EventSource("/api/events?subject=" + encodeURIComponent(subject));
-  stream.addEventListener("open", () => $("live").classList.add("on"));
+  // drawn once the stream is open (and again each time it reopens): a change between a
+  // drawing and the stream's first look is never missed
+  stream.addEventListener("open", () => { $("live").classList.add("on"); draw(page); });
   stream.addEventListener("error", () => $("live").classList.remove("on"));
   stream.addEventListener("changed", () => draw(page));
 }
