@@ -41,7 +41,7 @@ _PREFIX = "computing/"
 
 
 def claiming(store: Any) -> bool:
-    return all(callable(getattr(store, verb, None)) for verb in ("create", "stamp", "delete", "put"))
+    return all(callable(getattr(store, verb, None)) for verb in ("create", "stamp", "delete", "put", "record"))
 
 
 class Claims:
@@ -111,6 +111,12 @@ class Claims:
         started = time.monotonic()
         limit = MAX_WAIT if limit is None else min(limit, MAX_WAIT)
         pause, judged = 0.02, started
+        try:
+            self.store.record(_PREFIX + key)  # a claim is a store entry; anything else is nobody's
+        except Missing:
+            pass  # given back meanwhile: the loop takes it
+        except (OSError, SomatizeError):
+            return "late"  # not a claim (a FIFO, a damaged file): compute now, leave it alone
         while True:
             if found():
                 return "found"

@@ -115,9 +115,11 @@ def test_a_claim_planted_as_junk_makes_nobody_wait(tmp_path):
     FolderStore(tmp_path / "probe").put("x", {})  # the folder layout: where a claim's file goes
     key = _key_of(graph, tmp_path)
     (tmp_path / "store" / "computing").mkdir(parents=True)
-    os.mkfifo(tmp_path / "store" / "computing" / f"{key}.rec")
+    planted = tmp_path / "store" / "computing" / f"{key}.rec"
+    os.mkfifo(planted)
     assert graph.forward(10, store=store, watching=facts.append) == 20
     assert len(tally.read_text().splitlines()) == 1
+    assert planted.exists()  # computed at once: not judged dead after a patience and taken over
 
 
 def _key_of(graph, tmp_path) -> str:
