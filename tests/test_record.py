@@ -574,6 +574,19 @@ def test_machines_draws_the_fleet_as_text(store, capsys):
     assert capsys.readouterr().out == ""  # never prints by itself
 
 
+def test_machines_as_text_prints_no_escape_sequence_a_record_holds(store):
+    """Host and machine names come from facts other processes wrote: one holding an escape
+    sequence reached the terminal that printed the chart."""
+    rec = Recorder(store, run="hostile")
+    rec(fact("ran", node="a", took_us=300, host="w\x1b[2J1"))
+    rec(fact("said", host="w\x1b[2J1", machine="gpu\x1b]0;owned\x07box"))
+    rec(fact("left", host="w\x1b[2J1", took_us=400))
+    rec(fact("finished", took_us=700))
+    chart = machines(store, run="hostile", as_text=True)
+    assert "\x1b" not in chart and "\x07" not in chart
+    assert "w?[2J1" in chart and "gpu?]0;owned?box" in chart
+
+
 def test_machines_without_matplotlib_is_a_text_chart(store, monkeypatch):
     fleet_run(store)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
