@@ -949,7 +949,7 @@ def test_the_package_exports_every_public_name_from_one_place():
     import somatize.wire as package
 
     public = {name for name in dir(package) if not name.startswith("_")}
-    modules = {"checks", "limits", "messages", "reading", "writing", "annotations"}
+    modules = {"checks", "counting", "limits", "messages", "reading", "writing", "annotations"}
     assert set(package.__all__) == public - modules
     for name in package.__all__:
         obj = getattr(package, name)
@@ -995,7 +995,8 @@ def items_in(x) -> int:
 @FUZZ
 @given(packable, st.integers(1, 40))
 def test_items_are_counted_exactly_and_only_in_long_headers(value, limit):
-    from somatize.wire.checks import Bad, count_items
+    from somatize.wire.checks import Bad
+    from somatize.wire.counting import count_items
 
     frame = msgpack.packb(value, use_bin_type=True)
     with pytest.MonkeyPatch.context() as patch:

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ProtocolError, Refused
-from ..wire import Mounted, encode
+from ..wire import Located, Mounted, encode
 
 #: A cargo file's name: the owner's pid, then a 32-hex token (an 8-hex machine tag and 24
 #: random), then the frame's number.
@@ -254,6 +254,17 @@ def sees(folder: str, token: str) -> bool:
     finally:
         os.close(descriptor)
     return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_nlink == 1
+
+
+def folder_of(located: Located) -> str | None:
+    """The folder a client sends cargo through: a declared mount's, or the folder a relayed
+    worker or a broker's child named, when this process finds the file marked there
+    (``sees``); None, and cargo goes on the socket."""
+    if located.path == "mount":
+        return located.mount
+    if located.mount and located.seen and sees(located.mount, located.seen):
+        return located.mount
+    return None
 
 
 def leave(folder: str | os.PathLike[str]) -> None:

@@ -72,28 +72,29 @@ def _matplotlib() -> Any:
 def _fleet_text(run: str, hosts: dict[str, dict[str, Any]]) -> Chart:
     if not hosts:
         return Chart(f"nothing ran on another machine in run {run!r}")
-    widest = max(len(_shown(host)) for host in hosts)
+    widest = max(len(printable(host)) for host in hosts)
     most = max(row["took_us"] + row["waiting_us"] for row in hosts.values()) or 1
     lines = [f"run {run!r}, per host: # ran there, . waited (the wire and the queue)"]
     for host, row in hosts.items():
         ran = _bar(row["took_us"], most)
         waited = _bar(row["waiting_us"], most)
         line = (
-            f"{_shown(host):<{widest}}  {'#' * ran}{'.' * waited}{' ' * (_WIDTH - ran - waited)}"
+            f"{printable(host):<{widest}}  {'#' * ran}{'.' * waited}{' ' * (_WIDTH - ran - waited)}"
             f"  slices {row['slices']}  ran {row['took_us']} us  waited {row['waiting_us']} us"
         )
         if row.get("items_per_s") is not None:
             line += f"  {row['items_per_s']:.4g} items/s"
         if "machine" in row:
-            line += f"  on {_shown(row['machine'])}"
+            line += f"  on {printable(row['machine'])}"
         lines.append(line)
     return Chart("\n".join(lines))
 
 
-def _shown(text: object) -> str:
-    """A name from the store (a host's, a machine's: written by other processes) as a terminal
-    may show it: no escape sequence, no line break."""
-    return "".join(c if c.isprintable() else "?" for c in str(text))
+def printable(text: object, limit: int | None = None) -> str:
+    """Text from the store (a host's or machine's name, a runner's, an error: written by other
+    processes) as a terminal may show it: no escape sequence, no line break, at most
+    ``limit`` characters."""
+    return "".join(c if c.isprintable() else "?" for c in str(text)[:limit])
 
 
 def _bar(amount: float, most: float) -> int:

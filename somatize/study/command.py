@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import SomatizeError
+from ..record.drawings import printable
 from .history import History
 from .study import Study
 from .watching import watch
@@ -114,7 +115,7 @@ def table(study: Study) -> str:
                 best = (value, trial.number)
         took = last.get("took_us", "")
         error = (trial.last.problem or last.get("error") or "").strip().splitlines()
-        runner = _printable(str(last.get("runner", "")), 40)
+        runner = printable(str(last.get("runner", "")), 40)
         rows.append(
             (
                 str(trial.number),
@@ -124,7 +125,7 @@ def table(study: Study) -> str:
                 _took(int(took)) if took.isdigit() else "",
                 runner + (", took over" if len(trial.attempts) > 1 and runner else ""),
                 json.dumps(trial.last.config(), sort_keys=True),
-                _printable(error[-1], 60) if error else "",
+                printable(error[-1], 60) if error else "",
             )
         )
     counted = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none claimed yet"
@@ -137,12 +138,6 @@ def table(study: Study) -> str:
         cells = [cell.rjust(w) if i in (0, 2) else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
-
-
-def _printable(text: str, limit: int) -> str:
-    """A field of a record (anyone who may write the folder wrote it) as a terminal may show
-    it: no escape sequences, no line breaks, at most ``limit`` characters."""
-    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 def _took(us: int) -> str:

@@ -1,7 +1,7 @@
 """Reading: the frames of one ZeroMQ multipart message become a message, or are refused.
 
 Everything is checked before anything is built, in this order: the frame count and sizes,
-the header's items (counted without building them, ``checks.count_items``), the header map
+the header's items (counted without building them, ``counting.count_items``), the header map
 (MessagePack, no extension types, text keys, each once), the version and the variant, every
 field (``checks.check``, the same checks ``encode`` runs), the values' descriptors against
 their frames (once, by the codec's ``check``), and that every frame after the header is
@@ -27,7 +27,8 @@ from ..codec import build as build_values
 from ..codec import check as check_values
 from ..errors import ProtocolError, Unreadable
 from . import limits
-from .checks import Bad, Pieces, Slot, check, count_items, fitted, shown
+from .checks import Bad, Pieces, Slot, check, fitted, shown
+from .counting import count_items
 from .messages import (
     FIELDS,
     IN_FRAMES,

@@ -16,7 +16,8 @@ import msgpack
 
 from ..codec import encode as encode_values
 from . import limits
-from .checks import Bad, check, count_items
+from .checks import Bad, check
+from .counting import count_items
 from .messages import FIELDS, IN_FRAMES, Answer, Carrier, Done, Recipe, Relay, Request, Work, header_fields
 
 

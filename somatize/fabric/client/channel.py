@@ -124,10 +124,7 @@ class Channel:
         self.patience = patience
         self.address = address
         self.relayed = located.path == "relayed"
-        # the folder cargo goes through: a declared mount's, or a relayed worker's that this
-        # process sees (it finds the file the worker made there); none, and it is sent
-        self.folder = located.mount if located.path == "mount" or (
-            located.mount and located.seen and _mount.sees(located.mount, located.seen)) else None
+        self.folder = _mount.folder_of(located)  # where cargo goes; None: on the socket
         self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
         self.exchange = ClientExchange()
         self.lane = lane  # a relayed channel: a lane of the client's one link to the broker
@@ -558,13 +555,12 @@ class Channel:
 
     def _send_work(self, ref: int, frames: list, deadline: Deadline | None = None) -> None:
         if self.folder is not None and len(frames) > 1:
-            folder = self.folder
-            if self.lending is not None or _leases.in_memory(folder):  # one machine: pooled memory
+            if self.lending is not None or _leases.in_memory(self.folder):  # one machine: pooled memory
                 if self.lending is None:
-                    self.lending = _lending.Lending(_lending.pool(folder))
+                    self.lending = _lending.Lending(_lending.pool(self.folder))
                 frames = self.lending.send(frames)
             else:  # a folder other machines see: one file per frame
-                frames, made = _mount.write(frames, folder)
+                frames, made = _mount.write(frames, self.folder)
                 self.mounted.extend(made)
         self.exchange.work_sent(ref)
         self.sent_at = time.monotonic()
