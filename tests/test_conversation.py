@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from somatize.fabric.broker.view import IDLE_SILENCE
 from somatize.fabric.conversation import (
     CLIENT,
     WORKER,
@@ -283,8 +284,8 @@ def test_a_declared_host_cannot_be_offered():
         b.hello(b"r", "K", EVERYONE, offering("gpu1"), 0.0)
 
 
-def relay_from_client(b: BrokerView, client: bytes, key: str, host: str, payload: bytes = b"x"):
-    return b.relay(client, key, Relay(host=host, inner=(payload,)), 0.0)
+def relay_from_client(b: BrokerView, client: bytes, key: str, host: str, payload: bytes = b"x", now: float = 0.0):
+    return b.relay(client, key, Relay(host=host, inner=(payload,)), now)
 
 
 def test_a_relayed_answer_reaches_only_the_client_that_sent_that_work():
@@ -352,11 +353,30 @@ def test_revoking_a_key_forgets_its_hosts():
     assert "w1" not in b.bindings
 
 
-def test_offers_expire_after_three_patiences_of_silence():
+def test_an_idle_offer_expires_after_three_keepalives_of_silence():
+    """Its connection's pings say an idle worker is there (ZeroMQ drops a connection silent
+    past their time to live); its keepalive, every KEEPALIVE patiences, is the net beneath."""
     b = BrokerView(patience=1.0)
     b.hello(b"r1", "", EVERYONE, offering("w1"), 0.0)
-    assert b.expire(2.0) == []
-    assert b.expire(3.5) == ["w1"]
+    assert b.expire(IDLE_SILENCE - 0.5) == [] and b.checks == []
+    assert b.expire(IDLE_SILENCE + 0.5) == ["w1"]
+
+
+def test_a_host_clients_wait_on_is_checked_after_a_patience_and_gone_after_one_and_a_half():
+    """A stopped worker with work open is noticed in one and a half patiences, counted from
+    when it was last heard or when its first exchange opened, whichever is later; silent for
+    a patience it is asked (its route in ``checks``), and an answer keeps it."""
+    b = BrokerView(patience=1.0)
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    b.hello(b"idle", "W", EVERYONE, offering("w2"), 0.0)
+    relay_from_client(b, b"alice", "A", "w1", now=20.0)  # long after its last keepalive
+    assert b.expire(20.5) == [] and b.checks == []
+    assert b.expire(21.2) == [] and b.checks == [b"worker"]  # silent a patience: asked
+    b.heard(b"worker", 21.3)  # its Ready
+    assert b.expire(22.0) == [] and b.checks == []
+    assert b.expire(22.4) == [] and b.checks == [b"worker"]
+    assert b.expire(22.9) == ["w1"] and b.stalled == {"w1"}  # one and a half: gone, its exchange too
+    assert not b.exchanges and "w2" in b.offers  # the idle one is held to its keepalive
 
 
 def test_an_envelope_round_trips_without_decoding_its_inner_frames():
@@ -419,9 +439,9 @@ def test_one_route_serving_thousands_of_names_is_heard_at_the_cost_of_one():
     names = [f"node{n:04d}" for n in range(2000)]
     for name in names:
         assert b.hello(b"one", "JOB", EVERYONE, offering(name), 0.0) == "offered"
-    b.heard(b"one", 2.9)  # any message from it, not a Hello per name
-    assert b.expire(3.5) == []
-    assert sorted(b.expire(6.0)) == names  # silent past three patiences: all of them go
+    b.heard(b"one", IDLE_SILENCE - 0.1)  # any message from it, not a Hello per name
+    assert b.expire(IDLE_SILENCE + 0.5) == []
+    assert sorted(b.expire(2 * IDLE_SILENCE)) == names  # silent past three keepalives: all of them go
 
 
 def test_the_views_indexes_follow_every_change():

@@ -124,6 +124,40 @@ def test_a_dialed_workers_keepalive_goes_out_on_time_while_a_flood_fills_its_que
     assert max(gaps) < 4.5, f"the broker heard no keepalive for {max(gaps):.1f} s (gaps {[round(g, 1) for g in gaps]})"
 
 
+def test_an_idle_dialed_worker_keeps_quiet_and_answers_the_brokers_check_at_once(processes):
+    """A thousand idle dialed workers each said Hello every patience, and each Hello woke
+    the broker's loop: a fleet that did nothing kept its broker busy. Now an idle worker's
+    connection pings say it is there (in ZeroMQ's I/O thread, not the broker's loop), its
+    keepalive is the net beneath (every KEEPALIVE patiences), and when the broker checks a
+    host clients wait on (a Hello) it answers Ready at once."""
+    folder = tempfile.mkdtemp(prefix="somatize-holds-")
+    url = f"ipc://{folder}/broker.sock"
+    hub = socket_of(zmq.ROUTER)
+    hub.bind(url)
+    try:
+        processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", "0.5"], announce=None, env=env_with_tests())
+        assert hub.poll(30_000), "the worker never dialed in"
+        route, *frames = hub.recv_multipart()
+        assert isinstance(decode(frames), Hello)
+        hub.send_multipart([route, *encode(Ready(RT))])  # taken
+        while hub.poll(500):  # its greeting may be said twice: as it dials, and once connected
+            hub.recv_multipart()
+        heard: list = []
+        quiet_until = time.monotonic() + 3.0  # six patiences
+        while time.monotonic() < quiet_until:
+            if hub.poll(100):
+                heard.append(variant_of(hub.recv_multipart()[1:]).__name__)
+        assert heard == [], f"an idle worker said {heard} in six patiences"
+        asked = time.monotonic()
+        hub.send_multipart([route, *encode(Hello(RT))])  # the broker checking on a host clients wait on
+        assert hub.poll(5_000), "the check was never answered"
+        assert variant_of(hub.recv_multipart()[1:]) is Ready
+        assert time.monotonic() - asked < 2.0
+    finally:
+        hub.close(0)
+        os.rmdir(folder) if not os.listdir(folder) else None
+
+
 # -- 3: refusals that say what they end ----------------------------------------------------
 
 

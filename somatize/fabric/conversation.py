@@ -44,6 +44,10 @@ from ..wire import (
 __all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]
 
 TERMINAL = (Done, Failed, Refusal)
+#: A dialed worker's keepalive, in its patiences: its connection's pings say it is there
+#: every patience (the broker drops a connection silent past their time to live); the
+#: keepalive is the net beneath, rare, so a fleet's keepalives do not keep waking its broker.
+KEEPALIVE = 10
 
 
 class Violation(ProtocolError):
@@ -227,6 +231,9 @@ class WorkerSessions:
         self.refused = 0
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
         self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
 
     def greeted(self, peer: bytes) -> bool:
         return peer in self._sessions

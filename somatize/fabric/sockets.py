@@ -50,27 +50,41 @@ def router(*, mandatory: bool = True) -> zmq.Socket:
     return sock
 
 
-def dealer(patience: float = PATIENCE, *, identity: bytes | None = None, pings: int = 4) -> zmq.Socket:
+def dealer(patience: float = PATIENCE, *, identity: bytes | None = None, pings: int = 4,
+           ttl: bool = True) -> zmq.Socket:
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
-    heartbeat(sock, patience, pings=pings)
+    heartbeat(sock, patience, pings=pings, ttl=ttl)
     return sock
 
 
-def heartbeat(sock: zmq.Socket, patience: float, *, pings: int = 4) -> None:
+def heartbeat(sock: zmq.Socket, patience: float, *, pings: int = 4, ttl: bool = True) -> None:
     """ZMTP heartbeats: ``pings`` pings a patience; the connection is dropped when a ping is
-    not answered within patience, and the peer drops it when nothing came for its time to
-    live (a patience, or one and a half intervals when that is longer). A client's sockets
-    ping four times a patience (a stopped worker is noticed soon); a broker's front twice
-    and a dialed worker's link once (its keepalive speaks every patience too): a fleet of
-    them is a fleet of timers in the broker's one I/O thread."""
+    not answered within patience. With ``ttl``, the peer drops it too when nothing came for
+    the time to live a ping names (a patience, or one and a half intervals when that is
+    longer). A client's sockets ping four times a patience (a stopped worker is noticed
+    soon). A dialed worker's link pings once, naming no time to live: the broker's own
+    rule for dialed workers is their keepalive (`broker.view.BrokerView.expire`), and each
+    time to live is a timer in the broker's one I/O thread, which libzmq 4.3.5 cancels by
+    walking all of them (a fleet's worth, at each message that follows a ping)."""
     interval = max(100, int(patience * 1000 / pings))
     sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(patience * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(int(patience * 1000), interval * 3 // 2)))
+    live = min(6_553_500, max(int(patience * 1000), interval * 3 // 2)) if ttl else 0
+    sock.setsockopt(zmq.HEARTBEAT_TTL, live)
+
+
+def tcp_keepalive(sock: zmq.Socket, idle_s: int = 60) -> None:
+    """The kernel's keepalive on every connection ``sock`` makes: a peer whose machine went
+    away is found by the operating system, at no cost to ZeroMQ's I/O thread (its
+    heartbeats are timers there, one a connection)."""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle_s)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 10)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 6)
 
 
 def pair(kind: int) -> zmq.Socket:

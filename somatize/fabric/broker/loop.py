@@ -13,9 +13,8 @@ says it lost, writing the bindings file) runs off this thread (:mod:`somatize.fa
 tenant (a key; without keys, a connection) has quotas: questions waiting for such a job,
 answers waiting to be read, connections per key. Nobody's pace is another's wait.
 
-This module serves; :mod:`somatize.fabric.client.handle` is what a graph talks to. It logs one
-line per lifecycle event under ``somatize.broker``, and every line a peer can cause goes
-through a limiter (:class:`~somatize.fabric.broker.quiet.Quiet`); the command attaches the handler (:mod:`somatize.fabric.command`).
+This module serves (a graph talks to :mod:`somatize.fabric.client.handle`); it logs under
+``somatize.broker``, every line a peer can cause through a limiter (`quiet.Quiet`).
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from .outbox import DROPPED, GONE, Outbox
 from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name, user_of
 from .spawn import Child, Reach
+from .view import IDLE_SILENCE
 from ..hosts import Worker
 
 #: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
@@ -140,12 +140,14 @@ class BrokerLoop:
         # anything arrives, drops what it will not serve, and cuts a flooder (`floods`), so
         # the queue stays short.
         self._front.setsockopt(zmq.RCVHWM, 0)
-        # a connection dropping (a dialed-in worker killed, or silent past a heartbeat) makes
+        # a connection dropping (a dialed-in worker killed, or silent past its pings) makes
         # the broker probe that worker
         self._drops = self._front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        # its own pings, twice a patience: a peer's pings alone do not say when it stopped
-        # (ZeroMQ's time to live is re-armed by pings only, and any message disarms it)
-        sockets.heartbeat(self._front, self.patience, pings=2)
+        # no pings of its own: timers in its one I/O thread that libzmq 4.3.5 cancels by a walk
+        # over all of them (idle CPU grew with the fleet's square). A dialed worker's pings
+        # have a time to live, hosts clients wait on are checked (`BrokerView.expire`), and
+        # the kernel's keepalive finds a machine that went away.
+        sockets.tcp_keepalive(self._front)
         if keys is not None:
             self._guard = Guard(sockets.context(), keys, log=log)
             as_server(self._front, keys)
@@ -396,6 +398,8 @@ class BrokerLoop:
                 self._answer(route, Refusal("this key is no longer allowed on this broker; ask its operator"))
                 return
         self.view.heard(route, now)  # any message from a dialed worker says it is there
+        if variant is Ready and route in self.view.offers_index:
+            return  # its answer to our check (`_expire`): heard, nothing more to do
         # a worker key is a job's key: one connection per node it runs on, up to the hosts it may serve
         most = MAX_CONNECTIONS + (self.view.max_offers if WORKER in roles else 0)
         if user and not self._connected(user, route, now, most):
@@ -532,10 +536,14 @@ class BrokerLoop:
         self._helper.submit("bindings", lambda: _bindings.write(path, keyed), written)
 
     def _expire(self) -> None:
-        """A dialed-in worker is heard from every `patience`; one silent for three is gone."""
+        """Offers silent past their time are gone; hosts clients wait on, silent for a
+        patience, are asked whether they are there: a Hello, answered by Ready (`BrokerView.expire`)."""
         gone = self.view.expire(time.monotonic())
+        self._ask(self.view.checks, Hello(self.runtime))
         if gone:  # a keyed owner's binding outlives its offer: it names the key
-            self._left(gone, {}, f"silent for {3 * self.patience:g} s (three patiences)")
+            stalled = self.view.stalled
+            self._left([h for h in gone if h in stalled], {}, f"silent for {1.5 * self.patience:g} s with work open")
+            self._left([h for h in gone if h not in stalled], {}, f"silent for {IDLE_SILENCE * self.patience:g} s")
             self._prune()
 
     def _prune(self) -> None:
@@ -547,15 +555,19 @@ class BrokerLoop:
             del self._keepalives[route]
 
     def _probe(self) -> None:
-        """A dialed worker's connection dropped: is it gone? (`probes`)"""
-        hello = encode(Ready(self.runtime))
-        for route in [r for r in self._probes.take(time.monotonic()) if r in self.view.offers_index]:
-            if self._outbox.waiting(route):
-                continue  # what waits for it will say, when it is tried
+        """A dialed worker's connection dropped: is it gone? (`probes`; what waits for it
+        already will say, when it is tried)"""
+        suspects = self._probes.take(time.monotonic())
+        self._ask([r for r in suspects if r in self.view.offers_index and not self._outbox.waiting(r)], Ready(self.runtime))
+
+    def _ask(self, routes: list[bytes], message: Any) -> None:
+        """``message`` to each of ``routes``, now: a full queue is slow, never gone; no route is gone."""
+        frames = encode(message) if routes else []
+        for route in routes:
             try:
-                self._front.send_multipart([route, *hello], zmq.NOBLOCK)
+                self._front.send_multipart([route, *frames], zmq.NOBLOCK)
             except zmq.Again:
-                pass  # slow, not gone
+                pass
             except zmq.ZMQError:
                 self._gone(route)
 

@@ -14,10 +14,12 @@ from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 from ...wire import Bye, Hello, Hosts, Relay, Runtime, Where, encode
-from ..conversation import Stale, Violation
+from ..conversation import KEEPALIVE, Stale, Violation
 
 
 CLIENT, WORKER = "client", "worker"
+#: Patiences an offer with no exchange open may be silent (three keepalives missed).
+IDLE_SILENCE = 3 * KEEPALIVE
 
 
 @dataclass
@@ -145,6 +147,9 @@ class BrokerView:
         self._serving: dict[str, int] = {}  # owner -> how many hosts it serves
         self._heard: dict[bytes, float] = {}  # route serving hosts -> when it was last heard
         self._next_expiry = 0.0
+        self.stalled: set[str] = set()  # what the last expire found gone with exchanges open
+        self.checks: list[bytes] = []  # routes the last expire wants checked (a Hello, answered by Ready)
+        self._busy_since: dict[str, float] = {}  # host with exchanges open -> since when
         self.bindings = Bindings()  # host -> owner, kept while the broker runs (keyed)
         self.exchanges: dict[int, Exchange] = {}
         self._by_pair: dict[tuple[bytes, str, int], int] = {}  # (client route, host, lane) -> number
@@ -256,16 +261,37 @@ class BrokerView:
         return gone
 
     def expire(self, now: float) -> list[str]:
-        """Offers silent for three patiences are gone, and the exchanges with them. Looked
-        at every half patience, not at every turn of the loop (a walk over the fleet). An
-        exchange is never ended for being quiet (work may run for hours with nobody
-        watching); what bounds them is ``max_exchanges`` per tenant and ``max_open`` in all,
-        the least recently used ended first."""
+        """Offers that are gone, and the exchanges with them. A dialed worker's connection
+        says it is there (its pings, every patience, have a time to live: ZeroMQ drops a
+        connection silent past it, and the broker then probes); its keepalive, every
+        `KEEPALIVE` patiences, is the net beneath: an offer silent for `IDLE_SILENCE`
+        patiences is gone. A host with exchanges open is held closer, since someone waits
+        on it: silent for a patience it is checked (its route is in ``self.checks``: the
+        broker says Hello, it answers Ready), for one and a half it is gone (a stopped
+        worker with work open is noticed as soon as ZeroMQ's heartbeats noticed it, with
+        no timer of theirs in the broker's I/O thread). Looked at every quarter patience,
+        not at every turn of the loop (a walk over the fleet). An exchange is never ended
+        for being quiet (work may run for hours with nobody watching); what bounds them is
+        ``max_exchanges`` per tenant and ``max_open`` in all, the least recently used ended
+        first."""
+        self.checks = []
         if now < self._next_expiry:
             return []
-        self._next_expiry = now + self.patience / 2
-        heard = self._heard
-        gone = [h for h, o in self.offers.items() if now - max(o.seen, heard.get(o.route, 0.0)) > 3 * self.patience]
+        self._next_expiry = now + self.patience / 4
+        heard, busy = self._heard, self._busy_since
+        idle, check, working = IDLE_SILENCE * self.patience, self.patience, 1.5 * self.patience
+        gone, stalled, checks = [], set(), {}
+        for host, offer in self.offers.items():
+            silent = now - max(offer.seen, heard.get(offer.route, 0.0), busy.get(host, 0.0))
+            if host in busy:
+                if silent > working:
+                    gone.append(host)
+                    stalled.add(host)
+                elif silent > check:
+                    checks[offer.route] = None
+            elif silent > idle:
+                gone.append(host)
+        self.stalled, self.checks = stalled, list(checks)
         for host in gone:
             offer = self._drop(host)
             if offer.owner.startswith("route:"):
@@ -343,6 +369,8 @@ class BrokerView:
         self._by_pair[(exchange.client, exchange.host, exchange.lane)] = number
         self._of_route.setdefault(exchange.client, set()).add(number)
         self._of_route.setdefault(exchange.worker, set()).add(number)
+        if exchange.host not in self._of_host:
+            self._busy_since[exchange.host] = exchange.touched  # held closer from now (`expire`)
         self._of_host.setdefault(exchange.host, set()).add(number)
         self._of_tenant.setdefault(exchange.tenant, {})[number] = None
 
@@ -363,6 +391,8 @@ class BrokerView:
                     numbers.discard(number)
                 if not numbers:
                     del index[at]
+                    if index is self._of_host:
+                        self._busy_since.pop(at, None)
 
     def _end_numbers(self, numbers) -> None:  # noqa: ANN001 - exchange numbers
         for number in numbers:

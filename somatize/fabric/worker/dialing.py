@@ -2,7 +2,10 @@
 
 A worker that dials in (``--broker URL --offer NAME``) says ``Hello{offering}`` when it
 connects, again on every reconnection (perhaps a broker that restarted), again after a
-refusal (a backoff capped at ``MAX_BACKOFF``), and as a keepalive every ``patience``.
+refusal (a backoff capped at ``MAX_BACKOFF``), and as a keepalive every ``KEEPALIVE``
+patiences. Between keepalives its connection's pings (one a patience, with a time to live)
+say it is there, and a Hello from the broker (a check, while clients wait on it) is
+answered with Ready at once.
 
 The keepalive is control, not bulk: it must reach the broker on time while the worker is
 busy answering a flood or streaming a big answer. So the serving loop looks at its timer
@@ -30,6 +33,7 @@ from ...errors import ProtocolError
 from ...wire import Hello, Ready, Refusal, Relay, decode, encode, variant_of
 from .. import mount as _mount
 from .. import sockets
+from ..conversation import KEEPALIVE
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client
 from .outbox import To
@@ -54,13 +58,15 @@ class Dialing:
     patience: float
     mount: str | None
     _seen: str  # the token of our file in the mount folder, named in every Hello
+    sessions: Any  # conversation.WorkerSessions: clients with sessions here are waited on
 
     def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
         """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
         With ``keys``, ``keys.server_key`` is the broker's public key."""
-        # one ping a patience (the broker pings twice): a fleet's worth of timers is in the
-        # broker's one I/O thread, and the keepalive speaks every patience as well
-        self._front = sockets.dealer(self.patience, pings=1)  # its keepalive speaks every patience too
+        # one ping a patience: it notices a broker that went away, and its time to live says
+        # we are here (the broker drops a connection silent past it) without waking the
+        # broker's loop; the keepalive, every KEEPALIVE patiences, is the net beneath
+        self._front = sockets.dealer(self.patience, pings=1)
         self._front.setsockopt(zmq.SNDHWM, QUEUED)
         if keys is not None:
             as_client(self._front, keys, None)
@@ -78,9 +84,9 @@ class Dialing:
         self._announce(time.monotonic())
 
     def _announce(self, now: float) -> None:
-        """Hello to the broker: the first, a keepalive every patience, or again after a
+        """Hello to the broker: the first, a keepalive (`_hello_due`), or again after a
         refusal. It goes ahead of every answer waiting; a newer one replaces one not yet out."""
-        self._next_hello = now + (self._backoff or self.patience)
+        self._next_hello = now + (self._backoff or self.patience * (KEEPALIVE if self._accepted else 1))
         self._control = [m for m in self._control if m[0] != "hello"]
         hello = Hello(self.runtime, offering=self._offer, seen=self._seen,
                       mount=os.path.abspath(self.mount) if self.mount is not None else None)
@@ -109,11 +115,19 @@ class Dialing:
             # our last Hello drew no refusal: taken (a keepalive is answered with silence)
             self._backoff = 0.0
             self._accepted = True
-            self._next_hello = self._hello_at + self.patience
-        if now >= self._next_hello:
+            self._next_hello = self._hello_at + KEEPALIVE * self.patience
+        if now >= self._hello_due():
             self._announce(now)
         elif self._control:
             self._push_control()
+
+    def _hello_due(self) -> float:
+        """When the next Hello is due: a keepalive every `KEEPALIVE` patiences, or every
+        patience while clients hold sessions here (the broker holds a host that clients
+        wait on closer: silent for one and a half patiences, it is gone)."""
+        if self._accepted and not self._backoff and len(self.sessions):
+            return min(self._next_hello, self._hello_at + self.patience)
+        return self._next_hello
 
     def _connection_events(self) -> None:
         while self._events is not None and self._events.get(zmq.EVENTS) & zmq.POLLIN:
@@ -162,6 +176,7 @@ class Dialing:
         if isinstance(message, Ready):
             if not self._accepted:
                 log.info("the broker at %s took this worker's offer of `%s`", self._broker, self._offer)
+                self._next_hello = self._hello_at + KEEPALIVE * self.patience  # taken: the net beneath now
             self._accepted, self._backoff = True, 0.0
         elif isinstance(message, Refusal):
             # a restarted broker that does not know us (a late answer it cannot place), or a

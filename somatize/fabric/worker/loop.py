@@ -185,6 +185,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         self._outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]] = {}
         self.stopping = sockets.Alarm()  # an Event that also wakes the serving poll
         self._closed = threading.Event()
+        self._serving = False  # a thread is in serve(): it closes its own sockets
         self._closing = threading.Lock()
         self.imports = Imports()  # what was imported, to tell stale code from a plain failure
         self.heap = Heap()  # cargo moved since the allocator last gave freed memory back
@@ -212,11 +213,13 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         poller = self._poller()
         poller.register(self.stopping, zmq.POLLIN)  # whoever stops us wakes the poll
         self._last_check = time.monotonic()
+        self._serving = True
         try:
             while not self.stopping.is_set():
                 self._turn(poller, self._until_due())
         finally:
             self.close()
+            self._serving = False
             self.stopping.close()
 
     def _until_due(self) -> int:
@@ -227,7 +230,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         looks = self._inbound or self._outgoing or self.mount is not None
         due = self._last_check + (1.0 if looks else self.patience)
         if self._offer is not None:
-            due = min(due, self._next_hello)
+            due = min(due, self._hello_due())
             if self._backoff and self._refused_at < self._hello_at:  # a Hello not refused yet: taken, soon
                 due = min(due, self._hello_at + min(2.0, self.patience))
         if self.store is not None and self.reporting:
@@ -324,9 +327,14 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         return "CURVE keys to the broker" if self._offer is not None else "no keys"
 
     def close(self) -> None:
-        """Stop serving; never waits for work still running (its threads are daemons)."""
+        """Stop serving; never waits for work still running (its threads are daemons). From
+        another thread than the one serving, the serving thread is woken and closes its own
+        sockets (ZeroMQ's are not to be closed under a poll: it fails "not a socket"); only
+        one that does not within a second (a piece running on it) has them closed here."""
         self.stopping.set()
         self._began.set()  # the stand-in, asleep while idle, sees the stop
+        if self._serving and threading.get_ident() != self._owner and self._closed.wait(1.0):
+            return
         with self._closing:
             if self._closed.is_set():
                 return
