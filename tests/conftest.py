@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shutil
@@ -180,11 +181,63 @@ def pytest_sessionstart(session):
     session.config._shm_before = _shm_entries()
 
 
+# -- the benchmark's quick run, beside the rest -------------------------------------------------
+QUICK_RUN = "tests/test_benchmarks.py::test_the_quick_run_measures_every_case"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The benchmark's quick run takes a minute and more, in a process of its own: it starts
+    as the suite starts and runs beside the other tests, and its test, moved to the end,
+    reads what it printed. Honest, since that test asserts what the run prints (a row for
+    every case, PASS or MISS where there is a target), never a timing."""
+    if hasattr(config, "workerinput"):
+        return
+    chosen = [item for item in items if item.nodeid == QUICK_RUN]
+    if not chosen:
+        return
+    items.remove(chosen[0])
+    items.append(chosen[0])
+    out = tempfile.TemporaryFile("w+")
+    err = tempfile.TemporaryFile("w+")
+    root = TESTS.parent
+    proc = subprocess.Popen([sys.executable, str(root / "benchmarks" / "run.py"), "--quick", "--markdown"],
+                            cwd=root, stdout=out, stderr=err, text=True, start_new_session=True)
+    config._quick_run = (proc, out, err)
+
+
+def quick_run_result(config, timeout: float) -> subprocess.CompletedProcess:
+    """What the quick run started at collection printed, once it has ended."""
+    proc, out, err = config._quick_run
+    proc.wait(timeout)
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+def _end_quick_run(config) -> None:
+    started = getattr(config, "_quick_run", None)
+    if started is None:
+        return
+    proc, out, err = started
+    if proc.poll() is None:  # the suite stopped early: the run and what it started go too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    out.close()
+    err.close()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The suite leaves nothing in /dev/shm: no segment, no folder, not even an empty one.
     Whatever appeared during the run and is still there fails the run, by name."""
     if hasattr(session.config, "workerinput"):
         return  # a pytest-xdist worker: the controller looks once everything has ended
+    _end_quick_run(session.config)
     left = sorted(_shm_entries() - getattr(session.config, "_shm_before", set()))
     if left:
         session.config._shm_left = left
