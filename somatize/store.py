@@ -38,7 +38,7 @@ from typing import Protocol, runtime_checkable
 
 from somatize.errors import BadName, Missing, StoreError
 from somatize.folders import NEW_FILE, Descent, LinkMet, open_file, open_folder, sync, tell_link, tell_once
-from somatize.store_file import CHUNK, blob_parts, header, read_blob, read_head, record_bytes
+from somatize.store_file import CHUNK, blob_parts, header, read_blob, read_head, record_bytes, scan_record
 
 BytesLike = bytes | bytearray | memoryview
 Blob = BytesLike | Sequence[BytesLike] | None
@@ -222,20 +222,9 @@ class FolderStore:
         that are not store entries, each with one line on stderr: one bad entry never
         stops a scan. One listing per folder; one open per entry.
         """
-        folders, partial = _check_prefix(prefix)
-        names: list[str] = []
         with Descent(self.path) as descent:
-            try:
-                start = descent.at(folders)
-            except (FileNotFoundError, NotADirectoryError):
-                return
-            except LinkMet as exc:
-                tell_link(self.path, str(exc.filename))
-                return
-            except OSError as exc:
-                raise StoreError(f"Cannot list the store at {self.path} ({exc.strerror or exc}).") from exc
-            self._list(start, "".join(part + "/" for part in folders), partial, names)
-            names.sort()
+            names = self._names(descent, prefix)
+            root = str(self.path)
             for name in names:
                 *parts, last = name.split("/")
                 try:
@@ -249,10 +238,12 @@ class FolderStore:
                     raise StoreError(
                         f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
                     ) from exc
-                path = self.path / (name + _SUFFIX)
+                path = f"{root}/{name}{_SUFFIX}"
                 try:
-                    with open(fd, "rb", buffering=0) as file:
-                        record, _, _ = read_head(file, path)
+                    try:
+                        record = scan_record(fd, path)
+                    finally:
+                        os.close(fd)
                 except StoreError as exc:
                     tell_once(path, f"somatize store: a scan leaves out {name!r}: {exc}")
                     continue
@@ -261,6 +252,29 @@ class FolderStore:
                         f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
                     ) from exc
                 yield name, record
+
+    def names(self, prefix: str) -> list[str]:
+        """The names starting with ``prefix``, in string order, as `scan` would give them,
+        from the listings alone: no entry is opened (a run's last forwards are found without
+        reading the thousands before them)."""
+        with Descent(self.path) as descent:
+            return self._names(descent, prefix)
+
+    def _names(self, descent: Descent, prefix: str) -> list[str]:
+        folders, partial = _check_prefix(prefix)
+        names: list[str] = []
+        try:
+            start = descent.at(folders)
+        except (FileNotFoundError, NotADirectoryError):
+            return names
+        except LinkMet as exc:
+            tell_link(self.path, str(exc.filename))
+            return names
+        except OSError as exc:
+            raise StoreError(f"Cannot list the store at {self.path} ({exc.strerror or exc}).") from exc
+        self._list(start, "".join(part + "/" for part in folders), partial, names)
+        names.sort()
+        return names
 
     def fetch(self, name: str) -> bytearray | None:
         """Return the blob stored under ``name`` (``None`` when it was put without one).

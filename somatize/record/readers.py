@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..facts import Fact
-from ..store import Store
-from .recorder import NUMBER, RUNS, check_run, entry_name, records_of
+from ..errors import Missing
+from ..store import FolderStore, Store
+from .recorder import NUMBER, RUNS, check_run, entry_name, numbered, records_of
 from .reports import latest
 
 
@@ -38,22 +39,24 @@ def forwards(store: Store, run: str) -> list[dict[str, Any]]:
     one and as text otherwise.
     """
     check_run(run, "forwards(run=...)")
-    out = []
-    for number, record in records_of(store, run):
-        row: dict[str, Any] = {
-            "forward": number,
-            "state": record.get("state", ""),
-            "took_us": whole(record.get("took_us")),
-            "nodes": whole(record.get("nodes")),
-            "facts": whole(record.get("facts")),
-        }
-        if "error" in record:
-            row["error"] = record["error"]
-        for key, value in record.items():
-            if "." in key:
-                row[key] = maybe_float(value)
-        out.append(row)
-    return out
+    return [forward_row(number, record) for number, record in records_of(store, run)]
+
+
+def forward_row(number: int, record: Mapping[str, str]) -> dict[str, Any]:
+    """One forward's entry in `forwards`, from its record."""
+    row: dict[str, Any] = {
+        "forward": number,
+        "state": record.get("state", ""),
+        "took_us": whole(record.get("took_us")),
+        "nodes": whole(record.get("nodes")),
+        "facts": whole(record.get("facts")),
+    }
+    if "error" in record:
+        row["error"] = record["error"]
+    for key, value in record.items():
+        if "." in key:
+            row[key] = maybe_float(value)
+    return row
 
 
 def curve(store: Store, run: str, kind: str = "loss", field: str = "value") -> list[tuple[int, float]]:
@@ -224,11 +227,22 @@ def _read(store: Store, run: str, number: int) -> list[Fact]:
 
 
 def _chosen(store: Store, run: str, last: int | None) -> list[tuple[int, dict[str, str]]]:
-    records = records_of(store, run)
     if last is None:
-        return records
+        return records_of(store, run)
     count = _index(last, "last")
-    return records[len(records) - count :] if count else []
+    if not count:
+        return []
+    if isinstance(store, FolderStore):  # the last forwards from a listing, then their records alone
+        numbers = sorted(n for n, _ in numbered(store.names(f"{RUNS}{run}/"), run))[-count:]
+        chosen = []
+        for number in numbers:
+            try:
+                chosen.append((number, store.record(entry_name(run, number))))
+            except Missing:
+                continue  # removed since it was listed
+        return chosen
+    records = records_of(store, run)
+    return records[len(records) - count :]
 
 
 def _summarises(record: Mapping[str, str], kind: str, key: str) -> bool:

@@ -19,7 +19,8 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from ..errors import BadName
 from ..facts import CLOSING, ENGINE, Fact
@@ -261,11 +262,17 @@ def entry_name(run: str, number: int) -> str:
 
 def records_of(store: Store, run: str) -> list[tuple[int, dict[str, str]]]:
     """The records of one run, by forward number: one scan."""
-    prefix = f"{RUNS}{run}/"
-    found = []
-    for name, record in store.scan(prefix):
-        rest = name[len(prefix) :]
-        if NUMBER.fullmatch(rest):
-            found.append((int(rest), record))
+    found = list(numbered(store.scan(f"{RUNS}{run}/"), run))
     found.sort(key=lambda item: item[0])
     return found
+
+
+def numbered(entries: Iterable, run: str) -> Iterator[tuple[int, Any]]:
+    """``(forward number, what came with it)`` for the entries of ``run`` that are forwards,
+    from ``(name, x)`` pairs or from names alone."""
+    start = len(RUNS) + len(run) + 1
+    for entry in entries:
+        name, x = (entry, None) if isinstance(entry, str) else entry
+        rest = name[start:]
+        if NUMBER.fullmatch(rest):
+            yield int(rest), x
