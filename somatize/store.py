@@ -254,9 +254,10 @@ class FolderStore:
                 yield name, record
 
     def names(self, prefix: str) -> list[str]:
-        """The names starting with ``prefix``, in string order, as `scan` would give them,
-        from the listings alone: no entry is opened (a run's last forwards are found without
-        reading the thousands before them)."""
+        """The names starting with ``prefix``, in string order, from the folders' listings
+        alone: no entry is opened (a run's last forwards are found without reading the
+        thousands before them). Links and what is not a regular file are left out, as
+        `scan` leaves them; an entry that is damaged inside is listed (`scan` would say so)."""
         with Descent(self.path) as descent:
             return self._names(descent, prefix)
 

@@ -637,3 +637,19 @@ def test_processes_creating_the_same_names_each_get_exactly_one(tmp_path: Path) 
     for who, numbers in won.items():
         assert all(store.record(f"race/{n:03d}") == {"who": who} for n in numbers)
     assert _temps(tmp_path) == []
+
+
+def test_names_lists_what_a_scan_finds_without_opening_an_entry(tmp_path):
+    """``names`` is the listing a scan starts from: the same names, in the same order, links
+    left out, and nothing opened (a damaged entry is listed; a scan leaves it out)."""
+    store = FolderStore(tmp_path / "s")
+    for n in (3, 1, 2, 10):
+        store.put(f"run/a/{n}", {"n": str(n)})
+    store.put("run/ab/1", {"n": "x"})
+    os.symlink(tmp_path / "s" / "run" / "a" / "1.rec", tmp_path / "s" / "run" / "a" / "7.rec")
+    assert store.names("run/a/") == [name for name, _ in store.scan("run/a/")] == [
+        "run/a/1", "run/a/10", "run/a/2", "run/a/3"]
+    assert store.names("run/a") == ["run/a/1", "run/a/10", "run/a/2", "run/a/3", "run/ab/1"]
+    (tmp_path / "s" / "run" / "a" / "2.rec").write_bytes(b"not an entry")
+    assert "run/a/2" in store.names("run/a/") and "run/a/2" not in dict(store.scan("run/a/"))
+    assert store.names("nothing/") == []

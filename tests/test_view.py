@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -202,3 +203,93 @@ def test_the_view_listens_beyond_loopback_only_with_its_token(tmp_path):
     done = subprocess.run([sys.executable, "-m", "somatize", "view", "--store", str(tmp_path / "nowhere")],
                           capture_output=True, text=True, timeout=60, env=env_with_tests())
     assert done.returncode == 2 and "there is no folder" in done.stderr
+
+
+def test_a_study_s_page_draws_its_score_against_each_parameter_and_what_runs_now(processes, browser, tmp_path):
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from somatize import Study
+
+    hostile = "<img src=x onerror=alert(1)>"
+    folder = tmp_path / "store"
+    # trial 0's first attempt goes on (saying, so it stays alive); every other is done at once
+    Study(FolderStore(folder), "tune", objective="study_objectives:stalls_on_first_attempt", trials=9,
+          space={"x": FloatDistribution(-5, 5), "n": IntDistribution(1, 8), "kind": CategoricalDistribution(["a", "b"]),
+                 hostile: FloatDistribution(1e-3, 1.0, log=True)}, sampler="random")
+    _, address = view(processes, folder)
+    context = browser.new_context()  # one cookie for two pages
+    page = context.new_page()
+    dialogs: list = []
+    context.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(address)
+    page.goto(base(address) + "/#/study/tune")
+    expect(page.locator("#tables")).to_contain_text("no trial is running")
+    study = [sys.executable, "-m", "somatize", "study", "--store", str(folder), "tune", "--runner"]
+    processes([*study, "stalling"], env=env_with_tests(), announce=None)
+    running = page.locator("#running tr", has_text="stalling")
+    expect(running).to_be_visible(timeout=15_000)  # who runs it, without a reload
+    expect(running.locator("td").first).to_have_text("0")
+    processes([*study, "quick"], env=env_with_tests(), announce=None)
+    expect(page.locator("#note")).to_contain_text("8 done", timeout=30_000)
+
+    # a chart per numeric parameter, each with a point per done trial; the category is named, not drawn
+    charts = page.locator("#parameters .chart")
+    expect(charts).to_have_count(3)
+    assert sorted(charts.evaluate_all("boxes => boxes.map(b => b.dataset.parameter)")) == sorted(["n", "x", hostile])
+    assert charts.evaluate_all("boxes => boxes.map(b => b.dataset.points)") == ["8", "8", "8"]
+    expect(page.locator("#parameters .u-title", has_text=hostile)).to_have_text(hostile)  # the name, as text
+    expect(page.locator("p.not-drawn")).to_have_text(re.compile(r'^kind: not drawn, .*"a"'))
+
+    # how long trial 0 has run is its record's: it grows, and a page opened later starts from it
+    page.wait_for_function("() => Number(document.querySelector('#running td.since span').dataset.seconds) > 2",
+                           timeout=15_000)
+    expect(page.locator("#running td.since")).to_have_text(re.compile(r"^\d+\.\d s$"))
+    later = context.new_page()
+    later.goto(base(address) + "/#/study/tune")
+    expect(later.locator("#running td.since span")).to_be_visible()
+    assert float(later.locator("#running td.since span").get_attribute("data-base")) > 1.5
+    assert page.locator("main img").count() == 0 and later.locator("main img").count() == 0
+    assert not dialogs
+
+
+def test_the_machines_page_shows_the_fleet_of_the_run_written_last(processes, browser, tmp_path):
+    from somatize.facts import fact
+    from somatize.record import Recorder, report, self_report
+
+    folder = tmp_path / "store"
+    store = FolderStore(folder)
+    hostile = '<img src=x onerror="document.title=\'owned\'">'
+
+    def trip(run: str, host: str, machine: str | None = None) -> None:  # one forward, one trip to `host`
+        rec = Recorder(store, run=run)
+        if machine:
+            rec(fact("said", host=host, machine=machine))
+        rec(fact("ran", node="a", took_us=300, host=host, items=60))
+        rec(fact("left", host=host, took_us=400, worked_us=300))
+        rec(fact("finished", took_us=700))
+
+    trip("monday", "old-worker")
+    trip("tuesday", hostile, machine="gpu-box")
+    report(store, "gpu-box", self_report(7, machine="gpu-box"))
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)
+    page.goto(base(address) + "/#/machines")
+    expect(page.locator("#note")).to_have_text("run tuesday, the run written last")
+    row = page.locator("#fleet tr").nth(1)
+    expect(row.locator("td")).to_have_text([hostile, "gpu-box", "1", "0.300 ms", "0.100 ms", "60", "200000"])
+    expect(page.locator("#fleet")).not_to_contain_text("old-worker")
+    said = page.locator("#machines tr", has_text="gpu-box")
+    expect(said.locator("td").nth(1)).to_have_text(re.compile(r"^\d+\.\d s ago$"))
+    expect(said.locator("td").nth(4)).to_have_text("7")
+    # another run, picked
+    page.select_option("#run-picker", "monday")
+    expect(page.locator("#fleet")).to_contain_text("old-worker")
+    assert page.url.endswith("#/machines/monday")
+    # back to the run written last, which a run started meanwhile becomes, without a reload
+    page.select_option("#run-picker", "")
+    expect(page.locator("#fleet")).to_contain_text(hostile)
+    trip("wednesday", "new-worker")
+    expect(page.locator("#note")).to_have_text("run wednesday, the run written last", timeout=10_000)
+    expect(page.locator("#fleet")).to_contain_text("new-worker")
+    assert page.locator("main img").count() == 0 and page.title() == "somatize view"

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from ..errors import BadName, SomatizeError
 from ..record import fleet, forwards, latest, nodes, trials
 from ..record.readers import facts as facts_of
+from .answers import by_parameter, report_ages, running, runs_by_last_write
 from .changes import Changes, studies
 
 STATIC = Path(__file__).parent / "static"
@@ -105,8 +106,13 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         return [dict(f) for f in facts_of(store, request.path_params["run"], int(request.path_params["forward"]))]
 
     def read_machines(request: Request) -> Any:
-        run = request.query_params.get("run")
-        return {"said": latest(store), "fleet": fleet(store, run, last=100) if run else {}}
+        said = latest(store)
+        order = runs_by_last_write(changes)  # the run written last first: the one shown unless asked
+        newest = order[0] if order else ""
+        run = request.query_params.get("run") or newest
+        return {"said": said, "ages": report_ages(store, list(said)), "run": run, "newest": newest,
+                "runs": order[:PAGE], "runs_count": len(order),
+                "fleet": fleet(store, run, last=100) if run else {}}
 
     def read_studies(request: Request) -> Any:
         return studies(store)
@@ -115,14 +121,18 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         name = request.path_params["study"]
         rows = trials(store, name)  # one scan; the best is found in it, as `best` would
         start = _whole(request.query_params.get("from"), 0)
-        direction = studies(store, only=name).get("direction", "minimize")
+        definition = studies(store, only=name)
+        direction = definition.get("direction", "minimize")
         scores = [(row["trial"], row["score"]) for row in rows
                   if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])]
         sign = -1.0 if direction == "maximize" else 1.0
         top = min(scores, key=lambda p: (sign * p[1], p[0]), default=None)
         return {"study": name, "count": len(rows), "from": start, "trials": rows[start:start + PAGE],
                 "best": None if top is None else next(r for r in rows if r["trial"] == top[0]),
-                "direction": direction, "scores": scores}
+                "direction": direction, "scores": scores,
+                # from the same rows: the score against each parameter, and what runs now
+                "parameters": by_parameter(rows, definition.get("space"), _thinned),
+                "running": running(store, name, rows), "patience": _number(definition.get("patience"))}
 
     async def events(request: Request) -> Response:
         """Server-Sent Events: one ``changed`` whenever what ``subject`` shows has changed

@@ -5,7 +5,9 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-let stream = null;
+let streams = [];
+let drawing = 0; // the latest drawing begun: an older one's answer, come late, is dropped
+const STALE = new Error("a later drawing has begun");
 
 function el(tag, text, cls) {
   const node = document.createElement(tag);
@@ -31,6 +33,30 @@ function took(us) {
   if (us === null || us === undefined) return "";
   return us < 1e6 ? (us / 1e3).toPrecision(3) + " ms" : (us / 1e6).toPrecision(3) + " s";
 }
+
+function seconds(s) {
+  if (s < 60) return s.toFixed(1) + " s";
+  const whole = Math.floor(s);
+  if (whole < 3600) return `${Math.floor(whole / 60)} min ${String(whole % 60).padStart(2, "0")} s`;
+  return `${Math.floor(whole / 3600)} h ${String(Math.floor(whole / 60) % 60).padStart(2, "0")} min`;
+}
+
+// a time the server measured (seconds, as of its answer), going on by this page's clock
+// until the next answer: the value comes from the record, only the ticking is the page's
+function ticking(s, after) {
+  if (s === null || s === undefined) return el("span", "unknown");
+  const span = el("span", seconds(s) + after, "ticking");
+  Object.assign(span.dataset, { base: String(s), at: String(performance.now()), after, seconds: String(s) });
+  return span;
+}
+
+setInterval(() => {
+  for (const span of document.querySelectorAll("span.ticking")) {
+    const s = Number(span.dataset.base) + (performance.now() - Number(span.dataset.at)) / 1000;
+    span.dataset.seconds = String(s);
+    span.textContent = seconds(s) + span.dataset.after;
+  }
+}, 1000);
 
 // a table of rows; columns: [heading, (row) => value or node, class]
 function table(id, columns, rows) {
@@ -70,10 +96,32 @@ function chart(id, title, labels, xs, ...series) {
 }
 
 async function read(path) {
+  const mine = drawing;
   const answer = await fetch(path, { credentials: "same-origin" });
   const body = await answer.json().catch(() => ({ error: answer.statusText }));
+  if (mine !== drawing) throw STALE;
   if (!answer.ok) throw new Error(body.error || answer.statusText);
   return body;
+}
+
+// the score against one parameter's value: points, no line (x in order, as uPlot wants)
+function scatter(parent, index, p) {
+  const box = el("div", undefined, "chart");
+  box.id = "parameter-" + index;
+  box.dataset.points = String(p.points.length);
+  box.dataset.parameter = p.name;
+  parent.appendChild(box);
+  if (!p.points.length || typeof uPlot === "undefined") {
+    box.appendChild(el("p", p.name + ": no trial done with it yet"));
+    return;
+  }
+  new uPlot({
+    title: p.name, width: 360, height: 220,
+    scales: { x: { time: false, distr: p.log ? 3 : 1 } },
+    axes: [{ label: p.log ? "value (log scale)" : "value" }, { label: "score" }],
+    series: [{ label: "value" }, { label: "score", stroke: "#0969da", fill: "#0969da", paths: () => null, points: { show: true, size: 5 } }],
+  }, [p.points.map((q) => q[0]), p.points.map((q) => q[1])], box);
+  if (p.count > p.points.length) box.appendChild(el("p", `${p.count} trials, drawn from ${p.points.length}: the lowest and highest score of each stretch of values`, "thinned"));
 }
 
 function clear(title, note) {
@@ -131,12 +179,52 @@ async function factsPage(run, forward) {
   ], rows));
 }
 
-async function machinesPage() {
-  const body = await read("/api/machines");
+const SAID = ["kind", "machine", "load1", "load5", "load15", "rss_bytes", "slices", "pid"]; // shown in their own columns
+
+async function machinesPage(asked) {
+  const body = await read("/api/machines" + (asked ? "?run=" + encodeURIComponent(asked) : ""));
   const names = Object.keys(body.said).sort();
-  clear("Machines", names.length ? "what each machine last said about itself" : "no machine has reported to this store");
-  $("tables").appendChild(table("machines", [
-    ["machine", (m) => m], ...["load", "memory", "served", "pid", "at"].map((k) => [k, (m) => body.said[m][k] || ""]),
+  const hosts = Object.keys(body.fleet).sort();
+  clear("Machines", body.run ? `run ${body.run}` + (asked ? "" : ", the run written last") : "no run recorded in this store yet");
+  const tables = $("tables");
+  tables.appendChild(el("h2", "Fleet: what each machine did in the run's last 100 forwards"));
+  const pick = el("select");
+  pick.id = "run-picker";
+  pick.appendChild(el("option", "the run written last" + (body.newest ? ` (${body.newest})` : "")));
+  pick.firstChild.value = "";
+  for (const run of asked && !body.runs.includes(asked) ? [asked, ...body.runs] : body.runs) {
+    const option = el("option", run);
+    option.value = run;
+    pick.appendChild(option);
+  }
+  pick.value = asked || "";
+  pick.addEventListener("change", () => { location.hash = pick.value ? "#/machines/" + encodeURIComponent(pick.value) : "#/machines"; });
+  const choosing = el("p", "run: ");
+  choosing.appendChild(pick);
+  if (body.runs_count > body.runs.length) choosing.appendChild(el("span", ` (the ${body.runs.length} written last of ${body.runs_count})`));
+  tables.appendChild(choosing);
+  if (hosts.length) {
+    tables.appendChild(table("fleet", [
+      ["host", (h) => h], ["machine", (h) => body.fleet[h].machine || ""],
+      ["slices", (h) => body.fleet[h].slices, "num"], ["ran there", (h) => took(body.fleet[h].took_us), "num"],
+      ["waiting", (h) => took(body.fleet[h].waiting_us), "num"], ["items", (h) => body.fleet[h].items, "num"],
+      ["items/s", (h) => body.fleet[h].items_per_s, "num"],
+    ], hosts));
+  } else {
+    tables.appendChild(el("p", body.run ? "nothing of this run ran on another machine" : "no run to show", "empty"));
+  }
+  tables.appendChild(el("h2", "What each machine last said about itself"));
+  if (!names.length) {
+    tables.appendChild(el("p", "no machine has reported to this store", "empty"));
+    return;
+  }
+  const said = (m, k) => body.said[m][k] || "";
+  tables.appendChild(table("machines", [
+    ["machine", (m) => m], ["reported", (m) => ticking(body.ages[m], " ago"), "num"],
+    ["load (1, 5, 15 min)", (m) => [said(m, "load1"), said(m, "load5"), said(m, "load15")].join(" ").trim()],
+    ["memory", (m) => (said(m, "rss_bytes") ? (Number(said(m, "rss_bytes")) / 2 ** 20).toFixed(1) + " MiB" : ""), "num"],
+    ["slices served", (m) => said(m, "slices"), "num"], ["pid", (m) => said(m, "pid"), "num"],
+    ["also said", (m) => Object.entries(body.said[m]).filter(([k]) => !SAID.includes(k)).map(([k, v]) => `${k}=${v}`).join("  ")],
   ], names));
 }
 
@@ -163,12 +251,51 @@ async function studyPage(name, from) {
   const bestSoFar = body.scores.map(([, s]) => (so = so === null || sign * s < sign * so ? s : so));
   chart("scores", "score per trial, and the best so far", ["trial", "score", "best so far"],
     body.scores.map((p) => p[0]), body.scores.map((p) => p[1]), bestSoFar);
+  parametersOf(body.parameters);
+  runningOf(body.running, body.patience);
+  $("tables").appendChild(el("h2", "Trials"));
   $("tables").appendChild(table("trials", [
     ["trial", (t) => t.trial, "num"], ["state", (t) => t.state, (t) => t.state],
     ["attempts", (t) => t.attempts, "num"], ["score", (t) => t.score, "num"], ["took", (t) => took(t.took_us), "num"],
     ["runner", (t) => t.runner], ["config", (t) => JSON.stringify(t.config)], ["error", (t) => t.error || ""],
   ], body.trials));
   pager(body, (start) => `#/study/${encodeURIComponent(name)}?from=${start}`);
+}
+
+function parametersOf(parameters) {
+  const charts = $("charts");
+  charts.appendChild(el("h2", "Score against each parameter (done trials with a finite score)"));
+  const box = el("div");
+  box.id = "parameters";
+  charts.appendChild(box);
+  parameters.drawn.forEach((p, i) => scatter(box, i, p));
+  if (!parameters.drawn.length && !parameters.not_drawn.length) box.appendChild(el("p", "no parameter yet", "empty"));
+  for (const p of parameters.not_drawn) {
+    const values = p.values.join(", ") + (p.distinct > p.values.length ? `, … (${p.distinct} values)` : "");
+    const line = el("p", `${p.name}: not drawn, its values are not all numbers (a category, a flag or a text)` +
+      (values ? `: ${values}` : ""), "not-drawn");
+    line.dataset.parameter = p.name;
+    charts.appendChild(line);
+  }
+  if (parameters.more) charts.appendChild(el("p", `and ${parameters.more} more parameters, not drawn`, "not-drawn"));
+}
+
+function runningOf(running, patience) {
+  const tables = $("tables");
+  tables.appendChild(el("h2", `Running now (${running.count})`));
+  if (!running.count) {
+    tables.appendChild(el("p", "no trial is running", "empty"));
+    return;
+  }
+  tables.appendChild(table("running", [
+    ["trial", (t) => t.trial, "num"], ["runner", (t) => t.runner], ["attempt", (t) => t.attempts, "num"],
+    ["running for", (t) => ticking(t.running_s, ""), "num since"],
+    ["last written", (t) => ticking(t.written_s_ago, " ago"), "num"],
+    ["", (t) => (patience !== null && t.written_s_ago !== null && t.written_s_ago > patience
+      ? `unwritten for longer than the study's patience (${patience} s): another runner may take it over` : "")],
+    ["config", (t) => JSON.stringify(t.config)],
+  ], running.running));
+  if (running.count > running.running.length) tables.appendChild(el("p", `and ${running.count - running.running.length} more`, "more"));
 }
 
 function pager(body, hash) {
@@ -188,31 +315,38 @@ function route() {
   const from = new URLSearchParams(query || "").get("from") || 0;
   if (parts[0] === "run" && parts[2] === "facts") return [`run:${parts[1]}`, () => factsPage(parts[1], parts[3])];
   if (parts[0] === "run") return [`run:${parts[1]}`, () => runPage(parts[1], from)];
-  if (parts[0] === "machines") return ["machines", machinesPage];
+  // the run written last may change to another: its page listens to every run, and to the machines
+  if (parts[0] === "machines" && parts[1]) return [`machines:${parts[1]}`, () => machinesPage(parts[1])];
+  if (parts[0] === "machines") return [["machines", "runs"], () => machinesPage()];
   if (parts[0] === "studies") return ["studies", studiesPage];
   if (parts[0] === "study") return [`study:${parts[1]}`, () => studyPage(parts[1], from)];
   return ["runs", runsPage];
 }
 
 async function draw(page) {
+  drawing += 1;
   try {
     await page();
   } catch (error) {
+    if (error === STALE) return;
     clear("Cannot show this", String(error.message || error));
   }
   document.body.dataset.drawn = String(Number(document.body.dataset.drawn || 0) + 1);
 }
 
 function open() {
-  const [subject, page] = route();
-  if (stream) stream.close();
+  const [subjects, page] = route();
+  for (const stream of streams) stream.close();
   draw(page);
-  stream = new EventSource("/api/events?subject=" + encodeURIComponent(subject));
-  // drawn once the stream is open (and again each time it reopens): a change between a
-  // drawing and the stream's first look is never missed
-  stream.addEventListener("open", () => { $("live").classList.add("on"); draw(page); });
-  stream.addEventListener("error", () => $("live").classList.remove("on"));
-  stream.addEventListener("changed", () => draw(page));
+  streams = [].concat(subjects).map((subject) => {
+    const stream = new EventSource("/api/events?subject=" + encodeURIComponent(subject));
+    // drawn once the stream is open (and again each time it reopens): a change between a
+    // drawing and the stream's first look is never missed
+    stream.addEventListener("open", () => { $("live").classList.add("on"); draw(page); });
+    stream.addEventListener("error", () => $("live").classList.remove("on"));
+    stream.addEventListener("changed", () => draw(page));
+    return stream;
+  });
 }
 
 window.addEventListener("hashchange", open);

@@ -1,0 +1,174 @@
+"""What the study and machines pages are sent beyond the readers' own rows.
+
+- A study's score against each parameter, made from the rows of the one ``trials`` scan the
+  study's page already reads: a chart per parameter whose values are numbers; a parameter
+  whose values are not (a category, a flag, a text) is named as not drawn, with a few of
+  its values.
+- The trials running now, and for how long: each one's record says how long it had run at
+  its last write (``took_us``, by its runner's own clock), and its stamp says when that
+  write was; the time since is this view's clock against that stamp (on a local disk the
+  same clock; on NFS the file server's, so a skew between the two shows here). A record
+  and its stamp are read together (a stamp, the record, the stamp again): a write landing
+  in between is never half-counted.
+- The runs, the one written last first (a ``stat`` of each run's folder, no record read),
+  and how long ago each machine last reported (its report's stamp).
+
+Every name and value here comes from the store, so from whoever may write it: it is only
+counted and passed on as data, and the page draws it as text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import Missing, SomatizeError
+from ..record.readers import whole
+from ..record.recorder import RUNS
+from ..study.history import attempt_name
+
+#: The most parameters a study's page draws (the others are counted, not drawn).
+PARAMETERS = 50
+#: The most running trials a study's page lists (the others are counted).
+RUNNING = 100
+#: How many of a parameter's values are shown when it is not drawn.
+EXAMPLES = 5
+_SHOWN = 60  # characters of each of those values
+
+
+def by_parameter(rows: list[dict[str, Any]], space: str | None,
+                 thin: Callable[[list], list]) -> dict[str, Any]:
+    """The score of each done trial against each parameter's value: ``drawn``, a chart per
+    numeric parameter (``name``, ``points`` as ``[value, score]`` in order of value, thinned
+    by ``thin``, ``count`` before thinning, ``log`` where the space says so), ``not_drawn``
+    (``name``, ``values``: a few of its distinct values, ``distinct``: how many), and
+    ``more``, how many parameters were left out past :data:`PARAMETERS`."""
+    done = [row for row in rows if row["state"] == "done" and isinstance(row["score"], float)
+            and math.isfinite(row["score"])]
+    kinds = _space(space)
+    values: dict[str, list[tuple[Any, float]]] = {name: [] for name in kinds}
+    for row in done:
+        for name, value in row["config"].items():
+            if value is not None:
+                values.setdefault(name, []).append((value, row["score"]))
+    names = sorted(values)
+    drawn, not_drawn = [], []
+    for name in names[:PARAMETERS]:
+        pairs = values[name]
+        numeric = all(_numeric(value) for value, _ in pairs)
+        if numeric and not pairs:  # no trial has finished with it yet: its space says
+            numeric = kinds[name].get("name") != "CategoricalDistribution" or all(
+                _numeric(choice) for choice in _choices(kinds[name]) or [None])
+        if numeric:
+            points = sorted(((float(value), score) for value, score in pairs), key=lambda p: p[0])
+            log = kinds.get(name, {}).get("attributes", {}).get("log") is True and all(p[0] > 0 for p in points)
+            drawn.append({"name": name, "points": thin(points), "count": len(points), "log": log})
+        else:
+            distinct = list(dict.fromkeys(json.dumps(value) for value, _ in pairs))
+            if not distinct:  # a categorical parameter no trial has finished with yet
+                distinct = list(dict.fromkeys(json.dumps(choice) for choice in _choices(kinds[name])))
+            not_drawn.append({"name": name, "values": [v[:_SHOWN] for v in distinct[:EXAMPLES]],
+                              "distinct": len(distinct)})
+    return {"drawn": drawn, "not_drawn": not_drawn, "more": max(0, len(names) - PARAMETERS)}
+
+
+def running(store: Any, study: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trials whose state is ``running``, at most :data:`RUNNING` of them (``count`` says
+    how many there are): each one's ``trial``, ``runner``, ``attempts``, ``config``,
+    ``running_s`` (how long it has run, from its record; ``None`` when unknown) and
+    ``written_s_ago`` (how long since its runner last wrote it; ``None`` when unknown)."""
+    live = [row for row in rows if row["state"] == "running"]
+    out = []
+    for row in live[:RUNNING]:
+        item = {"trial": row["trial"], "runner": row["runner"], "attempts": row["attempts"],
+                "config": row["config"], "running_s": None, "written_s_ago": None}
+        # attempts are numbered from 0, each created only once the one before it was there
+        written, took_us = _written(store, attempt_name(study, row["trial"], row["attempts"] - 1), row["runner"])
+        if written is not None:
+            ago = max(0.0, (time.time_ns() - written) / 1e9)
+            item["written_s_ago"] = ago
+            item["running_s"] = (took_us or 0) / 1e6 + ago
+        out.append(item)
+    return {"running": out, "count": len(live)}
+
+
+def runs_by_last_write(changes: Any) -> list[str]:
+    """The runs of the store, the one whose folder was written last first (by name among
+    equals): a listing and a ``stat`` per run."""
+    folder = changes.root / RUNS.rstrip("/")
+    stamped = []
+    for run in changes.runs():
+        try:
+            stamped.append((os.lstat(folder / run).st_mtime_ns, run))
+        except OSError:
+            continue
+    return [run for _, run in sorted(stamped, reverse=True)]
+
+
+def report_ages(store: Any, machines: list[str]) -> dict[str, float | None]:
+    """How many seconds ago each machine's report was written, by its stamp (``None`` if it
+    went meanwhile)."""
+    out: dict[str, float | None] = {}
+    for machine in machines:
+        try:
+            stamp = store.stamp(f"machine/{machine}")
+        except (Missing, OSError, SomatizeError, ValueError):
+            out[machine] = None
+            continue
+        out[machine] = max(0.0, (time.time_ns() - stamp) / 1e9)
+    return out
+
+
+def _written(store: Any, name: str, runner: str) -> tuple[int | None, int | None]:
+    """When the attempt ``name`` was last written and how long it had run then, if it is
+    the running attempt of ``runner``; ``(None, None)`` otherwise."""
+    for _ in range(3):
+        try:
+            before = store.stamp(name)
+            record = store.record(name)
+            after = store.stamp(name)
+        except (Missing, OSError, SomatizeError, ValueError):
+            return None, None
+        if before == after:
+            if record.get("state", "running") != "running" or record.get("runner", "") != runner:
+                return None, None
+            return after, whole(record.get("took_us"))
+    return None, None  # written again and again while we looked: the next look will tell
+
+
+def _numeric(value: object) -> bool:
+    """Whether a chart can place ``value``: a finite number (a flag is not one)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) < 10**300
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _choices(kind: dict[str, Any]) -> list:
+    choices = kind.get("attributes", {}).get("choices", [])
+    return choices if isinstance(choices, list) else []
+
+
+def _space(text: str | None) -> dict[str, dict[str, Any]]:
+    """The study's space as its definition wrote it (distributions as Optuna writes them to
+    JSON), or ``{}`` where it is not that."""
+    if not text:
+        return {}
+    try:
+        space = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(space, dict):
+        return {}
+    out = {}
+    for name, kind in space.items():
+        if isinstance(kind, dict) and isinstance(kind.get("attributes", {}), dict):
+            out[name] = kind
+        else:
+            out[name] = {}
+    return out
