@@ -25,10 +25,12 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from ..errors import BadName, SomatizeError
-from ..record import fleet, forwards, latest, nodes, trials
+from ..record import fleet, latest, nodes, trials
 from ..record.readers import facts as facts_of
 from .answers import by_parameter, report_ages, running, runs_by_last_write
 from .changes import Changes, studies
+from .runs import Runs
+from .runs import thinned as _thinned
 
 STATIC = Path(__file__).parent / "static"
 _FILES = {  # what the page is made of, and nothing else from the disk
@@ -45,6 +47,8 @@ LOOK = 0.5
 def make_app(store: Any, *, token: str | None) -> Starlette:
     """The view of ``store``; with ``token``, only requests that carry it are answered."""
     changes = Changes(store)
+    runs = Runs(store)
+    runs.warm()  # the newest runs read before anyone asks: a long run's first look waits less
 
     async def index(request: Request) -> Response:
         given = request.query_params.get("token")
@@ -89,15 +93,9 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         return sorted(out, key=lambda row: row["run"], reverse=True)
 
     def read_run(request: Request) -> Any:
-        run = request.path_params["run"]
-        rows = forwards(store, run)
-        start = _whole(request.query_params.get("from"), 0)
-        kinds = sorted({key for row in rows for key in row if "." in key})
-        # the curve from the same scan (what `curve` reads: each record's summarised loss)
-        loss = [(row["forward"], row["loss.value"]) for row in rows if isinstance(row.get("loss.value"), float)]
-        took = [(row["forward"], row["took_us"]) for row in rows if row["took_us"] is not None]
-        return {"run": run, "count": len(rows), "from": start, "forwards": rows[start:start + PAGE],
-                "kinds": kinds, "curve": _thinned(loss), "took": _thinned(took)}
+        # each forward read once, then only what is new (`runs`); the curve is each
+        # record's summarised loss, as `curve` reads it
+        return runs.page(request.path_params["run"], _whole(request.query_params.get("from"), 0), PAGE)
 
     def read_nodes(request: Request) -> Any:
         return nodes(store, request.path_params["run"], last=_whole(request.query_params.get("last"), 100) or None)
@@ -200,28 +198,6 @@ def _refused(request: Request, token: str | None) -> Response | None:
         "this view needs its token: open the address it printed when it started (…/?token=…)",
         status_code=403,
     )
-
-
-#: The most points a chart is sent: a line of 100,000 forwards is drawn from this many.
-POINTS = 2000
-
-
-def _thinned(points: list) -> list:
-    """At most ``POINTS`` of ``points``: in each stretch, its lowest and highest (what a line
-    at that width shows), and always the last point."""
-    if len(points) <= POINTS:
-        return points
-    step = 2 * len(points) / POINTS
-    out: list = []
-    start = 0.0
-    while int(start) < len(points):
-        chunk = points[int(start):int(start + step)] or points[int(start):int(start) + 1]
-        low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
-        out.extend(sorted({low, high}, key=lambda p: p[0]))
-        start += step
-    if out[-1] != points[-1]:
-        out.append(points[-1])
-    return out
 
 
 def _int(value: str | None) -> int | None:

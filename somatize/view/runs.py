@@ -1,0 +1,158 @@
+"""A run's page from what the view read before: each forward's record is read once.
+
+A run of 100,000 forwards is 100,000 files, and reading them all is most of what opening its
+page costs. A ``FolderStore`` puts every entry by renaming a new file into its folder, so a
+forward whose file still has the inode it had when the view read it is unchanged: after the
+first scan, the view lists the run's folder (names and inodes come with the listing, no entry
+is opened) and reads only the forwards that are new or were put again. What a page draws from
+the rows (the kinds, the curves) is kept with them until they change.
+
+Everything here is read through the store's own verbs (`forwards`, ``record``); the listing
+takes only regular files named as forwards, never a link, as `changes` does.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from ..errors import Missing, SomatizeError
+from ..record import forwards
+from ..record.readers import forward_row
+from ..record.recorder import RUNS, check_run, entry_name
+
+#: Runs kept at once (the least recently opened let go first).
+KEPT = 4
+#: Points a curve sends at most, about (more are thinned: `thinned`).
+POINTS = 2000
+
+
+class Run:
+    """What the view knows of one run."""
+
+    def __init__(self) -> None:
+        self.inodes: dict[int, int] = {}  # forward -> the inode of the file it was read from
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.drawn: dict[str, Any] | None = None  # count, kinds, curves; None once the rows change
+        self.ordered: list[dict[str, Any]] = []
+
+
+class Runs:
+    """The runs a view has opened, each read once and then kept up with."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.root = Path(store.path) / RUNS.rstrip("/")
+        self._kept: OrderedDict[str, Run] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def page(self, run: str, start: int, size: int) -> dict[str, Any]:
+        """``run``'s count, kinds, curves (loss and ``took_us``, thinned) and ``size`` rows
+        from ``start``: what its page shows."""
+        check_run(run, "the view")
+        with self._lock:
+            known = self._up_to_date(run)
+            if known.drawn is None:
+                known.ordered = [known.rows[n] for n in sorted(known.rows)]
+                known.drawn = _drawn(known.ordered)
+            return {"run": run, "from": start, "forwards": known.ordered[start:start + size], **known.drawn}
+
+    def warm(self, newest: int = 2) -> threading.Thread:
+        """Read the ``newest`` runs (by their folders' stamps) on a thread of their own, so
+        that the first look at a long run does not wait for its scan; returns the thread."""
+        def read() -> None:
+            try:
+                with os.scandir(self.root) as entries:
+                    folders = [(e.stat(follow_symlinks=False).st_mtime_ns, e.name)
+                               for e in entries if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                return
+            for _, run in sorted(folders, reverse=True)[:newest]:
+                try:
+                    check_run(run, "the view")
+                    with self._lock:
+                        self._up_to_date(run)
+                except (ValueError, OSError, SomatizeError):
+                    continue
+
+        thread = threading.Thread(target=read, daemon=True, name="somatize-view-warm")
+        thread.start()
+        return thread
+
+    def _up_to_date(self, run: str) -> Run:
+        listed = self._listing(run)
+        known = self._kept.pop(run, None)
+        if known is None:
+            known = Run()
+            for row in forwards(self.store, run):  # one scan, the first time
+                known.rows[row["forward"]] = row
+            known.inodes = {n: ino for n, ino in listed.items() if n in known.rows}
+        for number in [n for n in known.rows if n not in listed]:  # removed since
+            del known.rows[number]
+            known.inodes.pop(number, None)
+            known.drawn = None
+        for number, inode in listed.items():
+            if known.inodes.get(number) == inode:
+                continue
+            try:
+                record = self.store.record(entry_name(run, number))
+            except (Missing, OSError, SomatizeError):
+                continue  # gone or damaged since it was listed: the next look tells
+            known.rows[number] = forward_row(number, record)
+            known.inodes[number] = inode
+            known.drawn = None
+        self._kept[run] = known
+        while len(self._kept) > KEPT:
+            self._kept.popitem(last=False)
+        return known
+
+    def _listing(self, run: str) -> dict[int, int]:
+        """Forward number -> inode, for the regular files of ``run``'s folder: no file opened."""
+        found: dict[int, int] = {}
+        try:
+            info = os.lstat(self.root / run)
+            if not stat.S_ISDIR(info.st_mode):
+                return found
+            with os.scandir(self.root / run) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(".rec") and name[:-4].isdigit() and entry.is_file(follow_symlinks=False):
+                        found[int(name[:-4])] = entry.inode()
+        except OSError:
+            return found
+        return found
+
+
+def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    kinds: set[str] = set()
+    loss, took = [], []
+    for row in rows:
+        kinds.update(key for key in row if "." in key)
+        value = row.get("loss.value")
+        if isinstance(value, float):
+            loss.append((row["forward"], value))
+        if row["took_us"] is not None:
+            took.append((row["forward"], row["took_us"]))
+    return {"count": len(rows), "kinds": sorted(kinds), "curve": thinned(loss), "took": thinned(took)}
+
+
+def thinned(points: list) -> list:
+    """At most about `POINTS` of ``points``: in each stretch, its lowest and highest (what a
+    line at that width shows), and always the last point."""
+    if len(points) <= POINTS:
+        return points
+    step = 2 * len(points) / POINTS
+    out: list = []
+    start = 0.0
+    while int(start) < len(points):
+        chunk = points[int(start):int(start + step)] or points[int(start):int(start) + 1]
+        low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
+        out.extend(sorted({low, high}, key=lambda p: p[0]))
+        start += step
+    if out[-1] != points[-1]:
+        out.append(points[-1])
+    return out

@@ -1,0 +1,88 @@
+"""The view reads each forward of a run once: after the first scan, only what is new.
+
+No browser here (tests/test_view.py drives one): `somatize.view.runs.Runs` over a real
+FolderStore, with the store's reads counted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from somatize import FolderStore, Recorder  # noqa: E402
+from somatize.view.runs import POINTS, Runs  # noqa: E402
+
+
+class Counted(FolderStore):
+    """A FolderStore that counts its scans and single reads."""
+
+    def __init__(self, path) -> None:  # noqa: ANN001
+        super().__init__(path)
+        self.scans = self.records = 0
+
+    def scan(self, prefix: str):  # noqa: ANN201
+        self.scans += 1
+        return super().scan(prefix)
+
+    def record(self, name: str) -> dict:
+        self.records += 1
+        return super().record(name)
+
+
+def record(store, run: str, count: int, first: int = 0) -> None:  # noqa: ANN001
+    recorder = Recorder(store, run=run, summarising=("loss",))
+    for number in range(first, first + count):
+        recorder({"fact": "ran", "node": "step", "took_us": "7"})
+        recorder({"fact": "finished", "took_us": str(10 + number)})
+        recorder({"fact": "loss", "value": repr(1.0 / (number + 1))})
+
+
+def test_a_run_is_read_once_and_then_only_what_is_new(tmp_path):
+    store = Counted(tmp_path / "store")
+    record(store, "r", 30)
+    store.scans = 0  # (a Recorder looks at its run first)
+    runs = Runs(store)
+    page = runs.page("r", 0, 10)
+    assert page["count"] == 30 and [row["forward"] for row in page["forwards"]] == list(range(10))
+    assert page["kinds"] == ["loss.value"] and len(page["curve"]) == 30 and page["took"][0] == (0, 10)
+    assert (store.scans, store.records) == (1, 0)
+    assert runs.page("r", 25, 10)["forwards"][-1]["forward"] == 29
+    assert (store.scans, store.records) == (1, 0)  # nothing new: nothing read
+    record(store, "r", 5, first=30)
+    store.scans = store.records = 0  # (a Recorder going on with a run looks at it first)
+    page = runs.page("r", 28, 10)
+    assert page["count"] == 35 and [row["forward"] for row in page["forwards"]] == list(range(28, 35))
+    assert (store.scans, store.records) == (0, 5)  # the five new ones, and nothing else
+    # a forward put again (a new file, a new inode) is read again; one removed goes
+    store.put("run/r/3", {"state": "failed", "took_us": "1"})
+    os.unlink(tmp_path / "store" / "run" / "r" / "4.rec")
+    page = runs.page("r", 0, 10)
+    assert page["count"] == 34 and page["forwards"][3]["state"] == "failed"
+    assert [row["forward"] for row in page["forwards"]][3:5] == [3, 5]
+    assert store.records == 6 and store.scans == 0
+
+
+def test_a_link_among_a_runs_forwards_is_never_read(tmp_path):
+    """Records are written by other people's processes: a link planted as a forward's file
+    is left out, by the listing as by the scan."""
+    store = Counted(tmp_path / "store")
+    record(store, "r", 3)
+    runs = Runs(store)
+    assert runs.page("r", 0, 10)["count"] == 3
+    secret = tmp_path / "secret.rec"
+    secret.write_text("not for the view")
+    os.symlink(secret, tmp_path / "store" / "run" / "r" / "9.rec")
+    assert runs.page("r", 0, 10)["count"] == 3 and store.records == 0
+
+
+def test_a_long_curve_is_thinned_to_what_a_line_shows(tmp_path):
+    store = FolderStore(tmp_path / "store")
+    for n in range(3 * POINTS):
+        store.put(f"run/long/{n}", {"state": "ok", "took_us": "5", "loss.value": repr(float(n % 97))})
+    page = Runs(store).page("long", 0, 5)
+    assert page["count"] == 3 * POINTS and len(page["curve"]) <= POINTS + 2
+    assert page["curve"][-1] == (3 * POINTS - 1, float((3 * POINTS - 1) % 97))  # the last point kept
+    assert max(v for _, v in page["curve"]) == 96.0 and min(v for _, v in page["curve"]) == 0.0
