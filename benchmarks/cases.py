@@ -27,6 +27,7 @@ import fleet
 import flooding
 import memory
 import paths
+import view
 from children import Child
 from floor import ANNOUNCE, Floor
 from nodes import Echo, Inc
@@ -65,6 +66,8 @@ class Settings:
     blocks: int = 10
     fleet: int = 1000  # (h) dialed workers on one broker
     fleet_forwards: int = 2000  # (h) relayed forwards, each to the next host
+    view_forwards: int = 100_000  # (v) forwards of the run the view opens
+    view_trials: int = 10_000  # (v) trials of the study it opens
 
     @classmethod
     def full(cls) -> Settings:
@@ -73,7 +76,7 @@ class Settings:
     @classmethod
     def quick(cls) -> Settings:
         return cls(calls=50, sizes=(1 << 20,), reps=3, graphs=200, chains=10, records=200, trials=40, history=50,
-                   blocks=2, fleet=50, fleet_forwards=100)
+                   blocks=2, fleet=50, fleet_forwards=100, view_forwards=2000, view_trials=300)
 
 
 @dataclasses.dataclass
@@ -483,5 +486,6 @@ CASES: dict[str, Callable[[Settings, Floors], list[Row]]] = {
     "f": studies,
     "g": flooding.flood_rows,
     "h": fleet.fleet_rows,
+    "v": view.view_rows,
     "m": memory.memory_rows,
 }

@@ -8,6 +8,9 @@ One command, one table, every row measured in this run:
     (d) the engine's cost per node on a 200-node local chain, against a plain loop
     (e) forwards() and curve() over 10,000 recorded forwards: time, scans and fetches
     (f) a study's trials per second, and reading its history
+    (g) another tenant's answers, and the broker's memory, while one floods it
+    (h) a fleet of dialed workers on one broker: registering, idle, relayed forwards
+    (v) the live view opening a 100,000-forward run and a 10,000-trial study
     (m) the peak memory of client, worker and broker during (b)'s round trips, per path
 
     python benchmarks/run.py --quick          # tiny sizes: a smoke run of well under a minute
