@@ -379,6 +379,20 @@ def test_a_host_clients_wait_on_is_checked_after_a_patience_and_gone_after_one_a
     assert not b.exchanges and "w2" in b.offers  # the idle one is held to its keepalive
 
 
+def test_exchanges_opened_again_and_again_never_keep_a_silent_host():
+    """Each first exchange of a host starts its closer watch anew; a client that opens and
+    ends them without end still cannot keep a silent host past the idle bound."""
+    b = BrokerView(patience=1.0)
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+    now = 0.0
+    while "w1" in b.offers and now < 2 * IDLE_SILENCE:
+        now += 0.5
+        relay_from_client(b, b"alice", "A", "w1", now=now)
+        b.leave(b"alice")  # its channel closes: the exchange ends, the next one is a first again
+        b.expire(now)
+    assert "w1" not in b.offers and now <= IDLE_SILENCE + 1.0
+
+
 def test_an_envelope_round_trips_without_decoding_its_inner_frames():
     inner = encode(work(9))
     frames = encode(Relay(host="w1", inner=tuple(inner)))

@@ -282,9 +282,10 @@ class BrokerView:
         idle, check, working = IDLE_SILENCE * self.patience, self.patience, 1.5 * self.patience
         gone, stalled, checks = [], set(), {}
         for host, offer in self.offers.items():
-            silent = now - max(offer.seen, heard.get(offer.route, 0.0), busy.get(host, 0.0))
+            quiet = now - max(offer.seen, heard.get(offer.route, 0.0))
+            silent = min(quiet, now - busy.get(host, 0.0))  # held closer from its first exchange on
             if host in busy:
-                if silent > working:
+                if silent > working or quiet > idle:  # exchanges opened again and again do not hold it
                     gone.append(host)
                     stalled.add(host)
                 elif silent > check:
