@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("starlette")
 
 from somatize import FolderStore, Recorder  # noqa: E402
+import somatize.record.recorder as recorder_module  # noqa: E402
+from somatize.record.recorder import chunk_name, chunk_records, records_of  # noqa: E402
 from somatize.view.runs import POINTS, Runs  # noqa: E402
 
 
@@ -86,3 +88,77 @@ def test_a_long_curve_is_thinned_to_what_a_line_shows(tmp_path):
     assert page["count"] == 3 * POINTS and len(page["curve"]) <= POINTS + 2
     assert page["curve"][-1] == (3 * POINTS - 1, float((3 * POINTS - 1) % 97))  # the last point kept
     assert max(v for _, v in page["curve"]) == 96.0 and min(v for _, v in page["curve"]) == 0.0
+
+
+# -- chunks: a recorder's records of each thousand forwards, in one entry ------------------------
+
+
+class Reads(FolderStore):
+    """A FolderStore that counts scans, single records and fetches."""
+
+    def __init__(self, path) -> None:  # noqa: ANN001
+        super().__init__(path)
+        self.scans = self.records = self.fetches = 0
+
+    def scan(self, prefix: str):  # noqa: ANN201
+        self.scans += 1
+        return super().scan(prefix)
+
+    def record(self, name: str) -> dict:
+        self.records += 1
+        return super().record(name)
+
+    def fetch(self, name: str):  # noqa: ANN201
+        self.fetches += 1
+        return super().fetch(name)
+
+
+@pytest.fixture
+def chunks_of_ten(monkeypatch):
+    monkeypatch.setattr(recorder_module, "CHUNK", 10)
+
+
+def test_a_recorder_writes_each_chunk_once_it_is_whole(tmp_path, chunks_of_ten):
+    """Chunk k is written when forward (k + 1) * CHUNK closes: by then no fact can be filed
+    into its forwards any more (a loss said after `finished` is filed into the forward that
+    closed last, which is written again), so it holds each forward's last record."""
+    store = FolderStore(tmp_path / "store")
+    record(store, "r", 25)
+    scanned = {number: rec for number, rec in records_of(store, "r")}
+    assert sorted(scanned) == list(range(25))
+    assert chunk_records(store, "r", 0) == {n: scanned[n] for n in range(10)}
+    assert chunk_records(store, "r", 1) == {n: scanned[n] for n in range(10, 20)}
+    assert chunk_records(store, "r", 2) is None  # 20..24: not whole yet
+    assert scanned[9]["loss.value"] == repr(1.0 / 10)  # the rewrite is what the chunk holds
+    # a recorder that goes on with the run from its middle never writes the chunk it joined
+    record(store, "r", 10, first=25)
+    assert chunk_records(store, "r", 2) is None and chunk_records(store, "r", 3) is None
+
+
+def test_a_chunk_that_is_not_what_a_recorder_writes_is_not_taken(tmp_path, chunks_of_ten):
+    """Chunks are read from a shared folder: anything but forwards of that chunk with records
+    of text spoils it, and its forwards are read one by one."""
+    store = FolderStore(tmp_path / "store")
+    record(store, "r", 12)
+    name = chunk_name("r", 0)
+    for junk in (b"not json", b'{"a": 1}', b'[[3, {"x": 1}]]', b'[[42, {"x": "y"}]]',
+                 b'[["3", {"x": "y"}]]', b"[" * 100_000):
+        store.put(name, {"run": "r"}, junk)
+        assert chunk_records(store, "r", 0) is None, junk[:40]
+    store.put(name, {"run": "r"}, b'[[3, {"state": "planted"}]]')
+    runs = Runs(store)
+    page = runs.page("r", 0, 20)
+    assert page["count"] == 12 and page["forwards"][3]["state"] == "planted"  # a chunk's word, checked
+
+
+def test_the_first_look_at_a_long_run_reads_its_chunks_not_every_forward(tmp_path, chunks_of_ten):
+    store = Reads(tmp_path / "store")
+    record(store, "r", 35)
+    store.put("run/r/4", {"state": "failed", "took_us": "1"})  # put again after its chunk
+    store.scans = store.records = store.fetches = 0
+    page = Runs(store).page("r", 0, 40)
+    assert [row["forward"] for row in page["forwards"]] == list(range(35))
+    assert page["forwards"][4]["state"] == "failed" and page["forwards"][5]["state"] == "ok"
+    assert page["curve"][-1] == (34, 1.0 / 35)
+    # three chunks, and on their own: the five the last chunk lacks and the one put again
+    assert (store.scans, store.fetches, store.records) == (0, 3, 6)

@@ -22,12 +22,20 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ..errors import BadName
+from ..errors import BadName, Missing, StoreError
 from ..facts import CLOSING, ENGINE, Fact
-from ..store import Store, check_name
+from ..store import FolderStore, Store, check_name
 
 RUNS = "run/"
 NUMBER = re.compile(r"[0-9]+")
+#: Forwards a chunk holds. Each time a chunk of a run is whole (its last forward can no
+#: longer be written again: the next one closed), the recorder also writes their records in
+#: one entry, ``run/<run>/chunk/<k>`` (forwards ``k * CHUNK`` to ``(k + 1) * CHUNK - 1``), so
+#: that the first look at a long run reads a hundred entries instead of a hundred thousand
+#: (:func:`chunk_records`; the view's first look uses them). A chunk is what this recorder
+#: wrote: a forward put again afterwards is newer than its chunk, and read on its own.
+CHUNK = 1000
+CHUNKS = "chunk"
 _KIND = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -67,6 +75,7 @@ class Recorder:
             self._next = _next_number(store, self._run)
         self._open: list[Fact] = []
         self._open_lines: list[bytes] = []
+        self._kept: dict[int, dict[str, str]] = {}  # the records of the chunk not yet whole
         # the forward that closed last: its number, facts and written lines
         self._last: tuple[int, list[Fact], list[bytes]] | None = None
 
@@ -121,6 +130,20 @@ class Recorder:
     def _write(self, number: int, filed: list[Fact], lines: list[bytes]) -> None:
         record = _summary(self._run, number, filed, self._summarising)
         self._store.put(entry_name(self._run, number), record, list(lines))
+        first = number not in self._kept
+        self._kept[number] = record
+        if first and number % CHUNK == 0 and number:  # the chunk before is whole now
+            self._write_chunk(number // CHUNK - 1)
+
+    def _write_chunk(self, k: int) -> None:
+        """The records of chunk ``k`` in one entry, if this recorder wrote all of them (one
+        that went on with a run from its middle did not: that chunk is left unwritten)."""
+        numbers = range(k * CHUNK, (k + 1) * CHUNK)
+        records = [(n, self._kept.pop(n)) for n in numbers if n in self._kept]
+        if len(records) == CHUNK:
+            self._store.put(chunk_name(self._run, k), {"run": self._run, "first": str(k * CHUNK),
+                                                       "count": str(CHUNK)},
+                            json.dumps(records).encode("ascii"))
 
 
 class _OneForward:
@@ -252,12 +275,41 @@ def _fresh_run(store: Store) -> tuple[str, int]:
 
 
 def _next_number(store: Store, run: str) -> int:
-    numbers = [number for number, _ in records_of(store, run)]
+    if isinstance(store, FolderStore):  # the listing alone
+        numbers = [number for number, _ in numbered(store.names(f"{RUNS}{run}/"), run)]
+    else:
+        numbers = [number for number, _ in records_of(store, run)]
     return max(numbers) + 1 if numbers else 0
 
 
 def entry_name(run: str, number: int) -> str:
     return f"{RUNS}{run}/{number}"
+
+
+def chunk_name(run: str, k: int) -> str:
+    return f"{RUNS}{run}/{CHUNKS}/{k}"
+
+
+def chunk_records(store: Store, run: str, k: int) -> dict[int, dict[str, str]] | None:
+    """The records chunk ``k`` of ``run`` holds, by forward number; None where there is no
+    such chunk or it is not what a recorder writes (it was written by someone else's
+    process: each item is checked, and one that is not a forward of that chunk with a
+    record of text spoils the chunk, whose forwards are then read one by one)."""
+    try:
+        blob = store.fetch(chunk_name(run, k))
+        items = json.loads(bytes(blob)) if blob is not None else None
+    except (Missing, StoreError, ValueError, RecursionError):
+        return None
+    if not isinstance(items, list) or len(items) > CHUNK:
+        return None
+    out: dict[int, dict[str, str]] = {}
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                and k * CHUNK <= item[0] < (k + 1) * CHUNK and isinstance(item[1], dict)
+                and all(type(v) is str for v in item[1].values())):
+            return None
+        out[item[0]] = item[1]
+    return out
 
 
 def records_of(store: Store, run: str) -> list[tuple[int, dict[str, str]]]:
