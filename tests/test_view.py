@@ -42,12 +42,13 @@ RECORDING = """if True:
             return x + 1
 
     store, run, go_on = FolderStore(sys.argv[1]), sys.argv[2], sys.argv[3]
-    rec = Recorder(store, run=run, summarising=["loss"])
+    rec = Recorder(store, run=run, summarising=["loss", "acc"])
     graph = Step().named("step")
     n = 0
     while n < 400:
         graph.forward(n, watching=rec)
         rec(fact("loss", value=1.0 / (n + 1)))
+        rec(fact("acc", value=n / 400))
         n += 1
         time.sleep(0.25)
         print(n, flush=True)
@@ -97,6 +98,8 @@ def test_a_run_being_recorded_elsewhere_shows_up_and_its_curve_grows(processes, 
     page.wait_for_function(f"() => Number(document.querySelector('#curve').dataset.points) > {first + 2}",
                            timeout=15_000)  # the curve gains points while we watch
     assert page.locator("#forwards tr").count() > first  # and the table its rows
+    # every other summarised number has its own curve, titled by its kind
+    expect(page.locator("#series-0")).to_contain_text("acc.value per forward")
     assert not dialogs
 
 

@@ -162,3 +162,16 @@ def test_the_first_look_at_a_long_run_reads_its_chunks_not_every_forward(tmp_pat
     assert page["curve"][-1] == (34, 1.0 / 35)
     # three chunks, and on their own: the five the last chunk lacks and the one put again
     assert (store.scans, store.fetches, store.records) == (0, 3, 6)
+
+
+def test_every_summarised_number_is_drawn_not_only_the_loss(tmp_path):
+    store = FolderStore(tmp_path / "store")
+    recorder = Recorder(store, run="r", summarising=("loss", "acc"))
+    for number in range(5):
+        recorder({"fact": "finished", "took_us": "3"})
+        recorder({"fact": "loss", "value": repr(1.0 / (number + 1))})
+        recorder({"fact": "acc", "value": repr(number / 10), "phase": "<b>train</b>"})
+    page = Runs(store).page("r", 0, 10)
+    assert page["kinds"] == ["acc.phase", "acc.value", "loss.value"]
+    assert page["series"] == {"acc.value": [(n, n / 10) for n in range(5)]}  # a field of text: in the table only
+    assert len(page["curve"]) == 5

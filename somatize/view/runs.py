@@ -15,6 +15,7 @@ takes only regular files named as forwards, never a link, as `changes` does.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import threading
@@ -171,17 +172,28 @@ class Runs:
         return found
 
 
+#: Summarised kinds drawn besides the loss, at most (the table shows them all).
+SERIES = 12
+
+
 def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    kinds: set[str] = set()
-    loss, took = [], []
+    """The kinds, the loss curve, ``took_us`` per forward, and a curve for each other
+    summarised field that holds numbers (`SERIES` at most)."""
+    points: dict[str, list] = {}
+    took = []
     for row in rows:
-        kinds.update(key for key in row if "." in key)
-        value = row.get("loss.value")
-        if isinstance(value, float):
-            loss.append((row["forward"], value))
+        number = row["forward"]
+        for key, value in row.items():
+            if "." in key:
+                line = points.setdefault(key, [])
+                if isinstance(value, float) and math.isfinite(value):
+                    line.append((number, value))
         if row["took_us"] is not None:
-            took.append((row["forward"], row["took_us"]))
-    return {"count": len(rows), "kinds": sorted(kinds), "curve": thinned(loss), "took": thinned(took)}
+            took.append((number, row["took_us"]))
+    loss = points.get("loss.value", [])
+    others = [k for k in sorted(points) if k != "loss.value" and points[k]][:SERIES]
+    return {"count": len(rows), "kinds": sorted(points), "curve": thinned(loss), "took": thinned(took),
+            "series": {k: thinned(points[k]) for k in others}}
 
 
 def thinned(points: list) -> list:

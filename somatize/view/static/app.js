@@ -150,6 +150,9 @@ async function runPage(run, from) {
   clear(`Run ${body.run}`, `${body.count} forwards; summarised kinds: ${body.kinds.join(", ") || "none"}`);
   chart("curve", "loss per forward", ["forward", "loss"], body.curve.map((p) => p[0]), body.curve.map((p) => p[1]));
   chart("took", "took per forward (µs)", ["forward", "took_us"], body.took.map((p) => p[0]), body.took.map((p) => p[1]));
+  Object.entries(body.series || {}).forEach(([kind, points], i) => {  // every other summarised number
+    chart(`series-${i}`, `${kind} per forward`, ["forward", kind], points.map((p) => p[0]), points.map((p) => p[1]));
+  });
   const columns = [
     ["forward", (r) => link(r.forward, `#/run/${encodeURIComponent(run)}/facts/${r.forward}`), "num"],
     ["state", (r) => r.state, (r) => r.state],
