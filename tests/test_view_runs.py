@@ -15,6 +15,7 @@ pytest.importorskip("starlette")
 from somatize import FolderStore, Recorder  # noqa: E402
 import somatize.record.recorder as recorder_module  # noqa: E402
 from somatize.record.recorder import chunk_name, chunk_records, records_of  # noqa: E402
+import somatize.view.runs as runs_module  # noqa: E402
 from somatize.view.runs import POINTS, Runs  # noqa: E402
 
 
@@ -135,7 +136,7 @@ def test_a_recorder_writes_each_chunk_once_it_is_whole(tmp_path, chunks_of_ten):
     assert chunk_records(store, "r", 2) is None and chunk_records(store, "r", 3) is None
 
 
-def test_a_chunk_that_is_not_what_a_recorder_writes_is_not_taken(tmp_path, chunks_of_ten):
+def test_a_chunk_that_is_not_what_a_recorder_writes_is_not_taken(tmp_path, chunks_of_ten, monkeypatch):
     """Chunks are read from a shared folder: anything but forwards of that chunk with records
     of text spoils it, and its forwards are read one by one."""
     store = FolderStore(tmp_path / "store")
@@ -145,6 +146,10 @@ def test_a_chunk_that_is_not_what_a_recorder_writes_is_not_taken(tmp_path, chunk
                  b'[["3", {"x": "y"}]]', b"[" * 100_000):
         store.put(name, {"run": "r"}, junk)
         assert chunk_records(store, "r", 0) is None, junk[:40]
+    with monkeypatch.context() as patched:  # a chunk bigger than any a recorder writes is never read whole
+        patched.setattr(runs_module, "MOST_CHUNK", 1000)
+        store.put(name, {"run": "r"}, b" " * 2000 + b'[[3, {"state": "planted"}]]')
+        assert Runs(store).page("r", 0, 20)["forwards"][3]["state"] == "ok"
     store.put(name, {"run": "r"}, b'[[3, {"state": "planted"}]]')
     runs = Runs(store)
     page = runs.page("r", 0, 20)

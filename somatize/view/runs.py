@@ -31,6 +31,9 @@ from ..record.recorder import CHUNKS, RUNS, check_run, chunk_records, entry_name
 
 #: Runs kept at once (the least recently opened let go first).
 KEPT = 4
+#: The largest chunk file read (bytes): a recorder's thousand records are a few hundred KiB;
+#: a bigger one in a shared folder was put there by someone else, and is not read whole.
+MOST_CHUNK = 32 << 20
 #: Points a curve sends at most, about (more are thinned: `thinned`).
 POINTS = 2000
 
@@ -123,7 +126,9 @@ class Runs:
         chunks_at = self._stamps(self.root / run / CHUNKS)
         from_chunks: dict[int, dict[str, Any]] = {}
         if chunks_at and len(chunks_at) * recorder.CHUNK >= len(forwards_at) // 2:
-            for k, (_, stamp) in chunks_at.items():
+            for k, (_, stamp, size) in chunks_at.items():
+                if size > MOST_CHUNK:  # not what a recorder writes: its forwards are read one by one
+                    continue
                 for number, record in (chunk_records(self.store, run, k) or {}).items():
                     at = forwards_at.get(number)
                     if at is not None and at[1] <= stamp:
@@ -139,9 +144,9 @@ class Runs:
         known.inodes = {n: inode for n, inode in listed.items() if n in known.rows}
         return known, listed
 
-    def _stamps(self, folder: Path) -> dict[int, tuple[int, int]]:
-        """Number -> (inode, modification time) for the regular files ``N.rec`` of ``folder``."""
-        found: dict[int, tuple[int, int]] = {}
+    def _stamps(self, folder: Path) -> dict[int, tuple[int, int, int]]:
+        """Number -> (inode, modification time, size) for the regular files ``N.rec`` of ``folder``."""
+        found: dict[int, tuple[int, int, int]] = {}
         try:
             if not stat.S_ISDIR(os.lstat(folder).st_mode):
                 return found
@@ -150,7 +155,7 @@ class Runs:
                     name = entry.name
                     if name.endswith(".rec") and name[:-4].isdigit() and entry.is_file(follow_symlinks=False):
                         info = entry.stat(follow_symlinks=False)
-                        found[int(name[:-4])] = (info.st_ino, info.st_mtime_ns)
+                        found[int(name[:-4])] = (info.st_ino, info.st_mtime_ns, info.st_size)
         except OSError:
             return found
         return found
