@@ -50,31 +50,28 @@ def router(*, mandatory: bool = True) -> zmq.Socket:
     return sock
 
 
-def dealer(patience: float = PATIENCE, *, identity: bytes | None = None, pings: int = 4,
-           ttl: bool = True) -> zmq.Socket:
+def dealer(patience: float = PATIENCE, *, identity: bytes | None = None, pings: int = 4) -> zmq.Socket:
     sock = context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
-    heartbeat(sock, patience, pings=pings, ttl=ttl)
+    heartbeat(sock, patience, pings=pings)
     return sock
 
 
-def heartbeat(sock: zmq.Socket, patience: float, *, pings: int = 4, ttl: bool = True) -> None:
+def heartbeat(sock: zmq.Socket, patience: float, *, pings: int = 4) -> None:
     """ZMTP heartbeats: ``pings`` pings a patience; the connection is dropped when a ping is
-    not answered within patience. With ``ttl``, the peer drops it too when nothing came for
-    the time to live a ping names (a patience, or one and a half intervals when that is
-    longer). A client's sockets ping four times a patience (a stopped worker is noticed
-    soon). A dialed worker's link pings once, naming no time to live: the broker's own
-    rule for dialed workers is their keepalive (`broker.view.BrokerView.expire`), and each
-    time to live is a timer in the broker's one I/O thread, which libzmq 4.3.5 cancels by
-    walking all of them (a fleet's worth, at each message that follows a ping)."""
+    not answered within patience, and the peer drops it when nothing came for the time to
+    live a ping names (a patience, or one and a half intervals when that is longer). A
+    client's sockets ping four times a patience (a stopped worker is noticed soon); a dialed
+    worker's link once, which is how the broker knows it is there between its rare
+    keepalives. The broker pings nobody: each ping it sent would be timers in its one I/O
+    thread, which libzmq 4.3.5 cancels by walking all of them (a fleet's worth)."""
     interval = max(100, int(patience * 1000 / pings))
     sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(patience * 1000))
-    live = min(6_553_500, max(int(patience * 1000), interval * 3 // 2)) if ttl else 0
-    sock.setsockopt(zmq.HEARTBEAT_TTL, live)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(int(patience * 1000), interval * 3 // 2)))
 
 
 def tcp_keepalive(sock: zmq.Socket, idle_s: int = 60) -> None:
