@@ -81,6 +81,21 @@ def test_a_link_among_a_runs_forwards_is_never_read(tmp_path):
     assert runs.page("r", 0, 10)["count"] == 3 and store.records == 0
 
 
+def test_a_run_folder_that_is_a_link_is_not_listed(tmp_path):
+    """A writer of the shared folder replaces the store's `run` folder (or a run's) with a
+    link to a folder of its choosing: the view lists nothing through it."""
+    elsewhere = FolderStore(tmp_path / "elsewhere")
+    record(elsewhere, "r", 3)
+    store = Counted(tmp_path / "store")
+    os.makedirs(tmp_path / "store" / "run")
+    os.symlink(tmp_path / "elsewhere" / "run" / "r", tmp_path / "store" / "run" / "r")
+    assert Runs(store).page("r", 0, 10)["count"] == 0
+    os.unlink(tmp_path / "store" / "run" / "r")
+    os.rmdir(tmp_path / "store" / "run")
+    os.symlink(tmp_path / "elsewhere" / "run", tmp_path / "store" / "run")
+    assert Runs(store).page("r", 0, 10)["count"] == 0 and store.records == 0
+
+
 def test_a_long_curve_is_thinned_to_what_a_line_shows(tmp_path):
     store = FolderStore(tmp_path / "store")
     for n in range(3 * POINTS):

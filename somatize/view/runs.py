@@ -73,7 +73,10 @@ class Runs:
         that the first look at a long run does not wait for its scan; returns the thread."""
         def read() -> None:
             try:
-                with os.scandir(self.root) as entries:
+                root = self._folder()
+                if root is None:
+                    return
+                with os.scandir(root) as entries:
                     folders = [(e.stat(follow_symlinks=False).st_mtime_ns, e.name)
                                for e in entries if e.is_dir(follow_symlinks=False)]
             except OSError:
@@ -122,8 +125,8 @@ class Runs:
         (one put again since is read on its own); the rest are read one by one. Also
         returns the listing's inodes."""
         known = Run()
-        forwards_at = self._stamps(self.root / run)
-        chunks_at = self._stamps(self.root / run / CHUNKS)
+        forwards_at = self._stamps(run)
+        chunks_at = self._stamps(run, CHUNKS)
         from_chunks: dict[int, dict[str, Any]] = {}
         if chunks_at and len(chunks_at) * recorder.CHUNK >= len(forwards_at) // 2:
             for k, (_, stamp, size) in chunks_at.items():
@@ -144,11 +147,13 @@ class Runs:
         known.inodes = {n: inode for n, inode in listed.items() if n in known.rows}
         return known, listed
 
-    def _stamps(self, folder: Path) -> dict[int, tuple[int, int, int]]:
-        """Number -> (inode, modification time, size) for the regular files ``N.rec`` of ``folder``."""
+    def _stamps(self, *parts: str) -> dict[int, tuple[int, int, int]]:
+        """Number -> (inode, modification time, size) for the regular files ``N.rec`` of the
+        run folder ``parts`` names."""
         found: dict[int, tuple[int, int, int]] = {}
         try:
-            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            folder = self._folder(*parts)
+            if folder is None:
                 return found
             with os.scandir(folder) as entries:
                 for entry in entries:
@@ -164,10 +169,10 @@ class Runs:
         """Forward number -> inode, for the regular files of ``run``'s folder: no file opened."""
         found: dict[int, int] = {}
         try:
-            info = os.lstat(self.root / run)
-            if not stat.S_ISDIR(info.st_mode):
+            folder = self._folder(run)
+            if folder is None:
                 return found
-            with os.scandir(self.root / run) as entries:
+            with os.scandir(folder) as entries:
                 for entry in entries:
                     name = entry.name
                     if name.endswith(".rec") and name[:-4].isdigit() and entry.is_file(follow_symlinks=False):
@@ -175,6 +180,16 @@ class Runs:
         except OSError:
             return found
         return found
+
+    def _folder(self, *parts: str) -> Path | None:
+        """``run/<parts...>`` under the store, if each step of it is a folder and none a link
+        (the reads go through the store, which never follows one; the listing does not either)."""
+        folder = self.root
+        for part in ("", *parts):
+            folder = folder / part if part else folder
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                return None
+        return folder
 
 
 #: Summarised kinds drawn besides the loss, at most (the table shows them all).
