@@ -142,6 +142,21 @@ def test_a_relayed_work_the_broker_refuses_is_named_in_the_refusal(processes):
         client.close()
 
 
+def test_only_a_worker_that_offered_may_answer_the_brokers_check(processes):
+    """A dialed worker answers the broker's check (a Hello) with Ready, which the broker
+    takes in silence. Attacker: a client sending Ready, as if it were such an answer: it is
+    refused like any message a broker does not answer, and makes no host look alive."""
+    hub = keyless_broker(processes)
+    client = Raw(hub.endpoint)
+    try:
+        answer = client.ask(Ready(RT), 10.0)
+        assert isinstance(answer, Refusal) and "does not answer a `Ready`" in answer.why, answer
+        listed = client.ask(Hosts(), 10.0)
+        assert isinstance(listed, Listed) and listed.hosts == {}, listed  # and the broker serves on
+    finally:
+        client.close()
+
+
 def test_where_lost_from_many_connections_is_checked_once_per_host_off_the_serving_thread(processes, tmp_path):
     """Attacker: clients of a broker with a spawned host. Each `Where(lost)` held the loop
     for a settle and a probe (~0.2 s), with no limit: 450 of them over 30 connections took a

@@ -20,11 +20,11 @@ from somatize.view.runs import POINTS, Runs  # noqa: E402
 
 
 class Counted(FolderStore):
-    """A FolderStore that counts its scans and single reads."""
+    """A FolderStore that counts its scans, single records and fetches."""
 
     def __init__(self, path) -> None:  # noqa: ANN001
         super().__init__(path)
-        self.scans = self.records = 0
+        self.scans = self.records = self.fetches = 0
 
     def scan(self, prefix: str):  # noqa: ANN201
         self.scans += 1
@@ -33,6 +33,10 @@ class Counted(FolderStore):
     def record(self, name: str) -> dict:
         self.records += 1
         return super().record(name)
+
+    def fetch(self, name: str):  # noqa: ANN201
+        self.fetches += 1
+        return super().fetch(name)
 
 
 def record(store, run: str, count: int, first: int = 0) -> None:  # noqa: ANN001
@@ -109,26 +113,6 @@ def test_a_long_curve_is_thinned_to_what_a_line_shows(tmp_path):
 # -- chunks: a recorder's records of each thousand forwards, in one entry ------------------------
 
 
-class Reads(FolderStore):
-    """A FolderStore that counts scans, single records and fetches."""
-
-    def __init__(self, path) -> None:  # noqa: ANN001
-        super().__init__(path)
-        self.scans = self.records = self.fetches = 0
-
-    def scan(self, prefix: str):  # noqa: ANN201
-        self.scans += 1
-        return super().scan(prefix)
-
-    def record(self, name: str) -> dict:
-        self.records += 1
-        return super().record(name)
-
-    def fetch(self, name: str):  # noqa: ANN201
-        self.fetches += 1
-        return super().fetch(name)
-
-
 @pytest.fixture
 def chunks_of_ten(monkeypatch):
     monkeypatch.setattr(recorder_module, "CHUNK", 10)
@@ -172,7 +156,7 @@ def test_a_chunk_that_is_not_what_a_recorder_writes_is_not_taken(tmp_path, chunk
 
 
 def test_the_first_look_at_a_long_run_reads_its_chunks_not_every_forward(tmp_path, chunks_of_ten):
-    store = Reads(tmp_path / "store")
+    store = Counted(tmp_path / "store")
     record(store, "r", 35)
     store.put("run/r/4", {"state": "failed", "took_us": "1"})  # put again after its chunk
     store.scans = store.records = store.fetches = 0

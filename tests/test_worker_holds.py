@@ -10,6 +10,7 @@ fixture. The pure parts (the conversation) are checked with no process at the en
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import tempfile
@@ -67,6 +68,27 @@ def socket_of(kind: int, **options) -> zmq.Socket:
     return sock
 
 
+@contextlib.contextmanager
+def broker_played(processes, patience: str, **options):  # noqa: ANN001, ANN201
+    """A real dialed worker (``--patience``), and a ROUTER (with ``options``) playing its
+    broker, which took its offer: yields the ROUTER and the worker's route."""
+    folder = tempfile.mkdtemp(prefix="somatize-holds-")
+    url = f"ipc://{folder}/broker.sock"
+    hub = socket_of(zmq.ROUTER, **options)
+    hub.bind(url)
+    try:
+        processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", patience], announce=None,
+                  env=env_with_tests())
+        assert hub.poll(30_000), "the worker never dialed in"
+        route, *frames = hub.recv_multipart()
+        assert isinstance(decode(frames), Hello)
+        hub.send_multipart([route, *encode(Ready(RT))])  # taken
+        yield hub, route
+    finally:
+        hub.close(0)
+        shutil.rmtree(folder, ignore_errors=True)  # the socket file ZeroMQ may leave
+
+
 def relay(message) -> Relay:
     return Relay(host="w1", inner=tuple(encode(message)))
 
@@ -83,16 +105,7 @@ def test_a_dialed_workers_keepalive_goes_out_on_time_while_a_flood_fills_its_que
     keepalive in 8 s with a patience of 1 s, and the broker declared the honest worker gone
     ("silent for 3 patiences"). Here the broker is played by a ROUTER that reads 400
     messages a second; the keepalives must keep arriving about every patience."""
-    folder = tempfile.mkdtemp(prefix="somatize-holds-")
-    url = f"ipc://{folder}/broker.sock"
-    hub = socket_of(zmq.ROUTER, RCVHWM=100, SNDHWM=100_000)
-    hub.bind(url)
-    try:
-        processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", "1"], announce=None, env=env_with_tests())
-        assert hub.poll(30_000), "the worker never dialed in"
-        route, *frames = hub.recv_multipart()
-        assert isinstance(decode(frames), Hello)
-        hub.send_multipart([route, *encode(Ready(RT))])
+    with broker_played(processes, "1", RCVHWM=100, SNDHWM=100_000) as (hub, route):
         flood = [[route, *encode(Relay(exchange=n, tenant="t", inner=tuple(encode(Hello(RT)))))] for n in range(1, 200)]
         started = time.monotonic()
         keepalives = [started]
@@ -115,9 +128,6 @@ def test_a_dialed_workers_keepalive_goes_out_on_time_while_a_flood_fills_its_que
                     answered += 1
             time.sleep(max(0.0, 0.1 - (time.monotonic() - turn)))
         ended = time.monotonic()
-    finally:
-        hub.close(0)
-        shutil.rmtree(folder, ignore_errors=True)  # the socket file ZeroMQ may leave
     gaps = [b - a for a, b in zip(keepalives, [*keepalives[1:], ended])]
     assert answered > 1000, f"the flood was not answered ({answered} answers): nothing was tested"
     assert len(keepalives) - 1 >= 4, f"{len(keepalives) - 1} keepalives in 8 s with a patience of 1 s"
@@ -130,16 +140,7 @@ def test_an_idle_dialed_worker_keeps_quiet_and_answers_the_brokers_check_at_once
     connection pings say it is there (in ZeroMQ's I/O thread, not the broker's loop), its
     keepalive is the net beneath (every KEEPALIVE patiences), and when the broker checks a
     host clients wait on (a Hello) it answers Ready at once."""
-    folder = tempfile.mkdtemp(prefix="somatize-holds-")
-    url = f"ipc://{folder}/broker.sock"
-    hub = socket_of(zmq.ROUTER)
-    hub.bind(url)
-    try:
-        processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", "0.5"], announce=None, env=env_with_tests())
-        assert hub.poll(30_000), "the worker never dialed in"
-        route, *frames = hub.recv_multipart()
-        assert isinstance(decode(frames), Hello)
-        hub.send_multipart([route, *encode(Ready(RT))])  # taken
+    with broker_played(processes, "0.5") as (hub, route):
         while hub.poll(500):  # its greeting may be said twice: as it dials, and once connected
             hub.recv_multipart()
         heard: list = []
@@ -153,9 +154,6 @@ def test_an_idle_dialed_worker_keeps_quiet_and_answers_the_brokers_check_at_once
         assert hub.poll(5_000), "the check was never answered"
         assert variant_of(hub.recv_multipart()[1:]) is Ready
         assert time.monotonic() - asked < 2.0
-    finally:
-        hub.close(0)
-        shutil.rmtree(folder, ignore_errors=True)  # the socket file ZeroMQ may leave
 
 
 # -- 3: refusals that say what they end ----------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 from ..facts import Fact
 from ..errors import Missing
 from ..store import FolderStore, Store
-from .recorder import NUMBER, RUNS, check_run, entry_name, numbered, records_of
+from .recorder import NUMBER, RUNS, check_run, entry_name, forward_numbers, records_of
 from .reports import latest
 
 
@@ -233,9 +233,8 @@ def _chosen(store: Store, run: str, last: int | None) -> list[tuple[int, dict[st
     if not count:
         return []
     if isinstance(store, FolderStore):  # the last forwards from a listing, then their records alone
-        numbers = sorted(n for n, _ in numbered(store.names(f"{RUNS}{run}/"), run))[-count:]
         chosen = []
-        for number in numbers:
+        for number in forward_numbers(store, run)[-count:]:
             try:
                 chosen.append((number, store.record(entry_name(run, number))))
             except Missing:

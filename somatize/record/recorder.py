@@ -275,11 +275,16 @@ def _fresh_run(store: Store) -> tuple[str, int]:
 
 
 def _next_number(store: Store, run: str) -> int:
-    if isinstance(store, FolderStore):  # the listing alone
-        numbers = [number for number, _ in numbered(store.names(f"{RUNS}{run}/"), run)]
-    else:
-        numbers = [number for number, _ in records_of(store, run)]
-    return max(numbers) + 1 if numbers else 0
+    numbers = forward_numbers(store, run)
+    return numbers[-1] + 1 if numbers else 0
+
+
+def forward_numbers(store: Store, run: str) -> list[int]:
+    """The numbers of ``run``'s forwards, in order: from a listing where the store lists
+    names alone (``FolderStore.names``), from a scan otherwise."""
+    if isinstance(store, FolderStore):
+        return sorted(number for number, _ in numbered(store.names(f"{RUNS}{run}/"), run))
+    return [number for number, _ in records_of(store, run)]
 
 
 def entry_name(run: str, number: int) -> str:

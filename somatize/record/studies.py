@@ -153,8 +153,12 @@ def best(store: Store, study: str) -> dict[str, Any] | None:
     number count. One scan of ``<study>/`` (the definition and the trials together), no fetch.
     """
     direction, rows = _study(store, study, "best(study=...)")
-    ranked = sorted(_scored(rows), key=lambda row: (_sign(direction) * row["score"], row["trial"]))
-    return ranked[0] if ranked else None
+    return best_of(rows, direction)
+
+
+def best_of(rows: list[dict[str, Any]], direction: str) -> dict[str, Any] | None:
+    """`best`, from rows :func:`trials` already read (the view's study page has them)."""
+    return min(_scored(rows), key=lambda row: (_sign(direction) * row["score"], row["trial"]), default=None)
 
 
 def scored(store: Store, study: str, where: str) -> tuple[str, list[dict[str, Any]]]:

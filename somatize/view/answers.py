@@ -28,7 +28,6 @@ from typing import Any
 
 from ..errors import Missing, SomatizeError
 from ..record.readers import whole
-from ..record.recorder import RUNS
 from ..study.history import attempt_name
 
 #: The most parameters a study's page draws (the others are counted, not drawn).
@@ -99,9 +98,12 @@ def running(store: Any, study: str, rows: list[dict[str, Any]]) -> dict[str, Any
 def runs_by_last_write(changes: Any) -> list[str]:
     """The runs of the store, the one whose folder was written last first (by name among
     equals): a listing and a ``stat`` per run."""
-    folder = changes.root / RUNS.rstrip("/")
+    try:
+        folder = changes.run_folder()
+    except OSError:
+        return []
     stamped = []
-    for run in changes.runs():
+    for run in changes.runs() if folder is not None else ():
         try:
             stamped.append((os.lstat(folder / run).st_mtime_ns, run))
         except OSError:

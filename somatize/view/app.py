@@ -27,6 +27,8 @@ from starlette.routing import Route
 from ..errors import BadName, SomatizeError
 from ..record import fleet, latest, nodes, trials
 from ..record.readers import facts as facts_of
+from ..record.readers import whole
+from ..record.studies import best_of
 from .answers import by_parameter, report_ages, running, runs_by_last_write
 from .changes import Changes, studies
 from .runs import Runs
@@ -89,7 +91,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         for run in changes.runs():
             count, last = changes.last_forward(run)  # a listing and one record, not a scan of the run
             out.append({"run": run, "forwards": count, "state": last.get("state", ""),
-                        "took_us": _int(last.get("took_us")), "loss": _number(last.get("loss.value"))})
+                        "took_us": whole(last.get("took_us")), "loss": _number(last.get("loss.value"))})
         return sorted(out, key=lambda row: row["run"], reverse=True)
 
     def read_run(request: Request) -> Any:
@@ -117,17 +119,14 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
 
     def read_study(request: Request) -> Any:
         name = request.path_params["study"]
-        rows = trials(store, name)  # one scan; the best is found in it, as `best` would
+        rows = trials(store, name)  # one scan; the best is found in it (`best_of`)
         start = _whole(request.query_params.get("from"), 0)
         definition = studies(store, only=name)
         direction = definition.get("direction", "minimize")
         scores = [(row["trial"], row["score"]) for row in rows
                   if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])]
-        sign = -1.0 if direction == "maximize" else 1.0
-        top = min(scores, key=lambda p: (sign * p[1], p[0]), default=None)
         return {"study": name, "count": len(rows), "from": start, "trials": rows[start:start + PAGE],
-                "best": None if top is None else next(r for r in rows if r["trial"] == top[0]),
-                "direction": direction, "scores": scores,
+                "best": best_of(rows, direction), "direction": direction, "scores": scores,
                 # from the same rows: the score against each parameter, and what runs now
                 "parameters": by_parameter(rows, definition.get("space"), _thinned),
                 "running": running(store, name, rows), "patience": _number(definition.get("patience"))}
@@ -198,10 +197,6 @@ def _refused(request: Request, token: str | None) -> Response | None:
         "this view needs its token: open the address it printed when it started (…/?token=…)",
         status_code=403,
     )
-
-
-def _int(value: str | None) -> int | None:
-    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 def _number(value: str | None) -> float | None:

@@ -56,7 +56,10 @@ class Changes:
     def runs(self) -> list[str]:
         """The runs the store holds, from a listing of ``run/`` (``runs`` reads every record)."""
         try:
-            with os.scandir(self.root / RUNS.rstrip("/")) as entries:
+            folder = self.run_folder()
+            if folder is None:
+                return []
+            with os.scandir(folder) as entries:
                 names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
         except OSError:
             return []
@@ -72,22 +75,43 @@ class Changes:
         """How many forwards ``run`` holds, and the last one's record: a listing of its folder
         and one read, where ``forwards`` would read every record."""
         check_run(run, "the view")
-        folder = self.root / RUNS.rstrip("/") / run
-        numbers = []
-        try:
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    stem = entry.name[:-4] if entry.name.endswith(".rec") else ""
-                    if stem.isdigit() and entry.is_file(follow_symlinks=False):
-                        numbers.append(int(stem))
-        except OSError:
-            return 0, {}
+        numbers = self.forward_files(run)
         if not numbers:
             return 0, {}
         try:
             return len(numbers), self.store.record(f"{RUNS}{run}/{max(numbers)}")
         except (Missing, OSError, SomatizeError):
             return len(numbers), {}
+
+    def forward_files(self, *parts: str, stats: bool = False) -> dict[int, Any]:
+        """The files ``N.rec`` of the folder ``run/<parts...>`` (a run's forwards, or its
+        chunks), by number: each one's inode, from the listing alone (no file opened), or with
+        ``stats`` its ``os.stat_result`` (one ``stat`` each). Regular files only, never
+        through a link (see `run_folder`)."""
+        found: dict[int, Any] = {}
+        try:
+            folder = self.run_folder(*parts)
+            if folder is None:
+                return found
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(".rec") and name[:-4].isdigit() and entry.is_file(follow_symlinks=False):
+                        found[int(name[:-4])] = entry.stat(follow_symlinks=False) if stats else entry.inode()
+        except OSError:
+            return found
+        return found
+
+    def run_folder(self, *parts: str) -> Path | None:
+        """``run/<parts...>`` under the store, if each step of it is a folder and none a link
+        (the reads go through the store, which never follows one; its listings do not either);
+        ``OSError`` where a step is missing."""
+        folder = self.root / RUNS.rstrip("/")
+        for part in ("", *parts):
+            folder = folder / part if part else folder
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                return None
+        return folder
 
     def _folders(self, folder: Path, depth: int = 0) -> tuple:
         """The stamps of ``folder`` and, ``depth`` levels down, of the folders in it."""

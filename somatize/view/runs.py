@@ -10,24 +10,23 @@ and reads only the forwards that are new or were put again. What a page draws fr
 (the kinds, the curves) is kept with them until they change.
 
 Everything here is read through the store's own verbs (`forwards`, ``record``); the listing
-takes only regular files named as forwards, never a link, as `changes` does.
+is `Changes.forward_files`: regular files named as forwards, never through a link.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import stat
 import threading
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 from ..errors import Missing, SomatizeError
 from ..record import forwards
 from ..record.readers import forward_row
 from ..record import recorder
-from ..record.recorder import CHUNKS, RUNS, check_run, chunk_records, entry_name
+from ..record.recorder import CHUNKS, check_run, chunk_records, entry_name
+from .answers import runs_by_last_write
+from .changes import Changes
 
 #: Runs kept at once (the least recently opened let go first).
 KEPT = 4
@@ -53,7 +52,7 @@ class Runs:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self.root = Path(store.path) / RUNS.rstrip("/")
+        self.changes = Changes(store)  # its listings: the run's files, never through a link
         self._kept: OrderedDict[str, Run] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -72,18 +71,8 @@ class Runs:
         """Read the ``newest`` runs (by their folders' stamps) on a thread of their own, so
         that the first look at a long run does not wait for its scan; returns the thread."""
         def read() -> None:
-            try:
-                root = self._folder()
-                if root is None:
-                    return
-                with os.scandir(root) as entries:
-                    folders = [(e.stat(follow_symlinks=False).st_mtime_ns, e.name)
-                               for e in entries if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                return
-            for _, run in sorted(folders, reverse=True)[:newest]:
+            for run in runs_by_last_write(self.changes)[:newest]:
                 try:
-                    check_run(run, "the view")
                     with self._lock:
                         self._up_to_date(run)
                 except (ValueError, OSError, SomatizeError):
@@ -98,7 +87,7 @@ class Runs:
         if known is None:
             known, listed = self._first_look(run)
         else:
-            listed = self._listing(run)
+            listed = self.changes.forward_files(run)
         for number in [n for n in known.rows if n not in listed]:  # removed since
             del known.rows[number]
             known.inodes.pop(number, None)
@@ -125,18 +114,18 @@ class Runs:
         (one put again since is read on its own); the rest are read one by one. Also
         returns the listing's inodes."""
         known = Run()
-        forwards_at = self._stamps(run)
-        chunks_at = self._stamps(run, CHUNKS)
+        forwards_at = self.changes.forward_files(run, stats=True)
+        chunks_at = self.changes.forward_files(run, CHUNKS, stats=True)
         from_chunks: dict[int, dict[str, Any]] = {}
         if chunks_at and len(chunks_at) * recorder.CHUNK >= len(forwards_at) // 2:
-            for k, (_, stamp, size) in chunks_at.items():
-                if size > MOST_CHUNK:  # not what a recorder writes: its forwards are read one by one
+            for k, chunk in chunks_at.items():
+                if chunk.st_size > MOST_CHUNK:  # not what a recorder writes: its forwards are read one by one
                     continue
                 for number, record in (chunk_records(self.store, run, k) or {}).items():
                     at = forwards_at.get(number)
-                    if at is not None and at[1] <= stamp:
+                    if at is not None and at.st_mtime_ns <= chunk.st_mtime_ns:
                         from_chunks[number] = forward_row(number, record)
-        listed = {number: at[0] for number, at in forwards_at.items()}
+        listed = {number: at.st_ino for number, at in forwards_at.items()}
         if from_chunks:
             for number, row in from_chunks.items():  # the others: read on their own next
                 known.rows[number] = row
@@ -146,50 +135,6 @@ class Runs:
             known.rows[row["forward"]] = row
         known.inodes = {n: inode for n, inode in listed.items() if n in known.rows}
         return known, listed
-
-    def _stamps(self, *parts: str) -> dict[int, tuple[int, int, int]]:
-        """Number -> (inode, modification time, size) for the regular files ``N.rec`` of the
-        run folder ``parts`` names."""
-        found: dict[int, tuple[int, int, int]] = {}
-        try:
-            folder = self._folder(*parts)
-            if folder is None:
-                return found
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(".rec") and name[:-4].isdigit() and entry.is_file(follow_symlinks=False):
-                        info = entry.stat(follow_symlinks=False)
-                        found[int(name[:-4])] = (info.st_ino, info.st_mtime_ns, info.st_size)
-        except OSError:
-            return found
-        return found
-
-    def _listing(self, run: str) -> dict[int, int]:
-        """Forward number -> inode, for the regular files of ``run``'s folder: no file opened."""
-        found: dict[int, int] = {}
-        try:
-            folder = self._folder(run)
-            if folder is None:
-                return found
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(".rec") and name[:-4].isdigit() and entry.is_file(follow_symlinks=False):
-                        found[int(name[:-4])] = entry.inode()
-        except OSError:
-            return found
-        return found
-
-    def _folder(self, *parts: str) -> Path | None:
-        """``run/<parts...>`` under the store, if each step of it is a folder and none a link
-        (the reads go through the store, which never follows one; the listing does not either)."""
-        folder = self.root
-        for part in ("", *parts):
-            folder = folder / part if part else folder
-            if not stat.S_ISDIR(os.lstat(folder).st_mode):
-                return None
-        return folder
 
 
 #: Summarised kinds drawn besides the loss, at most (the table shows them all).

@@ -539,7 +539,8 @@ class BrokerLoop:
         """Offers silent past their time are gone; hosts clients wait on, silent for a
         patience, are asked whether they are there: a Hello, answered by Ready (`BrokerView.expire`)."""
         gone = self.view.expire(time.monotonic())
-        self._ask(self.view.checks, Hello(self.runtime))
+        if self.view.checks:
+            self._ask(self.view.checks, Hello(self.runtime))
         if gone:  # a keyed owner's binding outlives its offer: it names the key
             stalled = self.view.stalled
             self._left([h for h in gone if h in stalled], {}, f"silent for {1.5 * self.patience:g} s with work open")
@@ -555,14 +556,14 @@ class BrokerLoop:
             del self._keepalives[route]
 
     def _probe(self) -> None:
-        """A dialed worker's connection dropped: is it gone? (`probes`; what waits for it
-        already will say, when it is tried)"""
-        suspects = self._probes.take(time.monotonic())
-        self._ask([r for r in suspects if r in self.view.offers_index and not self._outbox.waiting(r)], Ready(self.runtime))
+        """A dialed worker's connection dropped: is it gone? (`probes`; what waits already tells)"""
+        suspects = [r for r in self._probes.take(time.monotonic()) if r in self.view.offers_index]
+        if suspects := [r for r in suspects if not self._outbox.waiting(r)]:
+            self._ask(suspects, Ready(self.runtime))
 
     def _ask(self, routes: list[bytes], message: Any) -> None:
         """``message`` to each of ``routes``, now: a full queue is slow, never gone; no route is gone."""
-        frames = encode(message) if routes else []
+        frames = encode(message)
         for route in routes:
             try:
                 self._front.send_multipart([route, *frames], zmq.NOBLOCK)
