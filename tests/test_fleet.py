@@ -21,7 +21,7 @@ import zmq
 from conftest import BROKER, env_with_tests
 from fabric_nodes import Add
 from reliability_support import key_ring, wait_until
-from somatize import Broker
+from somatize import Broker, Closed
 from somatize.fabric.curve import read_public, read_secret
 from somatize.wire import Hello, Hosts, Listed, Ready, Runtime, decode, encode
 
@@ -247,3 +247,43 @@ def test_an_idle_worker_sleeps_and_still_stops_at_once(processes, how):
         loop.close()
     serving.join(10)
     assert not serving.is_alive(), "a stop did not wake the sleeping loop"
+
+
+def test_closing_a_client_ends_the_waits_of_its_threads_on_relayed_answers(processes, tmp_path):
+    """A client's relayed channels share one connection and no thread of their own: the
+    threads waiting for answers take turns holding it. Closed from another thread while two
+    of them wait (one holding the connection, one waiting for its turn), the client ends both
+    waits with an error and leaves no thread of its own behind."""
+    from holds_nodes import Hold
+
+    hub = broker(processes)
+    fleet = Fleet(hub.endpoint, 2, env=env_with_tests())
+    client = Broker.at(hub.endpoint)
+    release = tmp_path / "release"
+    outcomes: dict = {}
+    try:
+        wait_until(lambda: fleet.registered(client), 60, "the fleet dialing in")
+        assert Add(1).named("a").at(fleet.hosts[0]).forward(1, broker=client) == 2
+
+        def call(k: int) -> None:
+            node = Hold(str(tmp_path / f"started{k}"), str(release), str(tmp_path / f"finished{k}"))
+            try:
+                outcomes[k] = node.named(f"hold{k}").at(fleet.hosts[k]).forward(k, broker=client)
+            except Exception as exc:  # noqa: BLE001 - what the test looks at
+                outcomes[k] = exc
+
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: all((tmp_path / f"started{k}").exists() for k in range(2)), 60, "both pieces running")
+        assert "somatize-link" not in {t.name for t in threading.enumerate()}
+        client.close()
+        for t in threads:
+            t.join(30)
+        assert not [t for t in threads if t.is_alive()], "a thread still waits on a closed client"
+        for k in range(2):  # said as what happened: this client was closed, not the broker gone
+            assert isinstance(outcomes[k], Closed) and "this client was closed" in str(outcomes[k]), outcomes
+    finally:
+        release.write_text("go")
+        client.close()
+        fleet.close()

@@ -334,6 +334,45 @@ def test_a_relay_header_is_checked():
     refused(with_header(frames, inner=[]), "no field 'inner'")
 
 
+def _raw_map(pairs) -> bytes:
+    """A MessagePack map written pair by pair: what ``packb`` of a dict cannot write (a key
+    twice, a key that is not text)."""
+    assert len(pairs) < 16
+    return bytes([0x80 + len(pairs)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in pairs)
+
+
+def test_a_relay_is_read_in_one_step_and_refused_as_the_long_way_refuses_it():
+    """The envelope every relayed hop passes on has a short way in: ``is_relay`` tells it by
+    its first bytes, ``decode`` builds it in one step (and ``encode`` writes it so): the same
+    message as the long way, and whatever begins as a Relay but is not one is refused with
+    the long way's own sentence."""
+    from somatize.wire.reading import _read
+
+    frames = as_bytes(encode(Relay(host="w1", lane=4, inner=(b"x", b"y"))))
+    assert wire.is_relay(frames) and decode(frames) == _read(frames, values=True)[0]
+    for other in (as_bytes(encode(Bye())), [b""], [], [b"\x86"], "Relay", [42]):
+        assert not wire.is_relay(other)
+    with pytest.raises(TypeError, match="Relay.host"):
+        encode(Relay(host=7, inner=(b"x",)))
+    head = [("v", WIRE_VERSION), ("t", "Relay"), ("host", "w1"), ("exchange", 0), ("tenant", ""), ("lane", 0)]
+    odd = {
+        "a key twice": [*head, ("host", "w2")],
+        "a key that is bytes": [*head[:5], (b"lane", 0)],
+        "a field it has not": [*head, ("inner", [])],
+        "a field missing": head[:5],
+        "a host that is a number": [*head[:2], ("host", 7), *head[3:]],
+        "a lane out of range": [*head[:5], ("lane", -1)],
+    }
+    for what, pairs in odd.items():
+        bad = [_raw_map(pairs), b"x"]
+        assert wire.is_relay(bad) == (len(pairs) >= 6), what  # fewer keys: never taken for one
+        with pytest.raises(ProtocolError) as long_way:
+            _read(bad, values=True)
+        assert refused(bad) == long_way.value.why, what
+    assert "carries none" in refused(frames[:1])
+    assert "over the limit" in refused([_raw_map([*head[:2], ("host", "h" * (MAX_NAME + 1)), *head[3:]]), b"x"])
+
+
 def test_a_stream_begins_with_sizes_inside_the_limits():
     frames = as_bytes(encode(Begin(9, (100, 200))))
     refused(with_header(frames, sid=0), "`Begin.sid`", "from 1")

@@ -34,6 +34,8 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
     except Bad as exc:
         raise exc.kind(exc.why) from None
     cls = type(msg)
+    if cls is Relay:  # the envelope on every relayed hop: its fields are plain already
+        return _relay(msg)
     header: dict[str, Any] = {"v": limits.WIRE_VERSION, "t": cls.__name__}
     frames: list[bytes | memoryview] = []
     if cls is Work or cls is Done:
@@ -61,26 +63,42 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
             f"this `{cls.__name__}` has a header that {exc.why}, more than any reader accepts: "
             f"put long runs of numbers in NumPy arrays, and many small values in fewer larger ones"
         ) from None
+    return _fitted(cls.__name__, packed, frames)
+
+
+def _fitted(name: str, packed: bytes, frames: list) -> list:
+    """``[packed, *frames]``, within the limits any reader accepts on frames and sizes."""
     if len(frames) + 1 > limits.MAX_FRAMES:
         raise ValueError(
-            f"this `{cls.__name__}` needs {len(frames) + 1:,} frames, over the {limits.MAX_FRAMES:,} any "
+            f"this `{name}` needs {len(frames) + 1:,} frames, over the {limits.MAX_FRAMES:,} any "
             f"reader accepts: gather many small arrays into fewer large ones"
         )
     total = len(packed)
     for f in frames:
-        size = memoryview(f).nbytes
+        size = f.nbytes if type(f) is memoryview else len(f) if type(f) is bytes else memoryview(f).nbytes
         total += size
         if size > limits.MAX_FRAME:
             raise ValueError(
-                f"this `{cls.__name__}` holds a buffer of {size:,} bytes, over the {limits.MAX_FRAME:,} "
+                f"this `{name}` holds a buffer of {size:,} bytes, over the {limits.MAX_FRAME:,} "
                 f"one frame may hold: split it"
             )
     if total > limits.MAX_TOTAL:
         raise ValueError(
-            f"this `{cls.__name__}` is {total:,} bytes, over the {limits.MAX_TOTAL:,} one message may be: "
+            f"this `{name}` is {total:,} bytes, over the {limits.MAX_TOTAL:,} one message may be: "
             f"split the work"
         )
     return [packed, *frames]
+
+
+def _relay(msg: Relay) -> list:
+    """A checked ``Relay``'s frames: its header (a map of scalars, written as ``encode``
+    writes any header) and the frames it carries, untouched."""
+    packed = msgpack.packb(
+        {"v": limits.WIRE_VERSION, "t": "Relay", "host": msg.host, "exchange": msg.exchange,
+         "tenant": msg.tenant, "lane": msg.lane},
+        use_bin_type=True,
+    )
+    return _fitted("Relay", packed, [_byte_view(f) for f in msg.inner])
 
 
 def _values_of(msg: Work | Done) -> list[Any]:

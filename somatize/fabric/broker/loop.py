@@ -30,9 +30,8 @@ from typing import Any
 import zmq
 
 from ...errors import BadKeys, ProtocolError
-from ...wire import (
-    Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode, encode, ref_of, variant_of,
-)
+from ...wire import (Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode,
+                     encode, is_relay, ref_of, variant_of)
 from . import bindings as _bindings
 from .. import sockets
 from .checks import Helper
@@ -56,6 +55,7 @@ MAX_CONNECTIONS, MAX_UNREAD = 64, 64
 #: A connection not heard from for this long no longer counts against its key (seconds).
 CONNECTION_IDLE = 60.0
 _EVERYONE = frozenset((CLIENT, WORKER))
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 log = logging.getLogger("somatize.broker")
 
 
@@ -322,11 +322,10 @@ class BrokerLoop:
         per message and no more. Never left queued in ZeroMQ: see `bind`."""
         front, waiting, offers = self._front, self._outbox.waiting, self.view.offers_index
         for _ in range(most):
-            try:
-                route = front.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            if not front.get(_EVENTS) & _POLLIN:  # asked, not raised: an exception a turn costs
                 self._gate.caught_up()
                 return
+            route = front.recv(zmq.NOBLOCK)
             if not front.get(zmq.RCVMORE):
                 continue
             if self._gate.severed(route):  # what a cut connection queued before it was cut
@@ -381,7 +380,7 @@ class BrokerLoop:
             self.view.heard(route, now)  # the very Hello it said before: a keepalive, nothing to decode
             return
         try:
-            variant = variant_of(frames)
+            variant = Relay if is_relay(frames) else variant_of(frames)
         except ProtocolError as exc:
             variant, junk = None, exc
         # a question, or junk, counts against its connection; a relayed message only when it

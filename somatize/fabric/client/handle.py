@@ -323,13 +323,18 @@ class Broker:
             self._checking[host] = thread
         thread.start()
 
-    def _lost(self, piece: Piece, located: Located, exc: Broken) -> Broken:
+    def _lost(self, piece: Piece, located: Located, exc: Broken) -> Broken | Closed:
         """The sentence for a piece whose worker, or broker, went away: whichever it was, and
         the fix for that one (a spawned worker is started again; any other is restarted where
-        it runs)."""
+        it runs). Or this client was closed under it, by another thread: ``Closed``."""
         host = piece.host
-        self._forget(host)
         running = ", ".join(f"`{s.label}`" for s in piece.steps)
+        if self._closed:
+            return Closed(
+                f"this client was closed (`close()`, from another thread) while `{host}` was running "
+                f"{running}: its answer was not waited for, and whether it ran to the end is not known"
+            )
+        self._forget(host)
         if located.path == "relayed" and isinstance(exc, Dropped):
             # a relayed channel's connection is the broker's: it went away, whatever it says
             # now (a broker restarted at once knows nothing of this work)

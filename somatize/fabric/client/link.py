@@ -8,12 +8,17 @@ sends ``Relay(host, lane, inner)``, the broker keeps one exchange per (connectio
 lane), and the broker's answers for a lane come back as ``Relay(lane, inner)``. Opening a
 channel to a new host costs its Hello, never a connection.
 
-One thread owns the socket (ZeroMQ sockets are not for sharing between threads): lanes hand
-it what to send through a queue and a pipe that wakes it, and it sorts what arrives into the
-lanes' queues. A message for a lane that closed is dropped (a late answer, as on a channel
-thrown away); a refusal for no lane in particular (the broker closing the connection) goes to
-every lane. The link also says what a channel's own monitor used to: whether the broker took
-the connection, how often it dropped, and a handshake it refused.
+No thread of its own: the threads of the channels take turns with the socket (ZeroMQ sockets
+are not for sharing, but may pass from one thread to another behind a lock). A thread that
+sends while nobody holds the socket sends at once; one that waits for an answer while
+nobody holds it holds it, and sorts whatever arrives into the lanes' queues until its own
+lane has a message. The others wait on a condition, or leave what they send in a queue and
+wake the holder through a pipe. So a forward from one thread costs no hand-over between
+threads, and many threads still share one connection. A message for a lane that closed is
+dropped (a late answer, as on a channel thrown away); a refusal for no lane in particular (the
+broker closing the connection) goes to every lane. The link also says what a channel's own
+monitor used to: whether the broker took the connection, how often it dropped, and a
+handshake it refused.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ import collections
 import contextlib
 import itertools
 import os
-import queue
 import threading
+import time
 from typing import Any
 
 import zmq
 
 from ...errors import Closed, ProtocolError
-from ...wire import Bye, Refusal, Relay, decode, encode, variant_of
+from ...wire import Bye, Refusal, Relay, decode, encode, is_relay, variant_of
 from .. import sockets
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client
@@ -37,6 +42,11 @@ from ..curve import Keys, as_client
 #: Messages kept for one lane before its oldest is dropped (a lane's channel reads each in
 #: turn; what piles up is late answers to work given up on).
 LANE_QUEUE = 4096
+#: The longest a holder of the socket polls before it looks at the time and the link again,
+#: and a waiting thread sleeps before it looks whether the socket is free (seconds).
+SLICE = 0.05
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_EVENTS_WATCHED = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 class Link:
@@ -50,20 +60,24 @@ class Link:
         self.refused: int | None = None  # the monitor event of a handshake the broker refused
         self._numbers = itertools.count(1)
         self._lanes: dict[int, collections.deque] = {}
-        self._changed = threading.Condition()
-        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._changed = threading.Condition()  # the lanes' queues changed, or the socket is free
+        self._waiting = 0  # threads asleep on `_changed`
+        self._socket = threading.Lock()  # whoever holds it may use `sock` and `_monitor`
+        self._out: collections.deque = collections.deque()  # what others left to send
+        self._pending: collections.deque = collections.deque()  # what ZeroMQ could not take yet
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._closed = False
         self.sock = sockets.dealer(patience)
         if keys is not None:
             as_client(self.sock, keys, None)
-        self._monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        )
+        self._monitor = self.sock.get_monitor_socket(_EVENTS_WATCHED)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self.sock.connect(address)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="somatize-link")
-        self._thread.start()
 
     # -- lanes ---------------------------------------------------------------------------
     def lane(self, host: str) -> Lane:
@@ -75,21 +89,50 @@ class Link:
         return Lane(self, host, number)
 
     def send(self, frames: list) -> None:
+        """Send now when the socket is free; else the thread holding it sends it next."""
         if self._closed:
             raise Closed(f"the connection to the broker at {self.address} was closed")
-        self._out.put(frames)
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
+        self._out.append(frames)
+        if self._socket.acquire(blocking=False):
+            self._release(self._flush())
+        else:
+            self._wake()
 
     def receive(self, number: int, timeout: float) -> list | None:
         """The next message for lane ``number``, or None after ``timeout`` seconds."""
-        with self._changed:
-            waiting = self._lanes.get(number)
-            if waiting is None:
-                return None
-            if not waiting:
-                self._changed.wait(timeout)
-            return waiting.popleft() if waiting else None
+        until = time.monotonic() + timeout
+        while True:
+            with self._changed:
+                waiting = self._lanes.get(number)
+                if waiting or waiting is None or self._closed:
+                    return waiting.popleft() if waiting else None
+                left = until - time.monotonic()
+                if left <= 0:
+                    return None
+                # tried under the condition: whoever lets go of the socket after this try
+                # fails notifies this thread (`_release`), so no turn is missed
+                if not self._socket.acquire(blocking=False):
+                    self._waiting += 1  # another thread holds it: it sorts ours to us
+                    try:
+                        self._changed.wait(min(left, SLICE))
+                    finally:
+                        self._waiting -= 1
+                    continue
+            ok = True
+            try:
+                ok = self._serve(number, until)
+            finally:
+                self._release(ok)
+
+    def look(self) -> None:
+        """Read the connection's events now, if the socket is free (a channel borrowed after
+        a while idle asks whether the link dropped meanwhile)."""
+        if not self._closed and self._socket.acquire(blocking=False):
+            ok = True
+            try:
+                ok = self._take()
+            finally:
+                self._release(ok)
 
     def forget(self, number: int) -> None:
         with self._changed:
@@ -101,48 +144,107 @@ class Link:
                 return
             self._closed = True
             self._changed.notify_all()
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
-        self._thread.join(5)
+        self._wake()
+        # the holder, if any, lets go within a slice (it sees `_closed`)
+        if self._socket.acquire(timeout=5.0):
+            try:
+                self._end()
+            finally:
+                self._socket.release()
 
-    # -- the thread that owns the socket -----------------------------------------------
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        pending: collections.deque = collections.deque()  # what the socket could not take yet
-        try:
-            while not self._closed:
-                poller.poll(100 if not pending else 10)
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _wake(self) -> None:
+        """Wake the thread holding the socket (its poll watches the pipe). Under the lock
+        the pipe is closed under, so a descriptor number reused since is never written to."""
+        with self._changed:
+            if self._wake_w >= 0:
+                with contextlib.suppress(OSError):  # full: the holder wakes anyway
+                    os.write(self._wake_w, b"\0")
+
+    # -- with the socket held ---------------------------------------------------------------
+    def _serve(self, number: int, until: float) -> bool:
+        """Sort what arrives into the lanes until lane ``number`` has a message, the time is
+        up, or the link ends; False when it ended."""
+        while not self._closed:
+            if not self._flush() or not self._take():
+                return False
+            with self._changed:
+                if self._lanes.get(number) or number not in self._lanes:
+                    return True
+            left = until - time.monotonic()
+            if left <= 0:
+                return True
+            if self._pending:
+                self._poller.register(self.sock, zmq.POLLIN | zmq.POLLOUT)
+            try:
+                ready = self._poller.poll(max(1, int(1000 * min(left, SLICE))))
+            except zmq.ZMQError:
+                return False
+            finally:
+                if self._pending:
+                    self._poller.register(self.sock, zmq.POLLIN)
+            if any(what == self._wake_r for what, _ in ready):  # another thread left something to send
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 65536)
-                while True:
-                    try:
-                        pending.append(self._out.get_nowait())
-                    except queue.Empty:
-                        break
-                while pending:
-                    try:
-                        self.sock.send_multipart(pending[0], zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break  # the broker reads slower than we write: the rest waits here
-                    pending.popleft()
-                for _ in range(1024):
-                    try:
-                        parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._sort(parts)
-                while self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
-                    self._event(int.from_bytes(self._monitor.recv_multipart()[0][:2], "little"))
-        finally:
-            self._end()
+        return True
+
+    def _flush(self) -> bool:
+        """Send what waits, as far as ZeroMQ takes it; False when the socket failed."""
+        out, pending = self._out, self._pending
+        while out:
+            pending.append(out.popleft())
+        try:
+            while pending:
+                self.sock.send_multipart(pending[0], zmq.NOBLOCK, copy=False)
+                pending.popleft()
+        except zmq.Again:
+            pass  # the broker reads slower than we write: the rest waits here, in order
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def _take(self) -> bool:
+        """Read what arrived (up to a bound) and the connection's events; False when the
+        socket failed."""
+        sock, monitor = self.sock, self._monitor
+        try:
+            for _ in range(1024):
+                if not sock.get(_EVENTS) & _POLLIN:
+                    break
+                self._sort(sock.recv_multipart(copy=False))
+            while monitor.get(_EVENTS) & _POLLIN:
+                self._event(int.from_bytes(monitor.recv_multipart()[0][:2], "little"))
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def _release(self, ok: bool = True) -> None:
+        """Let go of the socket; first end the link if it failed, or send what another thread
+        left meanwhile, and wake the threads waiting (one of them may hold it next)."""
+        if not ok or self._closed:
+            try:
+                self._end()
+            finally:
+                self._socket.release()
+            return
+        while True:
+            self._socket.release()
+            if not self._out or not self._socket.acquire(blocking=False):
+                break  # nothing left, or the new holder sends it
+            if not self._flush():
+                self._release(False)
+                return
+        with self._changed:
+            if self._waiting:
+                self._changed.notify_all()
 
     def _sort(self, parts: list) -> None:
         """A message from the broker, into the queue of the lane it names."""
         try:
-            variant = variant_of(parts)
+            variant = Relay if is_relay(parts) else variant_of(parts)
             if variant is Relay:
                 relay = decode(parts)  # its header only: the lane's channel opens the rest
                 inner = list(relay.inner)
@@ -159,7 +261,8 @@ class Link:
                 waiting = self._lanes.get(number)
                 if waiting is not None:
                     waiting.append(inner)
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
 
     def _event(self, event: int) -> None:
         with self._changed:
@@ -172,14 +275,14 @@ class Link:
                 self.drops += 1
             self._changed.notify_all()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _end(self) -> None:
-        with self._changed:  # whatever ended the thread, the link is over: lanes hear it
+        """With the socket held (and kept: nobody uses it again): the link is over, whatever
+        ended it; the lanes hear it, the broker is told, the sockets and the pipe close."""
+        with self._changed:
+            if self.sock.closed:
+                return
             self._closed = True
-            self.drops += 1
+            self.drops += 1  # closed or failed under a lane: each of them sees a drop
             self._changed.notify_all()
         with contextlib.suppress(zmq.ZMQError):
             if self.linked:  # the broker ends every exchange of this connection now
@@ -187,9 +290,11 @@ class Link:
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         sockets.close(self._monitor, self.sock)
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._changed:
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
 
 class Lane:
@@ -210,7 +315,9 @@ class Lane:
         return self.link.receive(self.number, timeout)
 
     def dropped(self) -> bool:
-        """Whether the link dropped since this lane opened."""
+        """Whether the link dropped since this lane opened (its events read first, when
+        nobody else is reading them)."""
+        self.link.look()
         return self.link.drops != self.drops_seen
 
     def close(self) -> None:
