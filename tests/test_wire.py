@@ -373,6 +373,59 @@ def test_a_relay_is_read_in_one_step_and_refused_as_the_long_way_refuses_it():
     assert "over the limit" in refused([_raw_map([*head[:2], ("host", "h" * (MAX_NAME + 1)), *head[3:]]), b"x"])
 
 
+def _long_way(frames):
+    """``decode`` without its short way in: every message read as any other."""
+    from somatize.codec import build
+    from somatize.wire import reading
+
+    msg, checked = reading._read(frames, values=True)
+    return msg if checked is None else reading._fill(msg, build(checked))
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+                     st.text(max_size=50), st.binary(max_size=300))
+_DIGEST = "sha256:" + "ab" * 32
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=_SCALARS, ref=st.integers(0, 2**63 - 1), took=st.integers(0, 2**40),
+       keyed=st.booleans(), placed=st.booleans(), watched=st.booleans(),
+       change=st.sampled_from([None, "drop", "add", "twice", "ref", "keys", "value"]))
+def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
+        value, ref, took, keyed, placed, watched, change):
+    """A ``Work`` naming its recipe by digest and a ``Done``, each of one scalar value, are
+    read in one step: the same message as the long way gives, and for a header changed in
+    any way (a field dropped, added, given twice, of the wrong type), what the long way makes
+    of it: its own refusal, word for word, or the same message."""
+    work = Work(ref, None, value, {0: _DIGEST} if keyed else {}, {0: "cpu"} if placed else {},
+                None, watched, _DIGEST)
+    for msg in (work, Done(ref, value, {}, took)):
+        frames = as_bytes(encode(msg))
+        if change is None:
+            assert same(decode(frames), msg) and same(decode(frames), _long_way(frames))
+            continue
+        pairs = list(header_of(frames).items())
+        if change == "drop":
+            pairs = pairs[:-1]
+        elif change == "add":
+            pairs.append(("extra", 1))
+        elif change == "twice":
+            pairs.append((pairs[2][0], pairs[2][1]))
+        elif change == "ref":
+            pairs[2] = ("ref", -1 - ref)
+        elif change == "keys":
+            pairs = [(k, [[0, 1]] if k in ("keys", "produced") else v) for k, v in pairs]
+        else:
+            pairs = [(k, {"a": 1} if k in ("input", "output") else v) for k, v in pairs]
+        changed = [_raw_map(pairs)]
+        try:
+            taken = _long_way(changed)
+        except ProtocolError as exc:
+            assert refused(changed) == exc.why
+        else:  # a change that still makes a message (a Done that produced something)
+            assert same(decode(changed), taken)
+
+
 def test_a_stream_begins_with_sizes_inside_the_limits():
     frames = as_bytes(encode(Begin(9, (100, 200))))
     refused(with_header(frames, sid=0), "`Begin.sid`", "from 1")

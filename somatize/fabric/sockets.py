@@ -31,6 +31,37 @@ PATIENCE = 5.0
 _counter = itertools.count()
 _lock = threading.Lock()
 
+# The hot path's sends and receives: pyzmq's own backend, called with flags as plain ints
+# (the sugar's `send_multipart` and `recv_multipart` are Python layers over the same calls,
+# combining enum flags on every frame). Small frames are still copied, at pyzmq's
+# `copy_threshold`, as `copy=False` does there.
+_SEND, _RECV, _GET = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
+NOBLOCK, SNDMORE, RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+
+
+def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
+    """``sock.send_multipart(frames, flags, copy=False)``: every frame but the last with
+    ``SNDMORE``. ZeroMQ takes a message whole or not at all (``zmq.Again`` on the first
+    frame, with ``NOBLOCK``)."""
+    last = len(frames) - 1
+    for i in range(last):
+        _SEND(sock, frames[i], flags | SNDMORE, False, False)
+    _SEND(sock, frames[last], flags, False, False)
+
+
+def receive_frames(sock: zmq.Socket, flags: int = 0) -> list:
+    """``sock.recv_multipart(flags, copy=False)``: the frames of one message, as ``zmq.Frame``s."""
+    parts = [_RECV(sock, flags, False, False)]
+    while _GET(sock, RCVMORE):
+        parts.append(_RECV(sock, 0, False, False))
+    return parts
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a message waits on ``sock`` now."""
+    return bool(_GET(sock, EVENTS) & POLLIN)
+
 
 def context() -> zmq.Context:
     """The process's one ZeroMQ context (inproc endpoints only meet within one)."""

@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 
 from ..codec import Checked
+from ..codec.layout import INLINE_TYPES
 from ..codec import build as build_values
 from ..codec import check as check_values
 from ..errors import ProtocolError, Unreadable
@@ -70,8 +71,9 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     including a value of a kind this process cannot read; ``TypeError`` when ``frames`` is
     not a sequence of buffers at all (a bug here, not the peer's doing).
     """
-    if is_relay(frames):  # the envelope on every relayed hop: read in one step
-        fast = _relay(frames)
+    cls = _told(frames)  # a Relay, or a Work or Done of one small value: read in one step
+    if cls is not None:
+        fast = _relay(frames) if cls is Relay else _inline(frames, cls)
         if fast is not None:
             return fast
     msg, checked = _read(frames, values=True)
@@ -85,27 +87,82 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     return _fill(msg, values)
 
 
-#: How every ``Relay``'s header begins after its map's length (``encode`` writes ``v`` and
-#: ``t`` first): a message that begins otherwise is read the long way.
-_RELAY_HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": "Relay"})[1:]
-_RELAY_FIELDS = frozenset(("v", "t", *header_fields(Relay)))
-_RELAY_SMALL = 4096
+# The short way in, for the messages of every call: a header that begins as ``encode``
+# writes one (a small map, ``v`` and ``t`` first) is told by its first bytes; a ``Relay``,
+# and a ``Work`` or ``Done`` whose one value is a scalar in the header (no frames), are
+# built in one step, with every check the long way makes. Anything unusual is read the
+# long way, which refuses it with its own sentence.
+_HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length
+_TOLD = {name.encode(): cls for name, cls in VARIANTS.items() if cls in (Relay, Work, Done)}
+_FIELDS_OF = {cls: frozenset(("v", "t", *header_fields(cls))) for cls in _TOLD.values()}
+_SMALL = 64 << 10  # the largest header read the short way
+
+
+def _told(frames: Sequence[Any]) -> type | None:
+    """``Relay``, ``Work`` or ``Done`` when frame 0 begins as that message's header does,
+    from its first bytes alone; None says nothing (the long way reads it)."""
+    try:
+        first = frames[0]
+        first = getattr(first, "buffer", first) if type(first) is not bytes else first
+        n = len(_HEAD)
+        if not (0x86 <= first[0] <= 0x8F and first[1:1 + n] == _HEAD):
+            return None
+        size = first[1 + n] - 0xA0
+        return _TOLD.get(bytes(first[2 + n:2 + n + size])) if 0 < size < 32 else None
+    except (IndexError, TypeError, KeyError, ValueError):
+        return None
 
 
 def is_relay(frames: Sequence[Any]) -> bool:
-    """Whether frame 0 begins as a ``Relay``'s header of this wire version does (a small
-    map, ``v`` and ``t`` first), read from its first bytes alone: what ``variant_of`` says,
-    for the one variant a broker passes on most, at the cost of one comparison. False says
-    nothing: ``variant_of`` reads the header the long way."""
+    """Whether frame 0 begins as a ``Relay``'s header of this wire version does, read from
+    its first bytes alone: what ``variant_of`` says, for the one variant a broker passes on
+    most, at the cost of a comparison. False says nothing: ``variant_of`` reads the header
+    the long way."""
+    return _told(frames) is Relay
+
+
+def _small_header(head: Any, cls: type) -> dict[str, Any] | None:
+    """A small header map holding exactly the fields of ``cls`` (each once: as many keys as
+    the map declares, all text), or None."""
+    if len(head) > min(_SMALL, limits.MAX_ITEMS):  # no longer than `count_items` lets by unwalked
+        return None
     try:
-        first = frames[0]
-    except (IndexError, TypeError, KeyError):
-        return False
-    first = getattr(first, "buffer", first) if type(first) is not bytes else first
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except Exception:  # noqa: BLE001 - read the long way: it says what is wrong
+        return None
+    if type(header) is not dict or len(header) != head[0] - 0x80 or header.keys() != _FIELDS_OF[cls]:
+        return None
+    return header
+
+
+def _inline(frames: Sequence[Any], cls: type) -> Work | Done | None:
+    """A ``Done`` of one scalar output and nothing produced, or a ``Work`` naming its recipe
+    by digest with one scalar input: no frames after the header, the value the header holds
+    (a scalar needs no codec to build it), the fields checked as ``decode`` checks them.
+    None for any other: the long way reads it."""
+    buffers = _buffers(frames)
+    if len(buffers) != 1:
+        return None
+    header = _small_header(buffers[0], cls)
+    if header is None:
+        return None
     try:
-        return 0x86 <= first[0] <= 0x8F and first[1:1 + len(_RELAY_HEAD)] == _RELAY_HEAD
-    except (TypeError, IndexError, ValueError):
-        return False
+        if cls is Done:
+            output, produced = header["output"], header["produced"]
+            if type(output) not in INLINE_TYPES or type(produced) is not list or produced:
+                return None
+            msg: Any = Done(header["ref"], output, {}, header["took_us"])
+        else:
+            value = header["input"]
+            if header["recipe"] is not None or type(value) not in INLINE_TYPES:
+                return None
+            keys, placement = _pairs(header["keys"], "Work.keys"), _pairs(header["placement"], "Work.placement")
+            msg = Work(header["ref"], None, value, keys, placement, header["memory"], header["watched"],
+                       header["recipe_digest"])
+        check(msg)
+    except Bad:
+        return None
+    return msg
 
 
 def _relay(frames: Sequence[Any]) -> Relay | None:
@@ -114,16 +171,8 @@ def _relay(frames: Sequence[Any]) -> Relay | None:
     few KiB, a key repeated or not text, a field missing or unknown): ``decode`` then reads
     it the long way, and refuses it with its own sentence."""
     buffers = _buffers(frames)  # the frame count and sizes, as always
-    head = buffers[0]
-    if len(head) > _RELAY_SMALL:
-        return None
-    try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except Exception:  # noqa: BLE001 - read the long way: it says what is wrong
-        return None
-    # a map of as many keys as it declares (none repeated), all of them text, and exactly
-    # the envelope's: anything else goes the long way
-    if type(header) is not dict or len(header) != head[0] - 0x80 or header.keys() != _RELAY_FIELDS:
+    header = _small_header(buffers[0], Relay)
+    if header is None:
         return None
     if len(buffers) < 2:
         raise ProtocolError(

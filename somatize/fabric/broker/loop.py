@@ -55,7 +55,6 @@ MAX_CONNECTIONS, MAX_UNREAD = 64, 64
 #: A connection not heard from for this long no longer counts against its key (seconds).
 CONNECTION_IDLE = 60.0
 _EVERYONE = frozenset((CLIENT, WORKER))
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 log = logging.getLogger("somatize.broker")
 
 
@@ -322,7 +321,7 @@ class BrokerLoop:
         per message and no more. Never left queued in ZeroMQ: see `bind`."""
         front, waiting, offers = self._front, self._outbox.waiting, self.view.offers_index
         for _ in range(most):
-            if not front.get(_EVENTS) & _POLLIN:  # asked, not raised: an exception a turn costs
+            if not sockets.readable(front):  # asked, not raised: an exception a turn costs
                 self._gate.caught_up()
                 return
             route = front.recv(zmq.NOBLOCK)
@@ -339,7 +338,7 @@ class BrokerLoop:
                 if not self._chatty(route, first, time.monotonic()):  # past its share: cut
                     self._outbox.dropped += 1
                 continue
-            self._handle(route, front.recv_multipart(copy=False))
+            self._handle(route, sockets.receive_frames(front))
         self._gate.fell_behind(time.monotonic())
 
     def _cut(self, route: bytes, frame: zmq.Frame, why: str) -> None:

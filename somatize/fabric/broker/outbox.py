@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ..sockets import NOBLOCK, send_frames
+
 #: Messages held for one tenant at one peer while ZeroMQ's queue to it is full.
 HELD = 256
 #: Bytes held for one peer, all tenants together, and for every peer together.
@@ -64,7 +66,7 @@ class Outbox:
         peer = self._peers.get(route)
         if peer is None or not peer.queues:
             try:
-                self.front.send_multipart([route, *frames], zmq.NOBLOCK, copy=False)
+                send_frames(self.front, [route, *frames], NOBLOCK)
                 return SENT
             except zmq.Again:
                 pass
@@ -113,7 +115,7 @@ class Outbox:
                 queue = peer.queues[tenant]
                 frames, size = queue[0]
                 try:
-                    self.front.send_multipart([route, *frames], zmq.NOBLOCK, copy=False)
+                    send_frames(self.front, [route, *frames], NOBLOCK)
                 except zmq.Again:
                     return
                 queue.popleft()

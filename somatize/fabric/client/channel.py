@@ -222,7 +222,7 @@ class Channel:
         if self.relayed:  # the broker opens the envelope and passes the message on
             frames = encode(Relay(host=self.host, inner=tuple(frames)))
         try:  # the sentence and its context manager only when it fails: this runs every call
-            self.sock.send_multipart(frames, copy=False)
+            sockets.send_frames(self.sock, frames)
         except zmq.ZMQError as exc:
             with sockets.translated(f"the worker for `{self.host}` at {self.address}"):
                 raise exc
@@ -268,7 +268,7 @@ class Channel:
                     break
             # a message already waiting is taken without polling: the common case, cheaply
             elif _events(self.sock, _EVENTS) & _POLLIN or self.sock in dict(self._poller.poll(50)):
-                parts = self.sock.recv_multipart(copy=False)
+                parts = sockets.receive_frames(self.sock)
                 break
             self._watch_link(answer_by, waiting, deadline)
         try:

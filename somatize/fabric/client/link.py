@@ -45,7 +45,6 @@ LANE_QUEUE = 4096
 #: The longest a holder of the socket polls before it looks at the time and the link again,
 #: and a waiting thread sleeps before it looks whether the socket is free (seconds).
 SLICE = 0.05
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _EVENTS_WATCHED = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
@@ -198,7 +197,7 @@ class Link:
             pending.append(out.popleft())
         try:
             while pending:
-                self.sock.send_multipart(pending[0], zmq.NOBLOCK, copy=False)
+                sockets.send_frames(self.sock, pending[0], sockets.NOBLOCK)
                 pending.popleft()
         except zmq.Again:
             pass  # the broker reads slower than we write: the rest waits here, in order
@@ -212,10 +211,10 @@ class Link:
         sock, monitor = self.sock, self._monitor
         try:
             for _ in range(1024):
-                if not sock.get(_EVENTS) & _POLLIN:
+                if not sockets.readable(sock):
                     break
-                self._sort(sock.recv_multipart(copy=False))
-            while monitor.get(_EVENTS) & _POLLIN:
+                self._sort(sockets.receive_frames(sock))
+            while sockets.readable(monitor):
                 self._event(int.from_bytes(monitor.recv_multipart()[0][:2], "little"))
         except zmq.ZMQError:
             return False

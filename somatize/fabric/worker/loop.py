@@ -249,7 +249,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         """One round of serving, by whoever holds the socket. A dialed worker's keepalive
         comes first, before any answer or stream: bulk never starves it."""
         waiting = self._control or self._blocked  # wake when the socket has room again
-        poller.register(self._front, zmq.POLLIN | (zmq.POLLOUT if waiting else 0))
+        poller.register(self._front, sockets.POLLIN | sockets.POLLOUT if waiting else sockets.POLLIN)
         events = dict(poller.poll(timeout_ms))
         now = time.monotonic()
         if self._offer is not None:
@@ -367,9 +367,9 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
     def _receive(self) -> None:
         for _ in range(64):  # bounded, so answers keep flowing under a flood of requests
             # stopped meanwhile (a piece that ran here, while the stand-in closed): leave it
-            if self.stopping.is_set() or not self._front.get(zmq.EVENTS) & zmq.POLLIN:
+            if self.stopping.is_set() or not sockets.readable(self._front):
                 return
-            parts = self._front.recv_multipart(copy=False)
+            parts = sockets.receive_frames(self._front)
             self.heap.moved(parts)
             try:
                 if self._offer is None:  # ROUTER: [identity, *frames]

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import zmq
 
 from ...wire import Failed, Refusal, Relay, encode, variant_of
+from .. import sockets
 from .. import streams as _streams
 from ..curve import peer_name
 from .said import clip
@@ -177,7 +178,7 @@ class Outbox:
         """Whether the socket takes a message now, with no keepalive waiting before it."""
         if self._control and not self._push_control():
             return False
-        return bool(self._front.get(zmq.EVENTS) & zmq.POLLOUT)
+        return bool(sockets._GET(self._front, sockets.EVENTS) & sockets.POLLOUT)
 
     def _send(self, parts: list) -> None:
         # never blocks: a peer that stops reading must not stall everyone else's answers;
@@ -185,7 +186,7 @@ class Outbox:
         try:
             if self._control and not self._push_control():
                 raise zmq.Again()
-            self._front.send_multipart(parts, zmq.NOBLOCK, copy=False)
+            sockets.send_frames(self._front, parts, sockets.NOBLOCK)
         except zmq.Again:
             if self._broker:  # a dialed worker's one peer: the broker, reached or not
                 self._dropped(f"the broker at {self._broker} is not taking messages (not connected yet, "
