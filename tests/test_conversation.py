@@ -379,6 +379,34 @@ def test_a_host_clients_wait_on_is_checked_after_a_patience_and_gone_after_one_a
     assert not b.exchanges and "w2" in b.offers  # the idle one is held to its keepalive
 
 
+def test_only_a_host_a_client_waits_on_is_held_closer():
+    """Clients that hold exchanges open with a fleet, between calls, cost the broker nothing
+    per host: it holds a host closer (checked after a patience of silence, gone after one
+    and a half) only while a client waits on it, from its Work (or Hello, or anything but
+    Bye) until the worker answers. A fact is not an answer; a Bye ends the wait."""
+    b = BrokerView(patience=1.0)
+    b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
+
+    def from_client(message, now: float):
+        return decode(b.relay(b"alice", "A", Relay(host="w1", inner=tuple(encode(message))), now).frames)
+
+    def from_worker(message, now: float) -> None:
+        b.relay(b"worker", "W", Relay(exchange=sent.exchange, inner=tuple(encode(message))), now)
+
+    sent = from_client(work(1), 20.0)
+    from_worker(done(1), 20.1)  # answered: nobody waits, the exchange stays open
+    assert b.expire(21.5) == [] and b.checks == []
+    assert b.expire(23.0) == [] and "w1" in b.offers and sent.exchange in b.exchanges
+    from_client(work(2), 24.0)
+    from_worker(Saw(2, {"fact": "ran"}), 24.1)  # a fact: still waited on
+    assert b.expire(25.2) == [] and b.checks == [b"worker"]
+    b.heard(b"worker", 25.3)  # its Ready to the check
+    from_client(Bye(), 25.4)  # the client gave up: it waits no more
+    assert b.expire(27.0) == [] and b.checks == [] and "w1" in b.offers
+    from_client(work(3), 30.0)  # waited on again, and never answered
+    assert b.expire(31.6) == ["w1"] and b.stalled == {"w1"}
+
+
 def test_exchanges_opened_again_and_again_never_keep_a_silent_host():
     """Each first exchange of a host starts its closer watch anew; a client that opens and
     ends them without end still cannot keep a silent host past the idle bound."""

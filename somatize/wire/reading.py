@@ -229,6 +229,9 @@ def variant_of(frames: Sequence[Any]) -> type:
         )
     if not frames:
         raise ProtocolError("a message has at least one frame, its header; this one has none")
+    told = _told(frames)  # a header that begins as `encode` writes one: its first bytes say
+    if told is not None:
+        return told
     first = _buffers(frames[:1])[0]
     try:
         return _variant(_version_and_variant(first))

@@ -13,7 +13,8 @@ import secrets
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
-from ...wire import Bye, Hello, Hosts, Relay, Runtime, Where, encode
+from ...errors import ProtocolError
+from ...wire import Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Refusal, Relay, Runtime, Send, Where, encode, variant_of
 from ..conversation import KEEPALIVE, Stale, Violation
 
 
@@ -47,6 +48,7 @@ class Exchange:
     touched: float
     key: str = ""  # the client's key (Z85), so that revoking it ends the exchange
     lane: int = 0  # the client's number for its channel, when it carries many over one connection
+    waiting: bool = False  # its client said something the worker has not answered yet
 
 
 class Bindings(MutableMapping):
@@ -149,7 +151,8 @@ class BrokerView:
         self._next_expiry = 0.0
         self.stalled: set[str] = set()  # what the last expire found gone with exchanges open
         self.checks: list[bytes] = []  # routes the last expire wants checked (a Hello, answered by Ready)
-        self._busy_since: dict[str, float] = {}  # host with exchanges open -> since when
+        self._busy_since: dict[str, float] = {}  # host a client waits on -> since when
+        self._waiting: dict[str, int] = {}  # host -> its exchanges whose client waits on an answer
         self.bindings = Bindings()  # host -> owner, kept while the broker runs (keyed)
         self.exchanges: dict[int, Exchange] = {}
         self._by_pair: dict[tuple[bytes, str, int], int] = {}  # (client route, host, lane) -> number
@@ -265,8 +268,9 @@ class BrokerView:
         says it is there (its pings, every patience, have a time to live: ZeroMQ drops a
         connection silent past it, and the broker then probes); its keepalive, every
         `KEEPALIVE` patiences, is the net beneath: an offer silent for `IDLE_SILENCE`
-        patiences is gone. A host with exchanges open is held closer, since someone waits
-        on it: silent for a patience it is checked (its route is in ``self.checks``: the
+        patiences is gone. A host a client waits on (an exchange whose client spoke last:
+        its Work, Hello or Provision not answered yet) is held closer: silent for a patience
+        it is checked (its route is in ``self.checks``: the
         broker says Hello, it answers Ready), for one and a half it is gone (a stopped
         worker with work open is noticed as soon as ZeroMQ's heartbeats noticed it, with
         no timer of theirs in the broker's I/O thread). Looked at every quarter patience,
@@ -283,7 +287,7 @@ class BrokerView:
         gone, stalled, checks = [], set(), {}
         for host, offer in self.offers.items():
             quiet = now - max(offer.seen, heard.get(offer.route, 0.0))
-            silent = min(quiet, now - busy.get(host, 0.0))  # held closer from its first exchange on
+            silent = min(quiet, now - busy.get(host, 0.0))  # held closer from when a client first waited
             if host in busy:
                 if silent > working or quiet > idle:  # exchanges opened again and again do not hold it
                     gone.append(host)
@@ -340,6 +344,8 @@ class BrokerView:
                 self.refused += 1
                 raise Stale(f"this broker has no exchange {relay.exchange} open with you")
             exchange.touched = now
+            if exchange.waiting and _answered(relay.inner):
+                self._wait(exchange, False, now)
             if exchange.lane:  # one of many channels over the client's connection: say which
                 return Deliver(exchange.client, encode(Relay(lane=exchange.lane, inner=relay.inner)))
             return Deliver(exchange.client, list(relay.inner))
@@ -362,7 +368,23 @@ class BrokerView:
             exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now, key, relay.lane)
             self._open(exchange)
         exchange.touched = now
+        wants = not _ends(relay.inner)  # anything but its Bye asks for an answer
+        if exchange.waiting != wants:
+            self._wait(exchange, wants, now)
         return Deliver(offer.route, encode(Relay(exchange=exchange.number, tenant=tenant, inner=relay.inner)))
+
+    def _wait(self, exchange: Exchange, waiting: bool, now: float) -> None:
+        """Its client waits on an answer now (``waiting``), or no longer: a host a client
+        waits on is held closer (`expire`), from when the first began to wait."""
+        exchange.waiting = waiting
+        host = exchange.host
+        count = self._waiting.get(host, 0) + (1 if waiting else -1)
+        if count > 0:
+            self._waiting[host] = count
+            self._busy_since.setdefault(host, now)
+        else:
+            self._waiting.pop(host, None)
+            self._busy_since.pop(host, None)
 
     def _open(self, exchange: Exchange) -> None:
         number = exchange.number
@@ -370,8 +392,6 @@ class BrokerView:
         self._by_pair[(exchange.client, exchange.host, exchange.lane)] = number
         self._of_route.setdefault(exchange.client, set()).add(number)
         self._of_route.setdefault(exchange.worker, set()).add(number)
-        if exchange.host not in self._of_host:
-            self._busy_since[exchange.host] = exchange.touched  # held closer from now (`expire`)
         self._of_host.setdefault(exchange.host, set()).add(number)
         self._of_tenant.setdefault(exchange.tenant, {})[number] = None
 
@@ -379,6 +399,8 @@ class BrokerView:
         number = exchange.number
         if self.exchanges.pop(number, None) is None:
             return
+        if exchange.waiting:
+            self._wait(exchange, False, exchange.touched)
         pair = (exchange.client, exchange.host, exchange.lane)
         if self._by_pair.get(pair) == number:
             del self._by_pair[pair]
@@ -392,8 +414,6 @@ class BrokerView:
                     numbers.discard(number)
                 if not numbers:
                     del index[at]
-                    if index is self._of_host:
-                        self._busy_since.pop(at, None)
 
     def _end_numbers(self, numbers) -> None:  # noqa: ANN001 - exchange numbers
         for number in numbers:
@@ -405,3 +425,28 @@ class BrokerView:
     @staticmethod
     def answers_itself(msg: object) -> bool:
         return isinstance(msg, (Hello, Where, Hosts, Bye))
+
+
+_ANSWERS = (Done, Failed, Refusal, Ready, Send)
+
+
+def _answered(inner: tuple) -> bool:
+    """Whether a worker's message answers what its client waits on (a ``Done``, ``Failed``,
+    ``Refusal``, ``Ready`` or ``Send``, bare or in a shared folder), read from its header's
+    first bytes; a fact, a piece of a stream or junk answers nothing."""
+    try:
+        variant = variant_of(inner)
+        if variant is Mounted and len(inner) > 1:
+            variant = variant_of(inner[1:2])
+    except (ProtocolError, TypeError):
+        return False
+    return variant in _ANSWERS
+
+
+def _ends(inner: tuple) -> bool:
+    """Whether a client's message asks for nothing (its ``Bye``); anything else, junk
+    included, is waited on."""
+    try:
+        return variant_of(inner) is Bye
+    except (ProtocolError, TypeError):
+        return False

@@ -134,6 +134,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         self.sessions = WorkerSessions(self.runtime)
         self.served = 0
         self.dropped = 0  # answers that could not be delivered
+        self._dropped_at = -1e9  # when the last one was (monotonic)
         self.withheld = 0  # answers the conversation did not allow (to an exchange not open)
         # what the worker says about itself: into a store on a clock (an idle worker's
         # connection is one nobody reads), and down an open connection as a `said` fact

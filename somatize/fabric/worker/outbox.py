@@ -198,6 +198,7 @@ class Outbox:
 
     def _dropped(self, why: str) -> None:
         self.dropped += 1
+        self._dropped_at = time.monotonic()  # a dialed worker says Hello closer meanwhile (`_hello_due`)
         if self.dropped == 1 or self.dropped % 1000 == 0:
             log.warning("an answer could not be delivered: %s (%d so far)", why, self.dropped)
 
