@@ -164,6 +164,27 @@ def test_project_refuses_a_class_its_name_does_not_lead_back_to():
         Packer("project").spec(ghost())
 
 
+def test_a_node_packed_again_unchanged_gets_the_same_spec_and_a_changed_one_a_new_one(monkeypatch):
+    """Packing is done once per node, label and arguments: packed again (a graph made anew
+    for every call), the node gets the very same spec, so its recipe's digest is found,
+    not computed. A node given other arguments, a cached node whose class's code changed,
+    and a class its module no longer holds under its name are packed anew (the last
+    refused, as when first packed)."""
+    import packing_nodes
+
+    packer = Packer("project")
+    node = packing_nodes.Add(5)
+    first = packer.spec(node.named("a"))
+    assert packer.spec(node.named("a")) is first and packer.spec(node.named("b")) is not first
+    other = packing_nodes.Add(6)
+    assert packer.spec(other.named("a")).args == (6,)
+    cached = packer.spec(node.named("a").cached())
+    assert cached is packer.spec(node.named("a").cached()) and cached.code
+    monkeypatch.setattr(packing_nodes, "Add", type("Add", (Node,), {"__module__": "packing_nodes"}))
+    with pytest.raises(PlanError, match="does not lead back"):
+        packer.spec(node.named("a"))
+
+
 def test_project_refuses_arguments_that_cannot_be_written_down():
     class Model:
         pass

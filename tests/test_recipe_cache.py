@@ -170,6 +170,24 @@ def test_repeated_calls_send_the_recipe_once_then_its_digest(procs):
     assert max(sizes[1:]) < sizes[0] // 2, sizes
 
 
+def test_a_graph_made_anew_for_every_call_still_names_its_recipe_by_digest(procs):
+    """``node.at(host).forward(x)`` in a loop makes a new graph each time; the packer gives
+    the same node the very same spec while it is unchanged, so after the first call the
+    recipe travels by its digest, as for a graph kept between calls."""
+    worker = procs([*WORKER, "--listen", "127.0.0.1:0", "--announce"])
+    tap = Tap(worker.endpoint)
+    try:
+        node = Add(1)
+        with Broker.embedded({"w1": Worker.at(tap.endpoint, mode="project")}) as broker:
+            assert [node.named("a").at("w1").forward(i, broker=broker) for i in range(4)] == [1, 2, 3, 4]
+            specs = {id(broker._packers["w1"].spec(node.named("a"))) for _ in range(3)}
+        works = tap.works()
+    finally:
+        tap.close()
+    assert len(specs) == 1 and works[0].recipe is not None
+    assert all(w.recipe is None and w.recipe_digest for w in works[1:]), works
+
+
 def test_a_recipe_with_values_in_frames_always_travels_in_full():
     big = Recipe((Packer("project").spec(Add(b"x" * (100 << 10)).named("big")),), ("step", 0))
     assert recipe_digest(big) is None

@@ -26,6 +26,8 @@ __all__ = ["Packer"]
 
 # cloudpickle's by-value registry is process-wide: one packer at a time changes it.
 _BY_VALUE_LOCK = threading.Lock()
+#: Specs a packer keeps for nodes packed again unchanged (all forgotten past it).
+MEMO_SPECS = 4096
 
 
 class _Packed:
@@ -67,6 +69,10 @@ class Packer:
         self._artifacts: dict[str, bytes] = {}
         self._users: dict[str, int] = {}  # digest -> how many live nodes have it
         self._dead: list[int] = []  # ids of packed nodes gone since; appended by weakref
+        # (id(node), label, cache) -> (a weak ref to the node, what the spec was made from,
+        # the spec): the same node packed again, unchanged, gets the very same spec (a graph
+        # made anew for every call, `node.at(host).forward(x)`, packs nothing)
+        self._specs: dict[tuple, tuple] = {}
 
     def __repr__(self) -> str:
         sent = f", send={[m.__name__ for m in self.send]}" if self.send else ""
@@ -87,9 +93,15 @@ class Packer:
                 f"Packer.spec takes a declared step or a `somatize.Node`; "
                 f"got a `{type(step).__name__}`"
             )
+        node = step.node
         if self.mode == "project":
+            code = code_digest(type(node)) if step.cache else ""
+            made_of = (getattr(node, "_somatize_args", None), code)
+            kept = self._kept(node, step, made_of)
+            if kept is not None and _importable_as(type(node)):
+                return kept
             target, args, kwargs = _project_recipe(step)
-            return NodeSpec(
+            return self._keep(node, step, made_of, NodeSpec(
                 label=step.label,
                 cache=step.cache,
                 source="project",
@@ -100,10 +112,32 @@ class Packer:
                 # (whatever `.cached(version=...)` names: a version names a key, not code);
                 # an uncached node's output is kept nowhere, and its bases may differ by
                 # library version from machine to machine, as they always could
-                code=code_digest(type(step.node)) if step.cache else "",
-            )
-        digest = self._pack(step.node, step.label)
-        return NodeSpec(label=step.label, cache=step.cache, source="network", target=digest)
+                code=code,
+            ))
+        digest = self._pack(node, step.label)
+        kept = self._kept(node, step, (None, digest))
+        if kept is not None:
+            return kept
+        return self._keep(node, step, (None, digest), NodeSpec(label=step.label, cache=step.cache, source="network",
+                                                       target=digest))
+
+    def _kept(self, node: Node, step: Step, made_of: tuple) -> NodeSpec | None:
+        """The spec made for this very node and step, from the very same arguments (by
+        identity) and code, or artifact; None when there is none."""
+        held = self._specs.get((id(node), step.label, step.cache))
+        if held is None or held[0]() is not node or held[1][0] is not made_of[0] or held[1][1] != made_of[1]:
+            return None
+        return held[2]
+
+    def _keep(self, node: Node, step: Step, made_of: tuple, spec: NodeSpec) -> NodeSpec:
+        try:
+            ref = weakref.ref(node)
+        except TypeError:  # a node that takes no weak reference is packed every time
+            return spec
+        if len(self._specs) >= MEMO_SPECS:
+            self._specs.clear()
+        self._specs[(id(node), step.label, step.cache)] = (ref, made_of, spec)
+        return spec
 
     def artifact(self, digest: str) -> bytes:
         """The bytes of an artifact this packer made, for a ``Provision``.
@@ -227,6 +261,12 @@ def _make_artifact(node: Node, label: str, registry: tuple, send: tuple[ModuleTy
 
 
 # -- project mode, client side -----------------------------------------------------------
+
+
+def _importable_as(cls: type) -> bool:
+    """Whether ``cls`` is still what its module holds under its name (not reloaded or
+    replaced since its spec was made)."""
+    return lookup(sys.modules.get(cls.__module__), cls.__qualname__) is cls
 
 
 def _project_recipe(step: Step) -> tuple[str, tuple, dict]:

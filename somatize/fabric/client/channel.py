@@ -24,6 +24,7 @@ the fix, and no byte of it is sent.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -86,8 +87,7 @@ class PastDeadline(Exception):
 
     def __init__(self, waiting: str) -> None:
         super().__init__(waiting)
-        self.waiting = waiting
-        self.waited = 0.0  # seconds since the work given up on was sent (0: none was)
+        self.waiting, self.waited = waiting, 0.0  # seconds since the work given up on was sent (0: none was)
 
 
 #: Recipes whose digests one channel keeps (and digests it keeps sending in full).
@@ -160,7 +160,7 @@ class Channel:
         self.held: set[str] = set()  # digests sent in full since the last Hello
         self._unkept: set[str] = set()  # ...that the worker did not keep: sent in full from then on
         self._last_full: str | None = None  # the digest of the last recipe sent in full
-        self._digests: dict[int, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
+        self._digests: dict[tuple, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
         try:
             self._hello(deadline)
         except BaseException:
@@ -472,27 +472,27 @@ class Channel:
             self._end_lending()
 
     def _digest_of(self, specs: tuple[NodeSpec, ...], shape: tuple) -> str | None:
-        """The digest of the recipe of ``specs`` and ``shape`` (None: it has none, and always
-        travels in full), computed once per recipe on this channel: ``specs`` is the very
-        tuple the piece's memo keeps, so a repeated call finds it by identity."""
-        kept = self._digests.get(id(specs))
-        if kept is not None and kept[0] is specs and (kept[1] is shape or kept[1] == shape):
+        """The digest of the recipe of ``specs`` and ``shape`` (None: it always travels in
+        full), once per recipe on this channel: the packer gives the very same spec for a
+        node packed again unchanged, so a graph made anew for each call finds it too."""
+        key = tuple(map(id, specs))
+        kept = self._digests.get(key)
+        if kept is not None and all(map(operator.is_, kept[0], specs)) and (kept[1] is shape or kept[1] == shape):
             return kept[2]
         try:
             digested = recipe_digest(Recipe(specs, shape))
         except Exception:  # a value that cannot be written: `encode` says so, in full
             digested = None
-        digest = None if digested is None else digested.digest
-        if len(self._digests) >= _MEMO_RECIPES:
+        digest = digested.digest if digested is not None else None
+        if len(self._digests) >= _MEMO_RECIPES:  # a few recipes in use: forgotten all at once
             self._digests.clear()
-        self._digests[id(specs)] = (specs, shape, digest)
+        self._digests[key] = (specs, shape, digest)
         return digest
 
     def _end_lending(self) -> None:
-        """The lent segments go back to the pool, or are retired when no terminal answer
-        came (the worker may still write there). Idempotent."""
+        """The lent segments go back to the pool, or are retired: idempotent."""
         lending, self.lending = self.lending, None
-        if lending is not None:
+        if lending is not None:  # the worker answered, or it may still write there
             lending.end(answered=self.exchange.state not in ("working", "closed"))
 
     def _decode_lent(self, frames: list) -> Any:
