@@ -342,16 +342,16 @@ def _raw_map(pairs) -> bytes:
 
 
 def test_a_relay_is_read_in_one_step_and_refused_as_the_long_way_refuses_it():
-    """The envelope every relayed hop passes on has a short way in: ``is_relay`` tells it by
+    """The envelope every relayed hop passes on has a short way in: ``variant_of`` tells it by
     its first bytes, ``decode`` builds it in one step (and ``encode`` writes it so): the same
     message as the long way, and whatever begins as a Relay but is not one is refused with
     the long way's own sentence."""
-    from somatize.wire.reading import _read
+    from somatize.wire.reading import _read, _told
 
     frames = as_bytes(encode(Relay(host="w1", lane=4, inner=(b"x", b"y"))))
-    assert wire.is_relay(frames) and decode(frames) == _read(frames, values=True)[0]
+    assert _told(frames) is Relay and decode(frames) == _read(frames, values=True)[0]
     for other in (as_bytes(encode(Bye())), [b""], [], [b"\x86"], "Relay", [42]):
-        assert not wire.is_relay(other)
+        assert _told(other) is None
     with pytest.raises(TypeError, match="Relay.host"):
         encode(Relay(host=7, inner=(b"x",)))
     head = [("v", WIRE_VERSION), ("t", "Relay"), ("host", "w1"), ("exchange", 0), ("tenant", ""), ("lane", 0)]
@@ -365,7 +365,7 @@ def test_a_relay_is_read_in_one_step_and_refused_as_the_long_way_refuses_it():
     }
     for what, pairs in odd.items():
         bad = [_raw_map(pairs), b"x"]
-        assert wire.is_relay(bad) == (len(pairs) >= 6), what  # fewer keys: never taken for one
+        assert (_told(bad) is Relay) == (len(pairs) >= 6), what  # fewer keys: never taken for one
         with pytest.raises(ProtocolError) as long_way:
             _read(bad, values=True)
         assert refused(bad) == long_way.value.why, what

@@ -101,7 +101,7 @@ from .messages import (
     Work,
     compatible,
 )
-from .reading import decode, is_relay, peek_kinds, ref_of, variant_of, with_recipe
+from .reading import decode, peek_kinds, ref_of, variant_of, with_recipe
 from .writing import Digested, encode, recipe_digest
 
 __all__ = [
@@ -155,7 +155,6 @@ __all__ = [
     "compatible",
     "decode",
     "encode",
-    "is_relay",
     "peek_kinds",
     "recipe_digest",
     "ref_of",

@@ -113,14 +113,6 @@ def _told(frames: Sequence[Any]) -> type | None:
         return None
 
 
-def is_relay(frames: Sequence[Any]) -> bool:
-    """Whether frame 0 begins as a ``Relay``'s header of this wire version does, read from
-    its first bytes alone: what ``variant_of`` says, for the one variant a broker passes on
-    most, at the cost of a comparison. False says nothing: ``variant_of`` reads the header
-    the long way."""
-    return _told(frames) is Relay
-
-
 def _small_header(head: Any, cls: type) -> dict[str, Any] | None:
     """A small header map holding exactly the fields of ``cls`` (each once: as many keys as
     the map declares, all text), or None."""
@@ -166,7 +158,7 @@ def _inline(frames: Sequence[Any], cls: type) -> Work | Done | None:
 
 
 def _relay(frames: Sequence[Any]) -> Relay | None:
-    """The ``Relay`` that ``frames`` hold (``is_relay`` said it begins as one), built in one
+    """The ``Relay`` that ``frames`` hold (``_told`` said it begins as one), built in one
     step and checked as ``decode`` checks one; None for anything unusual (a header over a
     few KiB, a key repeated or not text, a field missing or unknown): ``decode`` then reads
     it the long way, and refuses it with its own sentence."""

@@ -31,7 +31,7 @@ import zmq
 
 from ...errors import BadKeys, ProtocolError
 from ...wire import (Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode,
-                     encode, is_relay, ref_of, variant_of)
+                     encode, ref_of, variant_of)
 from . import bindings as _bindings
 from .. import sockets
 from .checks import Helper
@@ -379,7 +379,7 @@ class BrokerLoop:
             self.view.heard(route, now)  # the very Hello it said before: a keepalive, nothing to decode
             return
         try:
-            variant = Relay if is_relay(frames) else variant_of(frames)
+            variant = variant_of(frames)  # a Relay's told by its first bytes
         except ProtocolError as exc:
             variant, junk = None, exc
         # a question, or junk, counts against its connection; a relayed message only when it

@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from ...errors import Closed, ProtocolError
-from ...wire import Bye, Refusal, Relay, decode, encode, is_relay, variant_of
+from ...wire import Bye, Refusal, Relay, decode, encode, variant_of
 from .. import sockets
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client
@@ -243,7 +243,7 @@ class Link:
     def _sort(self, parts: list) -> None:
         """A message from the broker, into the queue of the lane it names."""
         try:
-            variant = Relay if is_relay(parts) else variant_of(parts)
+            variant = variant_of(parts)  # a Relay's told by its first bytes
             if variant is Relay:
                 relay = decode(parts)  # its header only: the lane's channel opens the rest
                 inner = list(relay.inner)

@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from ...errors import ProtocolError
-from ...wire import Hello, Ready, Refusal, Relay, decode, encode, is_relay, variant_of
+from ...wire import Hello, Ready, Refusal, Relay, decode, encode, variant_of
 from .. import mount as _mount
 from .. import sockets
 from ..conversation import KEEPALIVE
@@ -160,7 +160,7 @@ class Dialing:
         """A relayed message for us, or the broker itself speaking: Ready to our Hello (or a
         probe), Refusal, a Hello checking on us."""
         try:
-            variant = Relay if is_relay(parts) else variant_of(parts)
+            variant = variant_of(parts)
             if variant is Relay:
                 relay = decode(parts)  # its header only: the inner message is opened by _take
                 if relay.exchange > 0:
