@@ -26,6 +26,10 @@ time, waits included (this container does not let it tell idle threads apart).
 
 Without py-spy, ``run a --cprofile`` profiles the client's loop with cProfile.
 
+``stages`` runs case (a) and says, per call, where each side's CPU goes, stage by stage (plan,
+pack, encode, send, decode, check, run, answer...): each stage's share of the side's Python in
+a cProfile of both sides, times the side's CPU per call measured without one.
+
 ``cpu`` runs case (a) on somatize and on raw pyzmq and says, per call, the wall time and the
 CPU time each side spent (Linux: the other side's is read from /proc). ``ceilings`` says
 how fast this machine copies 64 MiB: in memory, and into a new or an existing file in
@@ -133,6 +137,98 @@ def cpu(calls: int = 3000) -> str:
             wall, client, other = per_call(call, pid)
             lines.append(f"{name:16} {wall:6.0f} µs per call; CPU: client {client:4.0f} µs, other side {other:4.0f} µs")
     return "\n".join(lines)
+
+
+# Each stage of a call, by the functions that do it (file, function): their inclusive time
+# in a deterministic profile of each side. What no stage names is "the rest".
+CLIENT_STAGES = (
+    ("plan: the graph's checks and its walk", (("plan.py", "check"), ("engine.py", "prepare"))),
+    ("locate, borrow, give back the channel",
+     (("handle.py", "_locate"), ("handle.py", "_borrow"), ("handle.py", "_give_back"))),
+    ("pack: specs, Work, recipe digest, kinds",
+     (("pieces.py", "specs_of"), ("pieces.py", "work_of"), ("channel.py", "_digest_of"),
+      ("channel.py", "_check_kinds"), ("channel.py", "_provision"))),
+    ("encode the Work", (("writing.py", "encode"),)),
+    ("send", (("channel.py", "_send_work"),)),
+    ("decode the answer", (("reading.py", "decode"),)),
+    ("check it against the conversation", (("conversation.py", "receive"),)),
+    ("conclude (the outcome)", (("channel.py", "_conclude"),)),
+)
+WORKER_STAGES = (
+    ("receive (the socket)", (("sockets.py", "receive_frames"), ("sockets.py", "readable"))),
+    ("decode the Work", (("reading.py", "decode"),)),
+    ("check it against the conversation", (("conversation.py", "receive"),)),
+    ("look up and build the nodes",
+     (("catalog.py", "missing"), ("loop.py", "_build"), ("pieces.py", "piece_of"))),
+    ("run the piece (the node's forward inside)", (("engine.py", "run_piece"),)),
+    ("encode the answer", (("writing.py", "encode"),)),
+    ("send the answer", (("outbox.py", "_flush"),)),
+)
+
+
+def stages(calls: int = 2000) -> str:
+    """Case (a), per call and per stage on each side: each stage's share of that side's
+    Python in a deterministic profile (cProfile in the client, and in the worker, which is
+    spawned under it), and that share of the side's CPU time per call measured without a
+    profiler. A profiler slows small functions most, so read the shares as a map of where
+    the time goes, not as exact figures."""
+    import cProfile
+    import os
+    import pstats
+    import tempfile
+    import time
+
+    import nodes
+    from nodes import Echo
+    from somatize import Broker, Worker
+
+    def cpu_of(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    echo = Echo().named("echo").at("w1")
+    folder = tempfile.mkdtemp(prefix="somatize-stages-")
+    profiled = os.path.join(folder, "worker.prof")
+    out = [f"case (a), {calls} calls a run: stage, share of the side's Python (cProfile), "
+           f"that share of its CPU per call (measured without a profiler)"]
+    # first unprofiled, for the CPU per call; then both sides profiled
+    for profile in (False, True):
+        command = [sys.executable, *(["-m", "cProfile", "-o", profiled] if profile else []), "-m", "somatize.worker"]
+        worker = Worker.spawn(command, mode="network", send=[nodes], mount=False)
+        with Broker.embedded({"w1": worker}) as broker:
+            for _ in range(200):
+                echo.forward(SMALL, broker=broker)
+            pid = broker._server.children["w1"].process.pid
+            if not profile:
+                mine, theirs, wall = time.process_time(), cpu_of(pid), time.perf_counter()
+                measured(lambda: echo.forward(SMALL, broker=broker), calls)
+                cpu = {"client": 1e6 * (time.process_time() - mine) / calls,
+                       "worker": 1e6 * (cpu_of(pid) - theirs) / calls}
+                out.append(f"wall {1e6 * (time.perf_counter() - wall) / calls:.0f} µs per call; CPU per call: "
+                           f"client {cpu['client']:.0f} µs, worker {cpu['worker']:.0f} µs")
+                continue
+            profiler = cProfile.Profile()
+            profiler.runcall(measured, lambda: echo.forward(SMALL, broker=broker), calls)
+        client = pstats.Stats(profiler)
+    worker_stats = pstats.Stats(profiled)
+    for side, stats, named, root in (("client", client, CLIENT_STAGES, ("where_time_goes.py", "measured")),
+                                      ("worker", worker_stats, WORKER_STAGES, ("loop.py", "_turn"))):
+        table = stats.stats  # (file, line, function) -> (calls, calls, own time, inclusive time, callers)
+
+        def inclusive(file: str, function: str) -> float:
+            return sum(v[3] for (f, _, fn), v in table.items() if f.endswith(file) and fn == function)
+
+        waiting = sum(v[2] for (f, _, fn), v in table.items() if fn in ("poll", "wait") or "acquire" in fn)
+        total = inclusive(*root) - waiting
+        out.append(f"{side}: {1e6 * total / calls:.0f} µs of Python per call under the profiler")
+        shown = 0.0
+        for name, functions in named:
+            share = sum(inclusive(*f) for f in functions) / total
+            shown += share
+            out.append(f"  {name:44} {100 * share:5.1f}%  {share * cpu[side]:6.0f} µs")
+        out.append(f"  {'the rest (the engine, the loop, the channel)':44} {100 * (1 - shown):5.1f}%  "
+                   f"{(1 - shown) * cpu[side]:6.0f} µs")
+    return "\n".join(out)
 
 
 def ceilings(nbytes: int = 64 << 20) -> str:
@@ -273,6 +369,9 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["ceilings"]:
         print(ceilings())
+        return 0
+    if argv[:1] == ["stages"] and len(argv) <= 2:
+        print(stages(*(int(a) for a in argv[1:])))
         return 0
     if len(argv) == 2 and argv[0] == "summarise":
         print(summarise(argv[1]))

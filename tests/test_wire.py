@@ -382,7 +382,7 @@ def _long_way(frames):
     return msg if checked is None else reading._fill(msg, build(checked))
 
 
-_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
                      st.text(max_size=50), st.binary(max_size=300))
 _DIGEST = "sha256:" + "ab" * 32
 
@@ -394,13 +394,18 @@ _DIGEST = "sha256:" + "ab" * 32
 def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
         value, ref, took, keyed, placed, watched, change):
     """A ``Work`` naming its recipe by digest and a ``Done``, each of one scalar value, are
-    read in one step: the same message as the long way gives, and for a header changed in
+    written as the codec would write them and read in one step: the same message as the long way gives, and for a header changed in
     any way (a field dropped, added, given twice, of the wrong type), what the long way makes
     of it: its own refusal, word for word, or the same message."""
     work = Work(ref, None, value, {0: _DIGEST} if keyed else {}, {0: "cpu"} if placed else {},
                 None, watched, _DIGEST)
+    from somatize.codec import encode as written
+
+    descriptor, its_frames = written(value)  # what the codec writes for it
     for msg in (work, Done(ref, value, {}, took)):
-        frames = as_bytes(encode(msg))
+        frames = as_bytes(encode(msg))  # a scalar the codec writes as itself is written so here
+        assert header_of(frames)["input" if msg is work else "output"] == descriptor
+        assert len(frames) == 1 + len(its_frames)
         if change is None:
             assert same(decode(frames), msg) and same(decode(frames), _long_way(frames))
             continue

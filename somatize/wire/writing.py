@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from ..codec import encode as encode_values
+from ..codec.layout import INLINE_BYTES, INT_MAX, INT_MIN
 from . import limits
 from .checks import Bad, check
 from .counting import count_items
@@ -39,8 +40,12 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
     header: dict[str, Any] = {"v": limits.WIRE_VERSION, "t": cls.__name__}
     frames: list[bytes | memoryview] = []
     if cls is Work or cls is Done:
-        descriptor, frames = encode_values(tuple(_values_of(msg)))
-        parts = iter(descriptor[1:])  # ["T", one descriptor per value, in that order]
+        one = _one_scalar(msg)
+        if one is not _NONE:  # the call's one value is a scalar: it is its own descriptor
+            parts = iter((one,))
+        else:
+            descriptor, frames = encode_values(tuple(_values_of(msg)))
+            parts = iter(descriptor[1:])  # ["T", one descriptor per value, in that order]
         header.update(_work_header(msg, parts) if cls is Work else _done_header(msg, parts))
     else:
         for name in header_fields(cls):
@@ -99,6 +104,33 @@ def _relay(msg: Relay) -> list:
         use_bin_type=True,
     )
     return _fitted("Relay", packed, [_byte_view(f) for f in msg.inner])
+
+
+_NONE = object()
+
+
+def _one_scalar(msg: Work | Done) -> Any:
+    """The value of a Work naming its recipe by digest, or of a Done that produced nothing
+    else, when it is a scalar the codec writes as itself (``codec.encode`` would write the
+    same descriptor, with no frame); ``_NONE`` for anything else, which the codec writes."""
+    if type(msg) is Work:
+        if msg.recipe is not None:
+            return _NONE
+        v = msg.input
+    else:
+        if msg.produced:
+            return _NONE
+        v = msg.output
+    t = type(v)
+    if v is None or t is bool or t is float:
+        return v
+    if t is int:
+        return v if INT_MIN <= v <= INT_MAX else _NONE
+    if t is bytes:
+        return v if len(v) <= INLINE_BYTES else _NONE
+    if t is str and v.isascii():  # (any other str: the codec checks it is valid Unicode)
+        return v
+    return _NONE
 
 
 def _values_of(msg: Work | Done) -> list[Any]:
