@@ -383,7 +383,8 @@ def test_only_a_host_a_client_waits_on_is_held_closer():
     """Clients that hold exchanges open with a fleet, between calls, cost the broker nothing
     per host: it holds a host closer (checked after a patience of silence, gone after one
     and a half) only while a client waits on it, from its Work (or Hello, or anything but
-    Bye) until the worker answers. A fact is not an answer; a Bye ends the wait."""
+    Bye) until the worker answers. A fact is not an answer; a Bye ends the wait, and only
+    its own client's."""
     b = BrokerView(patience=1.0)
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
 
@@ -404,6 +405,8 @@ def test_only_a_host_a_client_waits_on_is_held_closer():
     from_client(Bye(), 25.4)  # the client gave up: it waits no more
     assert b.expire(27.0) == [] and b.checks == [] and "w1" in b.offers
     from_client(work(3), 30.0)  # waited on again, and never answered
+    # another client, another tenant, cannot end alice's wait: its Bye is its own exchange's
+    b.relay(b"mallory", "M", Relay(host="w1", inner=tuple(encode(Bye()))), 30.5)
     assert b.expire(31.6) == ["w1"] and b.stalled == {"w1"}
 
 

@@ -346,7 +346,8 @@ def test_a_relay_is_read_in_one_step_and_refused_as_the_long_way_refuses_it():
     its first bytes, ``decode`` builds it in one step (and ``encode`` writes it so): the same
     message as the long way, and whatever begins as a Relay but is not one is refused with
     the long way's own sentence."""
-    from somatize.wire.reading import _read, _told
+    from somatize.wire.reading import _read
+    from somatize.wire.short import told as _told
 
     frames = as_bytes(encode(Relay(host="w1", lane=4, inner=(b"x", b"y"))))
     assert _told(frames) is Relay and decode(frames) == _read(frames, values=True)[0]
@@ -1046,7 +1047,7 @@ def test_the_package_exports_every_public_name_from_one_place():
     import somatize.wire as package
 
     public = {name for name in dir(package) if not name.startswith("_")}
-    modules = {"checks", "counting", "limits", "messages", "reading", "writing", "annotations"}
+    modules = {"checks", "counting", "limits", "messages", "reading", "short", "writing", "annotations"}
     assert set(package.__all__) == public - modules
     for name in package.__all__:
         obj = getattr(package, name)

@@ -63,6 +63,11 @@ def readable(sock: zmq.Socket) -> bool:
     return bool(_GET(sock, EVENTS) & POLLIN)
 
 
+def writable(sock: zmq.Socket) -> bool:
+    """Whether ``sock`` takes a message now."""
+    return bool(_GET(sock, EVENTS) & POLLOUT)
+
+
 def context() -> zmq.Context:
     """The process's one ZeroMQ context (inproc endpoints only meet within one)."""
     return zmq.Context.instance()

@@ -23,12 +23,11 @@ from typing import Any
 import msgpack
 
 from ..codec import Checked
-from ..codec.layout import INLINE_TYPES
 from ..codec import build as build_values
 from ..codec import check as check_values
 from ..errors import ProtocolError, Unreadable
-from . import limits
-from .checks import Bad, Pieces, Slot, check, fitted, shown
+from . import limits, short
+from .checks import Bad, Pieces, Slot, check, fitted, index_pairs, msgpack_type, shown
 from .counting import count_items
 from .messages import (
     FIELDS,
@@ -71,9 +70,9 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     including a value of a kind this process cannot read; ``TypeError`` when ``frames`` is
     not a sequence of buffers at all (a bug here, not the peer's doing).
     """
-    cls = _told(frames)  # a Relay, or a Work or Done of one small value: read in one step
+    cls = short.told(frames)  # a Relay, or a Work or Done of one scalar: read in one step
     if cls is not None:
-        fast = _relay(frames) if cls is Relay else _inline(frames, cls)
+        fast = short.read(cls, _buffers(frames))
         if fast is not None:
             return fast
     msg, checked = _read(frames, values=True)
@@ -85,97 +84,6 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     except Unreadable as exc:
         raise ProtocolError(f"the values of a `{type(msg).__name__}` could not be read: {exc}") from exc
     return _fill(msg, values)
-
-
-# The short way in, for the messages of every call: a header that begins as ``encode``
-# writes one (a small map, ``v`` and ``t`` first) is told by its first bytes; a ``Relay``,
-# and a ``Work`` or ``Done`` whose one value is a scalar in the header (no frames), are
-# built in one step, with every check the long way makes. Anything unusual is read the
-# long way, which refuses it with its own sentence.
-_HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length
-_TOLD = {name.encode(): cls for name, cls in VARIANTS.items() if cls in (Relay, Work, Done)}
-_FIELDS_OF = {cls: frozenset(("v", "t", *header_fields(cls))) for cls in _TOLD.values()}
-_SMALL = 64 << 10  # the largest header read the short way
-
-
-def _told(frames: Sequence[Any]) -> type | None:
-    """``Relay``, ``Work`` or ``Done`` when frame 0 begins as that message's header does,
-    from its first bytes alone; None says nothing (the long way reads it)."""
-    try:
-        first = frames[0]
-        first = getattr(first, "buffer", first) if type(first) is not bytes else first
-        n = len(_HEAD)
-        if not (0x86 <= first[0] <= 0x8F and first[1:1 + n] == _HEAD):
-            return None
-        size = first[1 + n] - 0xA0
-        return _TOLD.get(bytes(first[2 + n:2 + n + size])) if 0 < size < 32 else None
-    except (IndexError, TypeError, KeyError, ValueError):
-        return None
-
-
-def _small_header(head: Any, cls: type) -> dict[str, Any] | None:
-    """A small header map holding exactly the fields of ``cls`` (each once: as many keys as
-    the map declares, all text), or None."""
-    if len(head) > min(_SMALL, limits.MAX_ITEMS):  # no longer than `count_items` lets by unwalked
-        return None
-    try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except Exception:  # noqa: BLE001 - read the long way: it says what is wrong
-        return None
-    if type(header) is not dict or len(header) != head[0] - 0x80 or header.keys() != _FIELDS_OF[cls]:
-        return None
-    return header
-
-
-def _inline(frames: Sequence[Any], cls: type) -> Work | Done | None:
-    """A ``Done`` of one scalar output and nothing produced, or a ``Work`` naming its recipe
-    by digest with one scalar input: no frames after the header, the value the header holds
-    (a scalar needs no codec to build it), the fields checked as ``decode`` checks them.
-    None for any other: the long way reads it."""
-    buffers = _buffers(frames)
-    if len(buffers) != 1:
-        return None
-    header = _small_header(buffers[0], cls)
-    if header is None:
-        return None
-    try:
-        if cls is Done:
-            output, produced = header["output"], header["produced"]
-            if type(output) not in INLINE_TYPES or type(produced) is not list or produced:
-                return None
-            msg: Any = Done(header["ref"], output, {}, header["took_us"])
-        else:
-            value = header["input"]
-            if header["recipe"] is not None or type(value) not in INLINE_TYPES:
-                return None
-            keys, placement = _pairs(header["keys"], "Work.keys"), _pairs(header["placement"], "Work.placement")
-            msg = Work(header["ref"], None, value, keys, placement, header["memory"], header["watched"],
-                       header["recipe_digest"])
-        check(msg)
-    except Bad:
-        return None
-    return msg
-
-
-def _relay(frames: Sequence[Any]) -> Relay | None:
-    """The ``Relay`` that ``frames`` hold (``_told`` said it begins as one), built in one
-    step and checked as ``decode`` checks one; None for anything unusual (a header over a
-    few KiB, a key repeated or not text, a field missing or unknown): ``decode`` then reads
-    it the long way, and refuses it with its own sentence."""
-    buffers = _buffers(frames)  # the frame count and sizes, as always
-    header = _small_header(buffers[0], Relay)
-    if header is None:
-        return None
-    if len(buffers) < 2:
-        raise ProtocolError(
-            "a `Relay` is its header and then the frames of the message it carries; this one carries none"
-        )
-    relay = Relay(header["host"], header["exchange"], header["tenant"], header["lane"], tuple(buffers[1:]))
-    try:
-        check(relay)
-    except Bad as exc:
-        raise ProtocolError(exc.why) from None
-    return relay
 
 
 def with_recipe(work: Work, recipe: Recipe) -> Work:
@@ -221,7 +129,7 @@ def variant_of(frames: Sequence[Any]) -> type:
         )
     if not frames:
         raise ProtocolError("a message has at least one frame, its header; this one has none")
-    told = _told(frames)  # a header that begins as `encode` writes one: its first bytes say
+    told = short.told(frames)  # a header that begins as `encode` writes one: its first bytes say
     if told is not None:
         return told
     first = _buffers(frames[:1])[0]
@@ -442,7 +350,7 @@ def _header(frame: Any) -> dict[str, Any]:
     if type(header) is not dict:
         raise Bad(
             f"a message must start with a MessagePack header map; frame 0 holds a "
-            f"`{_msgpack_type(header)}` instead"
+            f"`{msgpack_type(header)}` instead"
         )
     return header
 
@@ -458,19 +366,13 @@ def _map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     for key, value in pairs:
         if type(key) is not str:
             raise Bad(
-                f"a map in the header has a key that is `{_msgpack_type(key)}`; the wire's maps "
+                f"a map in the header has a key that is `{msgpack_type(key)}`; the wire's maps "
                 f"are keyed by text"
             )
         if key in out:
             raise Bad(f"a map in the header holds the key {shown(key)} twice")
         out[key] = value
     return out
-
-
-def _msgpack_type(x: Any) -> str:
-    return {bytes: "bin", list: "array", dict: "map", str: "str", type(None): "nil"}.get(
-        type(x), type(x).__name__
-    )
 
 
 def _variant(header: dict[str, Any]) -> type:
@@ -502,7 +404,7 @@ def _take(m: Any, cls: type, where: str) -> list[Any]:
     """The fields of ``cls`` from the map ``m``, all of them and nothing else (a message's
     own header also holds ``v`` and ``t``)."""
     if type(m) is not dict:
-        raise Bad(f"`{where}` has to be a map, and it is a `{_msgpack_type(m)}`")
+        raise Bad(f"`{where}` has to be a map, and it is a `{msgpack_type(m)}`")
     names = header_fields(cls)
     extra = set(m) - set(names) - ({"v", "t"} if where == cls.__name__ else set())
     if extra:
@@ -545,12 +447,12 @@ def _parse_runtime(m: Any, where: str) -> Runtime:
 def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
     ref, recipe, input_, keys, placement, memory, watched, named = _take(h, Work, "Work")
     input_slot = _slot(input_, descriptors)
-    keyed, placed = _pairs(keys, "Work.keys"), _pairs(placement, "Work.placement")
+    keyed, placed = index_pairs(keys, "Work.keys"), index_pairs(placement, "Work.placement")
     if recipe is None:  # named by its digest (checked in checks.py)
         return Work(ref, None, input_slot, keyed, placed, memory, watched, named)
     raw_nodes, shape = _take(recipe, Recipe, "Work.recipe")
     if type(raw_nodes) is not list:
-        raise Bad(f"`Work.recipe.nodes` has to be an array, and it is a `{_msgpack_type(raw_nodes)}`")
+        raise Bad(f"`Work.recipe.nodes` has to be an array, and it is a `{msgpack_type(raw_nodes)}`")
     if len(raw_nodes) > limits.MAX_NODES:
         raise Bad(f"`Work.recipe` has {len(raw_nodes):,} nodes, over the limit of {limits.MAX_NODES:,}")
     nodes = []
@@ -582,21 +484,21 @@ def _parse_done(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Done:
     output_slot = _slot(output, descriptors)
     if type(produced) is list and len(produced) > limits.MAX_NODES:
         raise Bad(f"`Done.produced` has {len(produced):,} entries, over the limit of {limits.MAX_NODES:,}")
-    pairs = _pairs(produced, "Done.produced")
+    pairs = index_pairs(produced, "Done.produced")
     return Done(ref, output_slot, {i: _slot(d, descriptors) for i, d in pairs.items()}, took_us)
 
 
 def _parse_saw(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Saw:
     ref, fact = _take(h, Saw, "Saw")
     if type(fact) is not dict:  # a map: _check looks at its entries
-        raise Bad(f"`Saw.fact` has to be a map, and it is a `{_msgpack_type(fact)}`")
+        raise Bad(f"`Saw.fact` has to be a map, and it is a `{msgpack_type(fact)}`")
     return Saw(ref, fact)
 
 
 def _parse_listed(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Listed:
     (hosts,) = _take(h, Listed, "Listed")
     if type(hosts) is not dict:
-        raise Bad(f"`Listed.hosts` has to be a map, and it is a `{_msgpack_type(hosts)}`")
+        raise Bad(f"`Listed.hosts` has to be a map, and it is a `{msgpack_type(hosts)}`")
     return Listed(hosts)
 
 
@@ -626,23 +528,6 @@ def _tupled(x: Any, depth: int = 0, count: list[int] | None = None) -> Any:
             )
         return tuple(_tupled(v, depth + 1, count) for v in x)
     return tuple(x)
-
-
-def _pairs(x: Any, where: str) -> dict[int, Any]:
-    """``[[index, value], ...]`` as a dict, refusing anything else."""
-    if type(x) is not list:
-        raise Bad(
-            f"`{where}` has to be an array of [index, value] pairs, and it is a "
-            f"`{_msgpack_type(x)}`"
-        )
-    out: dict[int, Any] = {}
-    for pair in x:
-        if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not int:
-            raise Bad(f"`{where}` has to be an array of [index, value] pairs, and one entry is not")
-        if pair[0] in out:
-            raise Bad(f"`{where}` gives node {pair[0]} twice")
-        out[pair[0]] = pair[1]
-    return out
 
 
 def _fill(msg: Any, values: tuple[Any, ...]) -> Any:

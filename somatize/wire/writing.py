@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 import msgpack
 
 from ..codec import encode as encode_values
-from ..codec.layout import INLINE_BYTES, INT_MAX, INT_MIN
+from ..codec.layout import INLINE_TYPES
+from ..codec.writing import Writer
 from . import limits
 from .checks import Bad, check
 from .counting import count_items
@@ -110,9 +111,10 @@ _NONE = object()
 
 
 def _one_scalar(msg: Work | Done) -> Any:
-    """The value of a Work naming its recipe by digest, or of a Done that produced nothing
-    else, when it is a scalar the codec writes as itself (``codec.encode`` would write the
-    same descriptor, with no frame); ``_NONE`` for anything else, which the codec writes."""
+    """The descriptor of the value of a Work naming its recipe by digest, or of a Done that
+    produced nothing else, when it is a scalar the codec writes with no frame (written by
+    the codec's ``Writer``, as ``codec.encode`` would, without its tuple around it);
+    ``_NONE`` for anything else, which ``codec.encode`` writes."""
     if type(msg) is Work:
         if msg.recipe is not None:
             return _NONE
@@ -121,16 +123,11 @@ def _one_scalar(msg: Work | Done) -> Any:
         if msg.produced:
             return _NONE
         v = msg.output
-    t = type(v)
-    if v is None or t is bool or t is float:
-        return v
-    if t is int:
-        return v if INT_MIN <= v <= INT_MAX else _NONE
-    if t is bytes:
-        return v if len(v) <= INLINE_BYTES else _NONE
-    if t is str and v.isascii():  # (any other str: the codec checks it is valid Unicode)
-        return v
-    return _NONE
+    if type(v) not in INLINE_TYPES:
+        return _NONE
+    writer = Writer()  # the codec's own rules for a scalar (a big int, long bytes, a lone surrogate)
+    descriptor = writer.value(v, 0)
+    return _NONE if writer.frames else descriptor
 
 
 def _values_of(msg: Work | Done) -> list[Any]:

@@ -178,7 +178,7 @@ class Outbox:
         """Whether the socket takes a message now, with no keepalive waiting before it."""
         if self._control and not self._push_control():
             return False
-        return bool(sockets._GET(self._front, sockets.EVENTS) & sockets.POLLOUT)
+        return sockets.writable(self._front)
 
     def _send(self, parts: list) -> None:
         # never blocks: a peer that stops reading must not stall everyone else's answers;
