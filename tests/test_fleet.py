@@ -287,3 +287,51 @@ def test_closing_a_client_ends_the_waits_of_its_threads_on_relayed_answers(proce
         release.write_text("go")
         client.close()
         fleet.close()
+
+
+def test_a_client_reaches_the_dialed_hosts_it_listed_without_asking_where_each_is():
+    """A first forward to a dialed host asked the broker `Where` it was, though the listing the
+    client had already fetched could say: a round trip through the broker for every host of a
+    fleet, for every client. Now the listing says of each dialed host what `Where` would
+    (its folder for cargo, if any), and a host that left since is refused by the broker
+    in a sentence that says so, not blamed on a worker."""
+    from somatize import Refused
+    from somatize.fabric.broker.loop import BrokerLoop
+    from somatize.fabric.worker.loop import WorkerLoop
+
+    server = BrokerLoop({}, patience=5.0)
+    url = server.bind("tcp://127.0.0.1:0")
+    asked: list[str] = []
+    where = server._where
+    server._where = lambda message, *rest: (asked.append(message.host), where(message, *rest))[1]  # counts, answers
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    loops = {f"h{n}": WorkerLoop(mode="project", patience=5.0) for n in range(3)}
+    threads = []
+    for host, loop in loops.items():
+        loop.dial(url, host)
+        threads.append(threading.Thread(target=loop.serve, daemon=True))
+        threads[-1].start()
+    client = Broker.at(url)
+    try:
+        wait_until(lambda: all(client.knows(h) for h in loops), 30, "the workers dialing in")
+        for n, host in enumerate(("h0", "h1")):
+            assert Add(1).named("a").at(host).forward(n, broker=client) == n + 1
+        assert asked == [], f"the client asked Where of {asked}, which its listing said"
+        loops["h2"].close()  # it says Bye: the broker forgets it, the client's listing still has it
+        threads[2].join(10)
+        wait_until(lambda: "h2" not in server.view.offers, 10, "the broker forgetting h2")
+        with pytest.raises(Refused) as info:
+            Add(1).named("a").at("h2").forward(5, broker=client)
+        assert f"the broker at {url}" in str(info.value) and "no worker serving `h2`" in str(info.value), info.value
+        assert "it left, or has not dialed in yet" in str(info.value)
+        assert asked == [] and Add(1).named("a").at("h0").forward(7, broker=client) == 8
+    finally:
+        client.close()
+        for loop in loops.values():
+            loop.close()
+        for t in threads:
+            t.join(10)
+        server.stopping.set()
+        serving.join(10)
+        server.close()

@@ -23,6 +23,7 @@ from somatize.wire import (
     MAX_FRAMES,
     MAX_HEADER,
     MAX_NAME,
+    MAX_PATH,
     MAX_SHAPE_DEPTH,
     MAX_TEXT,
     REQUESTS,
@@ -151,6 +152,8 @@ def messages() -> list:
         Located("w1", "relayed", address="tcp://head:5555", mode="project", ended="killed by SIGKILL"),
         Located("w1", "inprocess"),
         Listed({"w1": "network", "here": "inprocess"}),
+        Listed({"w1": "project", "w2": "network", "here": "inprocess"},
+               {"w1": [], "w2": ["/scratch/job7", "4242-" + "0123456789abcdef" * 2]}),
         Ready(runtime(), busy_us=2_500_000),
     ]
 
@@ -661,6 +664,24 @@ def test_fields_over_their_limits_are_refused():
     refused(with_header(encode(Located("w1", "inprocess")), mount="/x"), "only for the \"mount\", \"relayed\" and \"direct\" paths")
     refused(with_header(encode(Located("w1", "direct", address="tcp://h:1")), mount="/x"), "`Located.seen`", "token")
     refused(with_header(encode(Listed({"a": "project"})), hosts={"a": "elsewhere"}), "Listed.hosts['a']")
+
+
+def test_a_listing_says_of_dialed_hosts_only_what_where_would():
+    """``Listed.dialed`` lets a client skip ``Where`` for a dialed host: what it says is held
+    to what a relayed ``Located`` may say, and names only hosts the listing has as a worker's."""
+    listed = encode(Listed({"a": "project", "here": "inprocess"}, {"a": []}))
+    refused(with_header(listed, dialed={"b": []}), "`Listed.dialed` names 'b'", "does not list")
+    refused(with_header(listed, dialed={"here": []}), "`Listed.dialed` names 'here'")
+    refused(with_header(listed, dialed={"a": ["/x"]}), "`Listed.dialed['a']`", "[mount, seen]")
+    refused(with_header(listed, dialed={"a": "/x"}), "`Listed.dialed['a']`", "[mount, seen]")
+    refused(with_header(listed, dialed={"a": ["/x", "nope"]}), "`Listed.dialed['a'].seen`", "token")
+    refused(with_header(listed, dialed={"a": ["/x\n", "1-" + "0" * 32]}), "`Listed.dialed['a'].mount`")
+    refused(with_header(listed, dialed={"a": ["/" + "x" * MAX_PATH, "1-" + "0" * 32]}), "`Listed.dialed['a'].mount`")
+    refused(with_header(listed, dialed=["a"]), "`Listed.dialed`", "map")
+    refused(with_header(listed, dialed={1: []}), "map key")
+    without = header_of(listed)
+    del without["dialed"]
+    refused([msgpack.packb(without)], "`Listed` needs the field `dialed`")
     refused(with_header(encode(Hello(runtime())), offering=""), "`Hello.offering`")
 
 

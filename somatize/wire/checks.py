@@ -441,6 +441,15 @@ def _check_listed(m: Listed) -> None:
     for host, how in m.hosts.items():
         _text(host, "a host in `Listed.hosts`", limits.MAX_NAME)
         _choice(how, f"Listed.hosts[{shown(host)}]", limits.LISTED)
+    if not isinstance(m.dialed, dict):
+        raise Bad(f"`Listed.dialed` has to be a dict of host -> [mount, seen], and it is {_a(m.dialed)}", TypeError)
+    for host, folder in m.dialed.items():
+        if m.hosts.get(host) not in ("project", "network"):  # a key not in `hosts` is not a text checked there
+            raise Bad(f"`Listed.dialed` names {shown(host)}, which `Listed.hosts` does not list as a worker's host")
+        if not isinstance(folder, list) or len(folder) not in (0, 2):
+            raise Bad(f"`Listed.dialed[{shown(host)}]` has to be [] or [mount, seen], and it is {shown(folder)}")
+        if folder:
+            _mount_and_token(folder[0], folder[1], f"Listed.dialed[{shown(host)}]")
 
 
 _CHECKS: dict[type, Any] = {

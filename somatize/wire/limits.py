@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 
-WIRE_VERSION = 7
+WIRE_VERSION = 8
 """The version of this layout. Two sides talk only when it is the same on both. (5: a
 project-mode ``NodeSpec`` carries the client's digest of the node's code, ``code``; 7: a
-dialing worker's ``Hello`` and a relayed ``Located`` may name its folder for cargo.)"""
+dialing worker's ``Hello`` and a relayed ``Located`` may name its folder for cargo; 8:
+``Listed.dialed`` says of each dialed host what its ``Where`` would.)"""
 
 # -- sizes: decode refuses anything beyond these, before building anything -----------------
 

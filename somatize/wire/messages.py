@@ -268,9 +268,16 @@ class Located:
 
 @dataclass(frozen=True)
 class Listed:
-    """The hosts a broker knows: name -> ``"inprocess"``, ``"project"`` or ``"network"``."""
+    """The hosts a broker knows: name -> ``"inprocess"``, ``"project"`` or ``"network"``.
+
+    ``dialed`` names, among them, the hosts served by a worker that dialed in, with what a
+    ``Where`` would add for one (``Located.mount`` and ``Located.seen``): ``[]`` for a worker
+    with no folder for cargo, ``[mount, seen]`` for one with. A client reaches such a host
+    through the broker without asking ``Where`` first.
+    """
 
     hosts: dict[str, str]
+    dialed: dict[str, list[str]] = field(default_factory=dict)
 
 
 # Carriers: messages that carry another message, or part of one ------------------------

@@ -496,10 +496,11 @@ def _parse_saw(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Saw:
 
 
 def _parse_listed(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Listed:
-    (hosts,) = _take(h, Listed, "Listed")
-    if type(hosts) is not dict:
-        raise Bad(f"`Listed.hosts` has to be a map, and it is a `{msgpack_type(hosts)}`")
-    return Listed(hosts)
+    hosts, dialed = _take(h, Listed, "Listed")
+    for name, value in (("hosts", hosts), ("dialed", dialed)):
+        if type(value) is not dict:
+            raise Bad(f"`Listed.{name}` has to be a map, and it is a `{msgpack_type(value)}`")
+    return Listed(hosts, dialed)
 
 
 _PARSERS = {Work: _parse_work, Done: _parse_done, Saw: _parse_saw, Listed: _parse_listed}

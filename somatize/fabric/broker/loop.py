@@ -443,7 +443,8 @@ class BrokerLoop:
             if answer is not None:
                 self._answer(route, answer)
         elif isinstance(message, Hosts):
-            self._answer(route, Listed(self._listing()))
+            dialed = {h: [o.mount, o.token] if o.mount else [] for h, o in self.view.offers.items()}  # as `_where` says
+            self._answer(route, Listed(self._listing(), dialed))
         else:
             self._leave(route, "it said Bye")
             self._outbox.forget(route)

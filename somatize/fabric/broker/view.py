@@ -353,7 +353,10 @@ class BrokerView:
             raise self._refuse("only a worker that offered a host here answers an exchange; say Hello with `offering` first")
         offer = self.offers.get(relay.host)
         if offer is None:
-            raise self._refuse(f"no worker serving `{relay.host}` is connected to this broker")
+            raise self._refuse(
+                f"no worker serving `{relay.host}` is connected to this broker: it left, or has not "
+                f"dialed in yet; forward again once it has (`Broker.knows` says when)"
+            )
         tenant = self.tenant(route, key)
         number = self._by_pair.get((route, relay.host, relay.lane))
         exchange = self.exchanges.get(number) if number is not None else None

@@ -385,7 +385,7 @@ class Channel:
         if isinstance(answer, Refusal):
             if answer.why.startswith("busy:"):
                 raise Busy(f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}")
-            raise Refused(f"the worker for `{self.host}` refused this client: {answer.why}")
+            raise Refused(f"{self._refuser()} refused this client a channel to `{self.host}`: {answer.why}")
         self.reads = frozenset(answer.runtime.kinds)
         why = compatible(mine, answer.runtime, needs_pickle=self.packer.mode == "network")
         if why is None and self.packer.mode == "network" and answer.runtime.mode != "network":
@@ -582,17 +582,16 @@ class Channel:
         if isinstance(answer, Failed):
             node = answer.node or ", ".join(s.label for s in piece.steps)
             where = f"node `{answer.node}` on `{self.host}` raised" if answer.node else f"the work on `{self.host}` ({node}) failed:"
-            raise NodeFailed(
-                f"{where} {answer.why}",
-                node=node,
-                error=answer.error,
-                host=self.host,
-                remote_traceback=answer.traceback or None,
-            )
+            raise NodeFailed(f"{where} {answer.why}", node=node, error=answer.error, host=self.host,
+                             remote_traceback=answer.traceback or None)
         # the conversation let through only Done, Failed or Refusal here
         if answer.why.startswith("busy:"):
             raise Busy(f"the worker for `{self.host}` is busy and took no new work: {answer.why[5:].strip()}")
-        raise Refused(f"the worker for `{self.host}` refused the work: {answer.why}")
+        raise Refused(f"{self._refuser()} refused the work for `{self.host}`: {answer.why}")
+
+    def _refuser(self) -> str:
+        """Who a refusal came from: a relayed one may be the broker's (its worker left)."""
+        return f"the broker at {self.address} (or the worker behind it)" if self.relayed else "the worker"
 
 
 def bounded(seconds: float, deadline: Deadline | None) -> float:

@@ -3,7 +3,9 @@
 ``Broker.embedded({...})`` starts a broker in a thread of this process, bound on an inproc
 endpoint, and returns once it is bound; ``Broker.at(url)`` talks to a standalone one.
 Either way the client does the same thing: asks where a host is, once per host per
-session, then sends work down the path it was given. For the engine this is one call,
+session, then sends work down the path it was given. A host served by a worker that dialed
+in is located by the listing (``Listed.dialed``) with no question of its own: the broker
+relays to it. For the engine this is one call,
 :meth:`Broker.run`.
 
 A channel (:mod:`somatize.fabric.client.channel`) is one DEALER socket to one worker (or to the broker, for a
@@ -93,6 +95,7 @@ class Broker:
         self._linked = False  # the control socket's handshake with the broker completed
         self._answered = False  # the broker answered this client at least once
         self._listing: dict[str, str] | None = None
+        self._dialed: dict[str, tuple[str, list[str]]] = {}  # the listing's dialed hosts: (mode, folder)
         self._here: tuple[dict[str, str], frozenset[str]] | None = None  # (listing, its in-process hosts)
         self._located: dict[str, Located] = {}
         self._idle: dict[str, list[Channel]] = {}
@@ -217,7 +220,9 @@ class Broker:
             answer = self._ask(Hosts(), self.patience * 2)
             if not isinstance(answer, Listed):
                 raise Refused(f"the broker at {self.url} would not list its hosts: {getattr(answer, 'why', answer)}")
-            self._listing = dict(answer.hosts)
+            hosts = dict(answer.hosts)
+            self._dialed = {h: (hosts[h], folder) for h, folder in answer.dialed.items()}
+            self._listing = hosts
         return self._listing
 
     # -- what the engine calls ---------------------------------------------------------
@@ -291,6 +296,7 @@ class Broker:
     def _forget(self, host: str) -> None:
         with self._lock:
             self._located.pop(host, None)
+            self._dialed.pop(host, None)  # the listing's word is old now: the next forward asks `Where`
             self._provisioned.pop(host, None)  # a worker started afresh holds no artifacts
             for channel in self._idle.pop(host, []):
                 self._order(channel).pop(id(channel), None)
@@ -392,6 +398,14 @@ class Broker:
                     del self._checking[host]
         located = self._located.get(host)
         if located is not None:
+            return located
+        dialed = self._dialed.get(host)
+        if dialed is not None:  # the listing said what `Where` would: a dialed host, through the broker
+            mode, folder = dialed
+            located = self._located[host] = Located(
+                host, "relayed", address=self.url, mode=mode,
+                mount=folder[0] if folder else None, seen=folder[1] if folder else "",
+            )
             return located
         timeout = self.patience + START_ALLOWANCE
         if deadline is not None and deadline.left() < timeout:
