@@ -128,6 +128,30 @@ def test_a_client_sends_nothing_out_of_turn():
     assert c.state == "closed"
 
 
+def test_a_work_sent_right_behind_the_hello_has_the_hellos_answer_first():
+    c = ClientExchange()
+    c.hello_sent()
+    c.work_sent(8)
+    assert c.state == "greeting+working"
+    c.work_delivered()
+    with pytest.raises(Violation, match="Done"):  # the worker answers the Hello first
+        c.receive(done(8))
+    c = ClientExchange()
+    c.hello_sent()
+    c.work_sent(8)
+    c.work_delivered()
+    assert isinstance(c.receive(Ready(WORKER_RT)), Ready) and c.state == "working" and c.sent
+    assert c.receive(done(9)) is None and c.stale == 1  # another work's answer: dropped, as ever
+    assert isinstance(c.receive(done(8)), Done) and c.state == "ready"
+    c = ClientExchange()
+    c.hello_sent()
+    c.work_sent(8)
+    c.receive(Refusal("busy: full"))  # the Hello refused: the worker refuses the Work behind it too
+    assert c.state == "closed"
+    with pytest.raises(Violation):
+        c.work_sent(9)
+
+
 def test_hello_answered_with_done_is_a_violation():
     c = ClientExchange()
     c.hello_sent()

@@ -7,6 +7,7 @@ breaking the channel), and a busy worker's refusal as ``Busy``.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import zmq
@@ -27,7 +28,11 @@ class Peer:
     reads, answers Work with the messages ``answer(work)`` gives, and records the type of
     every message that arrives."""
 
-    def __init__(self, kinds: tuple[str, ...] = (), answer=lambda work: [Done(work.ref, None, {}, 0)]) -> None:
+    def __init__(self, kinds: tuple[str, ...] = (), answer=lambda work: [Done(work.ref, None, {}, 0)],
+                 greet_late: float = 0.0) -> None:
+        """``greet_late``: hold each Hello's answer until a Work arrives behind it, or that
+        many seconds pass (``seen`` then shows which came first)."""
+        self.greet_late, self.held = greet_late, {}  # held: route -> when its Hello arrived
         kinds = kinds or tuple(Runtime.here().kinds)
         here = Runtime.here(mode="project")
         self.runtime = Runtime(here.wire, here.python, here.somatize, here.cloudpickle, kinds, here.mode)
@@ -40,16 +45,27 @@ class Peer:
         self.thread = threading.Thread(target=self.serve, daemon=True)
         self.thread.start()
 
+    def greet(self, route: bytes) -> None:
+        self.held.pop(route, None)
+        self.sock.send_multipart([route, *encode(Ready(self.runtime))])
+        self.seen.append("(Ready)")
+
     def serve(self) -> None:
         while not self.stop.is_set():
+            for route in [r for r, at in self.held.items() if time.monotonic() > at + self.greet_late]:
+                self.greet(route)
             if not self.sock.poll(50):
                 continue
             route, *frames = self.sock.recv_multipart()
             msg = decode(frames)
             self.seen.append(type(msg).__name__)
-            if isinstance(msg, Hello):
+            if isinstance(msg, Hello) and self.greet_late:
+                self.held[route] = time.monotonic()
+            elif isinstance(msg, Hello):
                 self.sock.send_multipart([route, *encode(Ready(self.runtime))])
             elif isinstance(msg, Work):
+                if route in self.held:
+                    self.greet(route)
                 for answer in self.answer(msg):
                     self.sock.send_multipart([route, *encode(answer)])
 
@@ -119,3 +135,55 @@ def test_an_answer_the_conversation_does_not_allow_breaks_the_channel():
             assert peer.seen.count("Hello") == 2  # a new channel, a new conversation
     finally:
         peer.close()
+
+
+def test_a_first_work_goes_right_behind_the_hello_when_nothing_waits_on_its_answer():
+    """A channel's first Work waited for the answer to its Hello: a round trip more for the
+    first forward to every host (two through a broker). A Work of plain values to a
+    project-mode worker now goes right behind the Hello; one whose values the worker's
+    answer must clear first still waits for it (the kinds test above)."""
+    peer = Peer(greet_late=30.0, answer=lambda work: [Done(work.ref, "ran", {}, 0)])
+    try:
+        with served(peer) as broker:
+            assert Add().named("a").at("w1").forward({"x": [1, 2.5, "three"]}, broker=broker) == "ran"
+            assert peer.seen == ["Hello", "Work", "(Ready)"], peer.seen
+            assert Add().named("a").at("w1").forward(2, broker=broker) == "ran"  # the channel is ready now
+            assert peer.seen[3:] == ["Work"], peer.seen
+    finally:
+        peer.close()
+
+
+def test_a_worker_that_refuses_a_hello_runs_nothing_of_the_work_sent_behind_it(tmp_path):
+    """With the first Work right behind the Hello, a worker that refuses the Hello (here:
+    its one session holds an answer in flight) has the Work in hand too: it refuses that as
+    well, runs none of it, and serves on."""
+    from holds_nodes import Hold, Mark
+    from reliability_support import wait_until
+    from somatize.fabric.conversation import WorkerSessions
+    from somatize.fabric.worker.loop import WorkerLoop
+
+    loop = WorkerLoop(mode="project", jobs=2)
+    loop.sessions = WorkerSessions(loop.runtime, max_peers=1)
+    endpoint = loop.bind("tcp://127.0.0.1:0")
+    serving = threading.Thread(target=loop.serve, daemon=True)
+    serving.start()
+    declared = {"w1": Worker.at(endpoint, mode="project")}
+    release, box = tmp_path / "release", {}
+    try:
+        with Broker.embedded(declared) as first, Broker.embedded(dict(declared)) as second:
+            hold = Hold(str(tmp_path / "started"), str(release), str(tmp_path / "finished")).named("hold").at("w1")
+            holding = threading.Thread(target=lambda: box.update(out=hold.forward(7, broker=first)))
+            holding.start()
+            wait_until(lambda: (tmp_path / "started").exists(), 30, "the first client's work running")
+            with pytest.raises(Busy, match="took no new client"):
+                Mark(str(tmp_path / "refused")).named("mark").at("w1").forward(1, broker=second)
+            release.write_text("go")
+            holding.join(30)
+            assert box == {"out": 7}
+            # a forward after it, on a new channel: the worker took the refused one's Work long before
+            assert Mark(str(tmp_path / "marked")).named("mark").at("w1").forward(2, broker=second) == 2
+            assert (tmp_path / "marked").exists() and not (tmp_path / "refused").exists(), "the Work behind a refused Hello ran"
+    finally:
+        release.write_text("go")
+        loop.stopping.set()
+        serving.join(10)

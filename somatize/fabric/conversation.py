@@ -81,6 +81,7 @@ def _name(msg: object) -> str:
 _CLIENT_EXPECTS: dict[str, tuple[type, ...]] = {
     "new": (),
     "greeting": (Ready, Refusal),
+    "greeting+working": (Ready, Refusal),  # a Work sent right behind the Hello: its answer first
     "ready": (),
     "provisioning": (Ready, Refusal),
     "working": (Saw, Send, Done, Failed, Refusal),
@@ -94,6 +95,7 @@ class ClientExchange:
     ::
 
         new --Hello--> greeting --Ready--> ready --Work(ref)--> working --Done/Failed/Refusal(ref)--> ready
+                       greeting --Work(ref)--> greeting+working --Ready--> working
                                                  --Provision--> provisioning --Ready--> ready
                        working --Send(ref)--> ready (provision, then send the Work again)
                        any --Refusal to Hello/Provision, or a Violation--> closed
@@ -129,13 +131,16 @@ class ClientExchange:
         self.state = "provisioning"
 
     def work_sent(self, ref: int) -> None:
-        self._sending(("ready",), "Work")
-        self.state, self.ref, self.sent = "working", ref, False
+        """The Work goes out once the channel is ready, or right behind its Hello (whose
+        answer then comes first: a worker that refuses the Hello refuses the Work too)."""
+        self._sending(("ready", "greeting"), "Work")
+        self.state = "working" if self.state == "ready" else "greeting+working"
+        self.ref, self.sent = ref, False
 
     def work_delivered(self) -> None:
         """The open Work has left whole (the last chunk of its stream, or the message
         itself): from now on a refusal that names no work is not its answer."""
-        if self.state == "working":
+        if self.state in ("working", "greeting+working"):
             self.sent = True
 
     def forgotten(self) -> None:
@@ -166,6 +171,8 @@ class ClientExchange:
             raise Violation(f"a worker may not answer a `{_name(msg)}` to a channel that is {was}")
         if self.state in ("greeting", "provisioning"):
             self.state = "ready" if isinstance(msg, Ready) else "closed"
+        elif self.state == "greeting+working":
+            self.state = "working" if isinstance(msg, Ready) else "closed"
         elif isinstance(msg, (Send, *TERMINAL)):
             self.state, self.ref = "ready", None
         return msg

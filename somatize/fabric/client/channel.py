@@ -63,11 +63,12 @@ from .. import leases as _leases
 from . import lending as _lending
 from .. import mount as _mount
 from .. import sockets
+from .refusals import handshake_failed, unreadable
 from .link import Lane
 from .. import streams as _streams
 from ..conversation import ClientExchange
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from ..curve import Keys, as_client, handshake_refusal
+from ..curve import Keys, as_client
 from ..pieces import outcome_of, specs_of, work_of
 
 _refs = itertools.count(1)
@@ -161,8 +162,11 @@ class Channel:
         self._unkept: set[str] = set()  # ...that the worker did not keep: sent in full from then on
         self._last_full: str | None = None  # the digest of the last recipe sent in full
         self._digests: dict[tuple, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
+        self._greeting: float | None = None  # a Hello's answer is due by then, not yet read
         try:
-            self._hello(deadline)
+            self._say_hello()  # a project-mode channel reads its answer with the first Work's (`run`)
+            if self.packer.mode != "project":
+                self._greeted(deadline)
         except BaseException:
             self.close()
             raise
@@ -355,33 +359,26 @@ class Channel:
 
     def _refusal(self, event: int) -> str:
         """Why the handshake failed, with the fix, from whose keys this channel used."""
-        if self.relayed:
-            return handshake_refusal(
-                event, who=f"the broker at {self.address}", keys=self.keys, server_key=self.server_key,
-                allow="the broker's allow folder (then `systemctl reload somatize-broker`)",
-                server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
-            )
-        if self.keys is None and not self.located.key:
-            return (
-                f"the worker for `{self.host}` at {self.address} refused this client's CURVE "
-                f"handshake: it listens with keys, and the broker's host table gives no `key =` "
-                f"for `{self.host}`, so this client had none to offer. Add `key = \"keys/{self.host}.key\"` "
-                f"(that worker's public key) to [hosts.{self.host}] in the broker's table and restart the broker"
-            )
-        return handshake_refusal(
-            event, who=f"the worker for `{self.host}` at {self.address}", keys=self.keys, server_key=self.server_key,
-            allow="that worker's allow folder (then `systemctl reload somatize-worker` there)",
-            server_key_from=f"the `key =` of [hosts.{self.host}] in the broker's table",
-        )
+        return handshake_failed(event, host=self.host, address=self.address, relayed=self.relayed, keys=self.keys,
+                                server_key=self.server_key, declared=bool(self.located.key))
 
     # -- the conversation ----------------------------------------------------------------
     def _hello(self, deadline: Deadline | None) -> None:
-        mine = Runtime.here(mode=self.packer.mode)
+        self._say_hello()
+        self._greeted(deadline)
+
+    def _say_hello(self) -> None:
         self.held.clear()  # a worker greeted (again) holds no recipe of ours
         self._unkept.clear()
         self.exchange.hello_sent()
-        self._send(encode(Hello(mine)))
-        answer = self._next(time.monotonic() + self.patience, "for the worker to answer Hello", deadline)
+        self._send(encode(Hello(Runtime.here(mode=self.packer.mode))))
+        self._greeting = time.monotonic() + self.patience  # when its answer is due
+
+    def _greeted(self, deadline: Deadline | None) -> None:
+        """The answer to the Hello sent (`_say_hello`), read and checked."""
+        answer_by, self._greeting = self._greeting, None
+        answer = self._next(answer_by, "for the worker to answer Hello", deadline)
+        mine = Runtime.here(mode=self.packer.mode)
         if isinstance(answer, Refusal):
             if answer.why.startswith("busy:"):
                 raise Busy(f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}")
@@ -409,17 +406,21 @@ class Channel:
         digest = self._digest_of(specs, piece.shape)
         named = digest if digest is not None and digest in self.held else ""
         frames = encode(work_of(piece, ref, specs, watched=watched, named=named))
-        self._check_kinds(frames)
+        code = tuple(dict.fromkeys(s.target for s in specs if s.source == "network" and s.target not in self.provisioned))
+        if self._greeting is not None and not self._may_follow_hello(frames, code):
+            self._greeted(deadline)
+        if self._greeting is None:
+            self._check_kinds(frames)
         try:
-            self._provision(tuple(dict.fromkeys(
-                s.target for s in specs if s.source == "network" and s.target not in self.provisioned
-            )), deadline)
+            self._provision(code, deadline)
             if host is not None:
                 deadline = host().sooner(deadline)
             self.bound = deadline
             resent = False  # after `hello` or `recipe`, the Work goes again: once, never more
             for _ in range(4):
                 self._send_work(ref, frames, deadline)
+                if self._greeting is not None:  # the Work went right behind the Hello: its answer first
+                    self._greeted(deadline)
                 if digest is not None and not named:
                     self._last_full = digest
                     if digest not in self._unkept:
@@ -500,6 +501,15 @@ class Channel:
         the pool), or with ``views``, read-only views that hold their segment until freed."""
         return decode(frames, views=self.views)
 
+    def _may_follow_hello(self, frames: list, code: tuple[str, ...]) -> bool:
+        """Whether a first Work may go right behind its channel's Hello: to a project-mode
+        worker (which refuses the Work of a client whose Hello it refused, on the checks this
+        side makes), with nothing to check against what it says at Hello (kinds beyond the
+        plain ones, code to hand over), as one message (no stream, no cargo in a folder)."""
+        if self.packer.mode != "project" or code or (self.folder is not None and len(frames) > 1):
+            return False
+        return not (self.relayed and _streams.worth_streaming(frames)) and peek_kinds(frames) <= {"plain"}
+
     def _check_kinds(self, frames: list) -> None:
         """Refuse, before a byte of it is sent, a value of a kind the worker cannot read.
 
@@ -518,25 +528,8 @@ class Channel:
             self._sure_for = registered
             return
         missing = sorted((peek_kinds(frames) - self.reads) & writable)
-        if not missing:
-            return
-        kind = missing[0]
-        if kind.startswith("arrow."):
-            fix = "install pyarrow where that worker runs, or send the table's columns as NumPy arrays"
-        elif kind == "torch.Tensor":
-            fix = ("install torch where that worker runs (`pip install somatize[torch]`), or send "
-                   "`t.numpy()` instead")
-        else:
-            fix = (
-                f"make a module the worker imports (the module of a node it runs) call "
-                f"`codec(\"{kind}\", ...)`, or declare `{self.host}` with mode=\"network\" so "
-                f"the codec travels with the nodes"
-            )
-        others = f" (and {', '.join(f'`{k}`' for k in missing[1:])})" if len(missing) > 1 else ""
-        raise Refused(
-            f"the worker for `{self.host}` cannot read values of kind `{kind}`{others}, as it said "
-            f"when this client said hello, so nothing was sent to it: {fix}"
-        )
+        if missing:
+            raise unreadable(missing, self.host)
 
     def _provision(self, digests: tuple[str, ...], deadline: Deadline | None = None) -> None:
         for digest in digests:
