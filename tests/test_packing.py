@@ -3,6 +3,7 @@ the worker turns it back into a node. Real cloudpickle, real subprocesses, no mo
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import json
@@ -125,6 +126,30 @@ def test_project_instances_are_built_once_per_class_and_arguments():
     assert catalog.build(project("packing_nodes:Add", 5, scale=3)) is not a
     assert catalog.build(project("packing_nodes:Add", 2)) is not a
     assert Catalog("project").build(project("packing_nodes:Add", 2, scale=3)) is not a
+
+
+def test_a_spec_built_again_is_checked_once_and_its_code_every_time():
+    """A recipe a worker keeps comes back with the same spec objects on every Work that
+    names it by digest: its name and arguments are checked and written down once (a memo
+    that holds only small arguments, and only so many), its code on every Work."""
+    from somatize.packing import catalog as catalog_module
+
+    catalog = Catalog("project")
+    spec = Packer("project").spec(Add(2, scale=3).named("add"))
+    node = catalog.build(spec)
+    assert catalog.build(spec) is node and len(catalog._keys) == 1
+    big = project("packing_nodes:Add", "x" * (catalog_module._MEMO_ARGS + 1))
+    catalog.build(big)
+    assert len(catalog._keys) == 1, "a spec with big arguments was kept in the memo"
+    for n in range(catalog_module._MEMO_SPECS + 5):
+        catalog.build(project("packing_nodes:Add", n % 3, label=f"n{n}"))
+    assert len(catalog._keys) <= catalog_module._MEMO_SPECS
+    # the same name and arguments, another client's code: refused, though its node is built
+    changed = dataclasses.replace(spec, code="code:" + "0" * 32)
+    with pytest.raises(Refused, match="this worker's code for that class is not the client's"):
+        catalog.build(changed)
+    with pytest.raises(Refused, match="this worker's code for that class is not the client's"):
+        catalog.build(changed)  # and again, now that its key is remembered
 
 
 def test_project_instances_are_built_once_under_concurrency():

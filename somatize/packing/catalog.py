@@ -42,6 +42,9 @@ _NO_CODE = (
     '`mode="network"` to send nodes as artifacts, or install your code on it and use '
     'project mode on both sides'
 )
+#: Specs whose key a catalog remembers (the specs of recipes named by digest come back
+#: as the same objects), and the most bytes of written arguments one of them may hold.
+_MEMO_SPECS, _MEMO_ARGS = 1024, 4096
 # Checking for a kind and registering it happen together.
 _CARRY_LOCK = threading.Lock()
 
@@ -81,6 +84,9 @@ class Catalog:
         self._lock = threading.Lock()
         self._held: OrderedDict[str, tuple[Node, int]] = OrderedDict()  # digest -> (node, bytes)
         self._built: OrderedDict[tuple[str, str], _Slot] = OrderedDict()
+        # id(spec) -> (spec, its key in `_built`, its module): a recipe a worker keeps for a
+        # client comes back with the very same specs on every Work that names it by digest
+        self._keys: dict[int, tuple[NodeSpec, tuple[str, str], str]] = {}
         self.held_bytes = 0
         self.built_bytes = 0
 
@@ -178,6 +184,16 @@ class Catalog:
         )
 
     def _build_project(self, spec: NodeSpec) -> Node:
+        known = self._keys.get(id(spec))
+        if known is not None and known[0] is spec:  # checked and written down before, unchanged
+            key, module = known[1], known[2]
+            with self._lock:
+                slot = self._built.get(key)
+                if slot is not None:
+                    self._built.move_to_end(key)
+            if slot is not None and slot.node is not None and slot.cls is not None:
+                _same_code(spec, slot.cls, module)
+                return slot.node
         label, target = getattr(spec, "label", "?"), getattr(spec, "target", None)
         module, qualname = _split_target(target, label)
         args, kwargs = getattr(spec, "args", ()), getattr(spec, "kwargs", {})
@@ -194,6 +210,10 @@ class Catalog:
         except CodecError as exc:
             raise Refused(f"`{label}` arrived with arguments that cannot be written down: {exc}")
         key = (target, hashlib.sha256(written).hexdigest())
+        if len(written) <= _MEMO_ARGS:  # what the memo holds stays small: 1,024 specs of small arguments
+            if len(self._keys) >= _MEMO_SPECS:  # the specs of a few recipes in use: forgotten all at once
+                self._keys.clear()
+            self._keys[id(spec)] = (spec, key, module)
         with self._lock:
             slot = self._built.get(key)
             if slot is None:
