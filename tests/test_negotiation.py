@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -149,6 +150,16 @@ def test_a_first_work_goes_right_behind_the_hello_when_nothing_waits_on_its_answ
             assert peer.seen == ["Hello", "Work", "(Ready)"], peer.seen
             assert Add().named("a").at("w1").forward(2, broker=broker) == "ran"  # the channel is ready now
             assert peer.seen[3:] == ["Work"], peer.seen
+        with served(peer) as broker:  # a NumPy scalar: every worker reads it, it goes in the header
+            assert Add().named("a").at("w1").forward(np.float32(1.5), broker=broker) == "ran"
+            assert peer.seen[4:] == ["Hello", "Work", "(Ready)"], peer.seen
+    finally:
+        peer.close()
+    peer = Peer(greet_late=0.5, answer=lambda work: [Done(work.ref, "ran", {}, 0)])
+    try:
+        with served(peer) as broker:  # an array travels in a frame: it waits for the Hello's answer
+            assert Add().named("a").at("w1").forward(np.ones(3), broker=broker) == "ran"
+            assert peer.seen == ["Hello", "(Ready)", "Work"], peer.seen
     finally:
         peer.close()
 

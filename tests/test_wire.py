@@ -683,6 +683,9 @@ def test_a_listing_says_of_dialed_hosts_only_what_where_would():
     del without["dialed"]
     refused([msgpack.packb(without)], "`Listed` needs the field `dialed`")
     refused(with_header(encode(Hello(runtime())), offering=""), "`Hello.offering`")
+    # a field said only with a folder: an empty list or map is no token either
+    refused(with_header(encode(Hello(runtime())), seen=[]), "`Hello.seen` has to be a str")
+    refused(with_header(encode(Located("w1", "relayed")), seen={}), "`Located.seen` has to be a str")
 
 
 def test_a_runtime_is_checked_field_by_field():
@@ -1139,3 +1142,25 @@ def test_with_few_items_allowed_decode_still_refuses_only_with_protocol_errors(f
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(wire.limits, "MAX_ITEMS", limit)
         decodes_or_refuses(frames)
+
+
+def test_greetings_are_remembered_by_their_bytes_and_only_so_many():
+    """Every channel opens with a Hello and its Ready, the same bytes from one installation
+    every time: read once the long way (checked whole), the same bytes are the same message
+    after. A peer sending greetings that differ makes this side keep a few dozen at most,
+    and one the long way refuses is never remembered."""
+    from somatize.wire import short
+
+    frames = encode(Hello(runtime()))
+    assert decode(frames) == Hello(runtime()) and decode(list(frames)) is decode(frames)
+    assert encode(Hello(runtime())) == frames and encode(Ready(runtime())) == encode(Ready(runtime()))
+    bad = with_header(frames, seen=[])
+    refused(bad, "`Hello.seen`")
+    refused(bad, "`Hello.seen`")  # again: still the long way's sentence, never a memory of it
+    for n in range(1000):  # kinds that differ: each a greeting of its own
+        rt = runtime()
+        decode(encode(Ready(Runtime(rt.wire, rt.python, rt.somatize, rt.cloudpickle, (f"k{n}",), rt.mode))))
+    assert len(short._KNOWN) <= short._MAX_GREETINGS and len(short._WRITTEN) <= short._MAX_GREETINGS
+    offered = encode(Hello(runtime(), offering="w1"))
+    decode(offered)
+    assert bytes(offered[0]) not in short._KNOWN  # a dialing worker's Hello names its host: not kept

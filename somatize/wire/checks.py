@@ -96,6 +96,7 @@ def check(msg: Any) -> None:
 
 def _check_hello(m: Hello) -> None:
     _runtime(m.runtime, "Hello.runtime")
+    _text(m.seen, "Hello.seen", limits.MAX_NAME, empty=True)  # a token, or "" (an empty list is no text)
     if m.offering is not None:
         _printable(_text(m.offering, "Hello.offering", limits.MAX_NAME), "Hello.offering")
     if m.mount is not None or m.seen:
@@ -416,6 +417,7 @@ def _check_located(m: Located) -> None:
     _choice(m.path, "Located.path", limits.PATHS)
     _text(m.address, "Located.address", limits.MAX_NAME, empty=True)
     _choice(m.mode, "Located.mode", limits.MODES)
+    _text(m.seen, "Located.seen", limits.MAX_NAME, empty=True)  # a token, or "" (an empty list is no text)
     if m.path == "mount":
         if m.mount is None:
             raise Bad('`Located.mount` names the shared directory, and a "mount" path has none')

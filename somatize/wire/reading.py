@@ -70,13 +70,15 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     including a value of a kind this process cannot read; ``TypeError`` when ``frames`` is
     not a sequence of buffers at all (a bug here, not the peer's doing).
     """
-    cls = short.told(frames)  # a Relay, or a Work or Done of one scalar: read in one step
+    cls = short.told(frames)  # a Relay, a Work or Done of one scalar, a greeting: read in one step
     if cls is not None:
         fast = short.read(cls, _buffers(frames))
         if fast is not None:
             return fast
     msg, checked = _read(frames, values=True)
     if checked is None:
+        if cls in short.GREETINGS:
+            short.remember(_buffers(frames), msg)
         return msg
     try:
         # checked once, in _read: built here, not checked again

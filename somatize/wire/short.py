@@ -7,6 +7,11 @@ frames), are built from one ``unpackb`` with every check the long way makes (``r
 Anything unusual (a key twice or not text, a field missing or extra, a header over 64 KiB,
 values in frames) gives None here: :mod:`somatize.wire.reading` then reads it the long way,
 and refuses it with its own sentence. Nothing here is trusted more than there.
+
+Greetings: every channel opens with a ``Hello`` and its ``Ready``, and the ones of one
+installation are the same bytes every time. A greeting read the long way is remembered by
+its bytes (``remember``), and one written by its value (``keep_written``), a few dozen of
+each: the same bytes read again, or the same message written again, is the same message.
 """
 
 from __future__ import annotations
@@ -20,25 +25,31 @@ from ..codec.layout import INLINE_TYPES
 from ..errors import ProtocolError
 from . import limits
 from .checks import Bad, check, index_pairs
-from .messages import VARIANTS, Done, Relay, Work, header_fields
+from .messages import VARIANTS, Done, Hello, Ready, Relay, Work, header_fields
 
 _HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length
-_TOLD = {name.encode(): cls for name, cls in VARIANTS.items() if cls in (Relay, Work, Done)}
+_TOLD = {name.encode(): cls for name, cls in VARIANTS.items() if cls in (Relay, Work, Done, Hello, Ready)}
+GREETINGS = (Hello, Ready)
+_KNOWN: dict[bytes, Hello | Ready] = {}  # a greeting's bytes, read and checked -> the message
+_WRITTEN: dict[Hello | Ready, list[bytes]] = {}  # a greeting written -> its frames
+_MAX_GREETINGS, _MAX_GREETING_BYTES = 64, 4096
 _FIELDS_OF = {cls: frozenset(("v", "t", *header_fields(cls))) for cls in _TOLD.values()}
 _SMALL = 64 << 10  # the largest header read the short way
 
 
 def told(frames: Sequence[Any]) -> type | None:
-    """``Relay``, ``Work`` or ``Done`` when frame 0 begins as that message's header does,
-    from its first bytes alone; None says nothing (the long way reads it)."""
+    """``Relay``, ``Work``, ``Done``, ``Hello`` or ``Ready`` when frame 0 begins as that
+    message's header does, from its first bytes alone; None says nothing (the long way
+    reads it)."""
     try:
         first = frames[0]
         first = getattr(first, "buffer", first) if type(first) is not bytes else first
         n = len(_HEAD)
-        if not (0x86 <= first[0] <= 0x8F and first[1:1 + n] == _HEAD):
+        if not (0x82 <= first[0] <= 0x8F and first[1:1 + n] == _HEAD):
             return None
         size = first[1 + n] - 0xA0
-        return _TOLD.get(bytes(first[2 + n:2 + n + size])) if 0 < size < 32 else None
+        cls = _TOLD.get(bytes(first[2 + n:2 + n + size])) if 0 < size < 32 else None
+        return cls if cls is not None and first[0] - 0x80 >= len(_FIELDS_OF[cls]) else None  # a key for each field
     except (IndexError, TypeError, KeyError, ValueError):
         return None
 
@@ -107,10 +118,41 @@ def _relay(buffers: list) -> Relay | None:
     return relay
 
 
-def read(cls: type, buffers: list) -> Relay | Work | Done | None:
+def read(cls: type, buffers: list) -> Relay | Work | Done | Hello | Ready | None:
     """The message of variant ``cls`` (as ``told`` said) that ``buffers`` (checked for count
     and sizes) hold, built in one step; None when it is not one the short way reads."""
-    return _relay(buffers) if cls is Relay else _inline(buffers, cls)
+    if cls is Relay:
+        return _relay(buffers)
+    if cls is Hello or cls is Ready:
+        return _KNOWN.get(bytes(buffers[0])) if len(buffers) == 1 and len(buffers[0]) <= _MAX_GREETING_BYTES else None
+    return _inline(buffers, cls)
+
+
+def remember(buffers: list, msg: Any) -> None:
+    """A greeting read the long way (so checked whole): the same bytes read again are it.
+    A dialing worker's ``Hello`` names its host, and differs from worker to worker: not kept."""
+    if type(msg) in GREETINGS and len(buffers) == 1 and len(buffers[0]) <= _MAX_GREETING_BYTES:
+        if type(msg) is Hello and msg.offering is not None:
+            return
+        if len(_KNOWN) >= _MAX_GREETINGS:  # many runtimes (or a peer sending many): start afresh
+            _KNOWN.clear()
+        _KNOWN[bytes(buffers[0])] = msg
+
+
+def written(msg: Hello | Ready) -> list[bytes] | None:
+    """The frames of a greeting written before (a copy of the list), or None."""
+    try:
+        frames = _WRITTEN.get(msg)
+    except TypeError:  # a field that is no value (a list where a tuple goes): `check` says so
+        return None
+    return None if frames is None else list(frames)
+
+
+def keep_written(msg: Hello | Ready, frames: list) -> None:
+    if len(frames) == 1 and len(frames[0]) <= _MAX_GREETING_BYTES and (type(msg) is Ready or msg.offering is None):
+        if len(_WRITTEN) >= _MAX_GREETINGS:
+            _WRITTEN.clear()
+        _WRITTEN[msg] = [bytes(frames[0])]
 
 
 def _no_ext(code: int, data: bytes) -> Any:

@@ -17,10 +17,10 @@ import msgpack
 from ..codec import encode as encode_values
 from ..codec.layout import INLINE_TYPES
 from ..codec.writing import Writer
-from . import limits
+from . import limits, short
 from .checks import Bad, check
 from .counting import count_items
-from .messages import FIELDS, IN_FRAMES, Answer, Carrier, Done, Recipe, Relay, Request, Work, header_fields
+from .messages import FIELDS, IN_FRAMES, Answer, Carrier, Done, Hello, Ready, Recipe, Relay, Request, Work, header_fields
 
 
 def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
@@ -31,11 +31,15 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
     wrongly (a field of the wrong type, a negative ref, a label over ``MAX_NAME``), and the
     codec's ``Unwritable`` / ``BadCodec`` for a value that cannot be written down.
     """
+    cls = type(msg)
+    if cls is Hello or cls is Ready:  # every channel's first words: the same every time
+        kept = short.written(msg)
+        if kept is not None:
+            return kept
     try:
         check(msg)
     except Bad as exc:
         raise exc.kind(exc.why) from None
-    cls = type(msg)
     if cls is Relay:  # the envelope on every relayed hop: its fields are plain already
         return _relay(msg)
     header: dict[str, Any] = {"v": limits.WIRE_VERSION, "t": cls.__name__}
@@ -69,7 +73,10 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
             f"this `{cls.__name__}` has a header that {exc.why}, more than any reader accepts: "
             f"put long runs of numbers in NumPy arrays, and many small values in fewer larger ones"
         ) from None
-    return _fitted(cls.__name__, packed, frames)
+    fitted = _fitted(cls.__name__, packed, frames)
+    if cls is Hello or cls is Ready:
+        short.keep_written(msg, fitted)
+    return fitted
 
 
 def _fitted(name: str, packed: bytes, frames: list) -> list:

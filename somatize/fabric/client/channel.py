@@ -371,14 +371,15 @@ class Channel:
         self.held.clear()  # a worker greeted (again) holds no recipe of ours
         self._unkept.clear()
         self.exchange.hello_sent()
-        self._send(encode(Hello(Runtime.here(mode=self.packer.mode))))
+        self._mine = Runtime.here(mode=self.packer.mode)
+        self._send(encode(Hello(self._mine)))
         self._greeting = time.monotonic() + self.patience  # when its answer is due
 
     def _greeted(self, deadline: Deadline | None) -> None:
         """The answer to the Hello sent (`_say_hello`), read and checked."""
         answer_by, self._greeting = self._greeting, None
         answer = self._next(answer_by, "for the worker to answer Hello", deadline)
-        mine = Runtime.here(mode=self.packer.mode)
+        mine = self._mine
         if isinstance(answer, Refusal):
             if answer.why.startswith("busy:"):
                 raise Busy(f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}")
@@ -504,11 +505,12 @@ class Channel:
     def _may_follow_hello(self, frames: list, code: tuple[str, ...]) -> bool:
         """Whether a first Work may go right behind its channel's Hello: to a project-mode
         worker (which refuses the Work of a client whose Hello it refused, on the checks this
-        side makes), with nothing to check against what it says at Hello (kinds beyond the
-        plain ones, code to hand over), as one message (no stream, no cargo in a folder)."""
-        if self.packer.mode != "project" or code or (self.folder is not None and len(frames) > 1):
+        side makes), with nothing to check against what it says at Hello (code to hand over;
+        a value of a kind some workers cannot read, which always travels in a frame of its
+        own: a header alone holds plain values and NumPy scalars), and not streamed."""
+        if self.packer.mode != "project" or code or len(frames) != 1:
             return False
-        return not (self.relayed and _streams.worth_streaming(frames)) and peek_kinds(frames) <= {"plain"}
+        return not (self.relayed and _streams.worth_streaming(frames))
 
     def _check_kinds(self, frames: list) -> None:
         """Refuse, before a byte of it is sent, a value of a kind the worker cannot read.
