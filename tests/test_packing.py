@@ -205,9 +205,15 @@ def test_a_node_packed_again_unchanged_gets_the_same_spec_and_a_changed_one_a_ne
     assert packer.spec(other.named("a")).args == (6,)
     cached = packer.spec(node.named("a").cached())
     assert cached is packer.spec(node.named("a").cached()) and cached.code
+    # a project-mode spec is the node's name, arguments and code: every client's packer,
+    # for every host, finds the one made (a new client reaching a fleet packs nothing again)
+    assert Packer("project").spec(node.named("a")) is first
+    assert Packer("network").spec(node.named("a")) is not Packer("network").spec(node.named("a"))
     monkeypatch.setattr(packing_nodes, "Add", type("Add", (Node,), {"__module__": "packing_nodes"}))
     with pytest.raises(PlanError, match="does not lead back"):
         packer.spec(node.named("a"))
+    with pytest.raises(PlanError, match="does not lead back"):
+        Packer("project").spec(node.named("a"))
 
 
 def test_project_refuses_arguments_that_cannot_be_written_down():

@@ -28,6 +28,7 @@ __all__ = ["Packer"]
 _BY_VALUE_LOCK = threading.Lock()
 #: Specs a packer keeps for nodes packed again unchanged (all forgotten past it).
 MEMO_SPECS = 4096
+_PROJECT_SPECS: dict[tuple, tuple] = {}
 
 
 class _Packed:
@@ -71,8 +72,9 @@ class Packer:
         self._dead: list[int] = []  # ids of packed nodes gone since; appended by weakref
         # (id(node), label, cache) -> (a weak ref to the node, what the spec was made from,
         # the spec): the same node packed again, unchanged, gets the very same spec (a graph
-        # made anew for every call, `node.at(host).forward(x)`, packs nothing)
-        self._specs: dict[tuple, tuple] = {}
+        # made anew for every call, `node.at(host).forward(x)`, packs nothing). A project-mode
+        # spec is the node's name, arguments and code alone: one memo for every such packer
+        self._specs: dict[tuple, tuple] = _PROJECT_SPECS if self.mode == "project" else {}
 
     def __repr__(self) -> str:
         sent = f", send={[m.__name__ for m in self.send]}" if self.send else ""

@@ -91,8 +91,11 @@ class PastDeadline(Exception):
         self.waiting, self.waited = waiting, 0.0  # seconds since the work given up on was sent (0: none was)
 
 
-#: Recipes whose digests one channel keeps (and digests it keeps sending in full).
+#: Recipes whose digests are kept (for all channels: the packer gives the same spec for the
+#: same node, unchanged, so the same specs make the same recipe), and digests one channel
+#: keeps sending in full.
 _MEMO_RECIPES = 256
+_DIGESTS: dict[tuple, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
 
 
 class Channel:
@@ -161,7 +164,6 @@ class Channel:
         self.held: set[str] = set()  # digests sent in full since the last Hello
         self._unkept: set[str] = set()  # ...that the worker did not keep: sent in full from then on
         self._last_full: str | None = None  # the digest of the last recipe sent in full
-        self._digests: dict[tuple, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
         self._greeting: float | None = None  # a Hello's answer is due by then, not yet read
         try:
             self._say_hello()  # a project-mode channel reads its answer with the first Work's (`run`)
@@ -475,10 +477,10 @@ class Channel:
 
     def _digest_of(self, specs: tuple[NodeSpec, ...], shape: tuple) -> str | None:
         """The digest of the recipe of ``specs`` and ``shape`` (None: it always travels in
-        full), once per recipe on this channel: the packer gives the very same spec for a
+        full), once per recipe in this process: the packer gives the very same spec for a
         node packed again unchanged, so a graph made anew for each call finds it too."""
         key = tuple(map(id, specs))
-        kept = self._digests.get(key)
+        kept = _DIGESTS.get(key)
         if kept is not None and all(map(operator.is_, kept[0], specs)) and (kept[1] is shape or kept[1] == shape):
             return kept[2]
         try:
@@ -486,9 +488,9 @@ class Channel:
         except Exception:  # a value that cannot be written: `encode` says so, in full
             digested = None
         digest = digested.digest if digested is not None else None
-        if len(self._digests) >= _MEMO_RECIPES:  # a few recipes in use: forgotten all at once
-            self._digests.clear()
-        self._digests[key] = (specs, shape, digest)
+        if len(_DIGESTS) >= _MEMO_RECIPES:  # a few recipes in use: forgotten all at once
+            _DIGESTS.clear()
+        _DIGESTS[key] = (specs, shape, digest)
         return digest
 
     def _end_lending(self) -> None:
