@@ -354,7 +354,8 @@ def test_a_relay_is_read_in_one_step_and_refused_as_the_long_way_refuses_it():
 
     frames = as_bytes(encode(Relay(host="w1", lane=4, inner=(b"x", b"y"))))
     assert _told(frames) is Relay and decode(frames) == _read(frames, values=True)[0]
-    for other in (as_bytes(encode(Bye())), [b""], [], [b"\x86"], "Relay", [42]):
+    assert _told(as_bytes(encode(Bye()))) is Bye  # every variant is told so; only some are read so
+    for other in ([b""], [], [b"\x86"], "Relay", [42]):
         assert _told(other) is None
     with pytest.raises(TypeError, match="Relay.host"):
         encode(Relay(host=7, inner=(b"x",)))
@@ -1164,3 +1165,16 @@ def test_greetings_are_remembered_by_their_bytes_and_only_so_many():
     offered = encode(Hello(runtime(), offering="w1"))
     decode(offered)
     assert bytes(offered[0]) not in short._KNOWN  # a dialing worker's Hello names its host: not kept
+
+
+def test_every_variant_is_told_by_its_first_bytes_as_the_long_way_tells_it():
+    from somatize.wire.messages import header_fields
+    from somatize.wire.reading import _buffers, _variant, _version_and_variant
+    from somatize.wire.short import told
+
+    for msg in messages() + carriers():
+        frames = encode(msg)
+        long_way = _variant(_version_and_variant(_buffers(frames[:1])[0]))
+        assert told(frames) is long_way is type(msg) and variant_of(frames) is type(msg), msg
+        short_header = [msgpack.packb({"v": WIRE_VERSION, "t": type(msg).__name__})]  # fewer keys than fields
+        assert told(short_header) is (type(msg) if not header_fields(type(msg)) else None), msg

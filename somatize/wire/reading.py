@@ -71,7 +71,7 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     not a sequence of buffers at all (a bug here, not the peer's doing).
     """
     cls = short.told(frames)  # a Relay, a Work or Done of one scalar, a greeting: read in one step
-    if cls is not None:
+    if cls in short.READ:
         fast = short.read(cls, _buffers(frames))
         if fast is not None:
             return fast

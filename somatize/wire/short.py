@@ -28,7 +28,8 @@ from .checks import Bad, check, index_pairs
 from .messages import VARIANTS, Done, Hello, Ready, Relay, Work, header_fields
 
 _HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length
-_TOLD = {name.encode(): cls for name, cls in VARIANTS.items() if cls in (Relay, Work, Done, Hello, Ready)}
+_TOLD = {name.encode(): cls for name, cls in VARIANTS.items()}
+READ = frozenset((Relay, Work, Done, Hello, Ready))  # the variants `read` may build
 GREETINGS = (Hello, Ready)
 _KNOWN: dict[bytes, Hello | Ready] = {}  # a greeting's bytes, read and checked -> the message
 _WRITTEN: dict[Hello | Ready, list[bytes]] = {}  # a greeting written -> its frames
@@ -38,9 +39,9 @@ _SMALL = 64 << 10  # the largest header read the short way
 
 
 def told(frames: Sequence[Any]) -> type | None:
-    """``Relay``, ``Work``, ``Done``, ``Hello`` or ``Ready`` when frame 0 begins as that
-    message's header does, from its first bytes alone; None says nothing (the long way
-    reads it)."""
+    """The variant whose header frame 0 begins as (a map of a key for each of its fields at
+    least, ``v`` and ``t`` first), from its first bytes alone; None says nothing (the long
+    way reads it)."""
     try:
         first = frames[0]
         first = getattr(first, "buffer", first) if type(first) is not bytes else first
