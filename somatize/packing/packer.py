@@ -267,8 +267,14 @@ def _make_artifact(node: Node, label: str, registry: tuple, send: tuple[ModuleTy
 
 def _importable_as(cls: type) -> bool:
     """Whether ``cls`` is still what its module holds under its name (not reloaded or
-    replaced since its spec was made)."""
-    return lookup(sys.modules.get(cls.__module__), cls.__qualname__) is cls
+    replaced since its spec was made). A class at a module's top level is read from the
+    module's namespace (what a plain attribute of a module is; asked on every call that
+    reuses a spec), any other walked without running descriptors (`lookup`)."""
+    module = sys.modules.get(cls.__module__)
+    qualname = cls.__qualname__
+    if "." not in qualname and type(module) is ModuleType:
+        return module.__dict__.get(qualname) is cls
+    return lookup(module, qualname) is cls
 
 
 def _project_recipe(step: Step) -> tuple[str, tuple, dict]:
