@@ -51,11 +51,19 @@ def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
 
 
 def receive_frames(sock: zmq.Socket, flags: int = 0) -> list:
-    """``sock.recv_multipart(flags, copy=False)``: the frames of one message, as ``zmq.Frame``s."""
-    parts = [_RECV(sock, flags, False, False)]
-    while _GET(sock, RCVMORE):
-        parts.append(_RECV(sock, 0, False, False))
+    """``sock.recv_multipart(flags, copy=False)``: the frames of one message, as ``zmq.Frame``s
+    (each says whether another follows: asking the socket costs an option look-up)."""
+    frame = _RECV(sock, flags, False, False)
+    parts = [frame]
+    while frame.more:
+        frame = _RECV(sock, 0, False, False)
+        parts.append(frame)
     return parts
+
+
+def receive_part(sock: zmq.Socket, flags: int = 0) -> zmq.Frame:
+    """``sock.recv(flags, copy=False)``: one frame (``.more`` says whether another follows)."""
+    return _RECV(sock, flags, False, False)
 
 
 def readable(sock: zmq.Socket) -> bool:

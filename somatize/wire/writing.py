@@ -103,6 +103,13 @@ def _fitted(name: str, packed: bytes, frames: list) -> list:
     return [packed, *frames]
 
 
+def passed_on(relay: Relay, *, exchange: int = 0, tenant: str = "", lane: int = 0) -> list:
+    """The frames of ``relay`` (decoded here, so checked) passed on in a new envelope that
+    names this side's own ``exchange`` number and ``tenant``, or the client's ``lane``: a
+    broker's every relayed hop, written without checking again what was checked as it came."""
+    return _relay(Relay("", exchange, tenant, lane, relay.inner))
+
+
 def _relay(msg: Relay) -> list:
     """A checked ``Relay``'s frames: its header (a map of scalars, written as ``encode``
     writes any header) and the frames it carries, untouched."""

@@ -324,9 +324,10 @@ class BrokerLoop:
             if not sockets.readable(front):  # asked, not raised: an exception a turn costs
                 self._gate.caught_up()
                 return
-            route = front.recv(zmq.NOBLOCK)
-            if not front.get(zmq.RCVMORE):
+            part = sockets.receive_part(front, sockets.NOBLOCK)
+            if not part.more:
                 continue
+            route = part.bytes
             if self._gate.severed(route):  # what a cut connection queued before it was cut
                 while front.get(zmq.RCVMORE):
                     front.recv()

@@ -14,7 +14,8 @@ from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 from ...errors import ProtocolError
-from ...wire import Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Refusal, Relay, Runtime, Send, Where, encode, variant_of
+from ...wire import Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Refusal, Relay, Runtime, Send, Where, variant_of
+from ...wire.writing import passed_on
 from ..conversation import KEEPALIVE, Stale, Violation
 
 
@@ -347,7 +348,7 @@ class BrokerView:
             if exchange.waiting and _answered(relay.inner):
                 self._wait(exchange, False, now)
             if exchange.lane:  # one of many channels over the client's connection: say which
-                return Deliver(exchange.client, encode(Relay(lane=exchange.lane, inner=relay.inner)))
+                return Deliver(exchange.client, passed_on(relay, lane=exchange.lane))
             return Deliver(exchange.client, list(relay.inner))
         if relay.exchange:
             raise self._refuse("only a worker that offered a host here answers an exchange; say Hello with `offering` first")
@@ -374,7 +375,7 @@ class BrokerView:
         wants = not _ends(relay.inner)  # anything but its Bye asks for an answer
         if exchange.waiting != wants:
             self._wait(exchange, wants, now)
-        return Deliver(offer.route, encode(Relay(exchange=exchange.number, tenant=tenant, inner=relay.inner)))
+        return Deliver(offer.route, passed_on(relay, exchange=exchange.number, tenant=tenant))
 
     def _wait(self, exchange: Exchange, waiting: bool, now: float) -> None:
         """Its client waits on an answer now (``waiting``), or no longer: a host a client
