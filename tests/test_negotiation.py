@@ -198,3 +198,49 @@ def test_a_worker_that_refuses_a_hello_runs_nothing_of_the_work_sent_behind_it(t
         release.write_text("go")
         loop.stopping.set()
         serving.join(10)
+
+
+def test_a_piece_that_returns_at_once_wakes_no_stand_in_and_one_that_runs_long_gets_one(tmp_path):
+    """A worker's stand-in serves while a piece runs long where it arrived. It was woken at
+    the start of every piece, to watch it: two thread switches a call, a quarter of a
+    dialed worker's CPU in a process of many loops. One watch per process now wakes a
+    loop's stand-in only for a piece still running `STAND_IN_AFTER` later."""
+    from holds_nodes import Hold
+    from reliability_support import wait_until
+    from somatize.fabric.worker.loop import WorkerLoop
+
+    class Counted(threading.Event):
+        sets = 0
+
+        def set(self) -> None:
+            Counted.sets += 1
+            super().set()
+
+    loop = WorkerLoop(mode="project")
+    loop._began = Counted()
+    endpoint = loop.bind("tcp://127.0.0.1:0")
+    serving = threading.Thread(target=loop.serve, daemon=True)
+    serving.start()
+    release, box = tmp_path / "release", {}
+    try:
+        with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as first, \
+                Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as second:
+            for n in range(200):
+                assert Add(1).named("a").at("w1").forward(n, broker=first) == n + 1
+            assert Counted.sets < 50, f"the stand-in was woken {Counted.sets} times for 200 quick pieces"
+            before = Counted.sets
+            hold = Hold(str(tmp_path / "started"), str(release), str(tmp_path / "finished")).named("hold").at("w1")
+            holding = threading.Thread(target=lambda: box.update(out=hold.forward(7, broker=first)))
+            holding.start()
+            wait_until(lambda: (tmp_path / "started").exists(), 30, "the long piece running")
+            # the stand-in serves meanwhile: another client's work is told at once the worker is busy
+            with pytest.raises(Busy, match="busy"):
+                Add(1).named("a").at("w1").forward(1, broker=second)
+            assert Counted.sets > before
+            release.write_text("go")
+            holding.join(30)
+            assert box == {"out": 7}
+    finally:
+        release.write_text("go")
+        loop.stopping.set()
+        serving.join(10)

@@ -99,7 +99,7 @@ from .imported import Imports
 from .outbox import Outbox, To
 from ..pieces import done_of, piece_of
 from .slots import Guarded, Job, NodeExit, Slots, exit_now
-from .standin import StandIn
+from .standin import WATCH, StandIn
 from .said import Limiter, clip, failed_answer
 
 __all__ = ["MAX_BACKOFF", "NodeExit", "WorkerLoop"]
@@ -151,7 +151,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         self._holder: int | None = None
         self._inline: Job | None = None  # the piece running where it arrived, if any
         self._inline_seq = 0
-        self._began = threading.Event()  # a piece began where it arrived: the stand-in looks
+        self._began = threading.Event()  # a piece runs long where it arrived (`WATCH`): the stand-in serves
         self._want_back = False  # the piece returned: the stand-in hands the socket back
         self._last_check = self._last_report = 0.0
         self._running: dict[int, Job] = {}  # what runs now, by token
@@ -449,7 +449,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         me = threading.get_ident()
         self._inline = job
         self._inline_seq += 1
-        self._began.set()
+        WATCH.arm(self, self._inline_seq)  # its stand-in is woken only if it runs long
         self._holder = None
         self._hold.release()
         try:

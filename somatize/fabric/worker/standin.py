@@ -3,12 +3,17 @@
 With ``jobs=1`` a piece runs where it arrived, and that thread lets go of the socket
 meanwhile. Once the piece has run ``STAND_IN_AFTER`` seconds, a stand-in thread takes the
 socket and serves (probes answered, new work refused as busy, what the piece says sent)
-until the piece returns and wants the socket back. Idle, the stand-in sleeps on an event
-(``_began``), set when a piece begins and when the worker closes.
+until the piece returns and wants the socket back. The stand-in sleeps on an event
+(``_began``) until then: one watch per process (`Watch`) wakes it for a piece still running
+past ``STAND_IN_AFTER``, and the worker's close wakes it. A piece that returns sooner, as
+most do, wakes no thread: a fleet of loops in one process shares the watch, which wakes at
+most once per ``STAND_IN_AFTER`` while pieces run anywhere in the process.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from typing import Any
@@ -19,6 +24,54 @@ from .slots import exit_now
 
 #: How long a piece runs on the serving thread before a stand-in serves meanwhile (seconds).
 STAND_IN_AFTER = 0.02
+
+
+class Watch:
+    """Looks, for every loop of this process, whether a piece that began where it arrived
+    still runs ``STAND_IN_AFTER`` later, and then wakes that loop's stand-in. On a thread of
+    its own (a daemon, started at the first piece), asleep while no piece runs."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Any, int]] = []  # (when, tie, loop, its piece's seq)
+        self._ties = itertools.count()
+        self._changed = threading.Condition()
+        self._idle = True  # asleep with nothing due: the next piece wakes it
+        self._thread: threading.Thread | None = None
+
+    def arm(self, loop: Any, seq: int) -> None:
+        """``loop``'s piece number ``seq`` began now."""
+        with self._changed:
+            heapq.heappush(self._due, (time.monotonic() + STAND_IN_AFTER, next(self._ties), loop, seq))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="somatize-stand-in-watch")
+                self._thread.start()
+            elif self._idle:
+                self._changed.notify()
+
+    def _run(self) -> None:
+        last = 0.0
+        while True:
+            with self._changed:
+                while not self._due:
+                    self._idle = True
+                    self._changed.wait()
+                self._idle = False
+                now = time.monotonic()
+                # at most one look per STAND_IN_AFTER: pieces due meanwhile are looked at together
+                wake = max(self._due[0][0], last + STAND_IN_AFTER)
+                if wake > now:
+                    self._changed.wait(wake - now)
+                    continue
+                last = now
+                due = []
+                while self._due and self._due[0][0] <= now:
+                    due.append(heapq.heappop(self._due))
+            for _, _, loop, seq in due:
+                if loop._inline is not None and loop._inline_seq == seq:  # still running: stand in
+                    loop._began.set()
+
+
+WATCH = Watch()
 
 
 class StandIn:
@@ -36,22 +89,20 @@ class StandIn:
 
     def _stand_in(self) -> None:
         """On a thread of its own: serve while a piece runs where it arrived, once it has run
-        ``STAND_IN_AFTER`` seconds; hand the socket back as soon as it returns."""
+        ``STAND_IN_AFTER`` seconds (`WATCH` wakes it then); hand the socket back as soon as
+        it returns."""
         me = threading.get_ident()
         poller: zmq.Poller | None = None
         while not self.stopping.is_set():
-            if not self._began.wait(5.0):  # idle, it sleeps (close wakes it)
+            if not self._began.wait(5.0):  # asleep until a piece runs long (close wakes it)
                 continue
             self._began.clear()
-            seen = -1
-            while not self.stopping.wait(STAND_IN_AFTER):
-                seq = self._inline_seq
-                if self._inline is None:
-                    break  # it returned: wait for the next
-                if seq != seen:
-                    seen = seq  # a piece that started since the last look
-                    continue
+            seen = self._inline_seq  # the piece the watch found running
+            while not self.stopping.is_set():
+                if self._inline is None or self._inline_seq != seen:
+                    break  # it returned: the next is the watch's to look at
                 if self._want_back or not self._hold.acquire(blocking=False):
+                    self.stopping.wait(0.001)
                     continue
                 self._holder = me
                 try:
