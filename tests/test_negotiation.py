@@ -244,3 +244,27 @@ def test_a_piece_that_returns_at_once_wakes_no_stand_in_and_one_that_runs_long_g
         release.write_text("go")
         loop.stopping.set()
         serving.join(10)
+
+
+def test_the_stand_in_watch_works_in_a_forked_child():
+    """The watch is one thread per process; a child forked while it ran has its state but
+    not its thread, and would never wake a stand-in: it starts afresh there."""
+    import os
+
+    from somatize.fabric.worker.standin import WATCH
+
+    class Loop:
+        _inline, _inline_seq = None, 1
+
+        def __init__(self) -> None:
+            self._began = threading.Event()
+
+    WATCH.arm(Loop(), 1)  # the parent's watch runs now
+    pid = os.fork()
+    if pid == 0:  # the child: a piece still running is found, its stand-in woken
+        running = Loop()
+        running._inline = object()
+        WATCH.arm(running, 1)
+        os._exit(0 if running._began.wait(10) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's watch never woke a stand-in"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import threading
 import time
 from typing import Any
@@ -72,6 +73,8 @@ class Watch:
 
 
 WATCH = Watch()
+# a child forked while the watch ran has its state and none of its thread: it starts afresh
+os.register_at_fork(after_in_child=WATCH.__init__)
 
 
 class StandIn:
