@@ -103,11 +103,12 @@ def _fitted(name: str, packed: bytes, frames: list) -> list:
     return [packed, *frames]
 
 
-def passed_on(relay: Relay, *, exchange: int = 0, tenant: str = "", lane: int = 0) -> list:
-    """The frames of ``relay`` (decoded here, so checked) passed on in a new envelope that
-    names this side's own ``exchange`` number and ``tenant``, or the client's ``lane``: a
-    broker's every relayed hop, written without checking again what was checked as it came."""
-    return _relay(Relay("", exchange, tenant, lane, relay.inner))
+def passed_on(inner: tuple, *, exchange: int = 0, tenant: str = "", lane: int = 0) -> list:
+    """The frames of a message checked already (decoded here, or encoded here) in an
+    envelope naming what this side checked or made itself: the ``exchange`` a worker was
+    given or a broker numbered, a broker's ``tenant``, a client's ``lane``. A broker's every
+    relayed hop and a dialed worker's every answer, written without checking them again."""
+    return _relay(Relay("", exchange, tenant, lane, inner))
 
 
 def _relay(msg: Relay) -> list:

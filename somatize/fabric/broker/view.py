@@ -348,7 +348,7 @@ class BrokerView:
             if exchange.waiting and _answered(relay.inner):
                 self._wait(exchange, False, now)
             if exchange.lane:  # one of many channels over the client's connection: say which
-                return Deliver(exchange.client, passed_on(relay, lane=exchange.lane))
+                return Deliver(exchange.client, passed_on(relay.inner, lane=exchange.lane))
             return Deliver(exchange.client, list(relay.inner))
         if relay.exchange:
             raise self._refuse("only a worker that offered a host here answers an exchange; say Hello with `offering` first")
@@ -375,7 +375,7 @@ class BrokerView:
         wants = not _ends(relay.inner)  # anything but its Bye asks for an answer
         if exchange.waiting != wants:
             self._wait(exchange, wants, now)
-        return Deliver(offer.route, passed_on(relay, exchange=exchange.number, tenant=tenant))
+        return Deliver(offer.route, passed_on(relay.inner, exchange=exchange.number, tenant=tenant))
 
     def _wait(self, exchange: Exchange, waiting: bool, now: float) -> None:
         """Its client waits on an answer now (``waiting``), or no longer: a host a client
