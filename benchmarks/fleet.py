@@ -6,7 +6,9 @@ The row reports what the fleet costs the broker: how long until every host is re
 its resident memory and open descriptors per worker, its CPU while the fleet idles, its
 CPU per relayed forward, and forwards a second for one client and for four at once.
 
-Run alone: ``python benchmarks/fleet.py [N]`` prints the figures as JSON. The workers'
+Run alone: ``python benchmarks/fleet.py [N]`` prints the figures as JSON;
+``python benchmarks/fleet.py --first-contact [N]`` what a client's first forward to each of
+N hosts costs each side against a repeated one. The workers'
 processes are this file too: ``python benchmarks/fleet.py --workers URL PREFIX COUNT``
 runs COUNT dialed worker loops named PREFIX00000... until its stdin closes.
 """
@@ -159,6 +161,47 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
         broker.stop()
 
 
+def first_and_again(count: int = 250, rounds: int = 2) -> dict:
+    """What a client's first forward to a host costs against a repeated one: a new client
+    forwards once to each of ``count`` dialed hosts, then once more, ``rounds`` times. Per
+    forward: wall time, and the CPU time of the client (this process), the broker and the
+    workers' processes (from ``/proc``). Not a row of the table: the breakdown behind case
+    h, whose clients meet half their hosts for the first time."""
+    from nodes import Echo
+
+    from children import BROKER, BROKER_READY, Child, cpu_seconds
+    from somatize import Broker
+
+    broker = Child(BROKER, announce=BROKER_READY)
+    fleet = None
+    try:
+        fleet = Fleet(broker.endpoint, count)
+        with Broker.at(broker.endpoint) as probe:
+            until = time.monotonic() + 60 + count / 10
+            while not fleet.registered(probe) and time.monotonic() < until:
+                time.sleep(0.05)
+        workers = [p.pid for p in fleet.procs]
+        echo, got = Echo(), {"first": [], "again": []}
+        for _ in range(rounds):
+            with Broker.at(broker.endpoint) as client:
+                for what in ("first", "again"):
+                    wall, mine, theirs = time.perf_counter(), time.process_time(), cpu_seconds(broker.pid)
+                    others = sum(cpu_seconds(pid) for pid in workers)
+                    for host in fleet.hosts:
+                        echo.at(host).forward(1, broker=client)
+                    per = 1000 / len(fleet.hosts)  # ms per forward
+                    got[what].append({
+                        "wall_ms": (time.perf_counter() - wall) * per, "client_ms": (time.process_time() - mine) * per,
+                        "broker_ms": (cpu_seconds(broker.pid) - theirs) * per,
+                        "workers_ms": (sum(cpu_seconds(pid) for pid in workers) - others) * per,
+                    })
+        return got
+    finally:
+        if fleet is not None:
+            fleet.close()
+        broker.stop()
+
+
 def fleet_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, cases.Floors)
     from table import Row, at_least, at_most
 
@@ -187,5 +230,7 @@ def fleet_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, case
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--workers":
         serve_workers(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 5.0)
+    elif len(sys.argv) > 1 and sys.argv[1] == "--first-contact":
+        print(json.dumps(first_and_again(int(sys.argv[2]) if len(sys.argv) > 2 else 250), indent=1))
     else:
         print(json.dumps(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 1000), indent=1))
