@@ -128,16 +128,21 @@ def test_project_instances_are_built_once_per_class_and_arguments():
     assert Catalog("project").build(project("packing_nodes:Add", 2, scale=3)) is not a
 
 
-def test_a_spec_built_again_is_checked_once_and_its_code_every_time():
+def test_a_spec_built_again_is_checked_once_and_its_code_every_time(monkeypatch):
     """A recipe a worker keeps comes back with the same spec objects on every Work that
     names it by digest: its name and arguments are checked and written down once (a memo
     that holds only small arguments, and only so many), its code on every Work."""
     from somatize.packing import catalog as catalog_module
 
+    original_split, original_dumps = catalog_module._split_target, catalog_module.dumps
     catalog = Catalog("project")
     spec = Packer("project").spec(Add(2, scale=3).named("add"))
+    split, written = [], []
+    monkeypatch.setattr(catalog_module, "_split_target", lambda *a: (split.append(a), original_split(*a))[1])
+    monkeypatch.setattr(catalog_module, "dumps", lambda *a: (written.append(a), original_dumps(*a))[1])
     node = catalog.build(spec)
-    assert catalog.build(spec) is node and len(catalog._keys) == 1
+    assert catalog.build(spec) is node and catalog.build(spec) is node and len(catalog._keys) == 1
+    assert len(split) == 1 and len(written) == 1, "a spec built again was checked and written down again"
     big = project("packing_nodes:Add", "x" * (catalog_module._MEMO_ARGS + 1))
     catalog.build(big)
     assert len(catalog._keys) == 1, "a spec with big arguments was kept in the memo"

@@ -36,7 +36,7 @@ _lock = threading.Lock()
 # combining enum flags on every frame). Small frames are still copied, at pyzmq's
 # `copy_threshold`, as `copy=False` does there.
 _SEND, _RECV, _GET = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
-NOBLOCK, SNDMORE, RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+NOBLOCK, SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 

@@ -27,7 +27,8 @@ from ..codec import build as build_values
 from ..codec import check as check_values
 from ..errors import ProtocolError, Unreadable
 from . import limits, short
-from .checks import Bad, Pieces, Slot, check, fitted, index_pairs, msgpack_type, shown
+from .checks import Bad, Pieces, Slot, check, fitted, shown
+from .items import index_pairs, msgpack_type
 from .counting import count_items
 from .messages import (
     FIELDS,

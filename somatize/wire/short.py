@@ -24,7 +24,8 @@ import msgpack
 from ..codec.layout import INLINE_TYPES
 from ..errors import ProtocolError
 from . import limits
-from .checks import Bad, check, index_pairs
+from .checks import Bad, check
+from .items import index_pairs
 from .messages import VARIANTS, Done, Hello, Ready, Relay, Work, header_fields
 
 _HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length

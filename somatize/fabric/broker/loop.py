@@ -329,13 +329,10 @@ class BrokerLoop:
                 continue
             route = part.bytes
             if self._gate.severed(route):  # what a cut connection queued before it was cut
-                while front.get(zmq.RCVMORE):
-                    front.recv()
+                sockets.receive_frames(front)
                 continue
             if waiting(route) >= MAX_UNREAD and route not in offers:
-                first = front.recv(copy=False)
-                while front.get(zmq.RCVMORE):
-                    front.recv()
+                first = sockets.receive_frames(front)[0]  # read, never decoded
                 if not self._chatty(route, first, time.monotonic()):  # past its share: cut
                     self._outbox.dropped += 1
                 continue
