@@ -121,7 +121,9 @@ class Closed(FabricError):
 
 
 class Busy(FabricError):
-    """A peer is connected and alive, and has not answered within a long deadline."""
+    """A worker's every slot is taken by someone else's work (it says so at once), or a peer
+    is connected and alive and has not answered within a long deadline. A client's own
+    forwards to one host take turns there rather than hear ``Busy`` from each other."""
 
 
 class Overdue(FabricError, TimeoutError):

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add
-from somatize import Broker, Busy, Node, NodeFailed, Worker
+from somatize import Broker, Busy, Node, NodeFailed, Overdue, Worker
 from somatize.fabric import sockets
 from somatize.packing import Packer
 from somatize.wire import Failed, Hello, NodeSpec, Ready, Recipe, Refusal, Runtime, Saw, Work, decode, encode
@@ -229,6 +229,46 @@ def test_new_work_for_a_worker_whose_node_hangs_is_busy_and_a_probe_hears_how_lo
         release.write_text("go")
         raw.close()
         thread.join(30)
+
+
+def test_a_clients_own_forwards_to_a_busy_worker_take_turns_and_another_clients_hear_busy(processes, tmp_path):
+    """A worker never queues work: it refuses it as busy. But a client's own threads
+    forwarding to one host at once take turns there, as calls to an actor would: a forward
+    turned away while another of the same client runs on that host waits for it and is sent
+    again, within its deadline. Another client is told `Busy` at once, as before."""
+    started, release = tmp_path / "started", tmp_path / "release"
+    worker = project_worker(processes)
+    declared = {"w1": Worker.at(worker.endpoint, mode="project")}
+    answers: dict = {}
+
+    def forward(broker, key, node, x, **options) -> None:
+        try:
+            answers[key] = node.forward(x, broker=broker, **options)
+        except Exception as exc:
+            answers[key] = exc
+
+    with Broker.embedded(declared) as first, Broker.embedded(declared) as second:
+        holding = threading.Thread(target=forward, args=(first, "stall", Stall(str(started), str(release)).named("stall").at("w1"), 7))
+        holding.start()
+        wait_until(started.exists, 30, "the node starting")
+        behind = [threading.Thread(target=forward, args=(first, i, Add(i).named(f"a{i}").at("w1"), 100)) for i in range(4)]
+        late = threading.Thread(target=forward, args=(first, "late", Add(9).named("late").at("w1"), 0), kwargs={"deadline": 1.5})
+        for thread in [*behind, late]:
+            thread.start()
+        wait_until(lambda: first._turns.waiting("w1") == 5, 30, "every forward behind the first turned away and waiting")
+        with pytest.raises(Busy, match="busy and took no new work: running `stall` for"):
+            Add(1).named("a").at("w1").forward(1, broker=second)  # someone else's work: Busy at once
+        late.join(30)
+        assert isinstance(answers["late"], Overdue), answers
+        assert "`late` on `w1` did not finish within the forward's deadline of 1.5 s" in str(answers["late"])
+        assert "for a turn on `w1` behind this client's other forwards there" in str(answers["late"])
+        assert "stall" not in answers and all(thread.is_alive() for thread in behind)  # still waiting their turn
+        release.write_text("go")
+        for thread in [holding, *behind]:
+            thread.join(30)
+        assert answers == {"stall": 7, "late": answers["late"], **{i: 100 + i for i in range(4)}}
+        assert first._turns.waiting("w1") == first._turns.running("w1") == 0
+        assert Add(1).named("a").at("w1").forward(1, broker=second) == 2
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])

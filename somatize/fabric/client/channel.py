@@ -63,7 +63,7 @@ from .. import leases as _leases
 from . import lending as _lending
 from .. import mount as _mount
 from .. import sockets
-from .refusals import handshake_failed, unreadable
+from .refusals import TurnedAway, handshake_failed, unreadable
 from .link import Lane
 from .. import streams as _streams
 from ..conversation import ClientExchange
@@ -384,7 +384,7 @@ class Channel:
         mine = self._mine
         if isinstance(answer, Refusal):
             if answer.why.startswith("busy:"):
-                raise Busy(f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}")
+                raise TurnedAway(f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}")
             raise Refused(f"{self._refuser()} refused this client a channel to `{self.host}`: {answer.why}")
         self.reads = frozenset(answer.runtime.kinds)
         why = compatible(mine, answer.runtime, needs_pickle=self.packer.mode == "network")
@@ -583,7 +583,7 @@ class Channel:
                              remote_traceback=answer.traceback or None)
         # the conversation let through only Done, Failed or Refusal here
         if answer.why.startswith("busy:"):
-            raise Busy(f"the worker for `{self.host}` is busy and took no new work: {answer.why[5:].strip()}")
+            raise TurnedAway(f"the worker for `{self.host}` is busy and took no new work: {answer.why[5:].strip()}")
         raise Refused(f"{self._refuser()} refused the work for `{self.host}`: {answer.why}")
 
     def _refuser(self) -> str:

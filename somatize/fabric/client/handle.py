@@ -54,6 +54,8 @@ from .. import sockets
 from ..broker.loop import BrokerLoop
 from .channel import Channel, Dropped, PastDeadline, bounded
 from .link import Link
+from .refusals import TurnedAway
+from .turns import Turns
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client, handshake_refusal
 from ..hosts import Worker
@@ -101,6 +103,7 @@ class Broker:
         self._idle: dict[str, list[Channel]] = {}
         self._idle_order: OrderedDict[int, Channel] = OrderedDict()  # id -> channel, least recently used first
         self._idle_lanes: OrderedDict[int, Channel] = OrderedDict()  # the same, for relayed channels
+        self._turns = Turns()  # this client's forwards running on each host, and those waiting for a turn
         self._link: Link | None = None  # the one connection every relayed channel is a lane of
         self._packers: dict[str, Packer] = {}
         self._provisioned: dict[str, set[str]] = {}
@@ -250,6 +253,13 @@ class Broker:
                     error=exc.error,
                     host=piece.host,
                 ) from cause
+        try:  # this client's forwards to one host take turns there (turns.py)
+            return self._turns.take(piece.host, lambda: self._send(piece, watch, located, deadline), TurnedAway,
+                                    deadline)
+        except PastDeadline as late:  # waiting for a turn: nothing of it was run
+            raise self._overdue(piece, deadline, late, None) from None
+
+    def _send(self, piece: Piece, watch: Any, located: Located, deadline: Deadline | None) -> Outcome:
         try:
             channel = self._borrow(located, deadline)
         except PastDeadline as late:
@@ -263,6 +273,12 @@ class Broker:
         except Broken as exc:
             channel.close()
             raise self._lost(piece, located, exc) from exc
+        except TurnedAway:  # the work was refused whole; a channel whose session stands serves on
+            if channel.exchange.state == "ready":
+                self._give_back(channel)
+            else:
+                channel.close()
+            raise
         except BaseException:
             channel.close()  # its state is unknown: never reuse it
             raise

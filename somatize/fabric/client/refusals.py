@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...errors import Refused
+from ...errors import Busy, Refused
 from ..curve import Keys, handshake_refusal
+
+
+class TurnedAway(Busy):
+    """``Busy`` as the worker said it: it took nothing of the work (or of the channel), so
+    the work may be sent again as it is (``turns.Turns`` does, for a client's own forwards)."""
 
 
 def unreadable(missing: Sequence[str], host: str) -> Refused:

@@ -106,6 +106,7 @@ __all__ = ["MAX_BACKOFF", "NodeExit", "WorkerLoop"]
 
 #: How often a spawned worker checks that whoever spawned it is still there (seconds).
 PARENT_CHECK = 0.5
+BUSY_SAID_EVERY = 60.0  # seconds: a refusal as busy is logged at most this often
 log = logging.getLogger("somatize.worker")
 
 
@@ -157,7 +158,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         self._running: dict[int, Job] = {}  # what runs now, by token
         self._running_lock = threading.Lock()
         self._tokens = itertools.count(1)
-        self._busy_said = False  # a busy spell is said on stderr once
+        self._busy_said, self._busy_unsaid = -BUSY_SAID_EVERY, 0  # when a refusal as busy was last logged; since
         self._answers_url = sockets.unique_inproc("answers")
         self._answers = sockets.pair(zmq.PULL)
         self._answers.bind(self._answers_url)
@@ -436,7 +437,6 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         if full:
             self._busy(to, work)
             return
-        self._busy_said = False
         self.served += 1
         if self._slots is not None:
             self._slots.submit(self._run, token, job, to, work, mounted)
@@ -474,15 +474,20 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         else:
             node, seconds = oldest.node, time.monotonic() - oldest.started
         slots = f"{self.jobs} piece{'s' if self.jobs > 1 else ''} of work at once"
-        why = (f"busy: running `{node}` for {seconds:.0f} s; this worker runs {slots} and takes "
+        took = f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2g} s"
+        why = (f"busy: running `{node}` for {took}; this worker runs {slots} and takes "
                f"new work once one returns (start it with --jobs N to run more at once)")
         if work.watched:
             said = fact("said", kind="busy", node=node, running_us=int(seconds * 1e6), jobs=self.jobs)
             self._reply(to, Saw(work.ref, said))
         self._reply(to, Refusal(why, ref=work.ref))
-        if not self._busy_said:
-            self._busy_said = True
-            log.warning("%s", why)
+        now = time.monotonic()
+        if now - self._busy_said >= BUSY_SAID_EVERY:  # a client's own threads taking turns refuse often
+            more = f" ({self._busy_unsaid} more refused as busy since the last such line)" if self._busy_unsaid else ""
+            self._busy_said, self._busy_unsaid = now, 0
+            log.warning("%s%s", why, more)
+        else:
+            self._busy_unsaid += 1
 
     # -- a job, in a slot ----------------------------------------------------------------
     def _push(self) -> zmq.Socket:

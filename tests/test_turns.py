@@ -1,0 +1,146 @@
+"""A client's own forwards to one host take turns (``somatize.fabric.client.turns``).
+
+The worker is played here by a slot that an attempt takes or is turned away from, as a
+worker with ``--jobs 1`` does: what is checked is the order the turns go in and that nothing
+waits on nothing. The same, against a real worker and a second client, is in
+``test_survival.py::test_a_clients_own_forwards_to_a_busy_worker_take_turns_and_another_clients_hear_busy``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from reliability_support import wait_until
+from somatize.fabric.client.channel import PastDeadline
+from somatize.fabric.client.refusals import TurnedAway
+from somatize.fabric.client.turns import Turns
+from somatize.pieces import Deadline
+
+
+class Slot:
+    """One piece at a time; another is turned away at once, as a busy worker does."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ran: list[str] = []
+        self.refused: list[str] = []
+
+    def attempt(self, name: str, hold: threading.Event | None = None):
+        def run() -> str:
+            if not self.lock.acquire(blocking=False):
+                self.refused.append(name)
+                raise TurnedAway(f"busy: {name}")
+            try:
+                self.ran.append(name)
+                if hold is not None:
+                    assert hold.wait(10)
+                return name
+            finally:
+                self.lock.release()
+
+        return run
+
+
+def test_turned_away_with_nothing_of_ours_running_is_busy_at_once_and_leaves_nothing():
+    turns, slot = Turns(), Slot()
+    slot.lock.acquire()  # someone else's work holds the worker
+    with pytest.raises(TurnedAway):
+        turns.take("w1", slot.attempt("mine"), TurnedAway, None)
+    assert slot.refused == ["mine"] and turns._hosts == {}
+
+
+def test_the_forwards_turned_away_go_in_the_order_they_were_turned_away():
+    turns, slot, hold = Turns(), Slot(), threading.Event()
+    results: dict[str, object] = {}
+
+    def take(name: str, attempt) -> None:
+        results[name] = turns.take("w1", attempt, TurnedAway, None)
+
+    first = threading.Thread(target=take, args=("first", slot.attempt("first", hold)))
+    first.start()
+    wait_until(lambda: slot.ran == ["first"], 10, "the first running")
+    behind = []
+    for number, name in enumerate("bcde", start=1):
+        thread = threading.Thread(target=take, args=(name, slot.attempt(name)))
+        thread.start()
+        behind.append(thread)
+        wait_until(lambda: turns.waiting("w1") == number, 10, f"{name} waiting")
+    hold.set()
+    for thread in [first, *behind]:
+        thread.join(10)
+    assert slot.ran == ["first", "b", "c", "d", "e"]
+    assert results == {name: name for name in ["first", "b", "c", "d", "e"]}
+    assert slot.refused == ["b", "c", "d", "e"]  # each turned away once: a turn goes to one at a time
+    assert turns._hosts == {}
+
+
+def test_one_of_ours_that_ended_after_this_was_sent_is_what_the_worker_was_busy_with():
+    """Turned away, and no forward of ours runs there now, but one ended since this one was
+    sent: the worker was busy with ours, so it is sent again rather than called Busy."""
+    turns, slot = Turns(), Slot()
+    tries = []
+
+    def attempt() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            slot.lock.acquire()  # ours holds the worker while this one arrives...
+            assert turns.take("w1", lambda: "other", TurnedAway, None) == "other"  # ...and ends
+            slot.lock.release()
+            raise TurnedAway("busy: with the other")
+        return "mine"
+
+    assert turns.take("w1", attempt, TurnedAway, None) == "mine"
+    assert len(tries) == 2 and turns._hosts == {}
+
+
+def test_when_someone_elses_work_takes_the_worker_as_ours_ends_every_waiting_forward_hears_busy():
+    """Someone else's work takes the worker as ours ends: the one whose turn it was is turned
+    away again and, none of ours running there now, told Busy; it hands the turn on, so the
+    next is too, and none waits on nothing."""
+    turns, slot, hold = Turns(), Slot(), threading.Event()
+    outcomes: dict[str, object] = {}
+
+    def take(name: str, attempt) -> None:
+        try:
+            outcomes[name] = turns.take("w1", attempt, TurnedAway, None)
+        except TurnedAway as exc:
+            outcomes[name] = exc
+
+    def first_then_a_stranger() -> str:
+        result = slot.attempt("first", hold)()
+        slot.lock.acquire()  # a stranger's work takes the worker as ours ends (held to the end)
+        return result
+
+    first = threading.Thread(target=take, args=("first", first_then_a_stranger))
+    first.start()
+    wait_until(lambda: slot.ran == ["first"], 10, "the first running")
+    waiters = []
+    for number, name in enumerate("bc", start=1):
+        thread = threading.Thread(target=take, args=(name, slot.attempt(name)))
+        thread.start()
+        waiters.append(thread)
+        wait_until(lambda: turns.waiting("w1") == number, 10, f"{name} waiting")
+    hold.set()
+    for thread in [first, *waiters]:
+        thread.join(10)
+        assert not thread.is_alive()
+    assert outcomes["first"] == "first"
+    assert isinstance(outcomes["b"], TurnedAway) and isinstance(outcomes["c"], TurnedAway)
+    assert slot.refused == ["b", "c", "b", "c"] and turns._hosts == {}
+
+
+def test_a_forward_waiting_for_a_turn_past_its_deadline_stops_waiting():
+    turns, slot, hold = Turns(), Slot(), threading.Event()
+    first = threading.Thread(target=turns.take, args=("w1", slot.attempt("first", hold), TurnedAway, None))
+    first.start()
+    wait_until(lambda: slot.ran == ["first"], 10, "the first running")
+    try:
+        with pytest.raises(PastDeadline, match="for a turn on `w1` behind this client's other forwards there"):
+            turns.take("w1", slot.attempt("late"), TurnedAway, Deadline.after(0.2))
+        assert turns.waiting("w1") == 0 and turns.running("w1") == 1
+    finally:
+        hold.set()
+        first.join(10)
+    assert turns._hosts == {}
