@@ -27,6 +27,7 @@ import fleet
 import flooding
 import memory
 import paths
+import threads
 import view
 from children import Child
 from floor import ANNOUNCE, Floor
@@ -86,6 +87,7 @@ class Floors:
     small: float | None = None  # (a) median seconds per round trip
     arrays: dict[int, float] = dataclasses.field(default_factory=dict)  # (b) GB/s by size
     same_host: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)  # (b) Mount views, GB/s
+    threads: float | None = None  # (t) somatize's forwards a second from 16 threads
 
 
 @contextlib.contextmanager
@@ -486,6 +488,7 @@ CASES: dict[str, Callable[[Settings, Floors], list[Row]]] = {
     "f": studies,
     "g": flooding.flood_rows,
     "h": fleet.fleet_rows,
+    "t": threads.threads_rows,
     "v": view.view_rows,
     "m": memory.memory_rows,
 }

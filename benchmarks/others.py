@@ -1,4 +1,4 @@
-"""Ray and Dask, doing what cases (a), (b) and (d) ask of somatize, when they are installed.
+"""Ray and Dask, doing what cases (a), (b), (d) and (t) ask of somatize, when they are installed.
 
 Each system is started on its own, after somatize's cases, and shut down before the next:
 their background processes would otherwise load the two cores under somatize's numbers.
@@ -8,6 +8,8 @@ The equivalents chosen are each system's idiomatic one:
   one-process, one-thread ``LocalCluster``.
 - (b) the same, with the array as the argument and the answer. Dask gets it ``scatter``-ed
   to the worker first (what Dask advises for big arguments), in the timed part.
+- (t) Ray only: 16 threads calling 4 actors (4 threads an actor), and Ray's asynchronous
+  way, every call submitted from one thread and then one ``ray.get`` of them all.
 - (d) Dask only: a chain of 200 ``dask.delayed`` calls on the local threaded scheduler.
   Ray has no local graph engine to compare.
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from cases import CHAIN, SMALL, Floors, Settings
 from table import Row, at_least, gbps, interleaved, median, p99, ratio, repeated, size, us
+from threads import THREADS, WORKERS, rate
 
 
 def _small_rows(system: str, samples: list[float], floors: Floors) -> list[Row]:
@@ -54,7 +57,7 @@ def _missing(system: str, cases: str, why: str) -> list[Row]:
 
 
 def ray(settings: Settings, floors: Floors, cases: str) -> list[Row]:
-    wanted = "".join(c for c in "ab" if c in cases)
+    wanted = "".join(c for c in "abt" if c in cases)
     if not wanted:
         return []
     try:
@@ -84,8 +87,39 @@ def ray(settings: Settings, floors: Floors, cases: str) -> list[Row]:
             rows += _small_rows("Ray actor call", repeated(functools.partial(call, SMALL), settings.calls), floors)
         if "b" in wanted:
             rows += _array_rows("Ray", _speeds(call, settings), floors, "actor call")
+        if "t" in wanted:  # 4 more actors, a quarter of a CPU each: they fit beside the first
+            rows += _many_at_once(_ray, [_ray.remote(num_cpus=0.25)(Echo).remote() for _ in range(WORKERS)],
+                                  settings, floors)
     finally:
         _ray.shutdown()
+    return rows
+
+
+def _many_at_once(ray, actors: list, settings: Settings, floors: Floors) -> list[Row]:
+    """Case (t) on Ray: 16 threads each calling its actor and waiting, then every call
+    submitted at once and gathered with one ``ray.get``."""
+    for actor in actors:
+        ray.get(actor.forward.remote(SMALL))
+
+    def call_for(i: int) -> Callable[[], object]:
+        actor = actors[i % len(actors)]
+        return lambda: ray.get(actor.forward.remote(SMALL))
+
+    calls = settings.calls // 8
+    waiting = rate(call_for, THREADS, calls)
+
+    def submitted() -> None:
+        refs = [actors[i % len(actors)].forward.remote(SMALL) for i in range(THREADS * calls)]
+        if ray.get(refs)[-1] != SMALL:
+            raise AssertionError("the value came back changed")
+
+    in_flight = rate(lambda i: submitted, 1, 1) * THREADS * calls
+    rows = [Row("t", f"Ray, {THREADS} threads to {len(actors)} actors, each waiting", f"{waiting:,.0f} calls/s"),
+            Row("t", f"Ray, {THREADS * calls:,} calls in flight at once, one ray.get", f"{in_flight:,.0f} calls/s")]
+    if floors.threads:
+        best = max(waiting, in_flight)
+        rows.append(Row("t", f"somatize {THREADS} threads, against Ray's better", f"{floors.threads:,.0f}/s",
+                        f"Ray {best:,.0f}/s", ratio(floors.threads / best), ">= 1x", at_least(floors.threads / best, 1.0)))
     return rows
 
 
@@ -154,4 +188,4 @@ def _speeds(call: Callable[[np.ndarray], object], settings: Settings) -> dict[in
 
 
 #: Each system, and the cases it has an equivalent for.
-SYSTEMS = {"Ray": (ray, "ab"), "Dask": (dask, "abd")}
+SYSTEMS = {"Ray": (ray, "abt"), "Dask": (dask, "abd")}

@@ -10,6 +10,7 @@ One command, one table, every row measured in this run:
     (f) a study's trials per second, and reading its history
     (g) another tenant's answers, and the broker's memory, while one floods it
     (h) a fleet of dialed workers on one broker: registering, idle, relayed forwards
+    (t) 16 threads of one client forwarding 100 B to 4 spawned workers: forwards/s (and Ray's)
     (v) the live view opening a 100,000-forward run and a 10,000-trial study
     (m) the peak memory of client, worker and broker during (b)'s round trips, per path
 

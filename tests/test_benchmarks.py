@@ -30,6 +30,7 @@ ROWS = {
     "f": ["Optuna JournalFileBackend, 2 processes", "2 runners,", "the last", "rebuilding a", "trials(),"],
     "h": ["50 dialed workers registered", "broker memory and descriptors a worker", "idle broker CPU",
           "relayed forwards a second, 1 client", "relayed forwards a second, 4 clients", "broker memory after the clients left"],
+    "t": ["somatize, 16 threads to 4 workers, 100 B", "Ray"],
     "v": ["opening a 2,000-forward run as the view starts", "the same run again", "again after 100 more forwards",
           "opening a 300-trial study", "the same study again", "the runs page"],
     "m": ["raw pyzmq echo, numpy 1 MiB: peak RSS", "Direct, numpy 1 MiB: peak RSS", "Mount, numpy 1 MiB: peak RSS", "Mount views, numpy 1 MiB: peak RSS",
