@@ -23,7 +23,7 @@ from fabric_nodes import Add
 from reliability_support import key_ring, wait_until
 from somatize import Broker, Closed
 from somatize.fabric.curve import read_public, read_secret
-from somatize.wire import Hello, Hosts, Listed, Ready, Runtime, decode, encode
+from somatize.wire import Bye, Hello, Hosts, Listed, Ready, Runtime, decode, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from fleet import Fleet  # noqa: E402
@@ -335,3 +335,70 @@ def test_a_client_reaches_the_dialed_hosts_it_listed_without_asking_where_each_i
         server.stopping.set()
         serving.join(10)
         server.close()
+
+
+def _dialed(hosts):
+    """An in-process broker and a dialed worker loop for each of ``hosts``, all serving."""
+    from somatize.fabric.broker.loop import BrokerLoop
+    from somatize.fabric.worker.loop import WorkerLoop
+
+    server = BrokerLoop({}, patience=5.0)
+    url = server.bind("tcp://127.0.0.1:0")
+    loops = {host: WorkerLoop(mode="project", patience=5.0) for host in hosts}
+    threads = [threading.Thread(target=server.serve, daemon=True)]
+    for host, loop in loops.items():
+        loop.dial(url, host)
+        threads.append(threading.Thread(target=loop.serve, daemon=True))
+    for thread in threads:
+        thread.start()
+    return server, url, loops, threads
+
+
+def _stop(server, loops, threads) -> None:
+    for loop in loops.values():
+        loop.close()
+    server.stopping.set()
+    for thread in threads:
+        thread.join(10)
+    server.close()
+
+
+def test_a_client_closing_says_bye_once_and_the_broker_tells_each_of_its_workers():
+    """A client closing said Bye on each of its relayed channels, one message each way per
+    host it had reached. Now it says Bye once, on its connection, and the broker, ending that
+    connection's exchanges, tells each worker, which forgets that session at once."""
+    server, url, loops, threads = _dialed(["h0", "h1", "h2"])
+    byes = []
+    relay = server.view.relay
+    server.view.relay = lambda route, key, message, now: (  # counts the channels' own Byes, relays all
+        byes.append(message.host) if decode(list(message.inner)) == Bye() else None,
+        relay(route, key, message, now))[1]
+    try:
+        client = Broker.at(url)
+        wait_until(lambda: all(client.knows(h) for h in loops), 30, "the workers dialing in")
+        for n, host in enumerate(loops):
+            assert Add(1).named("a").at(host).forward(n, broker=client) == n + 1
+        assert [len(loop.sessions) for loop in loops.values()] == [1, 1, 1]
+        client.close()
+        wait_until(lambda: all(len(loop.sessions) == 0 for loop in loops.values()), 10, "each worker forgetting the client")
+        assert byes == [] and server.view.exchanges == {}
+    finally:
+        _stop(server, loops, threads)
+
+
+def test_an_exchange_crowded_out_at_the_broker_is_ended_at_its_worker_too():
+    """A tenant's exchanges past `max_exchanges` end, the least recently used first: its
+    worker kept the session until its own limit crowded it out (10,000 of them). Now the
+    broker tells it, and it forgets that session then."""
+    server, url, loops, threads = _dialed(["h0", "h1", "h2"])
+    server.view.max_exchanges = 2
+    try:
+        with Broker.at(url) as client:
+            wait_until(lambda: all(client.knows(h) for h in loops), 30, "the workers dialing in")
+            for n, host in enumerate(loops):
+                assert Add(1).named("a").at(host).forward(n, broker=client) == n + 1
+            wait_until(lambda: len(loops["h0"].sessions) == 0, 10, "h0 forgetting the exchange crowded out")
+            assert [len(loops[h].sessions) for h in ("h1", "h2")] == [1, 1]
+            assert Add(1).named("a").at("h0").forward(5, broker=client) == 6  # it says Hello again
+    finally:
+        _stop(server, loops, threads)

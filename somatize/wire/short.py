@@ -8,8 +8,8 @@ Anything unusual (a key twice or not text, a field missing or extra, a header ov
 values in frames) gives None here: :mod:`somatize.wire.reading` then reads it the long way,
 and refuses it with its own sentence. Nothing here is trusted more than there.
 
-Greetings: every channel opens with a ``Hello`` and its ``Ready``, and the ones of one
-installation are the same bytes every time. A greeting read the long way is remembered by
+Greetings: every channel opens with a ``Hello`` and its ``Ready`` and ends with a ``Bye``,
+and the ones of one installation are the same bytes every time. A greeting read the long way is remembered by
 its bytes (``remember``), and one written by its value (``keep_written``), a few dozen of
 each: the same bytes read again, or the same message written again, is the same message.
 """
@@ -26,14 +26,14 @@ from ..errors import ProtocolError
 from . import limits
 from .checks import Bad, check
 from .items import index_pairs
-from .messages import VARIANTS, Done, Hello, Ready, Relay, Work, header_fields
+from .messages import VARIANTS, Bye, Done, Hello, Ready, Relay, Work, header_fields
 
 _HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length
 _TOLD = {name.encode(): cls for name, cls in VARIANTS.items()}
-READ = frozenset((Relay, Work, Done, Hello, Ready))  # the variants `read` may build
-GREETINGS = (Hello, Ready)
-_KNOWN: dict[bytes, Hello | Ready] = {}  # a greeting's bytes, read and checked -> the message
-_WRITTEN: dict[Hello | Ready, list[bytes]] = {}  # a greeting written -> its frames
+READ = frozenset((Relay, Work, Done, Hello, Ready, Bye))  # the variants `read` may build
+GREETINGS = (Hello, Ready, Bye)  # the first words of every channel, and its last
+_KNOWN: dict[bytes, Hello | Ready | Bye] = {}  # a greeting's bytes, read and checked -> the message
+_WRITTEN: dict[Hello | Ready | Bye, list[bytes]] = {}  # a greeting written -> its frames
 _MAX_GREETINGS, _MAX_GREETING_BYTES = 64, 4096
 _FIELDS_OF = {cls: frozenset(("v", "t", *header_fields(cls))) for cls in _TOLD.values()}
 _SMALL = 64 << 10  # the largest header read the short way
@@ -120,12 +120,12 @@ def _relay(buffers: list) -> Relay | None:
     return relay
 
 
-def read(cls: type, buffers: list) -> Relay | Work | Done | Hello | Ready | None:
+def read(cls: type, buffers: list) -> Relay | Work | Done | Hello | Ready | Bye | None:
     """The message of variant ``cls`` (as ``told`` said) that ``buffers`` (checked for count
     and sizes) hold, built in one step; None when it is not one the short way reads."""
     if cls is Relay:
         return _relay(buffers)
-    if cls is Hello or cls is Ready:
+    if cls in GREETINGS:
         return _KNOWN.get(bytes(buffers[0])) if len(buffers) == 1 and len(buffers[0]) <= _MAX_GREETING_BYTES else None
     return _inline(buffers, cls)
 
@@ -141,7 +141,7 @@ def remember(buffers: list, msg: Any) -> None:
         _KNOWN[bytes(buffers[0])] = msg
 
 
-def written(msg: Hello | Ready) -> list[bytes] | None:
+def written(msg: Hello | Ready | Bye) -> list[bytes] | None:
     """The frames of a greeting written before (a copy of the list), or None."""
     try:
         frames = _WRITTEN.get(msg)
@@ -150,8 +150,8 @@ def written(msg: Hello | Ready) -> list[bytes] | None:
     return None if frames is None else list(frames)
 
 
-def keep_written(msg: Hello | Ready, frames: list) -> None:
-    if len(frames) == 1 and len(frames[0]) <= _MAX_GREETING_BYTES and (type(msg) is Ready or msg.offering is None):
+def keep_written(msg: Hello | Ready | Bye, frames: list) -> None:
+    if len(frames) == 1 and len(frames[0]) <= _MAX_GREETING_BYTES and getattr(msg, "offering", None) is None:
         if len(_WRITTEN) >= _MAX_GREETINGS:
             _WRITTEN.clear()
         _WRITTEN[msg] = [bytes(frames[0])]

@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from ...errors import BadKeys, ProtocolError
+from ...errors import ProtocolError
 from ...wire import (Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode,
                      encode, ref_of, variant_of)
 from . import bindings as _bindings
@@ -44,6 +44,7 @@ from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name, user_of
 from .spawn import Child, Reach
 from .view import IDLE_SILENCE
+from .ending import Ending
 from ..hosts import Worker
 
 #: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
@@ -64,7 +65,7 @@ def _some(names: Any, most: int = 20) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-class BrokerLoop:
+class BrokerLoop(Ending):
     """Answers ``Where`` and ``Hosts``, spawns, and relays. ``bind()`` then ``serve()``.
 
     Who may reach it: with keys, only peers whose CURVE key is in an allow folder (clients
@@ -212,55 +213,6 @@ class BrokerLoop:
         thread does it at its next turn, never in the middle of a message)."""
         self._reload_asked = True
 
-    def _reload(self) -> None:
-        """Read the allow folders again; a key taken out loses its hosts and exchanges now.
-        A folder that cannot be used refuses the new list as a whole: the old one stays."""
-        if self._guard is None:
-            log.info("reload asked for, but this broker listens without keys: nothing to reload")
-            return
-        try:
-            self._guard.reload()
-        except BadKeys as exc:
-            log.error("the allow-list was not reloaded, the old one stays (%s): %s", self._guard.described(), exc)
-            return
-        log.info("reloaded the allow-list: %s", self._guard.described())
-        self._spawned.reload()  # children reached from other machines allow the same keys
-        self._revoke()
-
-    def _revoke(self) -> None:
-        before = dict(self.view.offers)
-        self._free(lambda: self.view.revoke(self._guard.allowed(), self._guard.workers), "at a reload")
-        self._left([h for h in before if h not in self.view.offers], before, "its key was taken out of the allow-list")
-        self._prune()
-        allowed = self._guard.allowed()
-        for exchange in self.view.revoked:  # nothing more of it is delivered, and its other side is told
-            if exchange.key and exchange.key not in allowed:
-                self._outbox.forget(exchange.client)
-                self._outbox.forget(exchange.worker, exchange.tenant)
-                bye = encode(Relay(exchange=exchange.number, tenant=exchange.tenant, inner=tuple(encode(Bye()))))
-                self._deliver(exchange.worker, bye)
-            else:
-                self._outbox.forget(exchange.client, str(exchange.number))
-                refusal = Refusal(
-                    f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
-                    f"taken out of the allow-list): the work sent to it there ended")
-                if exchange.lane:
-                    self._deliver(exchange.client, encode(Relay(lane=exchange.lane, inner=tuple(encode(refusal)))))
-                else:
-                    self._answer(exchange.client, refusal)
-        self.view.revoked = []
-        self._keep_bindings()
-
-    def _free(self, revoke: Any, when: str) -> None:
-        """Run ``revoke`` and log each name it set free: bound to a key no longer a worker key."""
-        before = dict(self.view.bindings)
-        revoke()
-        for host, owner in sorted(before.items()):
-            if host not in self.view.bindings:
-                log.info("host `%s` is free again %s: its key %s is no longer in --allow-workers",
-                         host, when, peer_name(b"", owner))
-        self._keep_bindings()
-
     def _left(self, hosts: list[str], offers: dict, why: str) -> None:
         for host in hosts:
             offer = offers.get(host)
@@ -312,6 +264,7 @@ class BrokerLoop:
         self._left(self.view.leave(route), offers, why)
         self._probes.forget(route)
         self._keepalives.pop(route, None)
+        self._tell_ended()
 
     # -- receiving --------------------------------------------------------------------
     def _take(self, most: int = 1024) -> None:
@@ -412,6 +365,8 @@ class BrokerLoop:
                 deliver = self.view.relay(route, user, relay, now)
                 tenant = str(relay.exchange) if relay.exchange else self.view.tenant(route, user)
                 self._deliver(deliver.route, deliver.frames, tenant)
+                if self.view.ending:
+                    self._tell_ended()
                 return
             if variant not in (Hello, Where, Hosts, Bye):  # never decode values it will not use
                 raise Violation(f"a broker does not answer a `{variant.__name__}`")

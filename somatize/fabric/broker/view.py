@@ -123,6 +123,10 @@ class BrokerView:
     - ``revoke`` forgets every offer, binding and exchange of identities no longer allowed
       (a binding or an offer lasts only while its key is a *worker* key), and returns the
       exchanges it ended, so the broker can tell their other side.
+    - An exchange ended because its client left (said Bye or went away), or crowded out by
+      newer ones, is put in ``ending``: the broker tells its worker (a ``Bye`` in it), which
+      forgets that session then and not when newer ones crowd it out. A client's own ``Bye``
+      on a channel ends its exchange as it passes.
     - Any message from a route that serves hosts is a sign of life (``heard``), not only its
       keepalive Hello: a worker whose keepalives wait behind bulk answers is not silent.
     """
@@ -166,6 +170,7 @@ class BrokerView:
         self._numbers = itertools.count(secrets.randbelow(1 << 61) + 1)
         self.refused = 0
         self.revoked: list[Exchange] = []  # the exchanges the last revoke ended
+        self.ending: list[Exchange] = []  # ended with their worker still there, not told yet
 
     @staticmethod
     def identity(route: bytes, key: str) -> str:
@@ -261,7 +266,11 @@ class BrokerView:
             offer = self._drop(host)
             if offer.owner.startswith("route:"):
                 self.bindings.pop(host, None)
-        self._end_numbers(set(self._of_route.get(route, ())))
+        for number in list(self._of_route.get(route, ())):
+            exchange = self.exchanges[number]
+            self._end(exchange)
+            if exchange.client == route:  # its worker is still there: it hears Bye
+                self.ending.append(exchange)
         return gone
 
     def expire(self, now: float) -> list[str]:
@@ -366,16 +375,22 @@ class BrokerView:
                 self._end(exchange)
             mine = self._of_tenant.get(tenant, {})
             if len(mine) >= self.max_exchanges:
-                self._end(min((self.exchanges[n] for n in mine), key=lambda e: e.touched))
+                self._crowd_out(min((self.exchanges[n] for n in mine), key=lambda e: e.touched))
             if len(self.exchanges) >= self.max_open:
-                self._end(min(self.exchanges.values(), key=lambda e: e.touched))
+                self._crowd_out(min(self.exchanges.values(), key=lambda e: e.touched))
             exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now, key, relay.lane)
             self._open(exchange)
         exchange.touched = now
-        wants = not _ends(relay.inner)  # anything but its Bye asks for an answer
-        if exchange.waiting != wants:
-            self._wait(exchange, wants, now)
-        return Deliver(offer.route, passed_on(relay.inner, exchange=exchange.number, tenant=tenant))
+        deliver = Deliver(offer.route, passed_on(relay.inner, exchange=exchange.number, tenant=tenant))
+        if _ends(relay.inner):  # its Bye: the exchange is over, and the worker hears it
+            self._end(exchange)
+        elif not exchange.waiting:  # anything else asks for an answer
+            self._wait(exchange, True, now)
+        return deliver
+
+    def _crowd_out(self, exchange: Exchange) -> None:
+        self._end(exchange)
+        self.ending.append(exchange)
 
     def _wait(self, exchange: Exchange, waiting: bool, now: float) -> None:
         """Its client waits on an answer now (``waiting``), or no longer: a host a client

@@ -173,12 +173,14 @@ class Channel:
             self.close()
             raise
 
-    def close(self) -> None:
+    def close(self, *, quiet: bool = False) -> None:
+        """``quiet``: a lane says no Bye of its own (its link is ending too: the broker then
+        tells each worker of the link's exchanges, one message less each way per lane)."""
         _mount.remove(self.mounted)
         self.mounted = []
         self._end_lending()
         if self.lane is not None:
-            self.lane.close()  # its worker hears Bye; the link stays for the other lanes
+            self.lane.close(quiet=quiet)  # its worker hears Bye; the link stays for the other lanes
             return
         if self.relayed and self.linked and not self.sock.closed:
             try:  # the broker ends this connection's exchanges now, not when they are crowded out

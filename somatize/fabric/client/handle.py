@@ -175,8 +175,8 @@ class Broker:
             checking = list(self._checking.values())
             self._close_control()
             link, self._link = self._link, None
-        for channel in channels:
-            channel.close()
+        for channel in channels:  # a lane's worker hears of its end from the broker, as the link ends
+            channel.close(quiet=link is not None and channel.lane is not None)
         if link is not None:
             link.close()
         for located in list(self._located.values()):  # idle pooled segments: made anew when needed

@@ -319,11 +319,11 @@ class Lane:
         self.link.look()
         return self.link.drops != self.drops_seen
 
-    def close(self) -> None:
+    def close(self, *, quiet: bool = False) -> None:
         if self.closed:
             return
         self.closed = True
         self.link.forget(self.number)
-        if self.link.linked and not self.dropped():
+        if not quiet and self.link.linked and not self.dropped():
             with contextlib.suppress(Closed):  # the worker ends its session for this lane
                 self.send(encode(Bye()))

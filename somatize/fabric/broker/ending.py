@@ -1,0 +1,85 @@
+"""What ends a broker's exchanges without their client's word, and who is told: a key taken
+out of the allow-list at a reload (its hosts, bindings and exchanges end; the other side of
+each exchange hears it), a client that left or whose older exchanges were crowded out (the
+worker hears a ``Bye`` in the exchange, and forgets that session now rather than when newer
+ones crowd it out). A part of :class:`~somatize.fabric.broker.loop.BrokerLoop`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ...errors import BadKeys
+from ...wire import Bye, Refusal, Relay, encode
+from ...wire.writing import passed_on
+from ..curve import peer_name
+from .view import Exchange
+
+_BYE = tuple(encode(Bye()))
+log = logging.getLogger("somatize.broker")
+
+
+class Ending:
+    """The broker loop's ending of exchanges (a mixin: the loop's state is its own)."""
+
+    def _reload(self) -> None:
+        """Read the allow folders again; a key taken out loses its hosts and exchanges now.
+        A folder that cannot be used refuses the new list as a whole: the old one stays."""
+        if self._guard is None:
+            log.info("reload asked for, but this broker listens without keys: nothing to reload")
+            return
+        try:
+            self._guard.reload()
+        except BadKeys as exc:
+            log.error("the allow-list was not reloaded, the old one stays (%s): %s", self._guard.described(), exc)
+            return
+        log.info("reloaded the allow-list: %s", self._guard.described())
+        self._spawned.reload()  # children reached from other machines allow the same keys
+        self._revoke()
+
+    def _revoke(self) -> None:
+        before = dict(self.view.offers)
+        self._free(lambda: self.view.revoke(self._guard.allowed(), self._guard.workers), "at a reload")
+        self._left([h for h in before if h not in self.view.offers], before, "its key was taken out of the allow-list")
+        self._prune()
+        allowed = self._guard.allowed()
+        for exchange in self.view.revoked:  # nothing more of it is delivered, and its other side is told
+            if exchange.key and exchange.key not in allowed:
+                self._outbox.forget(exchange.client)
+                self._outbox.forget(exchange.worker, exchange.tenant)
+                self._bye(exchange)
+            else:
+                self._outbox.forget(exchange.client, str(exchange.number))
+                refusal = Refusal(
+                    f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
+                    f"taken out of the allow-list): the work sent to it there ended")
+                if exchange.lane:
+                    self._deliver(exchange.client, encode(Relay(lane=exchange.lane, inner=tuple(encode(refusal)))))
+                else:
+                    self._answer(exchange.client, refusal)
+        self.view.revoked = []
+        self._keep_bindings()
+
+    def _free(self, revoke: Any, when: str) -> None:
+        """Run ``revoke`` and log each name it set free: bound to a key no longer a worker key."""
+        before = dict(self.view.bindings)
+        revoke()
+        for host, owner in sorted(before.items()):
+            if host not in self.view.bindings:
+                log.info("host `%s` is free again %s: its key %s is no longer in --allow-workers",
+                         host, when, peer_name(b"", owner))
+        self._keep_bindings()
+
+    def _tell_ended(self) -> None:
+        """Each worker whose exchange ended without its client's Bye (the client left, or newer
+        exchanges crowded it out) hears one in it, and forgets that session now."""
+        ending, self.view.ending = self.view.ending, []
+        for exchange in ending:
+            if exchange.worker in self.view.offers_index:
+                self._bye(exchange)
+
+    def _bye(self, exchange: Exchange) -> None:
+        """The worker of ``exchange`` hears a Bye in it: that session is over."""
+        self._deliver(exchange.worker, passed_on(_BYE, exchange=exchange.number, tenant=exchange.tenant),
+                      exchange.tenant)
