@@ -402,3 +402,44 @@ def test_an_exchange_crowded_out_at_the_broker_is_ended_at_its_worker_too():
             assert Add(1).named("a").at("h0").forward(5, broker=client) == 6  # it says Hello again
     finally:
         _stop(server, loops, threads)
+
+
+def test_an_exchange_crowded_out_while_its_work_is_open_is_told_to_its_client():
+    """Crowding out took the least recently used exchange even when its client waited on an
+    answer there: the client heard nothing until its deadline (or ever, without one), while
+    the worker went on. Now an exchange whose client waits on nothing goes first, and a
+    client whose open work is crowded out is told at once that its fate is unknown."""
+    from fabric_nodes import Sleep
+    from somatize import Refused
+
+    server, url, loops, threads = _dialed(["h0", "h1", "h2", "h3"])
+    server.view.max_exchanges = 2
+    answers: dict = {}
+
+    def forward(host: str) -> None:
+        try:
+            answers[host] = Sleep(1.5).named("s").at(host).forward(host, broker=client, deadline=30)
+        except Exception as exc:
+            answers[host] = exc
+
+    try:
+        with Broker.at(url) as client:
+            wait_until(lambda: all(client.knows(h) for h in loops), 30, "the workers dialing in")
+            assert Add(1).named("a").at("h3").forward(1, broker=client) == 2  # its exchange waits on nothing
+            running = [threading.Thread(target=forward, args=(host,)) for host in ("h0", "h1")]
+            for thread in running:
+                thread.start()
+            wait_until(lambda: loops["h0"]._running and loops["h1"]._running, 10, "both running")
+            # h1's exchange crowded out h3's, the one with nothing open, not h0's older one
+            wait_until(lambda: len(loops["h3"].sessions) == 0, 10, "h3 forgetting its exchange")
+            assert "h0" not in answers and "h1" not in answers
+            assert Add(1).named("a").at("h2").forward(1, broker=client) == 2  # both open: h0's, the older, goes
+            wait_until(lambda: "h0" in answers, 10, "h0's forward told")
+            assert isinstance(answers["h0"], Refused), answers
+            assert "this broker ended the exchange with `h0` while the work sent there was open" in str(answers["h0"])
+            assert "whether it ran is not known" in str(answers["h0"])
+            for thread in running:
+                thread.join(30)
+            assert answers["h1"] == "h1"
+    finally:
+        _stop(server, loops, threads)

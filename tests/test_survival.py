@@ -262,6 +262,7 @@ def test_a_clients_own_forwards_to_a_busy_worker_take_turns_and_another_clients_
         assert isinstance(answers["late"], Overdue), answers
         assert "`late` on `w1` did not finish within the forward's deadline of 1.5 s" in str(answers["late"])
         assert "for a turn on `w1` behind this client's other forwards there" in str(answers["late"])
+        assert "Nothing of it ran on `w1`" in str(answers["late"])
         assert "stall" not in answers and all(thread.is_alive() for thread in behind)  # still waiting their turn
         release.write_text("go")
         for thread in [holding, *behind]:

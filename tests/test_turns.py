@@ -72,7 +72,7 @@ def test_the_forwards_turned_away_go_in_the_order_they_were_turned_away():
         thread.join(10)
     assert slot.ran == ["first", "b", "c", "d", "e"]
     assert results == {name: name for name in ["first", "b", "c", "d", "e"]}
-    assert slot.refused == ["b", "c", "d", "e"]  # each turned away once: a turn goes to one at a time
+    assert slot.refused == ["b"]  # the others went behind it in line, unsent: a turn goes to one at a time
     assert turns._hosts == {}
 
 
@@ -98,7 +98,7 @@ def test_one_of_ours_that_ended_after_this_was_sent_is_what_the_worker_was_busy_
 def test_when_someone_elses_work_takes_the_worker_as_ours_ends_every_waiting_forward_hears_busy():
     """Someone else's work takes the worker as ours ends: the one whose turn it was is turned
     away again and, none of ours running there now, told Busy; it hands the turn on, so the
-    next is too, and none waits on nothing."""
+    next in line tries once and is told Busy too, and none waits on nothing."""
     turns, slot, hold = Turns(), Slot(), threading.Event()
     outcomes: dict[str, object] = {}
 
@@ -128,7 +128,7 @@ def test_when_someone_elses_work_takes_the_worker_as_ours_ends_every_waiting_for
         assert not thread.is_alive()
     assert outcomes["first"] == "first"
     assert isinstance(outcomes["b"], TurnedAway) and isinstance(outcomes["c"], TurnedAway)
-    assert slot.refused == ["b", "c", "b", "c"] and turns._hosts == {}
+    assert slot.refused == ["b", "b", "c"] and turns._hosts == {}  # c went behind b in line, unsent
 
 
 def test_a_forward_waiting_for_a_turn_past_its_deadline_stops_waiting():
@@ -143,4 +143,69 @@ def test_a_forward_waiting_for_a_turn_past_its_deadline_stops_waiting():
     finally:
         hold.set()
         first.join(10)
+    assert turns._hosts == {}
+
+
+def test_a_new_forward_goes_behind_the_ones_waiting_so_a_loop_cannot_starve_them():
+    """A thread forwarding in a loop sent its next forward as its last ended, before the one
+    whose turn it had handed on could: that one waited for as long as the loop went on.
+    Now a new forward to a host where some wait goes behind them, unsent."""
+    turns, slot, hold = Turns(), Slot(), threading.Event()
+    first = threading.Thread(target=turns.take, args=("w1", slot.attempt("loop 1", hold), TurnedAway, None))
+    first.start()
+    wait_until(lambda: slot.ran == ["loop 1"], 10, "the loop's first forward running")
+    behind = threading.Thread(target=turns.take, args=("w1", slot.attempt("b"), TurnedAway, None))
+    behind.start()
+    wait_until(lambda: turns.waiting("w1") == 1, 10, "b waiting")
+    again = threading.Thread(target=turns.take, args=("w1", slot.attempt("loop 2"), TurnedAway, None))
+    again.start()
+    wait_until(lambda: turns.waiting("w1") == 2, 10, "the loop's next forward in line behind b")
+    hold.set()
+    for thread in (first, behind, again):
+        thread.join(10)
+    assert slot.ran == ["loop 1", "b", "loop 2"] and slot.refused == ["b"] and turns._hosts == {}
+
+
+class Lost(Exception):
+    """The worker went away (what `Broken` or `Unreachable` says)."""
+
+
+def test_a_lost_worker_hands_every_waiting_forward_its_turn_at_once():
+    """The forward the others waited on found its worker gone: each waiting one found that
+    out in turn, one patience after another. Now all of them are sent again at once."""
+    turns, slot, hold = Turns(), Slot(), threading.Event()
+    together = threading.Barrier(3, timeout=5)  # passes only if the three are sent at once
+    outcomes: list = []
+
+    def gone() -> None:
+        slot.ran.append("first")
+        assert hold.wait(10)
+        raise Lost("the worker went away")
+
+    def again() -> str:
+        if not slot.lock.acquire(blocking=False):
+            raise TurnedAway("busy")
+        slot.lock.release()
+        together.wait()  # a worker taking its time to be found gone: they wait for it together
+        return "sent"
+
+    def take(attempt) -> None:
+        try:
+            outcomes.append(turns.take("w1", attempt, TurnedAway, None, lost=(Lost,)))
+        except BaseException as exc:
+            outcomes.append(exc)
+
+    first = threading.Thread(target=take, args=(gone,))
+    first.start()
+    wait_until(lambda: slot.ran == ["first"], 10, "the first running")
+    slot.lock.acquire()  # the worker holds the first's piece: the others are turned away
+    waiters = [threading.Thread(target=take, args=(again,)) for _ in range(3)]
+    for number, thread in enumerate(waiters, start=1):
+        thread.start()
+        wait_until(lambda: turns.waiting("w1") == number, 10, f"waiter {number} in line")
+    slot.lock.release()
+    hold.set()
+    for thread in [first, *waiters]:
+        thread.join(10)
+    assert isinstance(outcomes[0], Lost) and outcomes[1:] == ["sent"] * 3, outcomes
     assert turns._hosts == {}

@@ -51,13 +51,9 @@ class Ending:
                 self._bye(exchange)
             else:
                 self._outbox.forget(exchange.client, str(exchange.number))
-                refusal = Refusal(
+                self._tell_client(exchange, Refusal(
                     f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
-                    f"taken out of the allow-list): the work sent to it there ended")
-                if exchange.lane:
-                    self._deliver(exchange.client, encode(Relay(lane=exchange.lane, inner=tuple(encode(refusal)))))
-                else:
-                    self._answer(exchange.client, refusal)
+                    f"taken out of the allow-list): the work sent to it there ended"))
         self.view.revoked = []
         self._keep_bindings()
 
@@ -75,9 +71,23 @@ class Ending:
         """Each worker whose exchange ended without its client's Bye (the client left, or newer
         exchanges crowded it out) hears one in it, and forgets that session now."""
         ending, self.view.ending = self.view.ending, []
+        cut, self.view.cut = self.view.cut, []
         for exchange in ending:
             if exchange.worker in self.view.offers_index:
                 self._bye(exchange)
+        for exchange in cut:  # its client waits on an answer that will never come: it is told
+            self._outbox.forget(exchange.client, str(exchange.number))
+            self._tell_client(exchange, Refusal(
+                f"this broker ended the exchange with `{exchange.host}` while the work sent there was "
+                f"open: one client's connections hold at most {self.view.max_exchanges:,} exchanges (this "
+                f"broker {self.view.max_open:,} in all), the least recently used ended first; use fewer hosts "
+                f"at once, or more clients"))
+
+    def _tell_client(self, exchange: Exchange, refusal: Refusal) -> None:
+        if exchange.lane:  # to the channel it came from, among the client's many
+            self._deliver(exchange.client, encode(Relay(lane=exchange.lane, inner=tuple(encode(refusal)))))
+        else:
+            self._answer(exchange.client, refusal)
 
     def _bye(self, exchange: Exchange) -> None:
         """The worker of ``exchange`` hears a Bye in it: that session is over."""

@@ -364,8 +364,9 @@ class BrokerLoop(Ending):
                 relay = decode(frames)
                 deliver = self.view.relay(route, user, relay, now)
                 tenant = str(relay.exchange) if relay.exchange else self.view.tenant(route, user)
-                self._deliver(deliver.route, deliver.frames, tenant)
-                if self.view.ending:
+                if deliver is not None:
+                    self._deliver(deliver.route, deliver.frames, tenant)
+                if self.view.ending or self.view.cut:
                     self._tell_ended()
                 return
             if variant not in (Hello, Where, Hosts, Bye):  # never decode values it will not use

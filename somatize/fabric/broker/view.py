@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 
 from ...errors import ProtocolError
-from ...wire import Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Refusal, Relay, Runtime, Send, Where, variant_of
+from ...wire import (Begin, Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Refusal, Relay, Runtime, Send, Where, Work,
+                     variant_of)
 from ...wire.writing import passed_on
 from ..conversation import KEEPALIVE, Stale, Violation
 
@@ -50,6 +51,7 @@ class Exchange:
     key: str = ""  # the client's key (Z85), so that revoking it ends the exchange
     lane: int = 0  # the client's number for its channel, when it carries many over one connection
     waiting: bool = False  # its client said something the worker has not answered yet
+    work_open: bool = False  # its client sent a Work the worker has not ended yet
 
 
 class Bindings(MutableMapping):
@@ -126,7 +128,9 @@ class BrokerView:
     - An exchange ended because its client left (said Bye or went away), or crowded out by
       newer ones, is put in ``ending``: the broker tells its worker (a ``Bye`` in it), which
       forgets that session then and not when newer ones crowd it out. A client's own ``Bye``
-      on a channel ends its exchange as it passes.
+      on a channel ends its exchange as it passes. Crowding out takes an exchange whose
+      client waits on nothing first; one whose client waited is put in ``cut``, and its
+      client is told the work's fate is unknown.
     - Any message from a route that serves hosts is a sign of life (``heard``), not only its
       keepalive Hello: a worker whose keepalives wait behind bulk answers is not silent.
     """
@@ -171,6 +175,7 @@ class BrokerView:
         self.refused = 0
         self.revoked: list[Exchange] = []  # the exchanges the last revoke ended
         self.ending: list[Exchange] = []  # ended with their worker still there, not told yet
+        self.cut: list[Exchange] = []  # crowded out while their client waited, not told yet
 
     @staticmethod
     def identity(route: bytes, key: str) -> str:
@@ -344,18 +349,22 @@ class BrokerView:
         return sorted(routes)
 
     # -- relaying ----------------------------------------------------------------------
-    def relay(self, route: bytes, key: str, relay: Relay, now: float) -> Deliver:
+    def relay(self, route: bytes, key: str, relay: Relay, now: float) -> Deliver | None:
         """Where a relayed message goes. From a worker: to the client of the exchange it
         names, if that exchange was sent to this very worker. From a client: to the worker
-        serving ``relay.host``, in an exchange of the broker's numbering."""
+        serving ``relay.host``, in an exchange of the broker's numbering; None for a client's
+        Bye in an exchange that has ended already (nothing to deliver)."""
         if self.offered_by(route):
             exchange = self.exchanges.get(relay.exchange)
             if exchange is None or exchange.worker != route:
                 self.refused += 1
                 raise Stale(f"this broker has no exchange {relay.exchange} open with you")
             exchange.touched = now
-            if exchange.waiting and _answered(relay.inner):
+            variant = _variant(relay.inner)
+            if exchange.waiting and variant in _ANSWERS:
                 self._wait(exchange, False, now)
+            if variant in _ENDS_WORK:
+                exchange.work_open = False
             if exchange.lane:  # one of many channels over the client's connection: say which
                 return Deliver(exchange.client, passed_on(relay.inner, lane=exchange.lane))
             return Deliver(exchange.client, list(relay.inner))
@@ -370,25 +379,35 @@ class BrokerView:
         tenant = self.tenant(route, key)
         number = self._by_pair.get((route, relay.host, relay.lane))
         exchange = self.exchanges.get(number) if number is not None else None
+        if exchange is None and _ends(relay.inner):
+            return None  # the Bye of an exchange already ended (crowded out, or its worker left)
         if exchange is None or exchange.worker != offer.route:
             if exchange is not None:
                 self._end(exchange)
             mine = self._of_tenant.get(tenant, {})
             if len(mine) >= self.max_exchanges:
-                self._crowd_out(min((self.exchanges[n] for n in mine), key=lambda e: e.touched))
+                self._crowd_out([self.exchanges[n] for n in mine])
             if len(self.exchanges) >= self.max_open:
-                self._crowd_out(min(self.exchanges.values(), key=lambda e: e.touched))
+                self._crowd_out(self.exchanges.values())
             exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now, key, relay.lane)
             self._open(exchange)
         exchange.touched = now
         deliver = Deliver(offer.route, passed_on(relay.inner, exchange=exchange.number, tenant=tenant))
         if _ends(relay.inner):  # its Bye: the exchange is over, and the worker hears it
             self._end(exchange)
-        elif not exchange.waiting:  # anything else asks for an answer
+            return deliver
+        if not exchange.waiting:  # anything else asks for an answer
             self._wait(exchange, True, now)
+        if not exchange.work_open and _variant(relay.inner) in _OPENS_WORK:
+            exchange.work_open = True
         return deliver
 
-    def _crowd_out(self, exchange: Exchange) -> None:
+    def _crowd_out(self, candidates: Iterable[Exchange]) -> None:
+        """The least recently used of ``candidates`` ends, one with no work open first; a client
+        whose work was open is told (``cut``), and the worker too (``ending``)."""
+        exchange = min(candidates, key=lambda e: (e.work_open, e.touched))
+        if exchange.work_open:
+            self.cut.append(exchange)
         self._end(exchange)
         self.ending.append(exchange)
 
@@ -447,19 +466,26 @@ class BrokerView:
 
 
 _ANSWERS = (Done, Failed, Refusal, Ready, Send)
+_ENDS_WORK = (Done, Failed, Refusal, Send)  # a worker's word that closes the work open, if any
+_OPENS_WORK = (Work, Begin, Mounted)  # a client's: a Work, bare, streamed or in a shared folder
 
 
-def _answered(inner: tuple) -> bool:
-    """Whether a worker's message answers what its client waits on (a ``Done``, ``Failed``,
-    ``Refusal``, ``Ready`` or ``Send``, bare or in a shared folder), read from its header's
-    first bytes; a fact, a piece of a stream or junk answers nothing."""
+def _variant(inner: tuple) -> type | None:
+    """The variant of a relayed message, bare or in a shared folder, read from its header's
+    first bytes; None for junk."""
     try:
         variant = variant_of(inner)
         if variant is Mounted and len(inner) > 1:
             variant = variant_of(inner[1:2])
     except (ProtocolError, TypeError):
-        return False
-    return variant in _ANSWERS
+        return None
+    return variant
+
+
+def _answered(inner: tuple) -> bool:
+    """Whether a worker's message answers what its client waits on (a ``Done``, ``Failed``,
+    ``Refusal``, ``Ready`` or ``Send``); a fact, a piece of a stream or junk answers nothing."""
+    return _variant(inner) in _ANSWERS
 
 
 def _ends(inner: tuple) -> bool:

@@ -46,7 +46,7 @@ from typing import Any
 import zmq
 
 from ...engine import Deadline, Outcome, Piece, run_piece
-from ...errors import Broken, Closed, KeysRefused, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
+from ...errors import Broken, Busy, Closed, KeysRefused, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
 from ...packing import Packer
 from ...wire import Hosts, Listed, Located, Refusal, Where, decode, encode
 from . import lending as _lending
@@ -247,17 +247,15 @@ class Broker:
                 return run_piece(piece, watch)
             except NodeFailed as exc:
                 cause = exc.__cause__ or exc
-                raise NodeFailed(
-                    f"node `{exc.node}` on `{piece.host}` raised {type(cause).__name__}: {cause}",
-                    node=exc.node,
-                    error=exc.error,
-                    host=piece.host,
-                ) from cause
+                raise NodeFailed(f"node `{exc.node}` on `{piece.host}` raised {type(cause).__name__}: {cause}",
+                                 node=exc.node, error=exc.error, host=piece.host) from cause
         try:  # this client's forwards to one host take turns there (turns.py)
             return self._turns.take(piece.host, lambda: self._send(piece, watch, located, deadline), TurnedAway,
-                                    deadline)
+                                    deadline, lost=(Broken, Unreachable, Closed))
         except PastDeadline as late:  # waiting for a turn: nothing of it was run
             raise self._overdue(piece, deadline, late, None) from None
+        except TurnedAway as busy:  # someone else's work fills the worker
+            raise Busy(str(busy)) from None
 
     def _send(self, piece: Piece, watch: Any, located: Located, deadline: Deadline | None) -> Outcome:
         try:
@@ -300,7 +298,7 @@ class Broker:
         took = "" if deadline is None else f" ({deadline.seconds - deadline.left():.1f} s had passed)"
         text = f"{running} on `{host}` did not finish within {deadline}{took}: this client stopped waiting {late.waiting}"
         if located is None:
-            return Overdue(f"{text}. Nothing was sent to `{host}`; give the forward a longer deadline")
+            return Overdue(f"{text}. Nothing of it ran on `{host}`; give the forward a longer deadline")
         self._forget(host)
         self._check_on(host, late.waited)
         return Overdue(

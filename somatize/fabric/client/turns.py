@@ -6,12 +6,19 @@ than wait behind it unseen. But a client whose threads forward to the same host 
 expects what an actor gives: its calls run one after another. So when a worker turns a
 piece away as busy (it ran nothing of it) while another forward of this client is running
 on that host, the piece waits here for that forward to end and is sent again; only work
-of someone else makes it ``Busy`` at once. The waiting pieces go in the order they were
-turned away, one for each forward that ends, and within the forward's deadline.
+of someone else makes it ``Busy`` at once.
+
+The line: the pieces turned away wait in the order they were turned away (one turned away
+again keeps its place), and a new forward to a host where some wait goes behind them, so a
+thread forwarding in a loop cannot starve another. Each forward of this client that ends on
+the host hands its turn to the first in line; one whose worker is lost (``lost``: the worker
+went away, nobody answers) hands it to all of them at once, so each finds out for itself at
+once rather than one patience after another. A piece gives up its place at its deadline, and
+a turn it was handed goes on to the next.
 
 Who counts: a forward is running on a host from when it is sent until its answer, whatever
 the answer. A forward that is waiting for a turn is not running, so two that wait never
-wait on each other.
+wait on each other. Everything a turn depends on changes under one lock.
 """
 
 from __future__ import annotations
@@ -33,12 +40,21 @@ LOOK_AGAIN = 1.0
 
 
 class _Host:
-    __slots__ = ("ended", "running", "waiting")
+    __slots__ = ("ended", "handed", "running", "waiting")
 
     def __init__(self) -> None:
         self.running = 0  # forwards of this client sent to the host and not answered yet
-        self.ended = 0  # how many have ended, ever: a turn handed on since one was sent
+        self.ended = 0  # how many of them have ended, ever: one ended since this one was sent?
+        self.handed = 0  # turns handed to pieces in line that have not been sent again yet
         self.waiting: collections.deque[threading.Event] = collections.deque()
+
+    def idle(self) -> bool:
+        return not (self.running or self.handed or self.waiting)
+
+    def hand_on(self, everyone: bool = False) -> None:
+        for _ in range(len(self.waiting) if everyone else min(1, len(self.waiting))):
+            self.waiting.popleft().set()
+            self.handed += 1
 
 
 class Turns:
@@ -49,27 +65,29 @@ class Turns:
         self._hosts: dict[str, _Host] = {}
 
     def take(self, host: str, attempt: Callable[[], T], turned_away: type[BaseException],
-             deadline: Deadline | None) -> T:
+             deadline: Deadline | None, lost: tuple[type[BaseException], ...] = ()) -> T:
         """``attempt()`` (one forward to ``host``), sent again each time the worker turns it
         away as busy (``turned_away``) while a forward of this client runs there; raises
         ``turned_away`` when none does (someone else's work fills the worker), and
-        ``PastDeadline`` if the deadline passes while it waits."""
+        ``PastDeadline`` if the deadline passes while it waits for a turn."""
+        since = self._start(host, deadline)
         again = False
         while True:
-            since = self._start(host)
             try:
                 result = attempt()
             except turned_away:
-                self._end(host, ran=False)
-                if not self._wait(host, since, deadline, again):
-                    self._drop_if_idle(host)
+                since = self._turned_away(host, since, deadline, again)
+                if since is None:
                     raise
                 again = True
                 continue
-            except BaseException:
-                self._end(host, ran=True)
+            except lost:
+                self._end(host, lost=True)
                 raise
-            self._end(host, ran=True)
+            except BaseException:
+                self._end(host)
+                raise
+            self._end(host)
             return result
 
     def running(self, host: str) -> int:
@@ -82,57 +100,77 @@ class Turns:
             state = self._hosts.get(host)
             return 0 if state is None else len(state.waiting)
 
-    def _start(self, host: str) -> int:
+    def _start(self, host: str, deadline: Deadline | None) -> int:
+        """Count a new forward as running, behind the line if there is one; its ``since``."""
         with self._lock:
             state = self._hosts.get(host)
             if state is None:
                 state = self._hosts[host] = _Host()
-            state.running += 1
-            return state.ended
+            if not (state.waiting or state.handed):
+                state.running += 1
+                return state.ended
+            mine = threading.Event()
+            state.waiting.append(mine)  # others wait for a turn: this one goes behind them
+        return self._wait(host, state, mine, deadline)
 
-    def _end(self, host: str, *, ran: bool) -> None:
-        """A forward's answer came (``ran``: it was not turned away, so whatever it held on
-        the worker is free): the next in line sends again. One turned away hands on a turn
-        only when it was the last of ours there, so that no waiter waits on nothing."""
+    def _end(self, host: str, *, lost: bool = False) -> None:
+        """A forward's answer came (or it failed), so what it held on the worker is free: the
+        next in line sends again (``lost``: everyone in line does)."""
         with self._lock:
             state = self._hosts[host]
             state.running -= 1
-            if ran:
-                state.ended += 1
-            if state.waiting and (ran or not state.running):
-                state.waiting.popleft().set()
-            elif ran and not state.running and not state.waiting:
+            state.ended += 1
+            state.hand_on(everyone=lost)
+            if state.idle():
                 del self._hosts[host]  # nothing of ours there: nothing kept
 
-    def _wait(self, host: str, since: int, deadline: Deadline | None, again: bool) -> bool:
-        """After a refusal as busy: True once this piece's turn has come (send it again),
-        False if no forward of this client runs on the host (the refusal was not ours)."""
-        mine = threading.Event()
+    def _turned_away(self, host: str, since: int, deadline: Deadline | None, again: bool) -> int | None:
+        """After a refusal as busy: the new ``since`` once this piece may be sent again (it
+        counts as running again), or None if no forward of this client runs on the host and
+        none ended since it was sent (the worker is busy with someone else's work)."""
         with self._lock:
-            state = self._hosts[host]  # kept: only an answer that ran ends it
-            if not state.running:
-                # none of ours runs there now: one that ended since this was sent may be what
-                # the worker was busy with (send again), or it is someone else's work
-                return state.ended != since
-            if again:
-                state.waiting.appendleft(mine)  # turned away again: it keeps its place
-            else:
-                state.waiting.append(mine)
+            state = self._hosts[host]  # this piece still counts as running: it is there
+            state.running -= 1
+            if state.running or state.handed:  # ours hold the worker, or are about to: wait
+                mine = threading.Event()
+                if again:
+                    state.waiting.appendleft(mine)  # turned away again: it keeps its place
+                else:
+                    state.waiting.append(mine)
+            elif state.ended != since:  # one of ours ended since it was sent: what the worker was busy with
+                state.running += 1
+                return state.ended
+            else:  # someone else's work: this one hears Busy, and the next in line tries in turn
+                state.hand_on()
+                if state.idle():
+                    del self._hosts[host]
+                return None
+        return self._wait(host, state, mine, deadline)
+
+    def _wait(self, host: str, state: _Host, mine: threading.Event, deadline: Deadline | None) -> int:
+        """Wait in line until handed a turn; then counted as running. Its ``since``."""
+        turn = False
         try:
             while not mine.wait(LOOK_AGAIN if deadline is None else max(0.0, min(LOOK_AGAIN, deadline.left()))):
                 if deadline is not None and deadline.left() <= 0:
                     raise PastDeadline(f"for a turn on `{host}` behind this client's other forwards there")
-                if not self.running(host):
-                    return True  # nothing of ours runs there any more (a wake-up missed): send again
-            return True
-        finally:
+                with self._lock:
+                    if not (state.running or state.handed) and mine in state.waiting:
+                        state.waiting.remove(mine)  # a wake-up missed: nobody would hand one on
+                        state.running += 1
+                        return state.ended
+            turn = True
             with self._lock:
-                state = self._hosts.get(host)
-                if state is not None and mine in state.waiting:
-                    state.waiting.remove(mine)
-
-    def _drop_if_idle(self, host: str) -> None:
-        with self._lock:
-            state = self._hosts.get(host)
-            if state is not None and not state.running and not state.waiting:
-                del self._hosts[host]
+                state.handed -= 1
+                state.running += 1
+                return state.ended
+        finally:
+            if not turn:  # gave up its place (its deadline, or interrupted)
+                with self._lock:
+                    if mine in state.waiting:
+                        state.waiting.remove(mine)
+                    elif mine.is_set():  # a turn handed to it meanwhile: it goes to the next
+                        state.handed -= 1
+                        state.hand_on()
+                    if state.idle() and self._hosts.get(host) is state:
+                        del self._hosts[host]
