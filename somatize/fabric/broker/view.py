@@ -128,9 +128,9 @@ class BrokerView:
     - An exchange ended because its client left (said Bye or went away), or crowded out by
       newer ones, is put in ``ending``: the broker tells its worker (a ``Bye`` in it), which
       forgets that session then and not when newer ones crowd it out. A client's own ``Bye``
-      on a channel ends its exchange as it passes. Crowding out takes an exchange whose
-      client waits on nothing first; one whose client waited is put in ``cut``, and its
-      client is told the work's fate is unknown.
+      on a channel ends its exchange as it passes. Crowding out takes an exchange with no
+      work open first; one with work open is put in ``cut`` too, and its client is told the
+      work's fate is unknown.
     - Any message from a route that serves hosts is a sign of life (``heard``), not only its
       keepalive Hello: a worker whose keepalives wait behind bulk answers is not silent.
     """
@@ -379,7 +379,9 @@ class BrokerView:
         tenant = self.tenant(route, key)
         number = self._by_pair.get((route, relay.host, relay.lane))
         exchange = self.exchanges.get(number) if number is not None else None
-        if exchange is None and _ends(relay.inner):
+        if (exchange is None or exchange.worker != offer.route) and _ends(relay.inner):
+            if exchange is not None:
+                self._end(exchange)
             return None  # the Bye of an exchange already ended (crowded out, or its worker left)
         if exchange is None or exchange.worker != offer.route:
             if exchange is not None:
@@ -465,7 +467,7 @@ class BrokerView:
         return isinstance(msg, (Hello, Where, Hosts, Bye))
 
 
-_ANSWERS = (Done, Failed, Refusal, Ready, Send)
+_ANSWERS = (Done, Failed, Refusal, Ready, Send)  # a worker's word that answers what its client waits on
 _ENDS_WORK = (Done, Failed, Refusal, Send)  # a worker's word that closes the work open, if any
 _OPENS_WORK = (Work, Begin, Mounted)  # a client's: a Work, bare, streamed or in a shared folder
 
@@ -480,12 +482,6 @@ def _variant(inner: tuple) -> type | None:
     except (ProtocolError, TypeError):
         return None
     return variant
-
-
-def _answered(inner: tuple) -> bool:
-    """Whether a worker's message answers what its client waits on (a ``Done``, ``Failed``,
-    ``Refusal``, ``Ready`` or ``Send``); a fact, a piece of a stream or junk answers nothing."""
-    return _variant(inner) in _ANSWERS
 
 
 def _ends(inner: tuple) -> bool:

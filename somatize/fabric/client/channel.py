@@ -175,7 +175,7 @@ class Channel:
 
     def close(self, *, quiet: bool = False) -> None:
         """``quiet``: a lane says no Bye of its own (its link is ending too: the broker then
-        tells each worker of the link's exchanges, one message less each way per lane)."""
+        tells each worker of the link's exchanges: one message less per lane)."""
         _mount.remove(self.mounted)
         self.mounted = []
         self._end_lending()
