@@ -445,3 +445,39 @@ def test_an_exchange_crowded_out_while_its_work_is_open_is_told_to_its_client():
             assert answers[other] == other  # the other went on, and answered
     finally:
         _stop(server, loops, threads)
+
+
+def test_another_client_cannot_end_my_exchange_and_byes_for_exchanges_never_opened_open_none():
+    """Attacker: another allowed client of the broker, speaking the wire by hand. A `Bye` in
+    a relayed channel now ends its exchange at the broker and, when a client leaves, the
+    broker tells its workers: neither may reach what is not the sender's. Byes naming a
+    victim's host and lane, a host it never used, and its own connection's Bye end only the
+    attacker's own (none), open nothing at the broker, and reach no worker."""
+    from peers import Raw
+    from somatize.wire import Relay
+
+    server, url, loops, threads = _dialed(["h0", "h1"])
+    attacker = None
+    try:
+        with Broker.at(url) as victim:
+            wait_until(lambda: all(victim.knows(h) for h in loops), 30, "the workers dialing in")
+            assert Add(1).named("a").at("h0").forward(1, broker=victim) == 2
+            mine = dict(server.view.exchanges)
+            (exchange,) = mine.values()
+            attacker = Raw(url)
+            assert isinstance(attacker.ask(Hello(RT)), Ready)
+            bye = tuple(encode(Bye()))
+            for _ in range(200):  # a flood of them, on the victim's host and lane, and on another host
+                attacker.send(Relay(host="h0", lane=exchange.lane, inner=bye))
+                attacker.send(Relay(host="h0", inner=bye))
+                attacker.send(Relay(host="h1", lane=7, inner=bye))
+            attacker.send(Bye())  # its own connection ends: its exchanges (none) end
+            assert attacker.ask(Hello(RT)) is not None  # its Hello after them answered: all before it was handled
+            assert server.view.exchanges == mine, "the attacker's Byes opened or ended an exchange"
+            assert [len(loop.sessions) for loop in loops.values()] == [1, 0]  # the victim's session stands
+            assert Add(1).named("a").at("h0").forward(2, broker=victim) == 3
+            assert server.view.exchanges == mine  # the same exchange served it: nothing was said again
+    finally:
+        if attacker is not None:
+            attacker.close()
+        _stop(server, loops, threads)

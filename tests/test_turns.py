@@ -43,6 +43,19 @@ class Slot:
         return run
 
 
+def line_up(turns: Turns, slot: Slot, take, first, names: str) -> list[threading.Thread]:
+    """``first`` (an attempt that takes the slot) running, then a forward for each of
+    ``names`` in line behind it, in that order; their threads, the first's first."""
+    threads = [threading.Thread(target=take, args=("first", first))]
+    threads[0].start()
+    wait_until(lambda: slot.ran == ["first"], 10, "the first running")
+    for number, name in enumerate(names, start=1):
+        threads.append(threading.Thread(target=take, args=(name, slot.attempt(name))))
+        threads[-1].start()
+        wait_until(lambda: turns.waiting("w1") == number, 10, f"{name} waiting")
+    return threads
+
+
 def test_turned_away_with_nothing_of_ours_running_is_busy_at_once_and_leaves_nothing():
     turns, slot = Turns(), Slot()
     slot.lock.acquire()  # someone else's work holds the worker
@@ -58,17 +71,9 @@ def test_the_forwards_turned_away_go_in_the_order_they_were_turned_away():
     def take(name: str, attempt) -> None:
         results[name] = turns.take("w1", attempt, TurnedAway, None)
 
-    first = threading.Thread(target=take, args=("first", slot.attempt("first", hold)))
-    first.start()
-    wait_until(lambda: slot.ran == ["first"], 10, "the first running")
-    behind = []
-    for number, name in enumerate("bcde", start=1):
-        thread = threading.Thread(target=take, args=(name, slot.attempt(name)))
-        thread.start()
-        behind.append(thread)
-        wait_until(lambda: turns.waiting("w1") == number, 10, f"{name} waiting")
+    threads = line_up(turns, slot, take, slot.attempt("first", hold), "bcde")
     hold.set()
-    for thread in [first, *behind]:
+    for thread in threads:
         thread.join(10)
     assert slot.ran == ["first", "b", "c", "d", "e"]
     assert results == {name: name for name in ["first", "b", "c", "d", "e"]}
@@ -113,17 +118,9 @@ def test_when_someone_elses_work_takes_the_worker_as_ours_ends_every_waiting_for
         slot.lock.acquire()  # a stranger's work takes the worker as ours ends (held to the end)
         return result
 
-    first = threading.Thread(target=take, args=("first", first_then_a_stranger))
-    first.start()
-    wait_until(lambda: slot.ran == ["first"], 10, "the first running")
-    waiters = []
-    for number, name in enumerate("bc", start=1):
-        thread = threading.Thread(target=take, args=(name, slot.attempt(name)))
-        thread.start()
-        waiters.append(thread)
-        wait_until(lambda: turns.waiting("w1") == number, 10, f"{name} waiting")
+    threads = line_up(turns, slot, take, first_then_a_stranger, "bc")
     hold.set()
-    for thread in [first, *waiters]:
+    for thread in threads:
         thread.join(10)
         assert not thread.is_alive()
     assert outcomes["first"] == "first"

@@ -371,6 +371,36 @@ def test_a_label_that_reads_like_a_stale_import_neither_forges_advice_nor_floods
     assert len(lines) <= 30, f"120 bad messages wrote {len(lines)} lines to the worker's log"
 
 
+
+def test_busy_spells_one_after_another_write_one_line_to_the_workers_log(processes, tmp_path):
+    """Attacker, or a client's own threads taking turns: work refused as busy again and
+    again. A busy spell was logged once, and a new spell began with every piece accepted:
+    turns taken by a client's threads (each one a spell) wrote a line each. Now a refusal
+    as busy is logged at most once a minute, with how many were not."""
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce"], env=env_with_tests())
+    raw = Raw(worker.endpoint)
+    refusals = []
+    try:
+        assert isinstance(raw.ask(Hello(RT)), Ready)
+        with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}) as holder:
+            for spell in range(3):
+                started, release, finished = (tmp_path / f"{what}{spell}" for what in ("started", "release", "finished"))
+                hold = Hold(str(started), str(release), str(finished)).named("hold").at("w1")
+                thread = threading.Thread(target=hold.forward, args=(spell,), kwargs={"broker": holder})
+                thread.start()
+                wait_until(started.exists, 30, "the held piece running")
+                for n in range(2):
+                    work = Work(10 * spell + n + 1, Recipe((spec_of(Add(1).named("a")),), ("step", 0)), 1, watched=False)
+                    refusals.append(raw.ask(work))
+                release.write_text("go")
+                thread.join(30)
+    finally:
+        raw.close()
+    assert all(isinstance(r, Refusal) and r.why.startswith("busy: running `hold` for ") for r in refusals), refusals
+    said = [line for line in worker.stderr().splitlines() if "busy:" in line]
+    assert len(said) == 1, f"6 refusals in 3 busy spells wrote {len(said)} lines: {said}"
+
+
 # -- the conversation, with no process --------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ from ..codec.writing import Writer
 from . import limits, short
 from .checks import Bad, check
 from .counting import count_items
-from .messages import FIELDS, IN_FRAMES, Answer, Bye, Carrier, Done, Hello, Ready, Recipe, Relay, Request, Work, header_fields
+from .messages import FIELDS, IN_FRAMES, Answer, Carrier, Done, Recipe, Relay, Request, Work, header_fields
 
 
 def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
@@ -32,7 +32,7 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
     codec's ``Unwritable`` / ``BadCodec`` for a value that cannot be written down.
     """
     cls = type(msg)
-    if cls is Hello or cls is Ready or cls is Bye:  # every channel's first and last words: the same every time
+    if cls in short.GREETINGS:  # every channel's first and last words: the same every time
         kept = short.written(msg)
         if kept is not None:
             return kept
@@ -74,7 +74,7 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
             f"put long runs of numbers in NumPy arrays, and many small values in fewer larger ones"
         ) from None
     fitted = _fitted(cls.__name__, packed, frames)
-    if cls is Hello or cls is Ready or cls is Bye:
+    if cls in short.GREETINGS:
         short.keep_written(msg, fitted)
     return fitted
 

@@ -379,7 +379,8 @@ class BrokerView:
         tenant = self.tenant(route, key)
         number = self._by_pair.get((route, relay.host, relay.lane))
         exchange = self.exchanges.get(number) if number is not None else None
-        if (exchange is None or exchange.worker != offer.route) and _ends(relay.inner):
+        variant = _told(relay.inner)  # read once, from the header's first bytes
+        if (exchange is None or exchange.worker != offer.route) and variant is Bye:
             if exchange is not None:
                 self._end(exchange)
             return None  # the Bye of an exchange already ended (crowded out, or its worker left)
@@ -395,12 +396,12 @@ class BrokerView:
             self._open(exchange)
         exchange.touched = now
         deliver = Deliver(offer.route, passed_on(relay.inner, exchange=exchange.number, tenant=tenant))
-        if _ends(relay.inner):  # its Bye: the exchange is over, and the worker hears it
+        if variant is Bye:  # the exchange is over, and the worker hears it
             self._end(exchange)
             return deliver
-        if not exchange.waiting:  # anything else asks for an answer
+        if not exchange.waiting:  # anything else, junk included, asks for an answer
             self._wait(exchange, True, now)
-        if not exchange.work_open and _variant(relay.inner) in _OPENS_WORK:
+        if not exchange.work_open and variant in _OPENS_WORK:
             exchange.work_open = True
         return deliver
 
@@ -473,21 +474,16 @@ _OPENS_WORK = (Work, Begin, Mounted)  # a client's: a Work, bare, streamed or in
 
 
 def _variant(inner: tuple) -> type | None:
-    """The variant of a relayed message, bare or in a shared folder, read from its header's
-    first bytes; None for junk."""
+    """The variant of a worker's relayed message, bare or in a shared folder, read from its
+    header's first bytes; None for junk."""
+    variant = _told(inner)
+    return _told(inner[1:2]) if variant is Mounted and len(inner) > 1 else variant
+
+
+def _told(inner: tuple) -> type | None:
+    """The variant of a relayed message, bare (a client's ``Mounted`` carries a ``Work``),
+    from its header's first bytes; None for junk."""
     try:
-        variant = variant_of(inner)
-        if variant is Mounted and len(inner) > 1:
-            variant = variant_of(inner[1:2])
+        return variant_of(inner)
     except (ProtocolError, TypeError):
         return None
-    return variant
-
-
-def _ends(inner: tuple) -> bool:
-    """Whether a client's message asks for nothing (its ``Bye``); anything else, junk
-    included, is waited on."""
-    try:
-        return variant_of(inner) is Bye
-    except (ProtocolError, TypeError):
-        return False
