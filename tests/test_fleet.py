@@ -471,9 +471,11 @@ def test_another_client_cannot_end_my_exchange_and_byes_for_exchanges_never_open
                 attacker.send(Relay(host="h0", lane=exchange.lane, inner=bye))
                 attacker.send(Relay(host="h0", inner=bye))
                 attacker.send(Relay(host="h1", lane=7, inner=bye))
-            attacker.send(Bye())  # its own connection ends: its exchanges (none) end
-            assert attacker.ask(Hello(RT)) is not None  # its Hello after them answered: all before it was handled
+            assert isinstance(attacker.ask(Hello(RT)), Ready)  # answered after them: all before it was handled
             assert server.view.exchanges == mine, "the attacker's Byes opened or ended an exchange"
+            attacker.send(Bye())  # its own connection ends: its exchanges (none) end
+            assert isinstance(attacker.ask(Hello(RT)), Ready)
+            assert server.view.exchanges == mine
             assert [len(loop.sessions) for loop in loops.values()] == [1, 0]  # the victim's session stands
             assert Add(1).named("a").at("h0").forward(2, broker=victim) == 3
             assert server.view.exchanges == mine  # the same exchange served it: nothing was said again
