@@ -115,7 +115,7 @@ def empty_arrays(size: int, mark: int, nested: bool = False) -> str:
     import struct, msgpack
     from somatize.wire import decode
     def build():
-        start = msgpack.packb({{"v": {WIRE_VERSION}, "t": "Done", "ref": 1, "produced": [], "took_us": 0}})
+        start = msgpack.packb({{"v": {WIRE_VERSION}, "t": "Done", "ref": 1, "produced": [], "took_us": 0, "saw": []}})
         n = {size} - len(start) - 20
         item = bytes([{mark}])
         if {nested}:
@@ -124,7 +124,7 @@ def empty_arrays(size: int, mark: int, nested: bool = False) -> str:
             body = inner * count
         else:
             count, body = n, item * n
-        head = (b"\\x86" + start[1:] + msgpack.packb("output") + b"\\xdd"
+        head = (b"\\x87" + start[1:] + msgpack.packb("output") + b"\\xdd"
                 + struct.pack(">I", count + 1) + msgpack.packb("L"))
         return [head + body], decode
     """

@@ -24,6 +24,7 @@ from somatize.wire import (
     MAX_HEADER,
     MAX_NAME,
     MAX_PATH,
+    MAX_SAW,
     MAX_SHAPE_DEPTH,
     MAX_TEXT,
     REQUESTS,
@@ -144,6 +145,8 @@ def messages() -> list:
         Refusal("no", ref=7),
         Done(7, [1, 2.5, "three", b"four"], {1: np.ones((2, 3), np.float32), 2: "kept"}, 4120),
         Done(0, None, {}, 0),
+        Done(7, 3, {}, 12, ({"fact": "ran", "node": "a", "took_us": "3"}, {"fact": "said", "kind": "busy"})),
+        Done(7, np.ones(3), {0: "kept"}, 12, ({"fact": "ran", "node": "a", "took_us": "3"},)),
         Failed(7, "embed raised ValueError: bad", "embed", "ValueError", "Traceback (most recent call last):\n..."),
         Failed(7, "the worker ran out of memory", None, "MemoryError", ""),
         Saw(7, {"fact": "ran", "node": "embed", "took_us": "4120"}),
@@ -395,9 +398,10 @@ _DIGEST = "sha256:" + "ab" * 32
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(value=_SCALARS, ref=st.integers(0, 2**63 - 1), took=st.integers(0, 2**40),
        keyed=st.booleans(), placed=st.booleans(), watched=st.booleans(),
-       change=st.sampled_from([None, "drop", "add", "twice", "ref", "keys", "value"]))
+       saw=st.lists(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=20), max_size=3), max_size=3),
+       change=st.sampled_from([None, "drop", "add", "twice", "ref", "keys", "value", "saw"]))
 def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
-        value, ref, took, keyed, placed, watched, change):
+        value, ref, took, keyed, placed, watched, saw, change):
     """A ``Work`` naming its recipe by digest and a ``Done``, each of one scalar value, are
     written as the codec would write them and read in one step: the same message as the long way gives, and for a header changed in
     any way (a field dropped, added, given twice, of the wrong type), what the long way makes
@@ -407,7 +411,7 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
     from somatize.codec import encode as written
 
     descriptor, its_frames = written(value)  # what the codec writes for it
-    for msg in (work, Done(ref, value, {}, took)):
+    for msg in (work, Done(ref, value, {}, took, tuple(saw))):
         frames = as_bytes(encode(msg))  # a scalar the codec writes as itself is written so here
         assert header_of(frames)["input" if msg is work else "output"] == descriptor
         assert len(frames) == 1 + len(its_frames)
@@ -425,6 +429,8 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
             pairs[2] = ("ref", -1 - ref)
         elif change == "keys":
             pairs = [(k, [[0, 1]] if k in ("keys", "produced") else v) for k, v in pairs]
+        elif change == "saw":
+            pairs = [(k, [*v, "ran"] if k == "saw" else v) for k, v in pairs]
         else:
             pairs = [(k, {"a": 1} if k in ("input", "output") else v) for k, v in pairs]
         changed = [_raw_map(pairs)]
@@ -658,6 +664,13 @@ def test_fields_over_their_limits_are_refused():
     refused(with_header(encode(Saw(1, {"a": "b"})), fact=facts), "`Saw.fact`", "entries")
     refused(with_header(encode(Saw(1, {"a": "b"})), fact={"a": "v" * (MAX_FACT_TEXT + 1)}), "Saw.fact['a']")
     refused(with_header(encode(Saw(1, {"a": "b"})), fact={"a": 1}), "Saw.fact['a']", "str")
+    done = encode(Done(1, 2, {}, 3))
+    refused(with_header(done, saw=[{"a": "b"}] * (MAX_SAW + 1)), "`Done.saw`", f"limit of {MAX_SAW}")
+    refused(with_header(done, saw=[facts]), "a fact of `Done.saw`", "entries")
+    refused(with_header(done, saw=[{"a": "b"}, "ran"]), "a fact of `Done.saw`", "map")
+    refused(with_header(done, saw={"a": "b"}), "`Done.saw`", "list")
+    refused(with_header(done, saw=[{"a": 1}]), "a fact of `Done.saw`['a']", "str")
+    refused(with_header(done, saw=[{"a": "v" * (MAX_FACT_TEXT + 1)}]), "a fact of `Done.saw`['a']")
     refused(with_header(encode(Send(1, (DIGEST,))), digests=[]), "1 to")
     refused(with_header(encode(Send(1, (DIGEST,))), digests=[DIGEST.upper()]), "lowercase hex")
     refused(with_header(encode(Located("w1", "direct")), path="teleport"), "`Located.path`")

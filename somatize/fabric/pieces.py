@@ -82,5 +82,5 @@ def piece_of(work: Work, nodes: Sequence[object]) -> Piece:
     return Piece("", steps, work.recipe.shape, work.input, dict(work.keys))
 
 
-def done_of(ref: int, outcome: Outcome, took_us: int) -> Done:
-    return Done(ref, outcome.output, outcome.produced, took_us)
+def done_of(ref: int, outcome: Outcome, took_us: int, saw: tuple[dict[str, str], ...] = ()) -> Done:
+    return Done(ref, outcome.output, outcome.produced, took_us, saw)

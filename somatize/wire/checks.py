@@ -390,6 +390,12 @@ def _check_done(m: Done) -> None:
                 f"is {shown(i)}"
             )
     _int(m.took_us, "Done.took_us", 0, limits.MAX_REF)
+    if not isinstance(m.saw, tuple):
+        raise Bad(f"`Done.saw` has to be a tuple of facts, and it is {_a(m.saw)}", TypeError)
+    if len(m.saw) > limits.MAX_SAW:
+        raise Bad(f"`Done.saw` has {len(m.saw):,} facts, over the limit of {limits.MAX_SAW}")
+    for fact in m.saw:
+        _fact(fact, "a fact of `Done.saw`")
 
 
 def _check_failed(m: Failed) -> None:
@@ -403,13 +409,17 @@ def _check_failed(m: Failed) -> None:
 
 def _check_saw(m: Saw) -> None:
     _ref(m.ref, "Saw.ref")
-    if not isinstance(m.fact, dict):
-        raise Bad(f"`Saw.fact` has to be a dict of str -> str, and it is {_a(m.fact)}", TypeError)
-    if len(m.fact) > limits.MAX_FACT:
-        raise Bad(f"`Saw.fact` has {len(m.fact):,} entries, over the limit of {limits.MAX_FACT}")
-    for k, v in m.fact.items():
-        _text(k, "a field name of `Saw.fact`", limits.MAX_NAME)
-        _text(v, f"Saw.fact[{shown(k)}]", limits.MAX_FACT_TEXT, empty=True)
+    _fact(m.fact, "Saw.fact")
+
+
+def _fact(fact: Any, where: str) -> None:
+    if not isinstance(fact, dict):
+        raise Bad(f"`{where}` has to be a dict of str -> str, and it is {_a(fact)}", TypeError)
+    if len(fact) > limits.MAX_FACT:
+        raise Bad(f"`{where}` has {len(fact):,} entries, over the limit of {limits.MAX_FACT}")
+    for k, v in fact.items():
+        _text(k, f"a field name of `{where}`", limits.MAX_NAME)
+        _text(v, f"{where}[{shown(k)}]", limits.MAX_FACT_TEXT, empty=True)
 
 
 def _check_located(m: Located) -> None:

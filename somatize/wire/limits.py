@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 """The version of this layout. Two sides talk only when it is the same on both. (5: a
 project-mode ``NodeSpec`` carries the client's digest of the node's code, ``code``; 7: a
 dialing worker's ``Hello`` and a relayed ``Located`` may name its folder for cargo; 8:
-``Listed.dialed`` says of each dialed host what its ``Where`` would.)"""
+``Listed.dialed`` says of each dialed host what its ``Where`` would; 9: a ``Done`` carries
+the facts its work said before it finished, ``saw``.)"""
 
 # -- sizes: decode refuses anything beyond these, before building anything -----------------
 
@@ -51,6 +52,8 @@ MAX_FACT = 256
 """Entries in one fact."""
 MAX_FACT_TEXT = 64 << 10
 """Characters in one value of a fact (its field names are names: ``MAX_NAME``)."""
+MAX_SAW = 64
+"""Facts one ``Done`` carries (``Done.saw``); a work that says more sends the rest as ``Saw``s."""
 MAX_HOSTS = 10_000
 """Hosts in a ``Listed``."""
 MAX_KINDS = 1000

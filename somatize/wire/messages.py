@@ -213,12 +213,15 @@ class Refusal:
 @dataclass(frozen=True)
 class Done:
     """Work ``ref`` finished: its output, what its cached nodes produced (node index ->
-    value), and how long it ran, in whole microseconds."""
+    value), and how long it ran, in whole microseconds. ``saw``: the facts the work said
+    before it finished, in order, when it finished soon enough to carry them itself (each
+    as a ``Saw`` would hold it); a work that runs longer sends them as ``Saw``s instead."""
 
     ref: int
     output: Any
     produced: dict[int, Any]
     took_us: int
+    saw: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

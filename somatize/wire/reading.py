@@ -483,12 +483,24 @@ def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
 
 
 def _parse_done(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Done:
-    ref, output, produced, took_us = _take(h, Done, "Done")
+    ref, output, produced, took_us, saw = _take(h, Done, "Done")
     output_slot = _slot(output, descriptors)
     if type(produced) is list and len(produced) > limits.MAX_NODES:
         raise Bad(f"`Done.produced` has {len(produced):,} entries, over the limit of {limits.MAX_NODES:,}")
     pairs = index_pairs(produced, "Done.produced")
-    return Done(ref, output_slot, {i: _slot(d, descriptors) for i, d in pairs.items()}, took_us)
+    return Done(ref, output_slot, {i: _slot(d, descriptors) for i, d in pairs.items()}, took_us, _facts(saw))
+
+
+def _facts(saw: Any) -> tuple[dict[str, str], ...]:
+    """``Done.saw`` as it is held: a list of maps (each map's entries are `check`'s to look at)."""
+    if type(saw) is not list:
+        raise Bad(f"`Done.saw` has to be a list of facts, and it is a `{msgpack_type(saw)}`")
+    if len(saw) > limits.MAX_SAW:
+        raise Bad(f"`Done.saw` has {len(saw):,} facts, over the limit of {limits.MAX_SAW}")
+    for fact in saw:
+        if type(fact) is not dict:
+            raise Bad(f"a fact of `Done.saw` has to be a map, and one is a `{msgpack_type(fact)}`")
+    return tuple(saw)
 
 
 def _parse_saw(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Saw:

@@ -82,10 +82,12 @@ def _inline(buffers: list, cls: type) -> Work | Done | None:
         return None
     try:
         if cls is Done:
-            output, produced = header["output"], header["produced"]
-            if type(output) not in INLINE_TYPES or type(produced) is not list or produced:
+            output, produced, saw = header["output"], header["produced"], header["saw"]
+            if type(output) not in INLINE_TYPES or type(produced) is not list or produced or type(saw) is not list:
                 return None
-            msg: Any = Done(header["ref"], output, {}, header["took_us"])
+            if saw and (len(saw) > limits.MAX_SAW or any(type(f) is not dict for f in saw)):
+                return None  # the long way says what is wrong with it
+            msg: Any = Done(header["ref"], output, {}, header["took_us"], tuple(saw))
         else:
             value = header["input"]
             if header["recipe"] is not None or type(value) not in INLINE_TYPES:

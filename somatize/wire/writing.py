@@ -220,6 +220,7 @@ def _done_header(msg: Done, parts: Any) -> dict[str, Any]:
         "output": next(parts),
         "produced": [[i, next(parts)] for i in msg.produced],
         "took_us": msg.took_us,
+        "saw": msg.saw,
     }
 
 

@@ -571,6 +571,8 @@ class Channel:
         while True:
             answer = self._next(None, "for the work's answer", deadline)
             if not isinstance(answer, Saw):
+                for fact in answer.saw if watch is not None and type(answer) is Done else ():
+                    watch(fact)  # what a work that finished at once said (`worker.held`)
                 return answer
             if watch is not None:
                 watch(answer.fact)

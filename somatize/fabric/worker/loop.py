@@ -2,7 +2,8 @@
 
 A worker holds no state anyone cares about and knows nothing of graphs. It answers on a
 ROUTER it listens on (Direct and Mount) or on a DEALER it dialed to a broker (Relayed).
-Facts go back as ``Saw`` the moment they happen, then exactly one ``Done`` or ``Failed``.
+Facts go back as ``Saw``s, then exactly one ``Done`` or ``Failed``; a piece that finishes
+within ``STAND_IN_AFTER`` carries what it said inside its ``Done`` (:mod:`.held`).
 Anything malformed or out of turn is answered ``Refusal`` and the loop goes on serving.
 
 Who says what, when, is :class:`~somatize.fabric.conversation.WorkerSessions`'s: every
@@ -95,6 +96,7 @@ from ..curve import Guard, Keys, as_server, user_of
 from .dialing import MAX_BACKOFF, Dialing
 from .intake import Intake
 from .heap import Heap
+from .held import Held
 from .imported import Imports
 from .outbox import Outbox, To
 from ..pieces import done_of, piece_of
@@ -237,6 +239,8 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
                 due = min(due, self._hello_at + min(2.0, self.patience))
         if self.store is not None and self.reporting:
             due = min(due, self._last_report + self.reporting)
+        if self._slots is not None and self._running:  # a young piece's facts leave once it runs long
+            due = min(due, self._young_until())
         return max(0, int(1000 * (due - time.monotonic())) + 1)
 
     def _poller(self) -> zmq.Poller:
@@ -258,6 +262,8 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             self._keep_offering(now)
         if self._revoking:
             self._revoke()
+        if self._slots is not None and self._running:
+            self._release_held(now)
         if self._answers in events:
             self._forward_answers()
         if self._outgoing:
@@ -500,12 +506,13 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         return push
 
     def _run(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | None) -> None:
-        def told(fact: dict[str, str]) -> None:  # from any thread of the piece
-            saw = Saw(work.ref, {k: clip(v, 16 << 10) for k, v in fact.items()})
-            self._post(to, saw, encode(saw))
+        ref = work.ref
 
-        watch = told if work.watched else None  # nobody on the other side looks: no facts at all
-
+        def sent(fact: dict[str, str]) -> None:  # one fact as a Saw of its own, into the outbox
+            self._post(to, Saw(ref, fact), encode(Saw(ref, fact)))
+        # what the piece says is held while it is young, to travel inside its Done (`.held`)
+        held = job.held = Held(sent) if work.watched else None
+        watch = held.told if held is not None else None  # nobody on the other side looks: no facts at all
         said = self._said()
         if said is not None and watch is not None:
             watch(said)
@@ -518,7 +525,8 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             nodes = self._build(work, job)
             built = True
             outcome = run_piece(piece_of(work, nodes), watch)
-            answer = done_of(work.ref, outcome, microseconds(time.perf_counter_ns() - started))
+            answer = done_of(work.ref, outcome, microseconds(time.perf_counter_ns() - started),
+                             held.take() if held is not None else ())
         except NodeFailed as exc:
             cause = exc.__cause__ or exc
             if isinstance(cause, NodeExit):
@@ -539,10 +547,14 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         except BaseException as exc:  # the worker's own trouble: still an answer, never a hang
             answer = failed_answer(work.ref, exc, traceback=format_exception(exc))
         if isinstance(answer, (Failed, Refusal)):
+            if held is not None:
+                held.release()  # what the piece said leaves first, as Saws
             answer = self._stale(answer)  # here, before it is written into a segment
         try:
             frames = encode(answer)
         except (CodecError, ValueError) as exc:  # unwritable, or over a wire limit
+            for early in getattr(answer, "saw", ()):  # what the piece said still leaves, first
+                sent(early)
             answer = failed_answer(work.ref, exc, why=f"what this work produced cannot travel back: {exc}")
             frames = encode(answer)
         self.heap.moved(frames)

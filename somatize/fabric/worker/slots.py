@@ -39,13 +39,14 @@ class Job:
     """One piece of work in a slot: when it started, the node it is running now, the peer it
     answers, and whether it was abandoned."""
 
-    __slots__ = ("abandoned", "node", "peer", "started")
+    __slots__ = ("abandoned", "held", "node", "peer", "started")
 
     def __init__(self, node: str, peer: bytes = b"") -> None:
         self.node = node
         self.peer = peer
         self.started = time.monotonic()
         self.abandoned = False
+        self.held: Any = None  # a watched piece's facts not sent yet (`.held.Held`)
 
 
 class Guarded(Node):

@@ -89,6 +89,24 @@ class StandIn:
     _inline: Any
     _inline_seq: int
     _want_back: bool
+    _running: dict
+    _running_lock: Any
+
+    def _young_until(self) -> float:
+        """When the first piece in a slot whose facts are held will have run long (`.held`)."""
+        with self._running_lock:
+            return min((job.started + STAND_IN_AFTER for job in self._running.values()
+                        if job.held is not None and job.held.holding), default=float("inf"))
+
+    def _release_held(self, now: float) -> None:
+        """Pieces in slots that have run ``STAND_IN_AFTER``: what they said leaves now, and
+        what they say later as they say it (for a piece where it arrived, the stand-in does
+        this as it takes the socket)."""
+        with self._running_lock:
+            long = [job.held for job in self._running.values()
+                    if job.held is not None and job.held.holding and now - job.started >= STAND_IN_AFTER]
+        for held in long:
+            held.release()
 
     def _stand_in(self) -> None:
         """On a thread of its own: serve while a piece runs where it arrived, once it has run
@@ -110,6 +128,9 @@ class StandIn:
                 self._holder = me
                 try:
                     poller = poller or self._poller()
+                    inline = self._inline
+                    if inline is not None and inline.held is not None:
+                        inline.held.release()  # it runs long: what it said leaves now, the rest as said
                     self._flush()  # what the piece said so far
                     while not self._want_back and not self.stopping.is_set():
                         self._turn(poller, 20)

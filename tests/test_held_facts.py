@@ -1,0 +1,140 @@
+"""A watched piece's facts: inside its `Done` when it finishes at once, live when it runs long.
+
+A piece that finishes within the stand-in's `STAND_IN_AFTER` carries what it said inside its
+`Done` (one message back instead of one per fact); one that runs longer has what it said
+sent at once as `Saw`s, and what it says afterwards as it says it, so a watcher sees a long
+piece live. Order is kept either way, nothing is said twice and nothing is lost. Played
+against real workers (one job, and slots), with a peer speaking the wire by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from conftest import WORKER, env_with_tests
+from fabric_nodes import Add, Boom, Hold
+from peers import Raw
+from somatize import Broker, Worker
+from somatize.packing import Packer
+from somatize.wire import MAX_SAW, Done, Failed, Hello, Ready, Recipe, Runtime, Saw, Work
+
+
+def spec(node, label: str):
+    return Packer("project").spec(node.named(label).steps[0])
+
+
+def chain(*specs) -> Recipe:
+    return Recipe(tuple(specs), ("seq", tuple(("step", i) for i in range(len(specs)))))
+
+
+def worker(processes, *extra: str):
+    return processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", *extra], env=env_with_tests())
+
+
+def until_terminal(raw: Raw, ref: int) -> list:
+    said = []
+    while not said or isinstance(said[-1], Saw):
+        answer = raw.answer(30)
+        assert answer is not None, f"no answer to work {ref} within 30 s; so far {said}"
+        assert getattr(answer, "ref", ref) == ref, answer
+        said.append(answer)
+    return said
+
+
+def facts_of(said: list) -> list[tuple[str, str]]:
+    """Every fact the answers carried, in order: the Saws', then the Done's own."""
+    facts = [m.fact for m in said if isinstance(m, Saw)]
+    if isinstance(said[-1], Done):
+        facts += list(said[-1].saw)
+    return [(f["fact"], f.get("node", "")) for f in facts]
+
+
+def wait_for(path: str, seconds: float = 30.0) -> None:
+    until = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert time.monotonic() < until, f"{path} did not appear within {seconds:g} s"
+        time.sleep(0.005)
+
+
+def test_a_piece_that_finishes_at_once_sends_its_facts_inside_its_done(processes):
+    raw = Raw(worker(processes).endpoint)
+    try:
+        assert isinstance(raw.ask(Hello(Runtime.here(mode="project"))), Ready)
+        raw.send(Work(1, chain(spec(Add(1), "a"), spec(Add(2), "b")), 1, watched=True))
+        said = until_terminal(raw, 1)
+        assert [type(m) for m in said] == [Done], said  # one message back, not three
+        assert said[0].output == 4
+        assert facts_of(said) == [("ran", "a"), ("ran", "b")]
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_piece_that_runs_long_sends_what_it_said_live_and_the_rest_as_said(processes, tmp_path, jobs):
+    """The first node's `ran` arrives while the second still runs (with one job the stand-in
+    releases it as it takes the socket; with slots the serving loop does), then the second's."""
+    started, release = str(tmp_path / "started"), str(tmp_path / "release")
+    raw = Raw(worker(processes, "--jobs", jobs).endpoint)
+    try:
+        assert isinstance(raw.ask(Hello(Runtime.here(mode="project"))), Ready)
+        work = chain(spec(Add(1), "a"), spec(Hold(started, release), "hold"), spec(Add(2), "c"))
+        raw.send(Work(1, work, 1, watched=True))
+        wait_for(started)
+        early = raw.answer(30)  # while `hold` runs, and nothing released it: live
+        assert isinstance(early, Saw) and (early.fact["fact"], early.fact["node"]) == ("ran", "a"), early
+        assert not os.path.exists(release)
+        open(release, "w").close()
+        said = [early, *until_terminal(raw, 1)]
+        assert isinstance(said[-1], Done) and said[-1].output == 4
+        assert facts_of(said) == [("ran", "a"), ("ran", "hold"), ("ran", "c")]
+        assert said[-1].saw == ()  # once released, a piece's facts leave as it says them
+        raw.send(Work(2, chain(spec(Add(1), "a")), 1, watched=True))  # the next piece is young again
+        again = until_terminal(raw, 2)
+        assert [type(m) for m in again] == [Done] and facts_of(again) == [("ran", "a")]
+    finally:
+        if not os.path.exists(release):
+            open(release, "w").close()
+        raw.close()
+
+
+def test_a_piece_saying_more_than_a_done_carries_sends_them_all_in_order(processes):
+    n = MAX_SAW + 6
+    raw = Raw(worker(processes).endpoint)
+    try:
+        assert isinstance(raw.ask(Hello(Runtime.here(mode="project"))), Ready)
+        raw.send(Work(1, chain(*(spec(Add(1), f"n{i}") for i in range(n))), 0, watched=True))
+        said = until_terminal(raw, 1)
+        assert isinstance(said[-1], Done) and said[-1].output == n
+        assert len(said[-1].saw) <= MAX_SAW
+        assert facts_of(said) == [("ran", f"n{i}") for i in range(n)]  # each once, in order
+    finally:
+        raw.close()
+
+
+def test_a_failing_piece_sends_what_it_said_before_its_failed(processes):
+    raw = Raw(worker(processes).endpoint)
+    try:
+        assert isinstance(raw.ask(Hello(Runtime.here(mode="project"))), Ready)
+        raw.send(Work(1, chain(spec(Add(1), "a"), spec(Boom(), "boom")), 1, watched=True))
+        said = until_terminal(raw, 1)
+        assert isinstance(said[-1], Failed) and said[-1].node == "boom"
+        assert [(m.fact["fact"], m.fact["node"]) for m in said[:-1]] == [("ran", "a"), ("failed", "boom")]
+    finally:
+        raw.close()
+
+
+def test_a_watcher_sees_the_same_facts_whether_they_came_inside_the_done_or_not(processes):
+    """Through a graph: the client hands the facts a Done carried to the watcher, in order
+    and named by host, as it hands those of Saws, before the piece's `left`."""
+    endpoint = worker(processes).endpoint
+    seen: list[dict] = []
+    with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as broker:
+        graph = Add(1).named("a").at("w1") >> Add(2).named("b").at("w1")
+        assert graph.forward(1, broker=broker, watching=seen.append) == 4
+        assert graph.forward(1, broker=broker) == 4  # unwatched: nothing held, nothing carried
+    assert [(f["fact"], f.get("node"), f.get("host")) for f in seen if f["fact"] in ("ran", "left")] == [
+        ("ran", "a", "w1"), ("ran", "b", "w1"), ("left", None, "w1")]
+    assert seen[-1]["fact"] == "finished"
