@@ -112,13 +112,20 @@ def small_forward(settings: Settings, floors: Floors) -> list[Row]:
             echo.forward(SMALL, broker=broker)
             raw.small(SMALL)
         assert echo.forward(SMALL, broker=broker) == SMALL
+        ran: list[int] = [0]
+
+        def told(fact: dict) -> None:  # a watcher: every fact of the forward is told to it
+            ran[0] += fact["fact"] == "ran"
+
         samples = interleaved(
-            {"raw": lambda: raw.small(SMALL), "somatize": lambda: echo.forward(SMALL, broker=broker)},
+            {"raw": lambda: raw.small(SMALL), "somatize": lambda: echo.forward(SMALL, broker=broker),
+             "watched": lambda: echo.forward(SMALL, broker=broker, watching=told)},
             settings.calls,
             settings.blocks,
         )
         made = paths.pickles(broker)
-    calls = len(samples["somatize"]) + max(20, settings.calls // 20) + 1
+    assert ran[0] == len(samples["watched"]), "the watcher was not told each forward's `ran`"
+    calls = len(samples["somatize"]) + len(samples["watched"]) + max(20, settings.calls // 20) + 1
     floor_median = median(samples["raw"])
     floors.small = floor_median
     mine = median(samples["somatize"])
@@ -130,6 +137,8 @@ def small_forward(settings: Settings, floors: Floors) -> list[Row]:
             f"raw {us(floor_median)}", ratio(mine / floor_median), "<= 2x", at_most(mine / floor_median, 2.0)),
         Row("a", "the same, least disturbed block of each", f"{us(quiet_mine)} median",
             f"raw {us(quiet_floor)}", ratio(quiet_mine / quiet_floor), "<= 2x", at_most(quiet_mine / quiet_floor, 2.0)),
+        Row("a", "the same, watched (its facts told to a watcher)", f"{us(median(samples['watched']))} median",
+            f"unwatched {us(mine)}", ratio(median(samples["watched"]) / mine)),
         Row("a", f"artifact pickles after {calls} calls", str(made), target="= 1",
             verdict="PASS" if made == 1 else "MISS"),
     ]

@@ -21,6 +21,7 @@ RUN = ROOT / "benchmarks" / "run.py"
 # the start of a row's `what`, for every row each case must print
 ROWS = {
     "a": ["raw pyzmq DEALER->ROUTER, 100 B", "somatize Direct, 1 node, 100 B", "the same, least disturbed block",
+          "the same, watched",
           "artifact pickles after", "Ray", "Dask"],
     "b": ["raw pyzmq zero-copy echo, 1 MiB", "Direct, numpy 1 MiB", "Mount (/dev/shm), numpy 1 MiB",
           "Mount (/dev/shm), views=True, numpy 1 MiB", "Relayed, numpy 1 MiB", "artifact pickles (Direct, Mount, Mount views, Relayed)", "Ray", "Dask"],

@@ -242,6 +242,9 @@ class Alarm(threading.Event):
         self._made = threading.Lock()
 
     def fileno(self) -> int:
+        pair = self._pair  # made already: every poll asks, so no lock for it
+        if pair is not None:
+            return pair[0].fileno()
         with self._made:
             if self._pair is None:
                 self._pair = socket.socketpair()

@@ -202,7 +202,7 @@ class Channel:
             return self.lane.dropped() or self.lane.link.refused is not None
         dropped = False
         try:
-            while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            while sockets.readable(self.monitor):
                 event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.linked = True
