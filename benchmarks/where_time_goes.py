@@ -31,7 +31,8 @@ pack, encode, send, decode, check, run, answer...): each stage's share of the si
 a cProfile of both sides, times the side's CPU per call measured without one.
 
 ``cpu`` runs case (a) on somatize and on raw pyzmq and says, per call, the wall time and the
-CPU time each side spent (Linux: the other side's is read from /proc). ``ceilings`` says
+CPU time each side spent, by thread (the calling thread, libzmq's I/O thread) and as user and
+system time (Linux: read from /proc). ``ceilings`` says
 how fast this machine copies 64 MiB: in memory, and into a new or an existing file in
 /dev/shm (what bounds the Mount path).
 """
@@ -98,10 +99,12 @@ def run(which: str) -> None:
 
 
 def cpu(calls: int = 3000) -> str:
-    """Case (a) per call: wall time, and the CPU time each side spent, somatize and raw.
+    """Case (a) per call: wall time, and the CPU time each side spent, somatize and raw,
+    each side's split by thread (the thread that calls, against libzmq's I/O thread, which
+    moves the bytes) and into user and system time.
 
-    The client's CPU is this process's (its libzmq I/O thread and the embedded broker's
-    thread included); the worker's and the echo server's are read from /proc (Linux).
+    Read from /proc (Linux) for every thread of both processes: the client's (its embedded
+    broker's thread included, under "other threads") and the worker's or the echo server's.
     """
     import os
     import time
@@ -110,20 +113,31 @@ def cpu(calls: int = 3000) -> str:
     from cases import floor
     from nodes import Echo
 
-    def cpu_of(pid: int) -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = 1e6 / os.sysconf("SC_CLK_TCK") / calls  # µs per call in one clock tick
 
-    def per_call(call, pid: int) -> tuple[float, float, float]:
-        for _ in range(200):
-            call()
-        wall, mine, theirs = time.perf_counter(), time.process_time(), cpu_of(pid)
-        for _ in range(calls):
-            call()
-        return tuple(
-            1e6 * (after - before) / calls
-            for before, after in ((wall, time.perf_counter()), (mine, time.process_time()), (theirs, cpu_of(pid)))
-        )
+    def threads(pid: int) -> dict[str, tuple[int, int]]:
+        """(user, system) clock ticks by thread, the threads named by role."""
+        found: dict[str, tuple[int, int]] = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:  # it ended meanwhile
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat.rsplit(")", 1)[1].split()
+            role = "main" if tid == str(pid) else "I/O" if name.startswith("ZMQbg/IO") else "other threads"
+            user, system = found.get(role, (0, 0))
+            found[role] = (user + int(fields[11]), system + int(fields[12]))
+        return found
+
+    def said(before: dict, after: dict) -> str:
+        parts = []
+        for role in ("main", "I/O", "other threads"):
+            user, system = (after.get(role, (0, 0))[i] - before.get(role, (0, 0))[i] for i in (0, 1))
+            if user or system or role != "other threads":
+                parts.append(f"{role} {tick * user:.0f}+{tick * system:.0f}")
+        total = sum(tick * (a[0] + a[1]) for a in after.values()) - sum(tick * (b[0] + b[1]) for b in before.values())
+        return f"{total:4.0f} µs ({', '.join(parts)}: user+system)"
 
     echo = Echo().named("echo").at("w1")
     with paths.direct() as broker, floor() as raw:
@@ -134,8 +148,14 @@ def cpu(calls: int = 3000) -> str:
             ("somatize Direct", lambda: echo.forward(SMALL, broker=broker), worker),
             ("raw pyzmq", lambda: raw.small(SMALL), raw.server_pid),
         ):
-            wall, client, other = per_call(call, pid)
-            lines.append(f"{name:16} {wall:6.0f} µs per call; CPU: client {client:4.0f} µs, other side {other:4.0f} µs")
+            for _ in range(200):
+                call()
+            mine, theirs, wall = threads(os.getpid()), threads(pid), time.perf_counter()
+            for _ in range(calls):
+                call()
+            wall = 1e6 * (time.perf_counter() - wall) / calls
+            lines.append(f"{name:16} {wall:6.0f} µs per call; CPU per call: client {said(mine, threads(os.getpid()))}; "
+                         f"other side {said(theirs, threads(pid))}")
     return "\n".join(lines)
 
 
