@@ -138,3 +138,53 @@ def test_a_watcher_sees_the_same_facts_whether_they_came_inside_the_done_or_not(
     assert [(f["fact"], f.get("node"), f.get("host")) for f in seen if f["fact"] in ("ran", "left")] == [
         ("ran", "a", "w1"), ("ran", "b", "w1"), ("left", None, "w1")]
     assert seen[-1]["fact"] == "finished"
+
+
+def test_what_one_done_carries_is_bounded_by_count_and_by_size_and_nothing_is_lost():
+    """Held itself (pure Python, real threads): past MAX_SAW facts or HELD_BYTES of text,
+    what is held goes out first, in order, then each fact as it is said; facts said from
+    several threads while the serving thread releases them each leave exactly once."""
+    import threading
+
+    from somatize.fabric.worker.held import HELD_BYTES, Held
+
+    sent: list[dict] = []
+    held = Held(sent.append)
+    big = "x" * (HELD_BYTES // 3)
+    for i in range(3):
+        held.say({"fact": "ran", "node": f"n{i}", "note": big})
+    assert [f["node"] for f in sent] == ["n0", "n1", "n2"] and not held.holding  # the third did not fit
+    held.say({"fact": "ran", "node": "n3"})
+    assert [f["node"] for f in sent] == ["n0", "n1", "n2", "n3"] and held.take() == ()
+
+    sent.clear()
+    held = Held(sent.append)
+    for i in range(MAX_SAW):
+        held.say({"fact": "ran", "node": f"n{i}"})
+    assert sent == [] and held.holding
+    carried = held.take()
+    assert [f["node"] for f in carried] == [f"n{i}" for i in range(MAX_SAW)] and not held.holding
+    held.say({"fact": "ran", "node": "late"})  # said after the Done was built: sent, never lost
+    assert sent == [{"fact": "ran", "node": "late"}]
+
+    sent.clear()
+    held = Held(sent.append)
+    start = threading.Barrier(5)
+
+    def say(t: int) -> None:
+        start.wait()
+        for i in range(200):
+            held.say({"fact": "ran", "node": f"t{t}-{i}"})
+
+    threads = [threading.Thread(target=say, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    held.release()  # the piece ran long, mid-way through what its branches say
+    for thread in threads:
+        thread.join(30)
+    said = [f["node"] for f in sent] + [f["node"] for f in held.take()]
+    assert sorted(said) == sorted(f"t{t}-{i}" for t in range(4) for i in range(200))  # each once
+    for t in range(4):  # and each thread's in the order it said them
+        mine = [n for n in said if n.startswith(f"t{t}-")]
+        assert mine == [f"t{t}-{i}" for i in range(200)]
