@@ -347,6 +347,22 @@ def _raw_map(pairs) -> bytes:
     return bytes([0x80 + len(pairs)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in pairs)
 
 
+def test_a_fact_with_a_key_twice_is_refused_the_short_way_as_the_long_way():
+    """A `Done` of one scalar is read the short way; a fact in its `saw` holding a key twice
+    (which `unpackb` would merge quietly, the last value winning) is refused there as the
+    long way refuses it, word for word, never taken as the fact its last value makes."""
+    twice = _raw_map([("fact", "ran"), ("fact", "finished")])
+    pairs = [("v", WIRE_VERSION), ("t", "Done"), ("ref", 1), ("output", 2), ("produced", []), ("took_us", 3)]
+    head = bytes([0x80 + len(pairs) + 1]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in pairs)
+    frames = [head + msgpack.packb("saw") + b"\x91" + twice]
+    with pytest.raises(ProtocolError) as long_way:
+        _long_way(frames)
+    assert "twice" in long_way.value.why
+    assert refused(frames, "twice") == long_way.value.why
+    fine = [head + msgpack.packb("saw") + b"\x91" + _raw_map([("fact", "ran"), ("node", "a")])]
+    assert decode(fine).saw == ({"fact": "ran", "node": "a"},) and same(decode(fine), _long_way(fine))
+
+
 def test_a_relay_is_read_in_one_step_and_refused_as_the_long_way_refuses_it():
     """The envelope every relayed hop passes on has a short way in: ``variant_of`` tells it by
     its first bytes, ``decode`` builds it in one step (and ``encode`` writes it so): the same

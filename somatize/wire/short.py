@@ -85,7 +85,8 @@ def _inline(buffers: list, cls: type) -> Work | Done | None:
             output, produced, saw = header["output"], header["produced"], header["saw"]
             if type(output) not in INLINE_TYPES or type(produced) is not list or produced or type(saw) is not list:
                 return None
-            if saw and (len(saw) > limits.MAX_SAW or any(type(f) is not dict for f in saw)):
+            if saw and (len(saw) > limits.MAX_SAW or any(type(f) is not dict for f in saw)
+                        or not _each_key_once(buffers[0])):
                 return None  # the long way says what is wrong with it
             msg: Any = Done(header["ref"], output, {}, header["took_us"], tuple(saw))
         else:
@@ -157,6 +158,23 @@ def keep_written(msg: Hello | Ready | Bye, frames: list) -> None:
         if len(_WRITTEN) >= _MAX_GREETINGS:
             _WRITTEN.clear()
         _WRITTEN[msg] = [bytes(frames[0])]
+
+
+def _each_key_once(head: Any) -> bool:
+    """Whether every map in ``head`` holds each key once (its facts are maps: a key given
+    twice would be merged quietly by ``unpackb``, where the long way refuses it)."""
+    try:
+        msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_no_ext, object_pairs_hook=_once)
+    except Exception:  # noqa: BLE001 - the long way says what is wrong
+        return False
+    return True
+
+
+def _once(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key twice: the long way says so")
+    return out
 
 
 def _no_ext(code: int, data: bytes) -> Any:
