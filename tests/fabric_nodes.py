@@ -69,18 +69,3 @@ class FolderSeen(Node):
 
         return [int(np.asarray(x).nbytes), sum(1 for n in os.listdir(self.folder) if NAME.fullmatch(n))]
 
-
-class Hold(Node):
-    """Writes ``started``, then runs until ``release`` exists (a minute at most)."""
-
-    def __init__(self, started: str, release: str) -> None:
-        self.started = started
-        self.release = release
-
-    def forward(self, x):
-        with open(self.started, "w") as out:
-            out.write(str(os.getpid()))
-        until = time.monotonic() + 60
-        while not os.path.exists(self.release) and time.monotonic() < until:
-            time.sleep(0.005)
-        return x

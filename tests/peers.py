@@ -1,10 +1,15 @@
-"""A peer speaking the wire by hand, for the tests that play an attacker or a slow client."""
+"""Peers speaking the wire by hand, for the tests that play an attacker, a slow client or a
+worker that answers what it likes."""
 
 from __future__ import annotations
 
+import threading
+
 import zmq
 
-from somatize.wire import decode, encode
+from somatize.wire import Hello, Ready, Runtime, Work, decode, encode
+
+RT = Runtime.here(mode="project")
 
 
 class Raw:
@@ -37,4 +42,39 @@ class Raw:
         return self.answer(timeout)
 
     def close(self) -> None:
+        self.sock.close(0)
+
+
+class FakeWorker:
+    """A worker played by a ROUTER on a thread: Ready to every Hello, and to every Work what
+    ``answer(work)`` returns (a message, or a list of frames written by hand); it counts the
+    Works it received."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.works: list[Work] = []
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            route, *frames = self.sock.recv_multipart()
+            message = decode(frames)
+            if isinstance(message, Hello):
+                self.sock.send_multipart([route, *encode(Ready(RT))])
+            elif isinstance(message, Work):
+                self.works.append(message)
+                reply = self.answer(message)
+                self.sock.send_multipart([route, *(reply if isinstance(reply, list) else encode(reply))])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
         self.sock.close(0)

@@ -15,9 +15,10 @@ import time
 import pytest
 
 from conftest import WORKER, env_with_tests
-from fabric_nodes import Add, Boom, Hold
-from peers import Raw
-from somatize import Broker, Worker
+from fabric_nodes import Add, Boom, Sleep
+from holds_nodes import Hold
+from peers import FakeWorker, Raw
+from somatize import Broker, ProtocolError, Worker
 from somatize.packing import Packer
 from somatize.wire import MAX_SAW, Done, Failed, Hello, Ready, Recipe, Runtime, Saw, Work
 
@@ -76,16 +77,16 @@ def test_a_piece_that_finishes_at_once_sends_its_facts_inside_its_done(processes
 def test_a_piece_that_runs_long_sends_what_it_said_live_and_the_rest_as_said(processes, tmp_path, jobs):
     """The first node's `ran` arrives while the second still runs (with one job the stand-in
     releases it as it takes the socket; with slots the serving loop does), then the second's."""
-    started, release = str(tmp_path / "started"), str(tmp_path / "release")
+    started, release, finished = (str(tmp_path / name) for name in ("started", "release", "finished"))
     raw = Raw(worker(processes, "--jobs", jobs).endpoint)
     try:
         assert isinstance(raw.ask(Hello(Runtime.here(mode="project"))), Ready)
-        work = chain(spec(Add(1), "a"), spec(Hold(started, release), "hold"), spec(Add(2), "c"))
+        work = chain(spec(Add(1), "a"), spec(Hold(started, release, finished), "hold"), spec(Add(2), "c"))
         raw.send(Work(1, work, 1, watched=True))
         wait_for(started)
         early = raw.answer(30)  # while `hold` runs, and nothing released it: live
         assert isinstance(early, Saw) and (early.fact["fact"], early.fact["node"]) == ("ran", "a"), early
-        assert not os.path.exists(release)
+        assert not os.path.exists(finished)  # it came while `hold` still ran
         open(release, "w").close()
         said = [early, *until_terminal(raw, 1)]
         assert isinstance(said[-1], Done) and said[-1].output == 4
@@ -128,16 +129,63 @@ def test_a_failing_piece_sends_what_it_said_before_its_failed(processes):
 
 def test_a_watcher_sees_the_same_facts_whether_they_came_inside_the_done_or_not(processes):
     """Through a graph: the client hands the facts a Done carried to the watcher, in order
-    and named by host, as it hands those of Saws, before the piece's `left`."""
+    and named by host, as it hands those of Saws (a piece running past the stand-in's
+    20 ms), before the piece's `left`; an unwatched forward is told nothing."""
     endpoint = worker(processes).endpoint
-    seen: list[dict] = []
+    quick: list[dict] = []
+    slow: list[dict] = []
     with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as broker:
         graph = Add(1).named("a").at("w1") >> Add(2).named("b").at("w1")
-        assert graph.forward(1, broker=broker, watching=seen.append) == 4
+        assert graph.forward(1, broker=broker, watching=quick.append) == 4
         assert graph.forward(1, broker=broker) == 4  # unwatched: nothing held, nothing carried
-    assert [(f["fact"], f.get("node"), f.get("host")) for f in seen if f["fact"] in ("ran", "left")] == [
-        ("ran", "a", "w1"), ("ran", "b", "w1"), ("left", None, "w1")]
-    assert seen[-1]["fact"] == "finished"
+        longer = Add(1).named("a").at("w1") >> Sleep(0.2).named("sleep").at("w1") >> Add(2).named("b").at("w1")
+        assert longer.forward(1, broker=broker, watching=slow.append) == 4
+
+    def said(seen: list[dict]) -> list[tuple]:
+        return [(f["fact"], f.get("node"), f.get("host")) for f in seen if f["fact"] in ("ran", "left")]
+
+    assert said(quick) == [("ran", "a", "w1"), ("ran", "b", "w1"), ("left", None, "w1")]
+    assert said(slow) == [("ran", "a", "w1"), ("ran", "sleep", "w1"), ("ran", "b", "w1"), ("left", None, "w1")]
+    assert quick[-1]["fact"] == slow[-1]["fact"] == "finished"
+
+
+def test_a_worker_whose_done_carries_facts_that_should_be_refused_breaks_the_channel_never_the_client():
+    """Attacker: an allowed worker answering a watched Work with a `Done` whose facts are too
+    many, not text, or a map holding a key twice (which a reader merging maps quietly would
+    take as its last value). The client refuses each as a `ProtocolError` at once, its
+    watcher told none of it, and serves the next forward; an unwatched forward is not told
+    facts a worker carried anyway."""
+    import msgpack
+
+    from somatize.wire import WIRE_VERSION
+
+    def done(ref: int, saw: bytes) -> list:
+        pairs = [("v", WIRE_VERSION), ("t", "Done"), ("ref", ref), ("output", 2), ("produced", []), ("took_us", 1)]
+        head = bytes([0x80 + len(pairs) + 1]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in pairs)
+        return [head + msgpack.packb("saw") + saw]
+
+    ran = msgpack.packb({"fact": "ran", "node": "a"})
+    hostile = {
+        "too many": bytes([0xDC]) + (MAX_SAW + 1).to_bytes(2, "big") + ran * (MAX_SAW + 1),
+        "not text": b"\x91" + msgpack.packb({"fact": 7}),
+        "a key twice": b"\x91\x82" + msgpack.packb("fact") + msgpack.packb("ran") + msgpack.packb("fact") + msgpack.packb("finished"),
+    }
+    plan = iter([*hostile.values(), b"\x91" + ran, b"\x91" + ran])
+    fake = FakeWorker(lambda work: done(work.ref, next(plan)))
+    try:
+        seen: list[dict] = []
+        with Broker.embedded({"w1": Worker.at(fake.endpoint, mode="project")}) as broker:
+            node = Add(1).named("a").at("w1")
+            for what in hostile:
+                with pytest.raises(ProtocolError, match="could not be taken"):
+                    node.forward(1, broker=broker, watching=seen.append, deadline=10)
+            assert [f["fact"] for f in seen if f["fact"] == "ran"] == [], f"a hostile fact reached the watcher: {seen}"
+            assert node.forward(1, broker=broker, watching=seen.append, deadline=10) == 2
+            assert [(f["fact"], f["node"]) for f in seen if f["fact"] == "ran"] == [("ran", "a")]
+            assert node.forward(1, broker=broker, deadline=10) == 2  # unwatched: the facts it carried are dropped
+        assert len(fake.works) == len(hostile) + 2
+    finally:
+        fake.close()
 
 
 def test_what_one_done_carries_is_bounded_by_count_and_by_size_and_nothing_is_lost():

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from conftest import BROKER, WORKER, env_with_tests
-from peers import Raw
+from peers import FakeWorker, Raw
 from fabric_nodes import Add
 from holds_nodes import Big, Hold, Mark
 from reliability_support import wait_until
@@ -207,38 +207,6 @@ def test_an_answer_streaming_back_keeps_its_session_while_another_tenant_crowds_
     finally:
         for raw in (victim, *crowd):
             raw.close()
-
-
-class FakeWorker:
-    """A worker played by a ROUTER on a thread: Ready to every Hello, and to every Work what
-    ``answer(work)`` returns; it counts the Works it received."""
-
-    def __init__(self, answer) -> None:
-        self.answer = answer
-        self.works: list[Work] = []
-        self.sock = socket_of(zmq.ROUTER)
-        self.sock.bind("tcp://127.0.0.1:0")
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            route, *frames = self.sock.recv_multipart()
-            message = decode(frames)
-            if isinstance(message, Hello):
-                self.sock.send_multipart([route, *encode(Ready(RT))])
-            elif isinstance(message, Work):
-                self.works.append(message)
-                self.sock.send_multipart([route, *encode(self.answer(message))])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(0)
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["naming-no-work", "naming-the-work"])

@@ -1,14 +1,14 @@
 """A header's items as both readers take them: the long way (:mod:`somatize.wire.reading`)
 and the short one (:mod:`somatize.wire.short`) name an item's MessagePack type in their
-sentences, and read ``[[index, value], ...]`` pairs (a Work's keys and placement, a Done's
-produced values) the same way.
+sentences, read ``[[index, value], ...]`` pairs (a Work's keys and placement, a Done's
+produced values) the same way, and build a header's maps the same way (``text_map``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .checks import Bad
+from .checks import Bad, shown
 
 
 def msgpack_type(x: Any) -> str:
@@ -16,6 +16,23 @@ def msgpack_type(x: Any) -> str:
     return {bytes: "bin", list: "array", dict: "map", str: "str", type(None): "nil"}.get(
         type(x), type(x).__name__
     )
+
+
+def text_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """A header map from its pairs as MessagePack wrote them (``unpackb``'s
+    ``object_pairs_hook``): keyed by text, each key once (``unpackb`` alone would keep the
+    last of a key given twice)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if type(key) is not str:
+            raise Bad(
+                f"a map in the header has a key that is `{msgpack_type(key)}`; the wire's maps "
+                f"are keyed by text"
+            )
+        if key in out:
+            raise Bad(f"a map in the header holds the key {shown(key)} twice")
+        out[key] = value
+    return out
 
 
 def index_pairs(x: Any, where: str) -> dict[int, Any]:

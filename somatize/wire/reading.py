@@ -28,7 +28,7 @@ from ..codec import check as check_values
 from ..errors import ProtocolError, Unreadable
 from . import limits, short
 from .checks import Bad, Pieces, Slot, check, fitted, shown
-from .items import index_pairs, msgpack_type
+from .items import index_pairs, msgpack_type, text_map
 from .counting import count_items
 from .messages import (
     FIELDS,
@@ -341,7 +341,7 @@ def _header(frame: Any) -> dict[str, Any]:
             use_list=True,
             strict_map_key=True,
             ext_hook=_no_ext,
-            object_pairs_hook=_map,
+            object_pairs_hook=text_map,
         )
     except Bad:
         raise
@@ -362,20 +362,6 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise Bad(
         f"the header holds a MessagePack extension (type {code}); the wire uses none"
     )
-
-
-def _map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if type(key) is not str:
-            raise Bad(
-                f"a map in the header has a key that is `{msgpack_type(key)}`; the wire's maps "
-                f"are keyed by text"
-            )
-        if key in out:
-            raise Bad(f"a map in the header holds the key {shown(key)} twice")
-        out[key] = value
-    return out
 
 
 def _variant(header: dict[str, Any]) -> type:

@@ -25,7 +25,7 @@ from ..codec.layout import INLINE_TYPES
 from ..errors import ProtocolError
 from . import limits
 from .checks import Bad, check
-from .items import index_pairs
+from .items import index_pairs, text_map
 from .messages import VARIANTS, Bye, Done, Hello, Ready, Relay, Work, header_fields
 
 _HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length
@@ -161,20 +161,14 @@ def keep_written(msg: Hello | Ready | Bye, frames: list) -> None:
 
 
 def _each_key_once(head: Any) -> bool:
-    """Whether every map in ``head`` holds each key once (its facts are maps: a key given
-    twice would be merged quietly by ``unpackb``, where the long way refuses it)."""
+    """Whether every map in ``head`` holds each key once, and text keys only (its facts are
+    maps: a key given twice would be merged quietly by ``unpackb``, where the long way
+    refuses it), read as the long way reads them."""
     try:
-        msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_no_ext, object_pairs_hook=_once)
+        msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_no_ext, object_pairs_hook=text_map)
     except Exception:  # noqa: BLE001 - the long way says what is wrong
         return False
     return True
-
-
-def _once(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("a key twice: the long way says so")
-    return out
 
 
 def _no_ext(code: int, data: bytes) -> Any:

@@ -509,7 +509,8 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         ref = work.ref
 
         def sent(fact: dict[str, str]) -> None:  # one fact as a Saw of its own, into the outbox
-            self._post(to, Saw(ref, fact), encode(Saw(ref, fact)))
+            saw = Saw(ref, fact)
+            self._post(to, saw, encode(saw))
         # what the piece says is held while it is young, to travel inside its Done (`.held`)
         held = job.held = Held(sent) if work.watched else None
         watch = held.told if held is not None else None  # nobody on the other side looks: no facts at all
@@ -562,7 +563,6 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             # pooled: frames into a spare segment (a view of the input goes back as a span of
             # it), then everything of ours that points into the segments is let go of, and
             # an anchor still alive is a view a node kept: the answer names it in `kept`
-            ref = work.ref
             try:
                 mounted.write(frames)
             except (OSError, Refused, ProtocolError) as exc:

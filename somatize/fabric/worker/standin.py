@@ -92,21 +92,24 @@ class StandIn:
     _running: dict
     _running_lock: Any
 
-    def _young_until(self) -> float:
-        """When the first piece in a slot whose facts are held will have run long (`.held`)."""
+    def _held_young(self) -> list[tuple[float, Any]]:
+        """The pieces in slots whose facts are still held (`.held`), each with when it will
+        have run ``STAND_IN_AFTER``."""
         with self._running_lock:
-            return min((job.started + STAND_IN_AFTER for job in self._running.values()
-                        if job.held is not None and job.held.holding), default=float("inf"))
+            return [(job.started + STAND_IN_AFTER, job.held) for job in self._running.values()
+                    if job.held is not None and job.held.holding]
+
+    def _young_until(self) -> float:
+        """When the first piece in a slot whose facts are held will have run long."""
+        return min((due for due, _ in self._held_young()), default=float("inf"))
 
     def _release_held(self, now: float) -> None:
         """Pieces in slots that have run ``STAND_IN_AFTER``: what they said leaves now, and
         what they say later as they say it (for a piece where it arrived, the stand-in does
         this as it takes the socket)."""
-        with self._running_lock:
-            long = [job.held for job in self._running.values()
-                    if job.held is not None and job.held.holding and now - job.started >= STAND_IN_AFTER]
-        for held in long:
-            held.release()
+        for due, held in self._held_young():
+            if due <= now:
+                held.release()
 
     def _stand_in(self) -> None:
         """On a thread of its own: serve while a piece runs where it arrived, once it has run
