@@ -415,13 +415,18 @@ _DIGEST = "sha256:" + "ab" * 32
 @given(value=_SCALARS, ref=st.integers(0, 2**63 - 1), took=st.integers(0, 2**40),
        keyed=st.booleans(), placed=st.booleans(), watched=st.booleans(),
        saw=st.lists(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=20), max_size=3), max_size=3),
-       change=st.sampled_from([None, "drop", "add", "twice", "ref", "keys", "value", "saw"]))
+       change=st.sampled_from([None, "drop", "add", "twice", "ref", "keys", "value", "saw", "version", "flag",
+                               "digest", "memory", "float", "bin"]))
 def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
         value, ref, took, keyed, placed, watched, saw, change):
     """A ``Work`` naming its recipe by digest and a ``Done``, each of one scalar value, are
     written as the codec would write them and read in one step: the same message as the long way gives, and for a header changed in
     any way (a field dropped, added, given twice, of the wrong type), what the long way makes
-    of it: its own refusal, word for word, or the same message."""
+    of it: its own refusal, word for word, or the same message. Written the short way, the
+    bytes are the long way's."""
+    from somatize.wire import short
+    from somatize.wire.writing import _written
+
     work = Work(ref, None, value, {0: _DIGEST} if keyed else {}, {0: "cpu"} if placed else {},
                 None, watched, _DIGEST)
     from somatize.codec import encode as written
@@ -429,10 +434,14 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
     descriptor, its_frames = written(value)  # what the codec writes for it
     for msg in (work, Done(ref, value, {}, took, tuple(saw))):
         frames = as_bytes(encode(msg))  # a scalar the codec writes as itself is written so here
+        assert frames == as_bytes(_written(msg, type(msg)))
         assert header_of(frames)["input" if msg is work else "output"] == descriptor
         assert len(frames) == 1 + len(its_frames)
         if change is None:
             assert same(decode(frames), msg) and same(decode(frames), _long_way(frames))
+            plain = not (keyed or placed) if msg is work else not saw  # the call's own: msgspec reads it
+            assert (short.express(type(msg), frames[0]) is not None) == (plain and not its_frames
+                                                                         and type(descriptor) is not list)
             continue
         pairs = list(header_of(frames).items())
         if change == "drop":
@@ -447,6 +456,19 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
             pairs = [(k, [[0, 1]] if k in ("keys", "produced") else v) for k, v in pairs]
         elif change == "saw":
             pairs = [(k, [*v, "ran"] if k == "saw" else v) for k, v in pairs]
+        elif change == "version":
+            pairs[0] = ("v", WIRE_VERSION - 1)
+        elif change == "flag":  # a bool where a number goes, a number where a bool goes
+            pairs = [(k, 1 if k == "watched" else True if k == "took_us" else v) for k, v in pairs]
+        elif change == "digest":  # a line end after it: `$` would take it, `fullmatch` does not
+            pairs = [(k, v + "\n" if k == "recipe_digest" else [{"fact": "ran\n"}] if k == "saw" else v)
+                     for k, v in pairs]
+        elif change == "memory":
+            pairs = [(k, "/dev/shm/x" if k == "memory" else [[0, "/x"]] if k == "produced" else v) for k, v in pairs]
+        elif change == "float":
+            pairs[2] = ("ref", float(ref))
+        elif change == "bin":  # the variant's name as bytes, not text
+            pairs[1] = ("t", pairs[1][1].encode())
         else:
             pairs = [(k, {"a": 1} if k in ("input", "output") else v) for k, v in pairs]
         changed = [_raw_map(pairs)]

@@ -8,6 +8,13 @@ Anything unusual (a key twice or not text, a field missing or extra, a header ov
 values in frames) gives None here: :mod:`somatize.wire.reading` then reads it the long way,
 and refuses it with its own sentence. Nothing here is trusted more than there.
 
+The call's own two messages, a ``Work`` naming its recipe by digest and a ``Done``, each of
+one scalar and nothing else (no keys, no placement, nothing produced, no facts), are read
+and written by msgspec's MessagePack codec into and out of a typed map (``_WorkHead``,
+``_DoneHead``): the same bytes, its C decoder checking every field the long way checks
+(types, bounds, no field missing, none unknown, none twice: exactly as many entries as
+fields). Whatever it does not take goes on to the ways above, unchanged.
+
 Greetings: every channel opens with a ``Hello`` and its ``Ready`` and ends with a ``Bye``,
 and the ones of one installation are the same bytes every time. A greeting read the long way is remembered by
 its bytes (``remember``), and one written by its value (``keep_written``), a few dozen of
@@ -17,11 +24,12 @@ each: the same bytes read again, or the same message written again, is the same 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgpack
+import msgspec
 
-from ..codec.layout import INLINE_TYPES
+from ..codec.layout import INLINE_BYTES, INLINE_TYPES, INT_MAX, INT_MIN
 from ..errors import ProtocolError
 from . import limits
 from .checks import Bad, check
@@ -37,6 +45,107 @@ _WRITTEN: dict[Hello | Ready | Bye, list[bytes]] = {}  # a greeting written -> i
 _MAX_GREETINGS, _MAX_GREETING_BYTES = 64, 4096
 _FIELDS_OF = {cls: frozenset(("v", "t", *header_fields(cls))) for cls in _TOLD.values()}
 _SMALL = 64 << 10  # the largest header read the short way
+
+
+# -- the call's two messages, by msgspec ---------------------------------------------------
+
+_Ref = Annotated[int, msgspec.Meta(ge=0, le=limits.MAX_REF)]
+
+
+class _WorkHead(msgspec.Struct, forbid_unknown_fields=True):
+    """The header of a ``Work`` as ``encode`` writes it, fields in its order."""
+
+    v: Literal[limits.WIRE_VERSION]
+    t: Literal["Work"]
+    ref: _Ref
+    input: Any
+    recipe: None
+    keys: list
+    placement: list
+    memory: str | None
+    watched: bool
+    recipe_digest: str
+
+
+class _DoneHead(msgspec.Struct, forbid_unknown_fields=True):
+    """The header of a ``Done`` as ``encode`` writes it, fields in its order."""
+
+    v: Literal[limits.WIRE_VERSION]
+    t: Literal["Done"]
+    ref: _Ref
+    output: Any
+    produced: list
+    took_us: _Ref
+    saw: list
+
+
+_EXPRESS = {Work: msgspec.msgpack.Decoder(_WorkHead), Done: msgspec.msgpack.Decoder(_DoneHead)}
+_ENTRIES = {Work: 0x80 + len(_WorkHead.__struct_fields__), Done: 0x80 + len(_DoneHead.__struct_fields__)}
+_WRITE = msgspec.msgpack.Encoder().encode
+_NOT_TAKEN = (msgspec.ValidationError, msgspec.DecodeError)
+
+
+def express(cls: type, head: Any) -> Work | Done | None:
+    """The ``Work`` or ``Done`` (``cls``, as ``told`` said) that the header ``head`` alone
+    holds, when it is one of one scalar and nothing else; None for any other (the short or
+    the long way reads it, and says what is wrong)."""
+    if len(head) > _SMALL or head[0] != _ENTRIES[cls]:  # a field twice, missing or extra: not here
+        return None
+    try:
+        h = _EXPRESS[cls].decode(head)
+    except _NOT_TAKEN:
+        return None
+    if cls is Work:
+        value = h.input
+        if (type(value) not in INLINE_TYPES or h.keys or h.placement or h.memory is not None
+                or not limits.DIGEST.fullmatch(h.recipe_digest)):
+            return None
+        return Work(h.ref, None, value, {}, {}, None, h.watched, h.recipe_digest)
+    value = h.output
+    if type(value) not in INLINE_TYPES or h.produced or h.saw:
+        return None
+    return Done(h.ref, value, {}, h.took_us, ())
+
+
+def written_express(msg: Work | Done) -> list[bytes] | None:
+    """The one frame of ``msg`` when it is a ``Work`` naming its recipe by digest or a
+    ``Done``, of one scalar the codec writes as itself and nothing else, every field as
+    ``check`` would pass it; None for any other (``encode`` writes it, and refuses what is
+    wrong). The bytes are the ones ``encode`` writes."""
+    if type(msg) is Work:
+        keys, placement, ref, value = msg.keys, msg.placement, msg.ref, msg.input
+        if (msg.recipe is not None or type(keys) is not dict or keys or type(placement) is not dict or placement
+                or msg.memory is not None or type(msg.watched) is not bool or type(msg.recipe_digest) is not str
+                or not limits.DIGEST.fullmatch(msg.recipe_digest)):
+            return None
+        head: Any = _WorkHead(limits.WIRE_VERSION, "Work", ref, value, None, [], [], None, msg.watched,
+                              msg.recipe_digest)
+    elif type(msg) is Done:
+        produced, saw, ref, value, took = msg.produced, msg.saw, msg.ref, msg.output, msg.took_us
+        if (type(produced) is not dict or produced or type(saw) is not tuple or saw or type(took) is not int
+                or not 0 <= took <= limits.MAX_REF):
+            return None
+        head = _DoneHead(limits.WIRE_VERSION, "Done", ref, value, [], took, [])
+    else:
+        return None
+    if type(ref) is not int or not 0 <= ref <= limits.MAX_REF or not _itself(value):
+        return None
+    return [_WRITE(head)]
+
+
+def _itself(v: Any) -> bool:
+    """Whether the codec writes ``v`` as itself, in the header (``codec.Writer.value``)."""
+    t = type(v)
+    if t is float or t is bool or v is None:
+        return True
+    if t is int:
+        return INT_MIN <= v <= INT_MAX
+    if t is str:
+        return v.isascii() and len(v) <= INLINE_BYTES  # longer: `encode` says whether it fits
+    return t is bytes and len(v) <= INLINE_BYTES
+
+
+# -- the other messages of every call ----------------------------------------------------
 
 
 def told(frames: Sequence[Any]) -> type | None:
@@ -77,6 +186,9 @@ def _inline(buffers: list, cls: type) -> Work | Done | None:
     None for any other: the long way reads it."""
     if len(buffers) != 1:
         return None
+    fast = express(cls, buffers[0])
+    if fast is not None:
+        return fast
     header = _small_header(buffers[0], cls)
     if header is None:
         return None

@@ -32,10 +32,19 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
     codec's ``Unwritable`` / ``BadCodec`` for a value that cannot be written down.
     """
     cls = type(msg)
+    if cls is Work or cls is Done:  # a call's own, of one scalar: written in one step
+        fast = short.written_express(msg)
+        if fast is not None:
+            return fast
     if cls in short.GREETINGS:  # every channel's first and last words: the same every time
         kept = short.written(msg)
         if kept is not None:
             return kept
+    return _written(msg, cls)
+
+
+def _written(msg: Any, cls: type) -> list[bytes | memoryview]:
+    """``encode``'s long way: every message is written so, and checked first."""
     try:
         check(msg)
     except Bad as exc:
