@@ -114,7 +114,8 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
     """
     started = time.perf_counter_ns()
     plan = piece_plan(piece.steps, piece.shape)
-    walk = _Walk(plan, watch if isinstance(watch, Watchers) else Watchers(watch), keys=piece.keys, produced={})
+    watchers = _NOBODY if watch is None else watch if isinstance(watch, Watchers) else Watchers(watch)
+    walk = _Walk(plan, watchers, keys=piece.keys, produced={})
     output = walk.run(piece.value)
     return Outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
 

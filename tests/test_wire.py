@@ -440,7 +440,7 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
         if change is None:
             assert same(decode(frames), msg) and same(decode(frames), _long_way(frames))
             plain = not (keyed or placed) if msg is work else not saw  # the call's own: msgspec reads it
-            assert (short.express(type(msg), frames[0]) is not None) == (plain and not its_frames
+            assert (short.express(frames[0]) is not None) == (plain and not its_frames
                                                                          and type(descriptor) is not list)
             continue
         pairs = list(header_of(frames).items())
@@ -478,6 +478,52 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
             assert refused(changed) == exc.why
         else:  # a change that still makes a message (a Done that produced something)
             assert same(decode(changed), taken)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.sampled_from(["work", "done"]), value=_SCALARS, at=st.integers(0, 10_000),
+       junk=st.binary(min_size=1, max_size=8), how=st.sampled_from(["put", "insert", "cut"]))
+def test_a_header_changed_byte_by_byte_is_read_the_short_way_only_as_the_long_way_reads_it(which, value, at, junk, how):
+    """A call's header with bytes overwritten, put in or cut off anywhere: the short way
+    (msgspec's decoder) gives None, or the very message the long way gives, and ``decode``
+    gives what the long way gives (its refusal word for word); never another exception."""
+    from somatize.wire import short
+
+    msg = Work(7, None, value, {}, {}, None, False, _DIGEST) if which == "work" else Done(7, value, {}, 5, ())
+    head = bytearray(as_bytes(encode(msg))[0])
+    at %= len(head)
+    if how == "put":
+        head[at:at + len(junk)] = junk
+    elif how == "insert":
+        head[at:at] = junk
+    else:
+        del head[at:at + len(junk)]
+    changed = [bytes(head)]
+    fast = short.express(changed[0])
+    try:
+        taken = _long_way(changed)
+    except ProtocolError as exc:
+        assert fast is None
+        assert refused(changed) == exc.why
+        return
+    assert fast is None or same(fast, taken)
+    assert same(decode(changed), taken)
+
+
+def test_a_value_nested_deeper_than_python_recurses_is_refused_not_raised():
+    """A call's one value, nested thousands of arrays deep in a header that otherwise reads
+    the short way: refused as the long way refuses it, never a ``RecursionError``."""
+    from somatize.wire import short
+
+    for depth in (100, 1_000, 60_000):
+        before = [("v", WIRE_VERSION), ("t", "Work"), ("ref", 1)]
+        after = [("recipe", None), ("keys", []), ("placement", []), ("memory", None), ("watched", False),
+                 ("recipe_digest", _DIGEST)]
+        head = (bytes([0x80 + 10]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in before)
+                + msgpack.packb("input") + b"\x91" * depth + b"\xc0"
+                + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in after))
+        assert short.express(head) is None
+        refused([head], "could not be read" if depth <= 1_000 else "MessagePack header map")
 
 
 def test_a_stream_begins_with_sizes_inside_the_limits():

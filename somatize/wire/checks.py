@@ -37,6 +37,7 @@ from .messages import (
     VARIANTS,
     Where,
     Work,
+    built,
 )
 
 
@@ -162,9 +163,13 @@ def fitted(m: Work, recipe: Recipe) -> Work:
     """``m``, a Work that named its recipe by digest, with ``recipe`` (one kept from an
     earlier Work of the same peer, checked when it came) in its place, once its keys and
     placement are checked against that recipe's nodes. ``Bad`` names what does not fit."""
-    _work_rest(m, len(recipe.nodes))
+    keys, placement = m.keys, m.placement
+    if (type(keys) is not dict or keys or type(placement) is not dict or placement or m.memory is not None
+            or type(m.watched) is not bool):  # else there is nothing to check (most calls)
+        _work_rest(m, len(recipe.nodes))
     # built directly: `dataclasses.replace` costs more than the rest of this, every call
-    return Work(m.ref, recipe, m.input, m.keys, m.placement, m.memory, m.watched)
+    return built(Work, {"ref": m.ref, "recipe": recipe, "input": m.input, "keys": m.keys, "placement": m.placement,
+                        "memory": m.memory, "watched": m.watched, "recipe_digest": ""})
 
 
 def _work_rest(m: Work, n: int) -> None:

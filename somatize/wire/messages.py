@@ -380,6 +380,19 @@ IN_FRAMES: dict[type, str] = {Provision: "artifact", Chunk: "data", Mounted: "he
 """The field that travels as the frames after the header (the others are in the header)."""
 
 
+_new, _set = object.__new__, object.__setattr__
+
+
+def built(cls: type, fields: dict[str, Any]) -> Any:
+    """A message of ``cls`` holding ``fields`` (every one of its fields, each checked
+    already), made without the dataclass's ``__init__``: a frozen one sets each field
+    through ``object.__setattr__``, which is most of what building a small message costs.
+    Equal to, and indistinguishable from, ``cls(**fields)``."""
+    msg = _new(cls)
+    _set(msg, "__dict__", fields)
+    return msg
+
+
 def header_fields(cls: type) -> tuple[str, ...]:
     """The fields a message's header holds: all of them, but the one in frames."""
     if cls in IN_FRAMES:

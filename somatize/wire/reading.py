@@ -71,12 +71,12 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     including a value of a kind this process cannot read; ``TypeError`` when ``frames`` is
     not a sequence of buffers at all (a bug here, not the peer's doing).
     """
-    cls = short.told(frames)  # a Relay, a Work or Done of one scalar, a greeting: read in one step
-    if (cls is Work or cls is Done) and len(frames) == 1:  # the call's own: its header, checked by msgspec
+    if type(frames) is list and len(frames) == 1:  # a call's own Work or Done: its header, read by msgspec
         first = frames[0]
-        fast = short.express(cls, first if type(first) is bytes else getattr(first, "buffer", first))
+        fast = short.express(first if type(first) is bytes else getattr(first, "buffer", first))
         if fast is not None:
             return fast
+    cls = short.told(frames)  # a Relay, a Work or Done of one scalar, a greeting: read in one step
     if cls in short.READ:
         fast = short.read(cls, _buffers(frames))
         if fast is not None:

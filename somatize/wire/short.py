@@ -34,7 +34,7 @@ from ..errors import ProtocolError
 from . import limits
 from .checks import Bad, check
 from .items import index_pairs, text_map
-from .messages import VARIANTS, Bye, Done, Hello, Ready, Relay, Work, header_fields
+from .messages import VARIANTS, Bye, Done, Hello, Ready, Relay, Work, built, header_fields
 
 _HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length
 _TOLD = {name.encode(): cls for name, cls in VARIANTS.items()}
@@ -80,31 +80,36 @@ class _DoneHead(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _EXPRESS = {Work: msgspec.msgpack.Decoder(_WorkHead), Done: msgspec.msgpack.Decoder(_DoneHead)}
-_ENTRIES = {Work: 0x80 + len(_WorkHead.__struct_fields__), Done: 0x80 + len(_DoneHead.__struct_fields__)}
+_BY_ENTRIES = {0x80 + len(_WorkHead.__struct_fields__): Work, 0x80 + len(_DoneHead.__struct_fields__): Done}
 _WRITE = msgspec.msgpack.Encoder().encode
-_NOT_TAKEN = (msgspec.ValidationError, msgspec.DecodeError)
+_NOT_TAKEN = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)  # nesting deeper than Python allows
 
 
-def express(cls: type, head: Any) -> Work | Done | None:
-    """The ``Work`` or ``Done`` (``cls``, as ``told`` said) that the header ``head`` alone
-    holds, when it is one of one scalar and nothing else; None for any other (the short or
-    the long way reads it, and says what is wrong)."""
-    if len(head) > _SMALL or head[0] != _ENTRIES[cls]:  # a field twice, missing or extra: not here
+def express(head: Any) -> Work | Done | None:
+    """The ``Work`` or ``Done`` that the header ``head`` (bytes or a memoryview) alone holds,
+    when it is one of one scalar and nothing else; None for any other (the short or the
+    long way reads it, and says what is wrong). Told apart by how many fields the header
+    has: as many as the variant has, so none is missing, extra or there twice."""
+    if (type(head) is not bytes and type(head) is not memoryview) or not 0 < len(head) <= _SMALL:
+        return None
+    cls = _BY_ENTRIES.get(head[0])
+    if cls is None:
         return None
     try:
         h = _EXPRESS[cls].decode(head)
-    except _NOT_TAKEN:
+    except _NOT_TAKEN:  # another variant of as many fields, or a field the long way looks at
         return None
     if cls is Work:
         value = h.input
         if (type(value) not in INLINE_TYPES or h.keys or h.placement or h.memory is not None
                 or not limits.DIGEST.fullmatch(h.recipe_digest)):
             return None
-        return Work(h.ref, None, value, {}, {}, None, h.watched, h.recipe_digest)
+        return built(Work, {"ref": h.ref, "recipe": None, "input": value, "keys": {}, "placement": {},
+                            "memory": None, "watched": h.watched, "recipe_digest": h.recipe_digest})
     value = h.output
     if type(value) not in INLINE_TYPES or h.produced or h.saw:
         return None
-    return Done(h.ref, value, {}, h.took_us, ())
+    return built(Done, {"ref": h.ref, "output": value, "produced": {}, "took_us": h.took_us, "saw": ()})
 
 
 def written_express(msg: Work | Done) -> list[bytes] | None:
@@ -186,9 +191,6 @@ def _inline(buffers: list, cls: type) -> Work | Done | None:
     None for any other: the long way reads it."""
     if len(buffers) != 1:
         return None
-    fast = express(cls, buffers[0])
-    if fast is not None:
-        return fast
     header = _small_header(buffers[0], cls)
     if header is None:
         return None

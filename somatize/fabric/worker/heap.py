@@ -64,7 +64,10 @@ class Heap:
 
     def moved(self, frames: Iterable[Any]) -> None:
         """Count the bytes of a message's frames (bytes, memoryviews, ``zmq.Frame``s)."""
-        self.count += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        n = 0
+        for f in frames:
+            n += f.nbytes if isinstance(f, memoryview) else len(f)
+        self.count += n
 
     def due(self) -> bool:
         return self.count >= self.every

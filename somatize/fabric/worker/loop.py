@@ -373,11 +373,16 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
 
     # -- receiving -----------------------------------------------------------------------
     def _receive(self) -> None:
-        for _ in range(64):  # bounded, so answers keep flowing under a flood of requests
+        """What waits on the socket (the poll said something does: the first is taken
+        without asking again), up to 64 messages."""
+        for turn in range(64):  # bounded, so answers keep flowing under a flood of requests
             # stopped meanwhile (a piece that ran here, while the stand-in closed): leave it
-            if self.stopping.is_set() or not sockets.readable(self._front):
+            if self.stopping.is_set() or turn and not sockets.readable(self._front):
                 return
-            parts = sockets.receive_frames(self._front)
+            try:
+                parts = sockets.receive_frames(self._front, sockets.NOBLOCK)
+            except zmq.Again:
+                return
             self.heap.moved(parts)
             try:
                 if self._offer is None:  # ROUTER: [identity, *frames]

@@ -54,6 +54,9 @@ class Guarded(Node):
     when the job was abandoned, and turns what is not an ``Exception`` into one
     (:class:`NodeExit`), so the engine names the node that raised."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Guarded:
+        return object.__new__(cls)  # made for one piece, never packed: none of `Node`'s bookkeeping
+
     def __init__(self, node: Node, label: str, job: Job) -> None:
         self.node = node
         self.label = label
