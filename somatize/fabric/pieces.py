@@ -25,6 +25,7 @@ from ..engine import Outcome, Piece
 from ..graph import Step
 from ..packing import Packer
 from ..wire import Done, NodeSpec, Recipe, Work
+from ..wire.messages import built
 
 #: How many packers (brokers, hosts) one group keeps the specs of.
 MEMO_PACKERS = 8
@@ -83,4 +84,6 @@ def piece_of(work: Work, nodes: Sequence[object]) -> Piece:
 
 
 def done_of(ref: int, outcome: Outcome, took_us: int, saw: tuple[dict[str, str], ...] = ()) -> Done:
-    return Done(ref, outcome.output, outcome.produced, took_us, saw)
+    # every answer: built without the frozen dataclass's __init__ (`encode` checks each field)
+    return built(Done, {"ref": ref, "output": outcome.output, "produced": outcome.produced, "took_us": took_us,
+                        "saw": saw})

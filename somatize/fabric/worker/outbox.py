@@ -89,9 +89,10 @@ class Outbox:
             pass  # closed: the worker is stopping, nobody sends anything any more
 
     def _flush(self) -> None:
-        while True:
+        outbox = self._outbox
+        while not outbox.empty():  # looked at first: an empty queue raising is the dearest part
             try:
-                to, answer, frames = self._outbox.get_nowait()
+                to, answer, frames = outbox.get_nowait()
             except queue.Empty:
                 return
             if self.sessions.answering(to.peer, answer):
