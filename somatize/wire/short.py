@@ -90,7 +90,9 @@ def express(head: Any) -> Work | Done | None:
     when it is one of one scalar and nothing else; None for any other (the short or the
     long way reads it, and says what is wrong). Told apart by how many fields the header
     has: as many as the variant has, so none is missing, extra or there twice."""
-    if (type(head) is not bytes and type(head) is not memoryview) or not 0 < len(head) <= _SMALL:
+    if type(head) is not bytes and (type(head) is not memoryview or head.ndim != 1 or not head.c_contiguous):
+        return None  # a view of another shape, or strided: the long way casts it
+    if not 0 < len(head) <= _SMALL or not _fits(len(head)):
         return None
     cls = _BY_ENTRIES.get(head[0])
     if cls is None:
@@ -99,15 +101,17 @@ def express(head: Any) -> Work | Done | None:
         h = _EXPRESS[cls].decode(head)
     except _NOT_TAKEN:  # another variant of as many fields, or a field the long way looks at
         return None
+    if h.ref > limits.MAX_REF:  # a limit a test lowered after `_Ref` was made
+        return None
     if cls is Work:
         value = h.input
         if (type(value) not in INLINE_TYPES or h.keys or h.placement or h.memory is not None
-                or not limits.DIGEST.fullmatch(h.recipe_digest)):
+                or not limits.DIGEST.fullmatch(h.recipe_digest) or len(h.recipe_digest) > limits.MAX_NAME):
             return None
         return built(Work, {"ref": h.ref, "recipe": None, "input": value, "keys": {}, "placement": {},
                             "memory": None, "watched": h.watched, "recipe_digest": h.recipe_digest})
     value = h.output
-    if type(value) not in INLINE_TYPES or h.produced or h.saw:
+    if type(value) not in INLINE_TYPES or h.produced or h.saw or h.took_us > limits.MAX_REF:
         return None
     return built(Done, {"ref": h.ref, "output": value, "produced": {}, "took_us": h.took_us, "saw": ()})
 
@@ -121,7 +125,7 @@ def written_express(msg: Work | Done) -> list[bytes] | None:
         keys, placement, ref, value = msg.keys, msg.placement, msg.ref, msg.input
         if (msg.recipe is not None or type(keys) is not dict or keys or type(placement) is not dict or placement
                 or msg.memory is not None or type(msg.watched) is not bool or type(msg.recipe_digest) is not str
-                or not limits.DIGEST.fullmatch(msg.recipe_digest)):
+                or not limits.DIGEST.fullmatch(msg.recipe_digest) or len(msg.recipe_digest) > limits.MAX_NAME):
             return None
         head: Any = _WorkHead(limits.WIRE_VERSION, "Work", ref, value, None, [], [], None, msg.watched,
                               msg.recipe_digest)
@@ -135,7 +139,15 @@ def written_express(msg: Work | Done) -> list[bytes] | None:
         return None
     if type(ref) is not int or not 0 <= ref <= limits.MAX_REF or not _itself(value):
         return None
-    return [_WRITE(head)]
+    written = _WRITE(head)
+    return [written] if _fits(len(written)) else None  # over a limit: `encode` says which
+
+
+def _fits(n: int) -> bool:
+    """Whether a header of ``n`` bytes is within the limits the long way holds one to, as
+    they are now (a test may lower one): its size, the message's, and its items (a header
+    of no more bytes than ``MAX_ITEMS`` holds no more items)."""
+    return n <= limits.MAX_HEADER and n <= limits.MAX_TOTAL and n <= limits.MAX_ITEMS
 
 
 def _itself(v: Any) -> bool:
@@ -166,7 +178,7 @@ def told(frames: Sequence[Any]) -> type | None:
         size = first[1 + n] - 0xA0
         cls = _TOLD.get(bytes(first[2 + n:2 + n + size])) if 0 < size < 32 else None
         return cls if cls is not None and first[0] - 0x80 >= len(_FIELDS_OF[cls]) else None  # a key for each field
-    except (IndexError, TypeError, KeyError, ValueError):
+    except (IndexError, TypeError, KeyError, ValueError, NotImplementedError):  # a view of another shape
         return None
 
 

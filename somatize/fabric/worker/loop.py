@@ -373,8 +373,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
 
     # -- receiving -----------------------------------------------------------------------
     def _receive(self) -> None:
-        """What waits on the socket (the poll said something does: the first is taken
-        without asking again), up to 64 messages."""
+        """What waits on the socket, up to 64 messages (the poll said one does: not asked again)."""
         for turn in range(64):  # bounded, so answers keep flowing under a flood of requests
             # stopped meanwhile (a piece that ran here, while the stand-in closed): leave it
             if self.stopping.is_set() or turn and not sockets.readable(self._front):
@@ -590,7 +589,6 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         else:
             self._want_back = True  # a stand-in sends this answer, then takes nothing new
         self._post(to, answer, frames)
-
 
     def _build(self, work: Work, job: Job) -> list[Node]:
         """The work's nodes, each in a guard (one per node and name, however often it appears)."""
