@@ -210,7 +210,8 @@ class _Walk:
         if (len(ops) == 1 and self.deadline is None and type(ops[0]) in (Run, Remote) and ops[0].source == 0
                 and ops[0].target == output):
             # one node, or one trip to a host (most pieces, most calls): nothing to wire or wait for
-            return self._do(ops[0], x)
+            op = ops[0]
+            return self._remote(op, x) if type(op) is Remote else self._run(op, x)
         wiring = wiring_of(plan)
         sources_of, consumers = wiring.sources, wiring.consumers
         values: dict[int, Any] = {0: x}

@@ -123,9 +123,7 @@ class Graph:
         running in this process cannot be interrupted (Python cannot stop a thread safely),
         so there it is checked before each node starts.
         """
-        from .engine import forward
-
-        return forward(self, x, broker=broker, store=store, watching=watching, deadline=deadline)
+        return _engine().forward(self, x, broker=broker, store=store, watching=watching, deadline=deadline)
 
     # -- what a running process keeps on a graph ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -293,6 +291,19 @@ class Parallel(_Composite):
 
 
 Composable = Union[Node, Graph]
+
+
+def _engine() -> Any:
+    """The engine module (which imports this one): imported at the first forward, then kept."""
+    global _ENGINE
+    if _ENGINE is None:
+        from . import engine
+
+        _ENGINE = engine
+    return _ENGINE
+
+
+_ENGINE: Any = None
 
 
 def as_graph(thing: Composable) -> Graph:

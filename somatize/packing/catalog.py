@@ -147,11 +147,12 @@ class Catalog:
             if self.mode == "project":
                 raise Refused(_NO_CODE)
             digest = spec.target
-            _check_digest(digest)
-            with self._lock:
-                held = digest in self._held
-            if not held and digest not in out:
-                out.append(digest)
+            with self._lock:  # what is held was checked as it came; only what is not is checked here
+                held = type(digest) is str and digest in self._held
+            if not held:
+                _check_digest(digest)
+                if digest not in out:
+                    out.append(digest)
         return tuple(out)
 
     # -- building ------------------------------------------------------------------------
@@ -166,13 +167,13 @@ class Catalog:
             if self.mode == "project":
                 raise Refused(_NO_CODE)
             digest = spec.target
-            _check_digest(digest)
-            with self._lock:
-                entry = self._held.get(digest)
+            with self._lock:  # what is held was checked as it came
+                entry = self._held.get(digest) if type(digest) is str else None
                 if entry is not None:
                     self._held.move_to_end(digest)
             node = entry[0] if entry is not None else None
             if node is None:
+                _check_digest(digest)
                 raise Refused(
                     f"`{label}` is the artifact `{short(digest)}…`, which this worker does not "
                     f"hold: provision it first (a worker keeps at most {self._max_held})"

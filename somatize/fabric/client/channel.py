@@ -280,7 +280,9 @@ class Channel:
                 break
             self._watch_link(answer_by, waiting, deadline)
         try:
-            message = self._open(decode(parts))
+            message = decode(parts)
+            if type(message) is not Done:  # most answers: no carrier to open
+                message = self._open(message)
             return None if message is None else self.exchange.receive(message)
         except ProtocolError as exc:
             raise ProtocolError(
