@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import struct
 
 import msgpack
 import numpy as np
@@ -90,6 +91,8 @@ def same(a, b) -> bool:
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if type(a) is float:  # by their bits: a NaN is the same NaN, -0.0 is not 0.0
+        return struct.pack("<d", a) == struct.pack("<d", b)
     return a == b
 
 
