@@ -210,8 +210,7 @@ class _Walk:
         if (len(ops) == 1 and self.deadline is None and type(ops[0]) in (Run, Remote) and ops[0].source == 0
                 and ops[0].target == output):
             # one node, or one trip to a host (most pieces, most calls): nothing to wire or wait for
-            op = ops[0]
-            return self._remote(op, x) if type(op) is Remote else self._run(op, x)
+            return self._remote(ops[0], x) if type(ops[0]) is Remote else self._run(ops[0], x)
         wiring = wiring_of(plan)
         sources_of, consumers = wiring.sources, wiring.consumers
         values: dict[int, Any] = {0: x}

@@ -36,6 +36,7 @@ from ...engine import Deadline, Outcome, Piece
 from ...errors import Broken, Busy, KeysRefused, NodeFailed, ProtocolError, Refused, Unreachable
 from ...packing import Packer
 from ...wire import (
+    CARRIERS,
     Begin,
     Bye,
     Chunk,
@@ -280,9 +281,7 @@ class Channel:
                 break
             self._watch_link(answer_by, waiting, deadline)
         try:
-            message = decode(parts)
-            if type(message) is not Done:  # most answers: no carrier to open
-                message = self._open(message)
+            message = self._open(decode(parts))
             return None if message is None else self.exchange.receive(message)
         except ProtocolError as exc:
             raise ProtocolError(
@@ -292,6 +291,8 @@ class Channel:
 
     def _open(self, message: Any) -> Any:
         """A carrier opened: the message it completes, or None while there is none yet."""
+        if not isinstance(message, CARRIERS):  # most answers: nothing to open
+            return message
         if isinstance(message, Credit):
             if self._outgoing is not None and self._outgoing.sid == message.sid:
                 self._outgoing.grant(message.amount)

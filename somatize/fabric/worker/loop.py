@@ -373,8 +373,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
 
     # -- receiving -----------------------------------------------------------------------
     def _receive(self) -> None:
-        """What waits on the socket, up to 64 messages (the poll said one does: not asked again)."""
-        for turn in range(64):  # bounded, so answers keep flowing under a flood of requests
+        for turn in range(64):  # bounded, so answers keep flowing under a flood; the poll said one waits
             # stopped meanwhile (a piece that ran here, while the stand-in closed): leave it
             if self.stopping.is_set() or turn and not sockets.readable(self._front):
                 return
