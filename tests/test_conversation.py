@@ -36,6 +36,7 @@ from somatize.wire import (
     Work,
     decode,
     encode,
+    recipe_digest,
 )
 
 RT = Runtime.here()
@@ -172,6 +173,30 @@ def test_a_worker_wants_hello_first():
     w.receive(b"a", Hello(RT))
     assert w.greeted(b"a")
     assert w.receive(b"a", work(1)).ref == 1
+
+
+def test_recall_gives_what_receive_would_or_nothing_and_changes_nothing():
+    """The express way in asks `recall` first: it gives the work with its recipe, opened,
+    exactly when `receive` would, and otherwise None, leaving `receive` to say why."""
+    w = WorkerSessions(WORKER_RT)
+    full = work(1)
+    digest = recipe_digest(full.recipe).digest
+    named = Work(2, None, 5, recipe_digest=digest)
+    assert w.recall(b"a", named) is None  # no Hello yet
+    w.receive(b"a", Hello(RT))
+    w.receive(b"b", Hello(RT))
+    assert w.recall(b"a", named) is None  # no recipe sent yet
+    w.receive(b"a", full)
+    assert w.recall(b"b", named) is None  # a's recipe is not b's
+    with pytest.raises(Violation, match="holds no recipe"):
+        w.receive(b"b", named)
+    unfit = Work(2, None, 5, keys={4: "sha256:" + "0" * 64}, recipe_digest=digest)
+    assert w.recall(b"a", unfit) is None and not w.is_open(b"a", 2)
+    recalled = w.recall(b"a", named)
+    assert recalled.recipe is full.recipe and recalled.input == 5 and w.is_open(b"a", 2)
+    assert w.recall(b"a", named) is None  # its ref is open now
+    assert w.answering(b"a", done(2)) and not w.is_open(b"a", 2)
+    assert w.refused == 1  # only what `receive` refused counts
 
 
 def test_a_worker_answers_only_open_work_of_that_peer():

@@ -10,6 +10,9 @@
   changes (what a network-mode artifact carries).
 - A process running pieces (a worker) compiles each shape once; what it keeps is a function
   of the shape alone, so one client's piece never runs on another's nodes.
+- A worker with one job keeps a recipe's steps (each node in its guard) between calls and
+  swaps only the job they report to; a recipe built with other nodes, or a placement,
+  makes its own (``fabric.worker.prepared``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from fabric_nodes import Add, Boom, Count, Sleep
 from somatize import Broker, FolderStore, Node, NodeFailed, Overdue, Worker, codec
 from somatize.codec import forget
 from somatize.engine import Piece, _plan_of, run_piece
+from somatize.fabric.pieces import piece_of
+from somatize.fabric.worker.prepared import Prepared
+from somatize.fabric.worker.slots import Abandoned, Job
+from somatize.packing import Packer
+from somatize.wire import Recipe, Work
 from somatize.wiring import _piece_plans
 from somatize.graph import Step, as_graph
 from somatize.plan import Join, Remote, Run, make
@@ -220,3 +228,43 @@ def test_a_shape_that_cannot_be_kept_is_still_run():
     shape = ("seq", [("step", 0), ("step", 1)])  # a list inside: not hashable, not kept
     assert run_piece(_piece([Step(Add(1)), Step(Add(2))], shape, 0)).output == 3
     assert as_graph(Add(1)).forward(1) == 2
+
+
+def _work(recipe, value, **fields):
+    return Work(1, recipe, value, watched=False, **fields)
+
+
+def test_a_recipe_run_again_keeps_its_steps_and_swaps_their_job():
+    a, b = Add(1).named("a"), Add(10).named("b")
+    recipe = Recipe(tuple(Packer("project").spec(s) for s in (a, b, a)), ("seq", (("step", 0), ("step", 1), ("step", 2))))
+    nodes = [a.node, b.node, a.node]
+    prepared = Prepared()
+    first, second = Job("a"), Job("a")
+    steps = prepared.steps(_work(recipe, 0), nodes, first)
+    assert run_piece(piece_of(_work(recipe, 0), steps)).output == 12
+    assert steps[0].node is steps[2].node  # one guard per node and name
+    again = prepared.steps(_work(recipe, 5), nodes, second)
+    assert again is steps and all(s.node.job is second for s in again)
+    assert run_piece(piece_of(_work(recipe, 5), again)).output == 17
+    second.abandoned = True  # the job it reports to now decides: its peer was revoked
+    with pytest.raises(NodeFailed) as failed:
+        run_piece(piece_of(_work(recipe, 5), again))
+    assert isinstance(failed.value.__cause__, Abandoned)
+
+
+def test_a_recipe_built_with_other_nodes_or_placed_gets_steps_of_its_own():
+    a = Add(1).named("a")
+    recipe = Recipe((Packer("project").spec(a),), ("step", 0))
+    prepared = Prepared(most=2)
+    steps = prepared.steps(_work(recipe, 0), [a.node], Job("a"))
+    other = Add(100)  # the catalog built it anew (provisioned again, its class replaced)
+    fresh = prepared.steps(_work(recipe, 0), [other], Job("a"))
+    assert fresh is not steps and run_piece(piece_of(_work(recipe, 0), fresh)).output == 100
+    placed = prepared.steps(_work(recipe, 0, placement={0: "cpu"}), [other], Job("a"))
+    assert placed is not fresh and placed[0].device == "cpu"
+    assert prepared.steps(_work(recipe, 0), [other], Job("a")) is fresh  # the placed one was not kept
+    # another recipe of the same specs (another peer's) is another entry; the oldest goes
+    theirs = Recipe(recipe.nodes, recipe.shape)
+    assert prepared.steps(_work(theirs, 0), [other], Job("a")) is not fresh
+    prepared.steps(_work(Recipe(recipe.nodes, recipe.shape), 0), [other], Job("a"))
+    assert len(prepared) == 2

@@ -256,6 +256,19 @@ class WorkerSessions:
             self.refused += 1
             raise
 
+    def recall(self, peer: bytes, work: Work) -> Work | None:
+        """``work``, which names its recipe by digest, with that recipe and opened, as
+        ``receive`` would give it back; None, refusing nothing, when ``receive`` would refuse
+        it (a peer that did not say Hello, a ref still open, a recipe not held, keys that do
+        not fit it): ``receive`` then says why. The worker's express way in asks this first."""
+        session = self._sessions.get(peer)
+        if session is None or work.recipe is not None or work.ref in session.open or work.recipe_digest not in session.recipes:
+            return None
+        try:
+            return self._receive(peer, work, session.tenant)  # type: ignore[return-value]
+        except ProtocolError:  # Violation: the recipe and the work do not fit
+            return None
+
     def _receive(self, peer: bytes, msg: object, tenant: str) -> object:
         if isinstance(msg, Hello):
             if msg.offering is not None:

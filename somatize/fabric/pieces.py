@@ -65,22 +65,31 @@ def work_of(piece: Piece, ref: int, specs: Sequence[NodeSpec], *, watched: bool,
     """The ``Work`` for ``piece``, its steps packed as ``specs`` (in the same order); with
     ``named`` (a recipe digest the worker holds for this channel), its recipe by that name."""
     placement = {i: s.device for i, s in enumerate(piece.steps) if s.device is not None}
-    if named:
-        return Work(ref, None, piece.value, dict(piece.keys), placement, watched=watched, recipe_digest=named)
-    return Work(ref, Recipe(tuple(specs), piece.shape), piece.value, dict(piece.keys), placement, watched=watched)
+    recipe = None if named else Recipe(tuple(specs), piece.shape)
+    # built without the frozen dataclass's __init__: `encode` checks every field as it writes
+    return built(Work, {"ref": ref, "recipe": recipe, "input": piece.value, "keys": dict(piece.keys),
+                        "placement": placement, "memory": None, "watched": watched, "recipe_digest": named})
 
 
 def outcome_of(done: Done) -> Outcome:
-    return Outcome(done.output, dict(done.produced), done.took_us)
+    # built without the frozen dataclass's __init__: a decoded Done's fields were checked
+    return built(Outcome, {"output": done.output, "produced": dict(done.produced), "took_us": done.took_us})
 
 
-def piece_of(work: Work, nodes: Sequence[object]) -> Piece:
-    """The piece a worker runs for ``work``, with ``nodes`` built from its recipe's specs."""
-    steps = tuple(
+def steps_of(work: Work, nodes: Sequence[object]) -> tuple[Step, ...]:
+    """The steps a worker runs for ``work``, with ``nodes`` built from its recipe's specs."""
+    return tuple(
         Step(node, name=spec.label, cache=spec.cache, device=work.placement.get(index))  # type: ignore[arg-type]
         for index, (node, spec) in enumerate(zip(nodes, work.recipe.nodes, strict=True))
     )
-    return Piece("", steps, work.recipe.shape, work.input, dict(work.keys))
+
+
+def piece_of(work: Work, steps: tuple[Step, ...]) -> Piece:
+    """The piece a worker runs for ``work``, its steps made by :func:`steps_of` (or kept
+    from an earlier call of the same recipe)."""
+    # built without the frozen dataclass's __init__: every field is the checked work's
+    return built(Piece, {"host": "", "steps": steps, "shape": work.recipe.shape, "value": work.input,
+                         "keys": dict(work.keys), "deadline": None, "memo": None})
 
 
 def done_of(ref: int, outcome: Outcome, took_us: int, saw: tuple[dict[str, str], ...] = ()) -> Done:

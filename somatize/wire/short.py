@@ -106,7 +106,7 @@ def express(head: Any) -> Work | Done | None:
     if cls is Work:
         value = h.input
         if (type(value) not in INLINE_TYPES or h.keys or h.placement or h.memory is not None
-                or not limits.DIGEST.fullmatch(h.recipe_digest) or len(h.recipe_digest) > limits.MAX_NAME):
+                or not _digest(h.recipe_digest) or len(h.recipe_digest) > limits.MAX_NAME):
             return None
         return built(Work, {"ref": h.ref, "recipe": None, "input": value, "keys": {}, "placement": {},
                             "memory": None, "watched": h.watched, "recipe_digest": h.recipe_digest})
@@ -125,7 +125,7 @@ def written_express(msg: Work | Done) -> list[bytes] | None:
         keys, placement, ref, value = msg.keys, msg.placement, msg.ref, msg.input
         if (msg.recipe is not None or type(keys) is not dict or keys or type(placement) is not dict or placement
                 or msg.memory is not None or type(msg.watched) is not bool or type(msg.recipe_digest) is not str
-                or not limits.DIGEST.fullmatch(msg.recipe_digest) or len(msg.recipe_digest) > limits.MAX_NAME):
+                or not _digest(msg.recipe_digest) or len(msg.recipe_digest) > limits.MAX_NAME):
             return None
         head: Any = _WorkHead(limits.WIRE_VERSION, "Work", ref, value, None, [], [], None, msg.watched,
                               msg.recipe_digest)
@@ -141,6 +141,23 @@ def written_express(msg: Work | Done) -> list[bytes] | None:
         return None
     written = _WRITE(head)
     return [written] if _fits(len(written)) else None  # over a limit: `encode` says which
+
+
+_DIGESTS: set[str] = set()  # recipe digests found well formed: a call names the same few every time
+_MAX_DIGESTS = 256
+
+
+def _digest(text: str) -> bool:
+    """Whether ``text`` is a well-formed digest (``limits.DIGEST``); the answer for a text seen
+    before is remembered (a few hundred), as matching it costs more than reading the header."""
+    if text in _DIGESTS:
+        return True
+    if not limits.DIGEST.fullmatch(text):
+        return False
+    if len(_DIGESTS) >= _MAX_DIGESTS:
+        _DIGESTS.clear()
+    _DIGESTS.add(text)
+    return True
 
 
 def _fits(n: int) -> bool:

@@ -35,6 +35,7 @@ from ...wire import (
     decode,
     encode,
     ref_of,
+    short,
     variant_of,
 )
 from . import attachments as _attachments
@@ -141,6 +142,18 @@ class Intake:
             self._provision(to, message)
         else:
             self._work(to, message, mounted)
+
+    def _expressed(self, to: To, frame: Any) -> Work | None:
+        """The express way in: a ``Work`` naming a recipe ``to`` sent before, of one scalar
+        and nothing else (``wire.short.express``: read by msgspec, every field checked),
+        from a peer the conversation knows, with its recipe and opened; None for anything
+        else, looked at no further (``_take`` reads it the general way and says what is
+        wrong). Skips the carriers, the variant checks and the general decoder, none of
+        which such a frame needs."""
+        work = short.express(frame if type(frame) is bytes else getattr(frame, "buffer", frame))
+        if type(work) is not Work:
+            return None
+        return self.sessions.recall(to.peer, work)
 
     def _stream(self, to: To, message: Any) -> None:
         if isinstance(message, Credit):

@@ -68,7 +68,7 @@ import zmq
 from ...engine import format_exception, run_piece
 from ...errors import CodecError, NodeFailed, ProtocolError, Refused, SomatizeError
 from ...facts import fact, microseconds
-from ...graph import Node
+from ...graph import Step
 from ...packing import Catalog
 from ...record import report, self_report
 from ...store import FolderStore
@@ -99,8 +99,9 @@ from .heap import Heap
 from .held import Held
 from .imported import Imports
 from .outbox import Outbox, To
-from ..pieces import done_of, piece_of
-from .slots import Guarded, Job, NodeExit, Slots, exit_now
+from ..pieces import done_of, piece_of, steps_of
+from .prepared import Prepared, guarded
+from .slots import Job, NodeExit, Slots, exit_now
 from .standin import WATCH, StandIn
 from .said import Limiter, clip, failed_answer
 
@@ -193,6 +194,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         self._closing = threading.Lock()
         self.imports = Imports()  # what was imported, to tell stale code from a plain failure
         self.heap = Heap()  # cargo moved since the allocator last gave freed memory back
+        self._prepared = Prepared()  # a recipe's steps, for pieces run where they arrived
 
     # -- the front socket --------------------------------------------------------------
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
@@ -395,7 +397,12 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
                             refused = Refusal("this key is no longer allowed on this worker", ref=ref_of(parts[1:]))
                             self._reply(To(route, key, route=route), refused, refusing=True)
                             continue
-                        self._take(To(route, key, route=route), parts[1:])
+                        to = To(route, key, route=route)
+                        work = self._expressed(to, parts[1]) if len(parts) == 2 else None
+                        if work is not None:
+                            self._work(to, work, None)  # a repeated small call: straight to its run
+                        else:
+                            self._take(to, parts[1:])
                 else:
                     self._from_broker(parts)
             except Exception as exc:  # one message's trouble is never the whole worker's
@@ -526,9 +533,9 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         if isinstance(mounted, Taken):
             work = mounted.restore(work)  # its input, held here until the answer is written
         try:
-            nodes = self._build(work, job)
+            steps = self._steps(work, job)
             built = True
-            outcome = run_piece(piece_of(work, nodes), watch)
+            outcome = run_piece(piece_of(work, steps), watch)
             answer = done_of(work.ref, outcome, microseconds(time.perf_counter_ns() - started),
                              held.take() if held is not None else ())
         except NodeFailed as exc:
@@ -589,14 +596,10 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             self._want_back = True  # a stand-in sends this answer, then takes nothing new
         self._post(to, answer, frames)
 
-    def _build(self, work: Work, job: Job) -> list[Node]:
-        """The work's nodes, each in a guard (one per node and name, however often it appears)."""
-        guarded: dict[tuple[int, str], Guarded] = {}
-        nodes: list[Node] = []
-        for spec in work.recipe.nodes:
-            node = self.catalog.build(spec)
-            guard = guarded.get((id(node), spec.label))
-            if guard is None:
-                guard = guarded[(id(node), spec.label)] = Guarded(node, spec.label, job)
-            nodes.append(guard)
-        return nodes
+    def _steps(self, work: Work, job: Job) -> tuple[Step, ...]:
+        """The work's steps: its nodes, built (and so checked) at every call, each in a guard;
+        with one job, kept between calls of the same recipe (`.prepared`)."""
+        nodes = [self.catalog.build(spec) for spec in work.recipe.nodes]
+        if self._slots is None:
+            return self._prepared.steps(work, nodes, job)
+        return steps_of(work, guarded(work, nodes, job))

@@ -1,0 +1,73 @@
+"""A recipe's steps, kept between calls, for the pieces that run where they arrived.
+
+A worker runs a piece as :class:`~somatize.engine.Step`\\ s, each node in a
+:class:`~somatize.fabric.worker.slots.Guarded` that reports to the piece's job. What that
+takes depends on the recipe, on the nodes the catalog built for it (built, and so checked,
+at every call) and on the job. With ``jobs=1`` one piece runs at a time on this loop (new
+work is refused as busy while one runs), so the steps of a recipe are kept and only their
+job is swapped: a repeated call builds none of them again, and the engine finds its plan
+compiled for those very steps. A piece in a slot may run beside another of the same recipe,
+so each builds its own; so does a piece with a placement (its devices are per call).
+
+Kept per recipe object (the one a session keeps for its peer, so one peer's steps are never
+another's), at most ``MAX_KEPT``, the least recently used let go first; nodes the catalog
+now builds differently (provisioned anew, its class replaced) make the steps anew.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ...graph import Node, Step
+from ...wire import Recipe, Work
+from ..pieces import steps_of
+from .slots import Guarded, Job
+
+#: How many recipes' steps a loop keeps.
+MAX_KEPT = 64
+
+
+def guarded(work: Work, nodes: Sequence[Node], job: Job) -> list[Guarded]:
+    """``nodes`` (built for ``work``'s specs, in order), each in a guard reporting to ``job``:
+    one guard per node and name, however often it appears."""
+    guards: dict[tuple[int, str], Guarded] = {}
+    out: list[Guarded] = []
+    for node, spec in zip(nodes, work.recipe.nodes, strict=True):
+        guard = guards.get((id(node), spec.label))
+        if guard is None:
+            guard = guards[(id(node), spec.label)] = Guarded(node, spec.label, job)
+        out.append(guard)
+    return out
+
+
+class Prepared:
+    """The steps of the recipes a loop ran where they arrived, by recipe."""
+
+    def __init__(self, most: int = MAX_KEPT) -> None:
+        self.most = most
+        self._kept: OrderedDict[int, tuple[Recipe, tuple[Node, ...], tuple[Step, ...], tuple[Guarded, ...]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def steps(self, work: Work, nodes: Sequence[Node], job: Job) -> tuple[Step, ...]:
+        """The steps of ``work`` with ``nodes``, reporting to ``job``: the kept ones when its
+        recipe ran here before with the very same nodes and no placement."""
+        recipe = work.recipe
+        if work.placement:
+            return steps_of(work, guarded(work, nodes, job))
+        kept = self._kept.get(id(recipe))
+        if kept is not None and kept[0] is recipe and all(map(operator.is_, kept[1], nodes)):
+            self._kept.move_to_end(id(recipe))
+            for guard in kept[3]:
+                guard.job = job
+            return kept[2]
+        guards = guarded(work, nodes, job)
+        steps = steps_of(work, guards)
+        self._kept[id(recipe)] = (recipe, tuple(nodes), steps, tuple({id(g): g for g in guards}.values()))
+        self._kept.move_to_end(id(recipe))
+        while len(self._kept) > self.most:
+            self._kept.popitem(last=False)
+        return steps
