@@ -23,6 +23,7 @@ import pickle
 import socket
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -35,7 +36,7 @@ from somatize.engine import Piece, _plan_of, run_piece
 from somatize.fabric.pieces import piece_of
 from somatize.fabric.worker.prepared import Prepared
 from somatize.fabric.worker.slots import Abandoned, Job
-from somatize.packing import Packer
+from somatize.packing import Catalog, Packer
 from somatize.wire import Recipe, Work
 from somatize.wiring import _piece_plans
 from somatize.graph import Step, as_graph
@@ -238,7 +239,7 @@ def test_a_recipe_run_again_keeps_its_steps_and_swaps_their_job():
     a, b = Add(1).named("a"), Add(10).named("b")
     recipe = Recipe(tuple(Packer("project").spec(s) for s in (a, b, a)), ("seq", (("step", 0), ("step", 1), ("step", 2))))
     nodes = [a.node, b.node, a.node]
-    prepared = Prepared()
+    prepared = Prepared(Catalog("project"))
     first, second = Job("a"), Job("a")
     steps = prepared.steps(_work(recipe, 0), nodes, first)
     assert run_piece(piece_of(_work(recipe, 0), steps)).output == 12
@@ -255,7 +256,7 @@ def test_a_recipe_run_again_keeps_its_steps_and_swaps_their_job():
 def test_a_recipe_built_with_other_nodes_or_placed_gets_steps_of_its_own():
     a = Add(1).named("a")
     recipe = Recipe((Packer("project").spec(a),), ("step", 0))
-    prepared = Prepared(most=2)
+    prepared = Prepared(Catalog("project"), most=2)
     steps = prepared.steps(_work(recipe, 0), [a.node], Job("a"))
     other = Add(100)  # the catalog built it anew (provisioned again, its class replaced)
     fresh = prepared.steps(_work(recipe, 0), [other], Job("a"))
@@ -263,8 +264,25 @@ def test_a_recipe_built_with_other_nodes_or_placed_gets_steps_of_its_own():
     placed = prepared.steps(_work(recipe, 0, placement={0: "cpu"}), [other], Job("a"))
     assert placed is not fresh and placed[0].device == "cpu"
     assert prepared.steps(_work(recipe, 0), [other], Job("a")) is fresh  # the placed one was not kept
+    in_a_slot = prepared.steps(_work(recipe, 0), [other], Job("b"), keep=False)  # beside another: its own
+    assert in_a_slot is not fresh and fresh[0].node.job.node == "a"
     # another recipe of the same specs (another peer's) is another entry; the oldest goes
     theirs = Recipe(recipe.nodes, recipe.shape)
     assert prepared.steps(_work(theirs, 0), [other], Job("a")) is not fresh
     prepared.steps(_work(Recipe(recipe.nodes, recipe.shape), 0), [other], Job("a"))
     assert len(prepared) == 2
+
+
+def test_kept_steps_let_their_nodes_go_when_the_catalog_does():
+    catalog = Catalog("project", built=1)
+    one, two = (Packer("project").spec(Add(n).named("a")) for n in (1, 2))
+    prepared = Prepared(catalog)
+    node = catalog.build(one)
+    steps = prepared.steps(_work(Recipe((one,), ("step", 0)), 0), [node], Job("a"))
+    gone = weakref.ref(node)
+    del node, steps
+    newer = catalog.build(two)  # room for it: the catalog lets `one`'s node go
+    assert catalog.dropped == 1
+    prepared.steps(_work(Recipe((two,), ("step", 0)), 0), [newer], Job("a"))
+    gc.collect()
+    assert gone() is None and len(prepared) == 1

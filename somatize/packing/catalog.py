@@ -89,6 +89,9 @@ class Catalog:
         self._keys: dict[int, tuple[NodeSpec, tuple[str, str], str]] = {}
         self.held_bytes = 0
         self.built_bytes = 0
+        # nodes let go of to make room, ever: whoever keeps a node it was given (a worker's
+        # prepared steps) lets it go too when this moves, so its memory comes back
+        self.dropped = 0
 
     def __repr__(self) -> str:
         return f"Catalog({self.mode!r}, held={len(self._held)}, built={len(self._built)})"
@@ -131,6 +134,7 @@ class Catalog:
                 len(self._held) > self._max_held or self.held_bytes > self._max_held_bytes
             ):
                 self.held_bytes -= self._held.popitem(last=False)[1][1]
+                self.dropped += 1
 
     def missing(self, specs: Iterable[NodeSpec]) -> tuple[str, ...]:
         """The digests of network-source specs this catalog does not hold, in order, once each.
@@ -224,6 +228,7 @@ class Catalog:
                     len(self._built) > self._max_built or self.built_bytes > self._max_built_bytes
                 ):
                     self.built_bytes -= self._built.popitem(last=False)[1].size
+                    self.dropped += 1
             else:
                 self._built.move_to_end(key)
         if slot.node is not None and slot.cls is not None:

@@ -68,7 +68,6 @@ import zmq
 from ...engine import format_exception, run_piece
 from ...errors import CodecError, NodeFailed, ProtocolError, Refused, SomatizeError
 from ...facts import fact, microseconds
-from ...graph import Step
 from ...packing import Catalog
 from ...record import report, self_report
 from ...store import FolderStore
@@ -99,8 +98,8 @@ from .heap import Heap
 from .held import Held
 from .imported import Imports
 from .outbox import Outbox, To
-from ..pieces import done_of, piece_of, steps_of
-from .prepared import Prepared, guarded
+from ..pieces import done_of, piece_of
+from .prepared import Prepared
 from .slots import Job, NodeExit, Slots, exit_now
 from .standin import WATCH, StandIn
 from .said import Limiter, clip, failed_answer
@@ -194,7 +193,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         self._closing = threading.Lock()
         self.imports = Imports()  # what was imported, to tell stale code from a plain failure
         self.heap = Heap()  # cargo moved since the allocator last gave freed memory back
-        self._prepared = Prepared()  # a recipe's steps, for pieces run where they arrived
+        self._prepared = Prepared(self.catalog)  # a recipe's steps, for pieces run where they arrived
 
     # -- the front socket --------------------------------------------------------------
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
@@ -533,7 +532,9 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         if isinstance(mounted, Taken):
             work = mounted.restore(work)  # its input, held here until the answer is written
         try:
-            steps = self._steps(work, job)
+            # each node built, and so checked, at every call; with one job its steps are kept
+            nodes = [self.catalog.build(spec) for spec in work.recipe.nodes]
+            steps = self._prepared.steps(work, nodes, job, keep=self._slots is None)
             built = True
             outcome = run_piece(piece_of(work, steps), watch)
             answer = done_of(work.ref, outcome, microseconds(time.perf_counter_ns() - started),
@@ -595,11 +596,3 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         else:
             self._want_back = True  # a stand-in sends this answer, then takes nothing new
         self._post(to, answer, frames)
-
-    def _steps(self, work: Work, job: Job) -> tuple[Step, ...]:
-        """The work's steps: its nodes, built (and so checked) at every call, each in a guard;
-        with one job, kept between calls of the same recipe (`.prepared`)."""
-        nodes = [self.catalog.build(spec) for spec in work.recipe.nodes]
-        if self._slots is None:
-            return self._prepared.steps(work, nodes, job)
-        return steps_of(work, guarded(work, nodes, job))

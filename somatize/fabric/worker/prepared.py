@@ -11,7 +11,9 @@ so each builds its own; so does a piece with a placement (its devices are per ca
 
 Kept per recipe object (the one a session keeps for its peer, so one peer's steps are never
 another's), at most ``MAX_KEPT``, the least recently used let go first; nodes the catalog
-now builds differently (provisioned anew, its class replaced) make the steps anew.
+now builds differently (provisioned anew, its class replaced) make the steps anew. Steps
+hold their nodes, so when the catalog lets any node go to make room (``Catalog.dropped``),
+every kept step is let go too: a node the catalog dropped never stays alive here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ...graph import Node, Step
+from ...packing import Catalog
 from ...wire import Recipe, Work
 from ..pieces import steps_of
 from .slots import Guarded, Job
@@ -45,19 +48,25 @@ def guarded(work: Work, nodes: Sequence[Node], job: Job) -> list[Guarded]:
 class Prepared:
     """The steps of the recipes a loop ran where they arrived, by recipe."""
 
-    def __init__(self, most: int = MAX_KEPT) -> None:
+    def __init__(self, catalog: Catalog, most: int = MAX_KEPT) -> None:
+        self.catalog = catalog
         self.most = most
+        self._dropped = catalog.dropped
         self._kept: OrderedDict[int, tuple[Recipe, tuple[Node, ...], tuple[Step, ...], tuple[Guarded, ...]]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def steps(self, work: Work, nodes: Sequence[Node], job: Job) -> tuple[Step, ...]:
-        """The steps of ``work`` with ``nodes``, reporting to ``job``: the kept ones when its
-        recipe ran here before with the very same nodes and no placement."""
+    def steps(self, work: Work, nodes: Sequence[Node], job: Job, *, keep: bool = True) -> tuple[Step, ...]:
+        """The steps of ``work`` with ``nodes`` (built for it, checked), reporting to ``job``:
+        the kept ones when its recipe ran here before with the very same nodes and no
+        placement. ``keep=False`` (a piece in a slot): made for this piece alone."""
         recipe = work.recipe
-        if work.placement:
+        if work.placement or not keep:
             return steps_of(work, guarded(work, nodes, job))
+        if self.catalog.dropped != self._dropped:  # the catalog let nodes go: so does this
+            self._dropped = self.catalog.dropped
+            self._kept.clear()
         kept = self._kept.get(id(recipe))
         if kept is not None and kept[0] is recipe and all(map(operator.is_, kept[1], nodes)):
             self._kept.move_to_end(id(recipe))
