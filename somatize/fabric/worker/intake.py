@@ -10,6 +10,12 @@ by its header's variant alone (``Refusal(hello=True)``), except a piece of a str
 it for the answer to another; a second Work with the ref of one still running is refused
 without a ref, and the running one goes on.
 
+The express way in (``_expressed``): a ``Work`` that names a recipe its peer sent before,
+of one scalar and nothing else (most calls), is read by msgspec alone and asked of the
+conversation in one look (``WorkerSessions.recall``), which gives it back opened exactly
+when ``receive`` would; anything else, or anything the conversation would refuse, goes the
+general way above untouched, which says what is wrong.
+
 Revocation: after a reload of the allow-list (a listening worker with keys), every session
 of a key no longer allowed ends (:meth:`Intake._revoke`).
 
