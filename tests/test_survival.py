@@ -296,6 +296,32 @@ def test_a_worker_told_to_stop_while_its_node_hangs_stops(processes, tmp_path, j
         thread.join(30)
 
 
+def _python_threads(pid: int) -> list[int]:
+    """The ids of ``pid``'s threads other than its main one that take signals: libzmq's own
+    (``ZMQbg/...``) block every signal, so a signal sent to one of them is never delivered."""
+    found = []
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        if tid != pid and not Path(f"/proc/{pid}/task/{tid}/comm").read_text().startswith("ZMQbg"):
+            found.append(tid)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sends to one thread with tgkill, which is Linux's")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_worker_stops_at_once_whichever_of_its_threads_the_signal_lands_on(processes, signum):
+    """CPython runs a handler on the main thread; a signal the kernel hands to another thread
+    reached a worker asleep in its poll only when the poll timed out (a patience: 60 s here)."""
+    worker = project_worker(processes, "--patience", "60")
+    with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}) as broker:
+        assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2  # the stand-in and its watch run now
+    threads = _python_threads(worker.pid)
+    assert threads, "the worker runs no thread of its own besides the main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.tgkill(worker.pid, threads[-1], int(signum)) == 0, os.strerror(ctypes.get_errno())
+    wait_until(lambda: not worker.alive, 15, "the worker stopping")
+    assert worker.popen.returncode == 0, worker.stderr()
+
+
 ORPHAN = textwrap.dedent(
     """
     import sys

@@ -11,10 +11,13 @@ only in facts and exceptions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
 from typing import Any
 
 from ..errors import BadKeys
@@ -172,6 +175,7 @@ def serve_until_signalled(server: Any, log: logging.Logger | None = None, ready:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, reload)  # read the allow-list again
+    undo = _heard_at_once(server, why)
     if ready is not None:
         ready()
     try:
@@ -179,5 +183,59 @@ def serve_until_signalled(server: Any, log: logging.Logger | None = None, ready:
     except BaseException as exc:
         log.error("stopping: %s: %s", type(exc).__name__, exc)
         raise
+    finally:
+        undo()
     log.info("stopping: %s", f"told to by {why[0]}" if why else "its serving loop ended")
     return 0
+
+
+_STOPS = {int(signal.SIGTERM): "SIGTERM", int(signal.SIGINT): "SIGINT"}
+
+
+def _heard_at_once(server: Any, why: list[str]) -> Any:
+    """Stop ``server`` as soon as SIGTERM or SIGINT arrives, whichever thread the kernel hands
+    it to; return what undoes this.
+
+    CPython runs a signal's handler on the main thread, between two bytecodes. The kernel may
+    deliver the signal to any thread that does not block it (a stand-in, a slot, a node's own),
+    and a main thread asleep in a long poll then hears of it only when the poll times out: up
+    to a patience. Through a wakeup descriptor (``signal.set_wakeup_fd``, written by the C
+    handler in whatever thread took the signal) a thread of its own hears every signal at
+    once and sets ``server.stopping``, which wakes the poll. SIGHUP is left to its handler."""
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    try:
+        before = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except ValueError:  # not the main thread (a test serving on one of its own): the handlers alone
+        reader.close()
+        writer.close()
+        return lambda: None
+    done = threading.Event()
+
+    def listen() -> None:
+        while not done.is_set():
+            try:
+                heard = reader.recv(64)
+            except OSError:
+                return
+            if not heard:
+                return
+            stops = [_STOPS[b] for b in heard if b in _STOPS]
+            if stops:
+                if not why:
+                    why.append(stops[0])
+                server.stopping.set()
+
+    listener = threading.Thread(target=listen, daemon=True, name="somatize-signals")
+    listener.start()
+
+    def undo() -> None:
+        signal.set_wakeup_fd(before)
+        done.set()
+        with contextlib.suppress(OSError):
+            reader.shutdown(socket.SHUT_RDWR)  # wakes its recv
+        listener.join(1.0)
+        reader.close()
+        writer.close()
+
+    return undo
