@@ -159,8 +159,9 @@ def cpu(calls: int = 3000) -> str:
     return "\n".join(lines)
 
 
-# Each stage of a call, by the functions that do it (file, function): their inclusive time
-# in a deterministic profile of each side. What no stage names is "the rest".
+# Each stage of a call, by the functions that do it (file, function, and the caller it is
+# counted from, where it is called from elsewhere too): their inclusive time in a
+# deterministic profile of each side. What no stage names is "the rest".
 CLIENT_STAGES = (
     ("plan: the graph's checks and its walk", (("plan.py", "check"), ("engine.py", "prepare"))),
     ("locate, borrow, give back the channel",
@@ -176,10 +177,12 @@ CLIENT_STAGES = (
 )
 WORKER_STAGES = (
     ("receive (the socket)", (("sockets.py", "receive_frames"), ("sockets.py", "readable"))),
-    ("decode the Work", (("reading.py", "decode"),)),
-    ("check it against the conversation", (("conversation.py", "receive"),)),
+    # the express way in reads a repeated call with `short.express` and asks `recall`; the
+    # general way (`decode`, `receive`) takes the rest (the first call of a recipe, say)
+    ("decode the Work", (("reading.py", "decode"), ("short.py", "express", "_expressed"))),
+    ("check it against the conversation", (("conversation.py", "receive"), ("conversation.py", "recall"))),
     ("look up and build the nodes",
-     (("catalog.py", "missing"), ("loop.py", "_build"), ("pieces.py", "piece_of"))),
+     (("catalog.py", "missing"), ("catalog.py", "build"), ("prepared.py", "steps"), ("pieces.py", "piece_of"))),
     ("run the piece (the node's forward inside)", (("engine.py", "run_piece"),)),
     ("encode the answer", (("writing.py", "encode"),)),
     ("send the answer", (("outbox.py", "_flush"),)),
@@ -235,8 +238,12 @@ def stages(calls: int = 2000) -> str:
                                       ("worker", worker_stats, WORKER_STAGES, ("loop.py", "_turn"))):
         table = stats.stats  # (file, line, function) -> (calls, calls, own time, inclusive time, callers)
 
-        def inclusive(file: str, function: str) -> float:
-            return sum(v[3] for (f, _, fn), v in table.items() if f.endswith(file) and fn == function)
+        def inclusive(file: str, function: str, caller: str | None = None) -> float:
+            """Its inclusive time; with ``caller``, only what it spent called from that function."""
+            found = [v for (f, _, fn), v in table.items() if f.endswith(file) and fn == function]
+            if caller is None:
+                return sum(v[3] for v in found)
+            return sum(c[3] for v in found for (_, _, by), c in v[4].items() if by == caller)
 
         waiting = sum(v[2] for (f, _, fn), v in table.items() if fn in ("poll", "wait") or "acquire" in fn)
         total = inclusive(*root) - waiting
