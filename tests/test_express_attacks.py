@@ -19,7 +19,7 @@ import pytest
 import zmq
 from conftest import WORKER
 from fabric_nodes import Add, Count, Sleep
-from reliability_support import Proc, child_env
+from reliability_support import child_env
 
 from somatize.packing import Packer
 from somatize.wire import (
@@ -44,23 +44,9 @@ WAIT = 10.0 + MARGIN
 
 
 @pytest.fixture
-def procs(tmp_path):
-    started: list[Proc] = []
-
-    def start(argv: list[str], **options) -> Proc:
-        options.setdefault("env", child_env())
-        process = Proc(argv, logs=tmp_path / "logs", **options)
-        started.append(process)
-        return process
-
-    yield start
-    for process in reversed(started):
-        process.stop()
-
-
-@pytest.fixture
-def worker(procs):
-    return procs([*WORKER, "--listen", "127.0.0.1:0", "--announce"])
+def worker(processes):
+    """A listening worker, stopped and reaped after (conftest's ``processes``)."""
+    return processes([*WORKER, "--listen", "127.0.0.1:0", "--announce"], env=child_env())
 
 
 @pytest.fixture
