@@ -91,9 +91,10 @@ class Floors:
 
 
 @contextlib.contextmanager
-def floor() -> Iterator[Floor]:
-    """The raw echo server in a subprocess, and a client connected to it."""
-    with Child(FLOOR, announce=ANNOUNCE) as server:
+def floor(transport: str = "ipc") -> Iterator[Floor]:
+    """The raw echo server in a subprocess, and a client connected to it: over a Unix socket,
+    as a spawned worker listens (``tcp``: over a loopback port)."""
+    with Child([*FLOOR, transport], announce=ANNOUNCE) as server:
         client = Floor(server.endpoint)
         client.server_pid = server.pid
         try:
@@ -107,10 +108,11 @@ def floor() -> Iterator[Floor]:
 
 def small_forward(settings: Settings, floors: Floors) -> list[Row]:
     echo = Echo().named("echo").at("w1")
-    with floor() as raw, paths.direct() as broker:
+    with floor() as raw, floor("tcp") as tcp, paths.direct() as broker:
         for _ in range(max(20, settings.calls // 20)):  # warm: spawned, provisioned, connected
             echo.forward(SMALL, broker=broker)
             raw.small(SMALL)
+            tcp.small(SMALL)
         assert echo.forward(SMALL, broker=broker) == SMALL
         ran: list[int] = [0]
 
@@ -118,7 +120,8 @@ def small_forward(settings: Settings, floors: Floors) -> list[Row]:
             ran[0] += fact["fact"] == "ran"
 
         samples = interleaved(
-            {"raw": lambda: raw.small(SMALL), "somatize": lambda: echo.forward(SMALL, broker=broker),
+            {"raw": lambda: raw.small(SMALL), "tcp": lambda: tcp.small(SMALL),
+             "somatize": lambda: echo.forward(SMALL, broker=broker),
              "watched": lambda: echo.forward(SMALL, broker=broker, watching=told)},
             settings.calls,
             settings.blocks,
@@ -131,8 +134,11 @@ def small_forward(settings: Settings, floors: Floors) -> list[Row]:
     mine = median(samples["somatize"])
     quiet_floor, quiet_mine = (best_block(samples[name], settings.blocks) for name in ("raw", "somatize"))
     return [
-        Row("a", "raw pyzmq DEALER->ROUTER, 100 B", f"{us(floor_median)} median, {us(p99(samples['raw']))} p99",
-            verdict="floor"),
+        Row("a", "raw pyzmq DEALER->ROUTER, 100 B, over a Unix socket (ipc://, as the spawned worker)",
+            f"{us(floor_median)} median, {us(p99(samples['raw']))} p99", verdict="floor"),
+        Row("a", "the same over TCP loopback (not the floor: the worker is not reached so)",
+            f"{us(median(samples['tcp']))} median, {us(p99(samples['tcp']))} p99", f"ipc {us(floor_median)}",
+            ratio(median(samples["tcp"]) / floor_median)),
         Row("a", "somatize Direct, 1 node, 100 B", f"{us(mine)} median, {us(p99(samples['somatize']))} p99",
             f"raw {us(floor_median)}", ratio(mine / floor_median), "<= 2x", at_most(mine / floor_median, 2.0)),
         Row("a", "the same, least disturbed block of each", f"{us(quiet_mine)} median",

@@ -1,9 +1,13 @@
 """The floor: raw pyzmq, DEALER -> ROUTER, with an echo server in another process.
 
-``python benchmarks/floor.py`` binds a ROUTER on a port the kernel picks, prints
-``floor ready tcp://...`` and sends every message back to whoever sent it, frames untouched
-(received and sent with ``copy=False``: libzmq's buffers are handed back, never copied by
-Python) until SIGTERM, or until its parent goes away.
+``python benchmarks/floor.py`` binds a ROUTER on a Unix socket in a fresh folder (``ipc://``,
+the transport a spawned worker listens on, so the floor and the path measured against it
+cross the same kind of socket), prints ``floor ready ipc://...`` and sends every message
+back to whoever sent it, frames untouched (received and sent with ``copy=False``: libzmq's
+buffers are handed back, never copied by Python) until SIGTERM, or until its parent goes
+away. ``python benchmarks/floor.py tcp`` binds on a loopback port instead (the kernel picks
+it): on the tables' machine a small round trip costs about a quarter more over TCP than
+over a Unix socket, so a floor over TCP would flatter whatever runs over ``ipc://``.
 
 The client side is :class:`Floor`: what somatize is measured against, with no header to
 encode, no codec, no engine; the least any message over ZeroMQ between two processes costs.
@@ -12,8 +16,10 @@ encode, no codec, no engine; the least any message over ZeroMQ between two proce
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 import numpy as np
 import zmq
@@ -48,12 +54,15 @@ class Floor:
         self.context.term()
 
 
-def serve() -> int:
+def serve(transport: str = "ipc") -> int:
+    if transport not in ("ipc", "tcp"):
+        raise SystemExit(f"floor.py takes ipc (the default) or tcp; got {transport!r}")
+    folder = tempfile.mkdtemp(prefix="somatize-floor-") if transport == "ipc" else None
     context = zmq.Context()
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 200)  # a blocking receive, woken now and then to look around
-    sock.bind("tcp://127.0.0.1:0")
+    sock.bind(f"ipc://{folder}/floor.sock" if folder else "tcp://127.0.0.1:0")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     parent = os.getppid()
@@ -70,8 +79,10 @@ def serve() -> int:
     finally:
         sock.close(linger=0)
         context.term()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(serve())
+    sys.exit(serve(*sys.argv[1:2]))
