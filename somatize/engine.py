@@ -50,6 +50,7 @@ from .errors import CodecError, Missing, NodeFailed, Overdue, SomatizeError
 from .facts import Watchers, elsewhere, fact, microseconds
 from .graph import Graph, Step, as_graph
 from .pieces import Deadline, Outcome, Piece
+from .pieces import piece as _piece
 from .plan import Closes, Join, Plan, Recall, Remote, Run, check, compile, group, keys_for, prune
 from .wiring import inputs_of, piece_plan, wiring_of
 
@@ -88,6 +89,11 @@ def forward(
     watch = _NOBODY if watching is None else Watchers(watching).for_forward()
     here = _here(broker, graph)
     check(graph, broker=broker, store=store, here=here)
+    if until is None and not watch and broker is not None:
+        trip = _one_trip(graph, here, store)
+        if trip is not None:  # the whole forward is one trip to a host: the piece goes as it is
+            plan, op = trip
+            return broker.run(_piece(op.host, _steps_of(plan, op), op.local_shape, x, {}, None, _memo_of(op)), None).output
     started = time.perf_counter_ns()
     try:
         walk = _Walk.prepare(graph, x, broker=broker, store=store, watch=watch, deadline=until, here=here)
@@ -368,15 +374,15 @@ class _Walk:
     def _remote(self, op: Remote, value: Any) -> Any:
         indices = op.step_indices
         steps = self.plan.steps
-        piece = Piece(
-            host=op.host,
-            steps=_steps_of(self.plan, op),
-            shape=op.local_shape,
-            value=value,
-            keys={new: self.keys[i] for new, i in enumerate(indices) if i in self.keys and steps[i].cache}
+        piece = _piece(
+            op.host,
+            _steps_of(self.plan, op),
+            op.local_shape,
+            value,
+            {new: self.keys[i] for new, i in enumerate(indices) if i in self.keys and steps[i].cache}
             if self.keys else {},
-            deadline=self.deadline,
-            memo=_memo_of(op),
+            self.deadline,
+            _memo_of(op),
         )
         host = op.host
         started = time.perf_counter_ns()
@@ -530,6 +536,27 @@ def _plan_of(graph: Graph, here: frozenset[str]) -> Plan:
             plans.clear()
         plans[here] = plan
     return plan
+
+
+def _one_trip(graph: Graph, here: frozenset[str], store: Any) -> tuple[Plan, Remote] | None:
+    """The plan and its one operation when a forward of ``graph`` is a single trip to a host
+    from its input to its output, with nothing to recall or keep (no store, or no cached
+    step); otherwise None. Asked only of a forward nobody watches, with no deadline: that
+    forward is then ``broker.run`` of one piece, exactly what the walk would do for it."""
+    if store is not None:
+        cached = graph.__dict__.get("_somatize_caches")
+        if cached is None:
+            cached = graph.__dict__["_somatize_caches"] = any(step.cache for step in graph.steps)
+        if cached:
+            return None
+    plan = _plan_of(graph, here)
+    ops = plan.ops
+    if len(ops) != 1:
+        return None
+    op = ops[0]
+    if type(op) is not Remote or op.source != 0 or op.target != plan.output:
+        return None
+    return plan, op
 
 
 def _memo_of(op: Remote) -> dict:

@@ -47,8 +47,8 @@ class Raw:
 
 class FakeWorker:
     """A worker played by a ROUTER on a thread: Ready to every Hello, and to every Work what
-    ``answer(work)`` returns (a message, or a list of frames written by hand); it counts the
-    Works it received."""
+    ``answer(work)`` returns (a message, a list of frames written by hand, or a tuple of
+    those, sent one after the other); it counts the Works it received."""
 
     def __init__(self, answer) -> None:
         self.answer = answer
@@ -71,8 +71,9 @@ class FakeWorker:
                 self.sock.send_multipart([route, *encode(Ready(RT))])
             elif isinstance(message, Work):
                 self.works.append(message)
-                reply = self.answer(message)
-                self.sock.send_multipart([route, *(reply if isinstance(reply, list) else encode(reply))])
+                replies = self.answer(message)
+                for reply in replies if isinstance(replies, tuple) else (replies,):
+                    self.sock.send_multipart([route, *(reply if isinstance(reply, list) else encode(reply))])
 
     def close(self) -> None:
         self._stop.set()

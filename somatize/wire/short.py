@@ -122,24 +122,31 @@ def written_express(msg: Work | Done) -> list[bytes] | None:
     ``check`` would pass it; None for any other (``encode`` writes it, and refuses what is
     wrong). The bytes are the ones ``encode`` writes."""
     if type(msg) is Work:
-        keys, placement, ref, value = msg.keys, msg.placement, msg.ref, msg.input
+        keys, placement = msg.keys, msg.placement
         if (msg.recipe is not None or type(keys) is not dict or keys or type(placement) is not dict or placement
-                or msg.memory is not None or type(msg.watched) is not bool or type(msg.recipe_digest) is not str
-                or not _digest(msg.recipe_digest) or len(msg.recipe_digest) > limits.MAX_NAME):
+                or msg.memory is not None):
             return None
-        head: Any = _WorkHead(limits.WIRE_VERSION, "Work", ref, value, None, [], [], None, msg.watched,
-                              msg.recipe_digest)
-    elif type(msg) is Done:
-        produced, saw, ref, value, took = msg.produced, msg.saw, msg.ref, msg.output, msg.took_us
-        if (type(produced) is not dict or produced or type(saw) is not tuple or saw or type(took) is not int
-                or not 0 <= took <= limits.MAX_REF):
-            return None
-        head = _DoneHead(limits.WIRE_VERSION, "Done", ref, value, [], took, [])
-    else:
+        return work_frames(msg.ref, msg.input, msg.watched, msg.recipe_digest)
+    if type(msg) is not Done:
         return None
-    if type(ref) is not int or not 0 <= ref <= limits.MAX_REF or not _itself(value):
+    produced, saw, ref, value, took = msg.produced, msg.saw, msg.ref, msg.output, msg.took_us
+    if (type(produced) is not dict or produced or type(saw) is not tuple or saw or type(took) is not int
+            or not 0 <= took <= limits.MAX_REF or type(ref) is not int or not 0 <= ref <= limits.MAX_REF
+            or not _itself(value)):
         return None
-    written = _WRITE(head)
+    written = _WRITE(_DoneHead(limits.WIRE_VERSION, "Done", ref, value, [], took, []))
+    return [written] if _fits(len(written)) else None  # over a limit: `encode` says which
+
+
+def work_frames(ref: int, value: Any, watched: bool, digest: str) -> list[bytes] | None:
+    """The one frame of a ``Work`` naming its recipe by ``digest``, of the one scalar
+    ``value`` and nothing else (no keys, no placement), without building the ``Work``: the
+    bytes ``encode`` writes for it. None when a field is not as ``check`` would pass it, or
+    the value is not one the codec writes as itself (``encode`` writes it, or says why not)."""
+    if (type(ref) is not int or not 0 <= ref <= limits.MAX_REF or type(watched) is not bool or type(digest) is not str
+            or len(digest) > limits.MAX_NAME or not _digest(digest) or not _itself(value)):
+        return None
+    written = _WRITE(_WorkHead(limits.WIRE_VERSION, "Work", ref, value, None, [], [], None, watched, digest))
     return [written] if _fits(len(written)) else None  # over a limit: `encode` says which
 
 

@@ -35,6 +35,7 @@ from ...codec import codecs_registered, readable_kinds
 from ...engine import Deadline, Outcome, Piece
 from ...errors import Broken, Busy, KeysRefused, NodeFailed, ProtocolError, Refused, Unreachable
 from ...packing import Packer
+from ...wire import short
 from ...wire import (
     CARRIERS,
     Begin,
@@ -407,6 +408,10 @@ class Channel:
         """Send ``piece`` and wait for its outcome. ``deadline`` (the forward's) bounds every
         wait; ``host`` starts the host's own deadline, which bounds the waits from when the
         Work is first sent (after its code was handed over), the sooner of the two."""
+        if watch is None and deadline is None and host is None and self._greeting is None:
+            outcome = self._express(piece)
+            if outcome is not None:
+                return outcome
         ref = next(_refs)
         specs = specs_of(piece, self.packer)  # packed once per group, kept with the graph's plan
         watched = watch is not None
@@ -424,8 +429,59 @@ class Channel:
             if host is not None:
                 deadline = host().sooner(deadline)
             self.bound = deadline
-            resent = False  # after `hello` or `recipe`, the Work goes again: once, never more
-            for _ in range(4):
+            return self._settle(piece, ref, specs, digest, named, frames, None, watch, deadline)
+        finally:
+            _mount.remove(self.mounted)
+            self.mounted = []
+            self._end_lending()
+
+    def _express(self, piece: Piece) -> Outcome | None:
+        """A repeated small call, the short way: no watcher, no deadline, the channel
+        greeted, the worker holding its recipe for this connection and its code, its kinds
+        known readable, and one scalar in, with no keys or placement, so that its ``Work`` is
+        one frame msgspec writes without a ``Work`` being built. None, having sent nothing,
+        for any other piece (``run`` takes it the general way). Once sent, an answer other
+        than its ``Done`` is taken as the general way takes it (``_settle``): a refusal, a
+        request for code, a failure."""
+        if piece.keys or self.lane is not None:
+            return None
+        specs = specs_of(piece, self.packer)
+        digest = self._digest_of(specs, piece.shape)
+        if digest is None or digest not in self.held or self._sure_for != codecs_registered():
+            return None
+        for spec in specs:
+            if spec.source == "network" and spec.target not in self.provisioned:
+                return None
+        for step in piece.steps:
+            if step.device is not None:
+                return None
+        ref = next(_refs)
+        frames = short.work_frames(ref, piece.value, False, digest)
+        if frames is None:
+            return None
+        self.bound = None
+        try:
+            self._send_work(ref, frames)
+            answer = self._answer(None)
+            if type(answer) is Done:
+                return outcome_of(answer)
+            return self._settle(piece, ref, specs, digest, digest, frames, answer, None, None)
+        finally:
+            if self.mounted:
+                _mount.remove(self.mounted)
+                self.mounted = []
+            if self.lending is not None:
+                self._end_lending()
+
+    def _settle(self, piece: Piece, ref: int, specs: tuple[NodeSpec, ...], digest: str | None, named: str,
+                frames: list, answer: Any, watch: Any, deadline: Deadline | None) -> Outcome:
+        """Send the Work (``frames``, its recipe ``named`` by ``digest`` or in full) and take
+        its answers until its outcome; with ``answer``, it was sent already and that came
+        back first. A request for code is met, a worker that forgot this channel greeted again
+        and one without the recipe sent it in full, and the Work goes again: once, never more."""
+        resent = False
+        for _ in range(4):
+            if answer is None:
                 self._send_work(ref, frames, deadline)
                 if self._greeting is not None:  # the Work went right behind the Hello: its answer first
                     self._greeted(deadline)
@@ -434,51 +490,51 @@ class Channel:
                     if digest not in self._unkept:
                         self.held.add(digest)  # in full: the worker keeps it for this connection
                 answer = self._answer(watch, deadline)
-                if isinstance(answer, Send):
-                    self.provisioned.difference_update(answer.digests)
-                    self._provision(answer.digests, deadline)
-                    continue
-                if answer is self.exchange.unplaced:
+            if isinstance(answer, Send):
+                self.provisioned.difference_update(answer.digests)
+                self._provision(answer.digests, deadline)
+                answer = None
+                continue
+            if answer is self.exchange.unplaced:
+                raise Refused(
+                    f"the worker for `{self.host}` refused without naming the work sent to it, "
+                    f"after it was sent: {answer.why}. That is not this work's answer, so whether "
+                    f"it ran is not known; it was not sent again (it may have run)"
+                )
+            if isinstance(answer, Refusal) and (answer.hello or answer.recipe):
+                if resent:
                     raise Refused(
-                        f"the worker for `{self.host}` refused without naming the work sent to it, "
-                        f"after it was sent: {answer.why}. That is not this work's answer, so whether "
-                        f"it ran is not known; it was not sent again (it may have run)"
+                        f"the worker for `{self.host}` asked again, for the same work, to be "
+                        f"greeted again or for its recipe in full ({answer.why}); it was sent "
+                        f"again once, and is not sent a third time"
                     )
-                if isinstance(answer, Refusal) and (answer.hello or answer.recipe):
-                    if resent:
-                        raise Refused(
-                            f"the worker for `{self.host}` asked again, for the same work, to be "
-                            f"greeted again or for its recipe in full ({answer.why}); it was sent "
-                            f"again once, and is not sent a third time"
-                        )
-                    resent = True
-                    if answer.hello:
-                        # the worker forgot this channel to make room for others: greet it again
-                        self.exchange.forgotten()
-                        self._hello(deadline)
-                    elif digest is not None:
-                        # it does not hold the recipe: forgotten to make room for others (it
-                        # goes in full this once), or never kept, when no other recipe went
-                        # in full since (too big to keep: it goes in full from now on)
-                        self.held.discard(digest)
-                        if digest == self._last_full and len(self._unkept) < _MEMO_RECIPES:
-                            self._unkept.add(digest)
-                    if named:
-                        named = ""
-                        frames = encode(work_of(piece, ref, specs, watched=watched))
-                        self._check_kinds(frames)
-                        continue
-                    if answer.hello:
-                        continue
-                return self._conclude(answer, piece)
-            raise Refused(
-                f"the worker for `{self.host}` kept asking for the same artifacts, to be greeted "
-                f"again, or for the recipe in full"
-            )
-        finally:
-            _mount.remove(self.mounted)
-            self.mounted = []
-            self._end_lending()
+                resent = True
+                refusal, answer = answer, None
+                hello = refusal.hello
+                if hello:
+                    # the worker forgot this channel to make room for others: greet it again
+                    self.exchange.forgotten()
+                    self._hello(deadline)
+                elif digest is not None:
+                    # it does not hold the recipe: forgotten to make room for others (it
+                    # goes in full this once), or never kept, when no other recipe went
+                    # in full since (too big to keep: it goes in full from now on)
+                    self.held.discard(digest)
+                    if digest == self._last_full and len(self._unkept) < _MEMO_RECIPES:
+                        self._unkept.add(digest)
+                if named:
+                    named = ""
+                    frames = encode(work_of(piece, ref, specs, watched=watch is not None))
+                    self._check_kinds(frames)
+                    continue
+                if hello:
+                    continue
+                answer = refusal  # the recipe went in full, and it asks for it in full: refused
+            return self._conclude(answer, piece)
+        raise Refused(
+            f"the worker for `{self.host}` kept asking for the same artifacts, to be greeted "
+            f"again, or for the recipe in full"
+        )
 
     def _digest_of(self, specs: tuple[NodeSpec, ...], shape: tuple) -> str | None:
         """The digest of the recipe of ``specs`` and ``shape`` (None: it always travels in
