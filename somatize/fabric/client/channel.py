@@ -74,9 +74,9 @@ from ..curve import Keys, as_client
 from ..pieces import outcome_of, specs_of, work_of
 
 _refs = itertools.count(1)
-# what a socket's EVENTS are read as on every answer: plain ints, not pyzmq's enum (whose
-# `&` alone costs more than the read)
-_EVENTS, _POLLIN, _events = int(zmq.EVENTS), int(zmq.POLLIN), zmq.backend.Socket.get
+#: How long a receive waits for an answer before the link's events, the broker's word and
+#: the deadline are looked at (milliseconds): a link that drops is told within this.
+LOOK_EVERY_MS = 50
 #: A connected worker that does not answer Hello within this many patiences is Busy.
 BUSY_FACTOR = 11
 
@@ -137,7 +137,7 @@ class Channel:
         self.still_there = still_there
         self._checked = time.monotonic()
         if lane is not None:
-            self.sock = self.monitor = self._poller = None
+            self.sock = self.monitor = None
             self.linked = lane.link.linked
         else:
             self.sock = sockets.dealer(patience)
@@ -148,9 +148,8 @@ class Channel:
                 zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
             )
             self.linked = False  # the ZeroMQ handshake completed: someone is there
-            self._poller = zmq.Poller()
-            self._poller.register(self.sock, zmq.POLLIN)
-            self._poller.register(self.monitor, zmq.POLLIN)
+            # a receive waits this long for an answer, then the link is looked at (`_pump`)
+            self.sock.setsockopt(zmq.RCVTIMEO, LOOK_EVERY_MS)
             self.sock.connect(self.address)
         self.mounted: list = []
         self.bound: Deadline | None = None  # the deadline the open work runs under
@@ -276,10 +275,12 @@ class Channel:
                 parts = self.lane.receive(0.05)
                 if parts is not None:
                     break
-            # a message already waiting is taken without polling: the common case, cheaply
-            elif _events(self.sock, _EVENTS) & _POLLIN or self.sock in dict(self._poller.poll(50)):
-                parts = sockets.receive_frames(self.sock)
-                break
+            else:  # waits up to LOOK_EVERY_MS, on the calling thread, as a bare socket would
+                try:
+                    parts = sockets.receive_frames(self.sock)
+                    break
+                except zmq.Again:
+                    pass
             self._watch_link(answer_by, waiting, deadline)
         try:
             message = self._open(decode(parts))
@@ -331,14 +332,15 @@ class Channel:
             if self.lane.dropped():
                 raise Dropped(f"the connection to {self.address} dropped")
             self.linked = link.linked
-        elif self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
-            event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.linked = True
-                return
-            if event & _HANDSHAKE_FAILED:
-                raise KeysRefused(self._refusal(event))
-            raise Dropped(f"the connection to {self.address} dropped")
+        else:
+            while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:  # every event since the last look
+                event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.linked = True
+                    continue
+                if event & _HANDSHAKE_FAILED:
+                    raise KeysRefused(self._refusal(event))
+                raise Dropped(f"the connection to {self.address} dropped")
         if self.still_there is not None and time.monotonic() - self._checked > self.patience:
             self._checked = time.monotonic()
             if not self.still_there(bounded(self.patience * 2, deadline)):
