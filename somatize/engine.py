@@ -50,6 +50,7 @@ from .errors import CodecError, Missing, NodeFailed, Overdue, SomatizeError
 from .facts import Watchers, elsewhere, fact, microseconds
 from .graph import Graph, Step, as_graph
 from .pieces import Deadline, Outcome, Piece
+from .pieces import outcome as _outcome
 from .pieces import piece as _piece
 from .plan import Closes, Join, Plan, Recall, Remote, Run, check, compile, group, keys_for, prune
 from .wiring import inputs_of, piece_plan, wiring_of
@@ -123,7 +124,7 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
     watchers = _NOBODY if watch is None else watch if isinstance(watch, Watchers) else Watchers(watch)
     walk = _Walk(plan, watchers, keys=piece.keys, produced={})
     output = walk.run(piece.value)
-    return Outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
+    return _outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
 
 
 # -- the walk ----------------------------------------------------------------------------

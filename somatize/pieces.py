@@ -76,3 +76,10 @@ def piece(host: str, steps: tuple[Step, ...], shape: Shape, value: Any, keys: di
     object.__setattr__(made, "__dict__", {"host": host, "steps": steps, "shape": shape, "value": value,
                                           "keys": keys, "deadline": deadline, "memo": memo})
     return made
+
+
+def outcome(output: Any, produced: dict[int, Any], took_us: int | None = None) -> Outcome:
+    """``Outcome(...)`` without the frozen dataclass's ``__init__`` (see :func:`piece`)."""
+    made = object.__new__(Outcome)
+    object.__setattr__(made, "__dict__", {"output": output, "produced": produced, "took_us": took_us})
+    return made

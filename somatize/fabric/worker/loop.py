@@ -112,6 +112,12 @@ BUSY_SAID_EVERY = 60.0  # seconds: a refusal as busy is logged at most this ofte
 log = logging.getLogger("somatize.worker")
 
 
+class _Poller(zmq.Poller):
+    """A serving loop's poll: ``waiting`` says whether it also waits for room to send."""
+
+    waiting = False
+
+
 class WorkerLoop(Intake, Dialing, Outbox, StandIn):
     """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
 
@@ -244,19 +250,21 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             due = min(due, self._young_until())
         return max(0, int(1000 * (due - time.monotonic())) + 1)
 
-    def _poller(self) -> zmq.Poller:
-        poller = zmq.Poller()
+    def _poller(self) -> _Poller:
+        poller = _Poller()
         poller.register(self._front, zmq.POLLIN)
         poller.register(self._answers, zmq.POLLIN)
         if self._events is not None:
             poller.register(self._events, zmq.POLLIN)
         return poller
 
-    def _turn(self, poller: zmq.Poller, timeout_ms: int) -> None:
+    def _turn(self, poller: _Poller, timeout_ms: int) -> None:
         """One round of serving, by whoever holds the socket. A dialed worker's keepalive
         comes first, before any answer or stream: bulk never starves it."""
-        waiting = self._control or self._blocked  # wake when the socket has room again
-        poller.register(self._front, sockets.POLLIN | sockets.POLLOUT if waiting else sockets.POLLIN)
+        waiting = bool(self._control or self._blocked)  # wake when the socket has room again
+        if waiting != poller.waiting:  # registered anew only when it changes
+            poller.register(self._front, sockets.POLLIN | sockets.POLLOUT if waiting else sockets.POLLIN)
+            poller.waiting = waiting
         events = dict(poller.poll(timeout_ms))
         now = time.monotonic()
         if self._offer is not None:
@@ -396,7 +404,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
                             refused = Refusal("this key is no longer allowed on this worker", ref=ref_of(parts[1:]))
                             self._reply(To(route, key, route=route), refused, refusing=True)
                             continue
-                        to = To(route, key, route=route)
+                        to = To(route, key, route)
                         work = self._expressed(to, parts[1]) if len(parts) == 2 else None
                         if work is not None:
                             self._work(to, work, None)  # a repeated small call: straight to its run

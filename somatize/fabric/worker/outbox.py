@@ -70,11 +70,18 @@ class Outbox:
             # segments) was told in `_run`, before it was written there
             if stale is not answer and variant_of(frames) is type(answer):
                 answer, frames = stale, encode(stale)
-        self._outbox.put((to, answer, frames))
         holder = self._holder
         if holder == threading.get_ident():
+            if self._outbox.empty():  # nothing queued before it: it leaves now, in order
+                if self.sessions.answering(to.peer, answer):
+                    self._deliver(to, frames)
+                else:
+                    self.withheld += 1
+                return
+            self._outbox.put((to, answer, frames))
             self._flush()
             return
+        self._outbox.put((to, answer, frames))
         if holder is None:
             return  # nobody serves this instant: whoever takes the socket sends the outbox first
         self._wake()

@@ -12,8 +12,6 @@ most once per ``STAND_IN_AFTER`` while pieces run anywhere in the process.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import os
 import threading
 import time
@@ -30,19 +28,29 @@ STAND_IN_AFTER = 0.02
 class Watch:
     """Looks, for every loop of this process, whether a piece that began where it arrived
     still runs ``STAND_IN_AFTER`` later, and then wakes that loop's stand-in. On a thread of
-    its own (a daemon, started at the first piece), asleep while no piece runs."""
+    its own (a daemon, started at the first piece), asleep while no piece runs.
+
+    It looks every ``STAND_IN_AFTER`` at the loops it watches, by what each says (``_inline``:
+    a piece runs there; ``_inline_seq``: which): a piece it finds running at two looks in a
+    row has run at least ``STAND_IN_AFTER`` and at most twice that, and its stand-in is woken
+    once. A loop found with no piece running is watched no more until its next piece. So
+    starting a piece costs its loop one look-up in a dict (``arm``), and the lock only for the
+    first piece after a quiet spell: the call that starts most pieces pays nothing more."""
 
     def __init__(self) -> None:
-        self._due: list[tuple[float, int, Any, int]] = []  # (when, tie, loop, its piece's seq)
-        self._ties = itertools.count()
+        # id(loop) -> [loop, the piece seen running at the last look, the piece whose stand-in was woken]
+        self._watching: dict[int, list[Any]] = {}
         self._changed = threading.Condition()
-        self._idle = True  # asleep with nothing due: the next piece wakes it
+        self._idle = True  # asleep with no loop to watch: the next piece wakes it
         self._thread: threading.Thread | None = None
 
     def arm(self, loop: Any, seq: int) -> None:
-        """``loop``'s piece number ``seq`` began now."""
+        """``loop``'s piece number ``seq`` began now (``loop._inline`` and ``loop._inline_seq``
+        say so already)."""
+        if id(loop) in self._watching:  # looked at already; one dropping it looks once more (`_look`)
+            return
         with self._changed:
-            heapq.heappush(self._due, (time.monotonic() + STAND_IN_AFTER, next(self._ties), loop, seq))
+            self._watching.setdefault(id(loop), [loop, None, None])
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="somatize-stand-in-watch")
                 self._thread.start()
@@ -50,26 +58,38 @@ class Watch:
                 self._changed.notify()
 
     def _run(self) -> None:
-        last = 0.0
         while True:
             with self._changed:
-                while not self._due:
+                while not self._watching:
                     self._idle = True
                     self._changed.wait()
                 self._idle = False
-                now = time.monotonic()
-                # at most one look per STAND_IN_AFTER: pieces due meanwhile are looked at together
-                wake = max(self._due[0][0], last + STAND_IN_AFTER)
-                if wake > now:
-                    self._changed.wait(wake - now)
+            time.sleep(STAND_IN_AFTER)
+            woken = self._look()
+            for loop in woken:
+                loop._began.set()
+
+    def _look(self) -> list[Any]:
+        """One look at every loop watched: the loops whose piece ran since the last look."""
+        woken = []
+        with self._changed:
+            for key, entry in list(self._watching.items()):
+                loop, seen, stood_in = entry
+                inline = loop._inline
+                seq = loop._inline_seq
+                if inline is None:
+                    del self._watching[key]
+                    if loop._inline is not None:  # a piece began as it was dropped: `arm` found it watched
+                        self._watching[key] = [loop, None, None]
                     continue
-                last = now
-                due = []
-                while self._due and self._due[0][0] <= now:
-                    due.append(heapq.heappop(self._due))
-            for _, _, loop, seq in due:
-                if loop._inline is not None and loop._inline_seq == seq:  # still running: stand in
-                    loop._began.set()
+                if loop._inline is not inline:  # one piece ended and another began as it looked
+                    entry[1] = None
+                    continue
+                if seq == seen and seq != stood_in:  # the same piece at two looks: it runs long
+                    entry[2] = seq
+                    woken.append(loop)
+                entry[1] = seq
+        return woken
 
 
 WATCH = Watch()
