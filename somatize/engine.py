@@ -90,7 +90,8 @@ def forward(
     watch = _NOBODY if watching is None else Watchers(watching).for_forward()
     here = _here(broker, graph)
     check(graph, broker=broker, store=store, here=here)
-    if until is None and not watch and broker is not None:
+    # (a graph whose hosts all run in this process, as `check` found, is walked here)
+    if until is None and not watch and broker is not None and not graph.__dict__["_somatize_hosts"] <= here:
         trip = _one_trip(graph, here, store)
         if trip is not None:  # the whole forward is one trip to a host: the piece goes as it is
             plan, op = trip
