@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import platform
 import subprocess
 import sys
@@ -106,5 +107,13 @@ def _version() -> str:
     return f"{commit}{' + uncommitted changes in somatize/' if dirty else ''}"
 
 
+def _stopped(signum: int, _frame: object) -> None:
+    """Stopped (SIGTERM, as the suite stops a run it started when it ends first): leave
+    through every `finally`, so each case's processes are reaped and its folders in
+    /dev/shm removed, as on a normal end."""
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stopped)
     sys.exit(main())

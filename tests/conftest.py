@@ -185,11 +185,13 @@ def pytest_sessionstart(session):
 QUICK_RUN = "tests/test_benchmarks.py::test_the_quick_run_measures_every_case"
 
 
+@pytest.hookimpl(trylast=True)  # after `-k` and `-m` have deselected what they leave out
 def pytest_collection_modifyitems(session, config, items):
     """The benchmark's quick run takes a minute and more, in a process of its own: it starts
     as the suite starts and runs beside the other tests, and its test, moved to the end,
     reads what it printed. Honest, since that test asserts what the run prints (a row for
-    every case, PASS or MISS where there is a target), never a timing."""
+    every case, PASS or MISS where there is a target), never a timing. Started only when its
+    test is to run."""
     if hasattr(config, "workerinput"):
         return
     chosen = [item for item in items if item.nodeid == QUICK_RUN]
