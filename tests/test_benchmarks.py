@@ -93,3 +93,17 @@ def test_an_unknown_case_is_refused():
     done = subprocess.run([sys.executable, str(RUN), "--only", "z"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "--only takes some of a,b,c,d,e,f" in done.stderr
+
+
+@pytest.mark.timeout(240)
+def test_compare_runs_case_a_on_each_tree_in_turn(tmp_path):
+    """`benchmarks/compare.py` runs case (a) against each checkout given, each in a process of
+    its own with that checkout's somatize; a folder that is not one is refused."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), str(ROOT), "--rounds", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (line,) = done.stdout.splitlines()
+    assert line.startswith(f"round 1, {ROOT}: raw ") and "x at the median" in line and "failed" not in line, line
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), str(tmp_path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "holds no somatize/ folder" in refused.stderr
