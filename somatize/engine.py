@@ -395,9 +395,8 @@ class _Walk:
             self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started),
                             worked_us=outcome.took_us))
         for number, produced in outcome.produced.items():
-            step = piece.steps[number]
-            if number in piece.keys:
-                self._keep(step, piece.keys[number], produced)
+            if number in piece.keys:  # the carrier took only what was asked (`Piece.keys`)
+                self._keep(piece.steps[number], piece.keys[number], produced)
         return outcome.output
 
     def _keep(self, step: Step, key: str, value: Any) -> None:

@@ -466,7 +466,7 @@ class Channel:
             self._send_work(ref, frames)
             answer = self._answer(None)
             if type(answer) is Done:
-                return outcome_of(answer)
+                return self._outcome(answer, piece)
             return self._settle(piece, ref, specs, digest, digest, frames, answer, None, None)
         finally:
             if self.mounted:
@@ -494,7 +494,7 @@ class Channel:
                 answer = self._answer(watch, deadline)
             if isinstance(answer, Send):
                 self.provisioned.difference_update(answer.digests)
-                self._provision(answer.digests, deadline)
+                self._provision(answer.digests, deadline, asked=True)
                 answer = None
                 continue
             if answer is self.exchange.unplaced:
@@ -598,16 +598,27 @@ class Channel:
         if missing:
             raise unreadable(missing, self.host)
 
-    def _provision(self, digests: tuple[str, ...], deadline: Deadline | None = None) -> None:
+    def _provision(self, digests: tuple[str, ...], deadline: Deadline | None = None, *, asked: bool = False) -> None:
+        """Hand the worker the artifacts ``digests`` names, one after the other. ``asked``: the
+        worker named them (a ``Send``): one this client never made is not code it offered."""
         for digest in digests:
+            try:
+                artifact = self.packer.artifact(digest)
+            except KeyError:
+                if not asked:
+                    raise
+                raise ProtocolError(
+                    f"the worker for `{self.host}` at {self.address} asked for code this client never "
+                    f"offered it (`{digest[:19]}…`): its answer was not taken, and this channel was dropped"
+                ) from None
             self.exchange.provision_sent(digest)
-            self._send(encode(Provision(digest, self.packer.artifact(digest))), deadline)
+            self._send(encode(Provision(digest, artifact)), deadline)
             answer = self._next(None, "for the worker to take an artifact", deadline)
             if isinstance(answer, Refusal) and answer.hello:
                 self.exchange.forgotten()
                 self._hello(deadline)
                 self.exchange.provision_sent(digest)
-                self._send(encode(Provision(digest, self.packer.artifact(digest))), deadline)
+                self._send(encode(Provision(digest, artifact)), deadline)
                 answer = self._next(None, "for the worker to take an artifact", deadline)
             if isinstance(answer, Refusal):
                 raise Refused(f"the worker for `{self.host}` refused the code sent to it: {answer.why}")
@@ -638,9 +649,22 @@ class Channel:
             if watch is not None:
                 watch(answer.fact)
 
+    def _outcome(self, done: Done, piece: Piece) -> Outcome:
+        """The outcome ``done`` says. One that says it produced the output of a step this
+        client did not ask it to keep (its cached steps' keys) is not taken: what it holds
+        there could be anything, under any key."""
+        if done.produced and not done.produced.keys() <= piece.keys.keys():
+            unasked = sorted(set(done.produced) - set(piece.keys))
+            raise ProtocolError(
+                f"the worker for `{self.host}` at {self.address} answered with the output of step "
+                f"{', '.join(map(str, unasked[:5]))} to keep, which this client did not ask it to keep: "
+                f"its answer was not taken, and this channel was dropped"
+            )
+        return outcome_of(done)
+
     def _conclude(self, answer: Any, piece: Piece) -> Outcome:
         if isinstance(answer, Done):
-            return outcome_of(answer)
+            return self._outcome(answer, piece)
         if isinstance(answer, Failed):
             node = answer.node or ", ".join(s.label for s in piece.steps)
             where = f"node `{answer.node}` on `{self.host}` raised" if answer.node else f"the work on `{self.host}` ({node}) failed:"
