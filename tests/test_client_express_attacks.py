@@ -20,6 +20,7 @@ import time
 
 import fabric_nodes
 import msgpack
+import numpy as np
 import pytest
 from conftest import WORKER
 from fabric_nodes import Add, Sleep
@@ -714,3 +715,30 @@ def test_threads_through_one_broker_to_a_real_worker_each_get_their_own_answer(w
         assert not any(thread.is_alive() for thread in running), "a thread still waits for its answer"
     assert not failures and not wrong
     assert "express" in ways
+
+
+def test_a_worker_greeted_again_that_reads_fewer_kinds_is_asked_again_what_it_reads(played, ways):
+    """What a worker reads is what its answer to the latest Hello says: one greeted again (it
+    forgot the channel, or came back another build) that no longer reads NumPy arrays gets none,
+    refused here before a byte of it moves, though the channel knew it read them before."""
+    import dataclasses
+
+    fewer = dataclasses.replace(RT, kinds=tuple(kind for kind in RT.kinds if kind != "numpy.ndarray"))
+    def answer(work):
+        if isinstance(work.input, np.ndarray):
+            return echo(work)
+        if work.input == ODD and by_digest(work):
+            return Refusal("who are you?", ref=work.ref, hello=True)
+        return done(work)
+
+    fake = played(answer, greet=lambda hello, n: Ready(RT if n == 1 else fewer))
+    node = Add(1).named("a").at("w1")
+    with broker_for(fake) as broker:
+        assert node.forward(np.arange(3), broker=broker).tolist() == [0, 1, 2]  # it reads arrays
+        warmed(node, broker)
+        assert within(WAIT, lambda: node.forward(ODD, broker=broker)) == ODD + 1  # greeted again
+        sent = len(fake.works)
+        with pytest.raises(Refused, match="numpy.ndarray"):
+            node.forward(np.arange(3), broker=broker)
+        assert len(fake.works) == sent  # nothing of it was sent
+    assert len(fake.hellos) == 2

@@ -380,6 +380,7 @@ class Channel:
     def _say_hello(self) -> None:
         self.held.clear()  # a worker greeted (again) holds no recipe of ours
         self._unkept.clear()
+        self._sure_for = None  # and what it reads is what its answer to this Hello says
         self.exchange.hello_sent()
         self._mine = Runtime.here(mode=self.packer.mode)
         self._send(encode(Hello(self._mine)))
