@@ -35,7 +35,6 @@ from ...codec import codecs_registered, readable_kinds
 from ...engine import Deadline, Outcome, Piece
 from ...errors import Broken, Busy, KeysRefused, NodeFailed, ProtocolError, Refused, Unreachable
 from ...packing import Packer
-from ...wire import short
 from ...wire import (
     CARRIERS,
     Begin,
@@ -60,6 +59,7 @@ from ...wire import (
     encode,
     peek_kinds,
     recipe_digest,
+    short,
 )
 from .. import leases as _leases
 from . import lending as _lending
