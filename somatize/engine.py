@@ -53,6 +53,12 @@ from .pieces import Deadline, Outcome, Piece
 from .pieces import outcome as _outcome
 from .pieces import piece as _piece
 from .plan import Closes, Join, Plan, Recall, Remote, Run, check, compile, group, keys_for, prune
+from .planned import caches as _caches
+from .planned import here as _here
+from .planned import memo_of as _memo_of
+from .planned import one_trip as _one_trip
+from .planned import plan_of as _plan_of
+from .planned import steps_of as _steps_of
 from .wiring import inputs_of, piece_plan, wiring_of
 
 # -- the pool ----------------------------------------------------------------------------
@@ -169,7 +175,7 @@ class _Walk:
         steps = graph.steps
         if here is None:
             here = _here(broker, graph)
-        if store is None or not any(step.cache for step in steps):
+        if store is None or not _caches(graph):
             # nothing can be recalled: the plan is the graph's, the same every forward
             return cls(_plan_of(graph, here), watch, keys={}, store=store, broker=broker, deadline=deadline)
         try:
@@ -502,79 +508,8 @@ def _within(carried: Any) -> Any:
     return sys.modules["torch"].set_grad_enabled(carried)
 
 
-def _here(broker: Any, graph: Graph) -> frozenset[str]:
-    """The hosts ``broker`` runs in this process (none without a broker, for a broker that
-    does not say, or for a graph that places nothing on a host: then the broker is not
-    asked at all, so a graph run wholly here never waits on one)."""
-    if broker is None:
-        return _NOWHERE
-    hosted = graph.__dict__.get("_somatize_hosted")
-    if hosted is None:
-        hosted = graph.__dict__["_somatize_hosted"] = any(step.host is not None for step in graph.steps)
-    here = getattr(broker, "here", None) if hosted else None
-    return _NOWHERE if here is None else here()
-
-
-_NOWHERE: frozenset[str] = frozenset()
 #: The watchers of a forward nobody watches (empty watchers hold no state that changes).
 _NOBODY = Watchers()
-
-
-#: How many plans one graph keeps (one per set of in-process hosts it was run with).
-_PLANS_PER_GRAPH = 8
-
-
-def _plan_of(graph: Graph, here: frozenset[str]) -> Plan:
-    """The plan of ``graph`` with nothing recalled, made once and kept on the graph (a
-    graph does not change; its plan depends only on it and on which hosts run here)."""
-    plans = graph.__dict__.get("_somatize_plans")
-    if plans is None:
-        plans = graph.__dict__["_somatize_plans"] = {}
-    plan = plans.get(here)
-    if plan is None:
-        plan = compile(graph.steps, group(graph.shape, graph.steps), here=here)
-        if len(plans) >= _PLANS_PER_GRAPH:
-            plans.clear()
-        plans[here] = plan
-    return plan
-
-
-def _one_trip(graph: Graph, here: frozenset[str], store: Any) -> tuple[Plan, Remote] | None:
-    """The plan and its one operation when a forward of ``graph`` is a single trip to a host
-    from its input to its output, with nothing to recall or keep (no store, or no cached
-    step); otherwise None. Asked only of a forward nobody watches, with no deadline: that
-    forward is then ``broker.run`` of one piece, exactly what the walk would do for it."""
-    if store is not None:
-        cached = graph.__dict__.get("_somatize_caches")
-        if cached is None:
-            cached = graph.__dict__["_somatize_caches"] = any(step.cache for step in graph.steps)
-        if cached:
-            return None
-    plan = _plan_of(graph, here)
-    ops = plan.ops
-    if len(ops) != 1:
-        return None
-    op = ops[0]
-    if type(op) is not Remote or op.source != 0 or op.target != plan.output:
-        return None
-    return plan, op
-
-
-def _memo_of(op: Remote) -> dict:
-    """A remote group's memo (see ``Piece.memo``): one per operation of a plan."""
-    memo = op.__dict__.get("_memo")
-    if memo is None:
-        memo = op.__dict__["_memo"] = {}
-    return memo
-
-
-def _steps_of(plan: Plan, op: Remote) -> tuple[Step, ...]:
-    """The steps of a remote group, as a piece numbers them (once per plan and group)."""
-    found = op.__dict__.get("_steps")
-    if found is None or found[0] is not plan:
-        found = (plan, tuple(plan.steps[i] for i in op.step_indices))
-        op.__dict__["_steps"] = found
-    return found[1]
 
 
 def _place(value: Any, device: str) -> Any:

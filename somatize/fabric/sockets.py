@@ -225,6 +225,13 @@ def translated(where: str) -> Iterator[None]:
         raise Broken(f"{where}: {exc}") from exc
 
 
+class Poller(zmq.Poller):
+    """A loop's poll that remembers whether it also waits for room to send (``waiting``), so
+    a socket is registered anew only when that changes."""
+
+    waiting = False
+
+
 def poll(sock: zmq.Socket, timeout: float) -> bool:
     """Whether a message is waiting on ``sock`` within ``timeout`` seconds."""
     return bool(sock.poll(int(timeout * 1000), zmq.POLLIN))

@@ -33,29 +33,22 @@ import zmq
 
 from ...codec import codecs_registered, readable_kinds
 from ...engine import Deadline, Outcome, Piece
-from ...errors import Broken, Busy, KeysRefused, NodeFailed, ProtocolError, Refused, Unreachable
+from ...errors import NodeFailed, ProtocolError, Refused
 from ...packing import Packer
 from ...wire import (
-    CARRIERS,
-    Begin,
     Bye,
-    Chunk,
-    Credit,
     Done,
     Failed,
     Hello,
     Located,
-    Mounted,
     NodeSpec,
     Provision,
     Recipe,
     Refusal,
-    Relay,
     Runtime,
     Saw,
     Send,
     compatible,
-    decode,
     encode,
     peek_kinds,
     recipe_digest,
@@ -65,7 +58,8 @@ from .. import leases as _leases
 from . import lending as _lending
 from .. import mount as _mount
 from .. import sockets
-from .refusals import TurnedAway, handshake_failed, unreadable
+from .carriage import LOOK_EVERY_MS, Carriage
+from .refusals import TurnedAway, unreadable
 from .link import Lane
 from .. import streams as _streams
 from ..conversation import ClientExchange
@@ -74,23 +68,6 @@ from ..curve import Keys, as_client
 from ..pieces import outcome_of, specs_of, work_of
 
 _refs = itertools.count(1)
-#: How long a receive waits for an answer before the link's events, the broker's word and
-#: the deadline are looked at (milliseconds): a link that drops is told within this.
-LOOK_EVERY_MS = 50
-#: A connected worker that does not answer Hello within this many patiences is Busy.
-BUSY_FACTOR = 11
-
-
-class Dropped(Broken):
-    """The channel's own connection dropped: for a relayed host, that is the broker's."""
-
-
-class PastDeadline(Exception):
-    """A wait ran past the deadline; the broker turns it into ``Overdue`` with the names."""
-
-    def __init__(self, waiting: str) -> None:
-        super().__init__(waiting)
-        self.waiting, self.waited = waiting, 0.0  # seconds since the work given up on was sent (0: none was)
 
 
 #: Recipes whose digests are kept (for all channels: the packer gives the same spec for the
@@ -100,11 +77,12 @@ _MEMO_RECIPES = 256
 _DIGESTS: dict[tuple, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
 
 
-class Channel:
-    """One DEALER to one worker (directly, or through the broker for a relayed host).
+class Channel(Carriage):
+    """One DEALER to one worker (directly, or through the broker for a relayed host): its
+    conversation here, how its messages move in :class:`~.carriage.Carriage`.
 
     The pump: every message that arrives is a carrier (a piece of a stream, a credit, a
-    mounted message), opened here, or an answer, which :class:`ClientExchange` checks
+    mounted message), opened there, or an answer, which :class:`ClientExchange` checks
     against the state of the conversation before anything acts on it. A stale answer (of
     work given up on) is dropped and counted; an illegal one breaks the channel.
     """
@@ -194,183 +172,6 @@ class Channel:
             except zmq.ZMQError:
                 pass
         sockets.close(self.monitor, self.sock)
-
-    def dropped_while_idle(self) -> bool:
-        """Whether the link dropped since the last work (a worker or broker restarted
-        between calls): nothing of this channel's is in flight, so a fresh channel takes
-        its place rather than the next work being lost to the drop."""
-        if self.lane is not None:
-            return self.lane.dropped() or self.lane.link.refused is not None
-        dropped = False
-        try:
-            while sockets.readable(self.monitor):
-                event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.linked = True
-                else:  # dropped, or a handshake refused (a fresh channel says why)
-                    dropped = True
-        except zmq.ZMQError:
-            return True
-        return dropped
-
-    def waited(self) -> float:
-        """Seconds since the open work was sent (0 when none was)."""
-        return 0.0 if self.sent_at is None else time.monotonic() - self.sent_at
-
-    # -- sending -------------------------------------------------------------------------
-    def _send(self, frames: list, deadline: Deadline | None = None) -> None:
-        if self.relayed and _streams.worth_streaming(frames):
-            self._stream_out(frames, deadline)  # relayed: never more than a window in the broker
-            return
-        self._raw(frames)
-
-    def _raw(self, frames: list) -> None:
-        if self.lane is not None:  # the link puts it in an envelope naming host and lane
-            self.lane.send(frames)
-            return
-        if self.relayed:  # the broker opens the envelope and passes the message on
-            frames = encode(Relay(host=self.host, inner=tuple(frames)))
-        try:  # the sentence and its context manager only when it fails: this runs every call
-            sockets.send_frames(self.sock, frames)
-        except zmq.ZMQError as exc:
-            with sockets.translated(f"the worker for `{self.host}` at {self.address}"):
-                raise exc
-
-    def _stream_out(self, frames: list, deadline: Deadline | None = None) -> None:
-        out = self._outgoing = _streams.Outgoing(_streams.new_sid(), frames)
-        try:
-            self._raw(encode(out.begin()))
-            while True:
-                for chunk in out.chunks():
-                    self._raw(encode(chunk))
-                if out.finished:
-                    return
-                message = self._pump(None, "to send the rest of a stream", deadline)  # a credit, most likely
-                if message is not None:
-                    self._early.append(message)  # an answer before the end (a refusal)
-                    if isinstance(message, (Refusal, Failed, Done)):
-                        return  # the worker gave up on this message: no credit will come
-        finally:
-            self._outgoing = None
-
-    # -- receiving -----------------------------------------------------------------------
-    def _next(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> Any:
-        """The next answer from the worker. Raises if it goes away, if it is not reached by
-        ``answer_by`` (``time.monotonic()``), or (``PastDeadline``) past ``deadline``."""
-        if self._early:
-            return self._early.pop(0)
-        while True:
-            message = self._pump(answer_by, waiting, deadline)
-            if message is not None:
-                return message
-
-    def _pump(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> Any:
-        """Take in one message: an answer the conversation allows now (returned), or a
-        carrier, a piece of a stream or a stale answer (None)."""
-        while True:
-            if deadline is not None and deadline.left() < 0:
-                self.exchange.give_up()
-                raise PastDeadline(waiting)
-            if self.lane is not None:
-                parts = self.lane.receive(0.05)
-                if parts is not None:
-                    break
-            else:  # waits up to LOOK_EVERY_MS, on the calling thread, as a bare socket would
-                try:
-                    parts = sockets.receive_frames(self.sock)
-                    break
-                except zmq.Again:
-                    pass
-            self._watch_link(answer_by, waiting, deadline)
-        try:
-            message = self._open(decode(parts))
-            return None if message is None else self.exchange.receive(message)
-        except ProtocolError as exc:
-            raise ProtocolError(
-                f"what the worker for `{self.host}` at {self.address} sent could not be taken, so "
-                f"this channel was dropped: {exc.why}"
-            ) from exc
-
-    def _open(self, message: Any) -> Any:
-        """A carrier opened: the message it completes, or None while there is none yet."""
-        if not isinstance(message, CARRIERS):  # most answers: nothing to open
-            return message
-        if isinstance(message, Credit):
-            if self._outgoing is not None and self._outgoing.sid == message.sid:
-                self._outgoing.grant(message.amount)
-            return None
-        if isinstance(message, Begin):
-            self._inbound.begin(b"", "", message)
-            return None
-        if isinstance(message, Chunk):
-            granted, frames = self._inbound.chunk(b"", message)
-            self._raw(encode(Credit(message.sid, granted)))
-            return None if frames is None else self._open(decode(frames))
-        if isinstance(message, Mounted):
-            if self.folder is None:
-                raise ProtocolError("a `Mounted` message arrived on a channel that shares no folder")
-            if self.lending is not None:  # an answer in the segments this exchange lent
-                return self._decode_lent(self.lending.receive(message))
-            if message.spans or message.kept:
-                if _leases.in_memory(self.folder):  # a late answer: its new files are ours
-                    _lending.pool(self.folder).discard(message)
-                raise ProtocolError("an answer names spans of pooled segments, and this client lent none")
-            frames, made = _mount.read(message, self.folder)
-            self.mounted.extend(made)
-            return decode(frames)
-        if isinstance(message, Relay):
-            raise ProtocolError("a `Relay` envelope reached a client; the broker opens them")
-        return message
-
-    def _watch_link(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> None:
-        """Between polls: the link's events, the broker's word on a relayed worker, and how
-        long this client has waited."""
-        if self.lane is not None:
-            link = self.lane.link
-            if link.refused is not None:
-                raise KeysRefused(self._refusal(link.refused))
-            if self.lane.dropped():
-                raise Dropped(f"the connection to {self.address} dropped")
-            self.linked = link.linked
-        else:
-            while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:  # every event since the last look
-                event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.linked = True
-                    continue
-                if event & _HANDSHAKE_FAILED:
-                    raise KeysRefused(self._refusal(event))
-                raise Dropped(f"the connection to {self.address} dropped")
-        if self.still_there is not None and time.monotonic() - self._checked > self.patience:
-            self._checked = time.monotonic()
-            if not self.still_there(bounded(self.patience * 2, deadline)):
-                if deadline is not None and deadline.left() < 0:
-                    self.exchange.give_up()
-                    raise PastDeadline(waiting)
-                raise Broken(f"the worker serving `{self.host}` through the broker is gone")
-        if answer_by is not None and self.linked and time.monotonic() > answer_by + self.patience * BUSY_FACTOR:
-            raise Busy(
-                f"the worker for `{self.host}` at {self.address} is connected and alive, and has "
-                f"not answered (this client waited {waiting}) for {self.patience * (BUSY_FACTOR + 1):.0f} s: "
-                f"it is busy with other work (it runs one piece at a time unless started with --jobs N)"
-            )
-        if answer_by is not None and not self.linked and time.monotonic() > answer_by and self.relayed:
-            raise Unreachable(
-                f"the broker at {self.address} did not take this connection for `{self.host}` within "
-                f"{self.patience:.0f} s (this client waited {waiting}): is it overloaded, or gone? "
-                f"`systemctl status somatize-broker` on its machine says"
-            )
-        if answer_by is not None and not self.linked and time.monotonic() > answer_by:
-            raise Unreachable(
-                f"nobody answered at {self.address} for `{self.host}` within {self.patience:.0f} s "
-                f"(this client waited {waiting}): is a worker listening there? Start one with "
-                f"`python -m somatize.worker --listen {self.address.split('://')[-1]}`."
-            )
-
-    def _refusal(self, event: int) -> str:
-        """Why the handshake failed, with the fix, from whose keys this channel used."""
-        return handshake_failed(event, host=self.host, address=self.address, relayed=self.relayed, keys=self.keys,
-                                server_key=self.server_key, declared=bool(self.located.key))
 
     # -- the conversation ----------------------------------------------------------------
     def _hello(self, deadline: Deadline | None) -> None:
@@ -563,11 +364,6 @@ class Channel:
         if lending is not None:  # the worker answered, or it may still write there
             lending.end(answered=self.exchange.state not in ("working", "closed"))
 
-    def _decode_lent(self, frames: list) -> Any:
-        """An answer read from the segments: its values copied out (the segments go back to
-        the pool), or with ``views``, read-only views that hold their segment until freed."""
-        return decode(frames, views=self.views)
-
     def _may_follow_hello(self, frames: list, code: tuple[str, ...]) -> bool:
         """Whether a first Work may go right behind its channel's Hello: to a project-mode
         worker (which refuses the Work of a client whose Hello it refused, on the checks this
@@ -680,7 +476,3 @@ class Channel:
         """Who a refusal came from: a relayed one may be the broker's (its worker left)."""
         return f"the broker at {self.address} (or the worker behind it)" if self.relayed else "the worker"
 
-
-def bounded(seconds: float, deadline: Deadline | None) -> float:
-    """``seconds``, or less when the deadline comes first (never below a moment)."""
-    return seconds if deadline is None else max(0.05, min(seconds, deadline.left()))

@@ -52,7 +52,8 @@ from ...wire import Hosts, Listed, Located, Refusal, Where, decode, encode
 from . import lending as _lending
 from .. import sockets
 from ..broker.loop import BrokerLoop
-from .channel import Channel, Dropped, PastDeadline, bounded
+from .carriage import Dropped, PastDeadline, bounded
+from .channel import Channel
 from .link import Link
 from .refusals import TurnedAway
 from .turns import Turns

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ...pieces import Deadline
-from .channel import PastDeadline
+from .carriage import PastDeadline
 
 T = TypeVar("T")
 

@@ -112,12 +112,6 @@ BUSY_SAID_EVERY = 60.0  # seconds: a refusal as busy is logged at most this ofte
 log = logging.getLogger("somatize.worker")
 
 
-class _Poller(zmq.Poller):
-    """A serving loop's poll: ``waiting`` says whether it also waits for room to send."""
-
-    waiting = False
-
-
 class WorkerLoop(Intake, Dialing, Outbox, StandIn):
     """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
 
@@ -250,15 +244,15 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             due = min(due, self._young_until())
         return max(0, int(1000 * (due - time.monotonic())) + 1)
 
-    def _poller(self) -> _Poller:
-        poller = _Poller()
+    def _poller(self) -> sockets.Poller:
+        poller = sockets.Poller()
         poller.register(self._front, zmq.POLLIN)
         poller.register(self._answers, zmq.POLLIN)
         if self._events is not None:
             poller.register(self._events, zmq.POLLIN)
         return poller
 
-    def _turn(self, poller: _Poller, timeout_ms: int) -> None:
+    def _turn(self, poller: sockets.Poller, timeout_ms: int) -> None:
         """One round of serving, by whoever holds the socket. A dialed worker's keepalive
         comes first, before any answer or stream: bulk never starves it."""
         waiting = bool(self._control or self._blocked)  # wake when the socket has room again
