@@ -252,3 +252,43 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"FAILED: the suite left {len(left)} entries in /dev/shm: {', '.join(left[:20])}", red=True
         )
+
+
+# -- the client's express way ------------------------------------------------------------
+@pytest.fixture
+def ways(monkeypatch):
+    """Which way each call of ``Channel.run`` that asked ``_express`` went (a channel's first
+    call, its Work right behind its Hello, does not ask): "express" (its Done taken the short way),
+    "express, then settled" (sent the short way, answered otherwise, then concluded by
+    ``_settle``, or raised), or "general" (``_express`` declined, having sent nothing)."""
+    taken: list[str] = []
+    from somatize.fabric.client.channel import Channel
+
+    real = Channel._express
+    real_settle = Channel._settle
+
+    def express(self, piece):
+        self._in_express, self._settled = True, False
+        try:
+            outcome = real(self, piece)
+        except BaseException:
+            taken.append("express, then settled")
+            raise
+        finally:
+            self._in_express = False
+        if outcome is None:
+            taken.append("general")
+        elif getattr(self, "_settled", False):
+            taken.append("express, then settled")
+        else:
+            taken.append("express")
+        return outcome
+
+    def settle(self, *args, **kwargs):
+        if getattr(self, "_in_express", False):
+            self._settled = True
+        return real_settle(self, *args, **kwargs)
+
+    monkeypatch.setattr(Channel, "_express", express)
+    monkeypatch.setattr(Channel, "_settle", settle)
+    return taken

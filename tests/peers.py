@@ -7,7 +7,7 @@ import threading
 
 import zmq
 
-from somatize.wire import Hello, Ready, Runtime, Work, decode, encode
+from somatize.wire import Hello, Provision, Ready, Runtime, Work, decode, encode
 
 RT = Runtime.here(mode="project")
 
@@ -45,14 +45,26 @@ class Raw:
         self.sock.close(0)
 
 
-class FakeWorker:
-    """A worker played by a ROUTER on a thread: Ready to every Hello, and to every Work what
-    ``answer(work)`` returns (a message, a list of frames written by hand, or a tuple of
-    those, sent one after the other); it counts the Works it received."""
+#: An answer a played worker gives by closing its socket then and there, mid-call.
+HANG_UP = object()
 
-    def __init__(self, answer) -> None:
-        self.answer = answer
+
+class FakeWorker:
+    """A worker played by a ROUTER on a thread. To every Work, what ``answer(work)`` returns:
+    a message, a list of frames written by hand, a tuple of those (sent one after the other),
+    or ``HANG_UP``. To the n-th Hello, ``greet(hello, n)`` (``Ready(runtime)`` by default); to
+    a ``Provision``, ``Ready`` (a network-mode worker taking code); anything else a client sends
+    (a ``Credit``, a ``Bye``) is read and not answered. It keeps the Works, Hellos and
+    provisioned digests it received; an answer the test wrote wrongly is kept in ``errors``
+    and the worker serves on."""
+
+    def __init__(self, answer, *, greet=None, runtime: Runtime = RT) -> None:
+        self.answer, self.greet, self.runtime = answer, greet, runtime
         self.works: list[Work] = []
+        self.hellos: list[Hello] = []
+        self.provisions: list[str] = []
+        self.errors: list[BaseException] = []
+        self.hung_up = threading.Event()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.bind("tcp://127.0.0.1:0")
@@ -66,14 +78,27 @@ class FakeWorker:
             if not self.sock.poll(50):
                 continue
             route, *frames = self.sock.recv_multipart()
-            message = decode(frames)
-            if isinstance(message, Hello):
-                self.sock.send_multipart([route, *encode(Ready(RT))])
-            elif isinstance(message, Work):
-                self.works.append(message)
-                replies = self.answer(message)
+            try:
+                message = decode(frames)
+                if isinstance(message, Hello):
+                    self.hellos.append(message)
+                    replies = Ready(self.runtime) if self.greet is None else self.greet(message, len(self.hellos))
+                elif isinstance(message, Provision):
+                    self.provisions.append(message.digest)
+                    replies = Ready(self.runtime)
+                elif isinstance(message, Work):
+                    self.works.append(message)
+                    replies = self.answer(message)
+                else:
+                    continue
                 for reply in replies if isinstance(replies, tuple) else (replies,):
+                    if reply is HANG_UP:
+                        self.sock.close(0)
+                        self.hung_up.set()
+                        return
                     self.sock.send_multipart([route, *(reply if isinstance(reply, list) else encode(reply))])
+            except Exception as exc:  # noqa: BLE001 - the test's own mistake: said after it
+                self.errors.append(exc)
 
     def close(self) -> None:
         self._stop.set()

@@ -56,11 +56,22 @@ def by_digest(work) -> bool:
 ODD = 10
 
 
+def refusing_by_digest(why: str, **refusal):
+    """A played worker's answers: ``Refusal(why, **refusal)`` to the ``ODD`` work named by
+    digest (the express way; sent again in full, it is answered), ``done`` to the rest."""
+    def answer(work):
+        if work.input == ODD and by_digest(work):
+            return Refusal(why, ref=work.ref, **refusal)
+        return done(work)
+
+    return answer
+
+
 def warmed(node, broker) -> None:
     assert [node.forward(i, broker=broker) for i in (1, 2)] == [2, 3]
 
 
-def test_a_repeated_call_names_its_recipe_in_one_frame_and_takes_its_done(played):
+def test_a_repeated_call_names_its_recipe_in_one_frame_and_takes_its_done(played, ways):
     fake = played(done)
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
@@ -70,24 +81,21 @@ def test_a_repeated_call_names_its_recipe_in_one_frame_and_takes_its_done(played
     assert rest and all(by_digest(w) and not w.watched and not w.keys for w in rest)
     assert {w.recipe_digest for w in rest} == {recipe_digest(first.recipe).digest}
     assert len({w.ref for w in fake.works}) == len(fake.works)  # a ref of its own each
+    assert ways == ["general"] + ["express"] * 3  # the first call goes behind the Hello, unasked
 
 
-def test_a_stale_done_before_its_own_is_dropped(played):
+def test_a_stale_done_before_its_own_is_dropped(played, ways):
     fake = played(lambda work: (Done(work.ref + 1000, -1, {}, 1), done(work)) if work.input == ODD else done(work))
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
         warmed(node, broker)
         assert node.forward(ODD, broker=broker) == ODD + 1  # a Done for another ref came first
         assert node.forward(3, broker=broker) == 4
+    assert ways == ["general", "express", "express"]
 
 
-def test_a_worker_without_the_recipe_gets_it_in_full_and_from_then_on(played):
-    def answer(work):
-        if work.input == ODD and by_digest(work):
-            return Refusal("no such recipe here", ref=work.ref, recipe=True)
-        return done(work)
-
-    fake = played(answer)
+def test_a_worker_without_the_recipe_gets_it_in_full_and_from_then_on(played, ways):
+    fake = played(refusing_by_digest("no such recipe here", recipe=True))
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
         warmed(node, broker)
@@ -98,9 +106,10 @@ def test_a_worker_without_the_recipe_gets_it_in_full_and_from_then_on(played):
     kinds = ["digest" if by_digest(w) else "full" for w in fake.works]
     assert kinds == ["full", "digest", "digest", "full", "full"], kinds
     assert fake.works[2].ref == fake.works[3].ref  # the same work, sent again once
+    assert ways == ["general", "express, then settled", "general"]
 
 
-def test_a_worker_that_keeps_asking_for_the_recipe_is_refused_not_asked_forever(played):
+def test_a_worker_that_keeps_asking_for_the_recipe_is_refused_not_asked_forever(played, ways):
     fake = played(lambda work: Refusal("no such recipe here", ref=work.ref, recipe=True) if work.input == ODD
                   else done(work))
     node = Add(1).named("a").at("w1")
@@ -109,24 +118,21 @@ def test_a_worker_that_keeps_asking_for_the_recipe_is_refused_not_asked_forever(
         with pytest.raises(Refused, match="no such recipe here"):
             node.forward(ODD, broker=broker)
     assert [by_digest(w) for w in fake.works] == [False, True, True, False]  # in full once, never a third time
+    assert ways == ["general", "express, then settled"]
 
 
-def test_a_worker_that_forgot_the_channel_is_greeted_again(played):
-    def answer(work):
-        if work.input == ODD and by_digest(work):
-            return Refusal("who are you?", ref=work.ref, hello=True)
-        return done(work)
-
-    fake = played(answer)
+def test_a_worker_that_forgot_the_channel_is_greeted_again(played, ways):
+    fake = played(refusing_by_digest("who are you?", hello=True))
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
         warmed(node, broker)
         assert node.forward(ODD, broker=broker) == ODD + 1
     # greeted again: the worker holds no recipe of this channel's, so it goes in full
     assert [by_digest(w) for w in fake.works] == [False, True, True, False]
+    assert ways == ["general", "express, then settled"]
 
 
-def test_a_refusal_naming_no_work_is_not_taken_for_the_answer_and_nothing_is_resent(played):
+def test_a_refusal_naming_no_work_is_not_taken_for_the_answer_and_nothing_is_resent(played, ways):
     fake = played(lambda work: Refusal("something went wrong") if work.input == ODD else done(work))
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
@@ -136,11 +142,12 @@ def test_a_refusal_naming_no_work_is_not_taken_for_the_answer_and_nothing_is_res
         assert len(fake.works) == 3  # not sent again
         assert node.forward(3, broker=broker) == 4  # a fresh channel: its recipe in full again
     assert [by_digest(w) for w in fake.works] == [False, True, True, False]
+    assert ways == ["general", "express, then settled"]
 
 
 @pytest.mark.parametrize("junk", [[b"\x93\x01\x02"], [b"\x8a" + b"\xa1v" * 10], [b""], [b"\x81", b"\x00" * 9]],
                          ids=["a list", "keys twice", "empty", "a frame too many"])
-def test_junk_in_answer_to_an_express_work_drops_the_channel_and_the_next_call_is_served(played, junk):
+def test_junk_in_answer_to_an_express_work_drops_the_channel_and_the_next_call_is_served(played, junk, ways):
     fake = played(lambda work: junk if work.input == ODD else done(work))
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
@@ -149,9 +156,10 @@ def test_junk_in_answer_to_an_express_work_drops_the_channel_and_the_next_call_i
             node.forward(ODD, broker=broker)
         assert node.forward(5, broker=broker) == 6  # a fresh channel, its recipe in full
     assert [by_digest(w) for w in fake.works] == [False, True, True, False]
+    assert ways == ["general", "express, then settled"]
 
 
-def test_a_failure_or_an_answer_in_frames_is_taken_as_the_general_way_takes_it(played):
+def test_a_failure_or_an_answer_in_frames_is_taken_as_the_general_way_takes_it(played, ways):
     def answer(work):
         if work.input == 0:
             return Failed(work.ref, "ValueError: not zero", "a", "ValueError", "Traceback: ...")
@@ -169,3 +177,4 @@ def test_a_failure_or_an_answer_in_frames_is_taken_as_the_general_way_takes_it(p
             node.forward(0, broker=broker)
         assert failed.value.node == "a" and failed.value.host == "w1"
     assert [by_digest(w) for w in fake.works] == [False, True, True, True, True]
+    assert ways == ["general", "express", "express", "express, then settled"]

@@ -26,21 +26,19 @@ from conftest import WORKER
 from fabric_nodes import Add, Sleep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peers import RT, FakeWorker
+from peers import HANG_UP, RT
+from peers import FakeWorker as Played
 from reliability_support import child_env
 
 from somatize import Broken, Broker, Busy, NodeFailed, ProtocolError, Refused, SomatizeError, Unreachable, Worker
 from somatize.codec.layout import INLINE_BYTES, INT_MAX, INT_MIN
 from somatize.fabric.client import channel as channel_module
-from somatize.fabric.client.channel import Channel
 from somatize.wire import (
     Begin,
     Chunk,
     Done,
     Failed,
-    Hello,
     Mounted,
-    Provision,
     Ready,
     Refusal,
     Runtime,
@@ -58,53 +56,6 @@ PATIENCE = 2.0  # a worker played wrongly is noticed in seconds
 WAIT = 20.0  # the most any one call here may take (a busy machine included)
 ODD = 10  # the input the played worker answers wrongly: calls before it warm the channel
 DIGEST = "sha256:" + "0123456789abcdef" * 4
-HANG_UP = object()  # an answer: the played worker closes its socket then and there
-
-
-# -- a worker played by hand ---------------------------------------------------------------
-
-
-class Played(FakeWorker):
-    """``FakeWorker``, and more: ``greet(hello, n)`` answers the n-th Hello (``Ready`` by
-    default); ``answer(work)`` may also give ``HANG_UP`` (the socket is closed there, mid-call);
-    a ``Provision`` is met with ``Ready`` (a network-mode worker taking code); anything else a
-    client sends (a ``Credit``, a ``Bye``) is read and not answered. An answer the test wrote
-    wrongly is kept in ``errors`` (checked after the test) and the worker serves on."""
-
-    def __init__(self, answer, *, greet=None, runtime: Runtime = RT) -> None:
-        self.greet, self.runtime = greet, runtime
-        self.hellos: list[Hello] = []
-        self.provisions: list[str] = []
-        self.errors: list[BaseException] = []
-        self.hung_up = threading.Event()
-        super().__init__(answer)
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            route, *frames = self.sock.recv_multipart()
-            try:
-                message = decode(frames)
-                if isinstance(message, Hello):
-                    self.hellos.append(message)
-                    replies = Ready(self.runtime) if self.greet is None else self.greet(message, len(self.hellos))
-                elif isinstance(message, Provision):
-                    self.provisions.append(message.digest)
-                    replies = Ready(self.runtime)
-                elif isinstance(message, Work):
-                    self.works.append(message)
-                    replies = self.answer(message)
-                else:
-                    continue
-                for reply in replies if isinstance(replies, tuple) else (replies,):
-                    if reply is HANG_UP:
-                        self.sock.close(0)
-                        self.hung_up.set()
-                        return
-                    self.sock.send_multipart([route, *(reply if isinstance(reply, list) else encode(reply))])
-            except Exception as exc:  # noqa: BLE001 - the test's own mistake: said after it
-                self.errors.append(exc)
 
 
 @pytest.fixture
@@ -124,41 +75,6 @@ def played():
     assert not [e for fake in fakes for e in fake.errors], "the played worker could not write an answer"
 
 
-@pytest.fixture
-def ways(monkeypatch):
-    """Which way each call of ``Channel.run`` that asked ``_express`` went (a channel's first
-    call, its Work right behind its Hello, does not ask): "express" (its Done taken the short way),
-    "express, then settled" (sent the short way, answered otherwise, then concluded by
-    ``_settle``, or raised), or "general" (``_express`` declined, having sent nothing)."""
-    taken: list[str] = []
-    real = Channel._express
-    real_settle = Channel._settle
-
-    def express(self, piece):
-        self._in_express, self._settled = True, False
-        try:
-            outcome = real(self, piece)
-        except BaseException:
-            taken.append("express, then settled")
-            raise
-        finally:
-            self._in_express = False
-        if outcome is None:
-            taken.append("general")
-        elif getattr(self, "_settled", False):
-            taken.append("express, then settled")
-        else:
-            taken.append("express")
-        return outcome
-
-    def settle(self, *args, **kwargs):
-        if getattr(self, "_in_express", False):
-            self._settled = True
-        return real_settle(self, *args, **kwargs)
-
-    monkeypatch.setattr(Channel, "_express", express)
-    monkeypatch.setattr(Channel, "_settle", settle)
-    return taken
 
 
 def broker_for(fake: Played, mode: str = "project", **declared) -> Broker:
