@@ -134,6 +134,43 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
     return _outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
 
 
+
+def lone_step(steps: tuple[Step, ...], shape: Any) -> Step | None:
+    """The one step of a piece whose plan is that step alone, from its input to its output
+    (most pieces a worker runs); None for any other. Its plan is compiled once per shape,
+    as for :func:`run_piece`."""
+    if len(steps) != 1:
+        return None
+    plan = piece_plan(steps, shape)
+    ops = plan.ops
+    if len(ops) != 1:
+        return None
+    op = ops[0]
+    if type(op) is not Run or op.source != 0 or op.target != plan.output or op.opens or op.closes is not None:
+        return None
+    return plan.steps[op.step]
+
+
+def run_lone(step: Step, value: Any) -> Any:
+    """What :func:`run_piece` does for a piece of ``step`` alone (:func:`lone_step`), nobody
+    watching and nothing to keep: its output, or ``NodeFailed`` naming it, as the walk
+    raises it. No walk, no piece, no outcome is built."""
+    try:
+        if step.device is not None:
+            value = _place(value, step.device)
+        return step.node.forward(value)
+    except Exception as exc:
+        raise _node_failed(step, exc, None) from exc
+
+
+def _node_failed(step: Step, exc: Exception, host: str | None) -> NodeFailed:
+    """What a walk raises when ``step`` raised ``exc`` (on ``host``, run in this process)."""
+    if host is None:
+        return NodeFailed(f"node `{step.label}` raised {type(exc).__name__}: {exc}", node=step.label,
+                          error=type(exc).__name__, remote_traceback=None)
+    return NodeFailed(f"node `{step.label}` on `{host}` raised {type(exc).__name__}: {exc}", node=step.label,
+                      error=type(exc).__name__, host=host)
+
 # -- the walk ----------------------------------------------------------------------------
 
 
@@ -337,21 +374,8 @@ class _Walk:
             output = step.node.forward(value)
         except Exception as exc:
             failed = fact("failed", node=step.label, error=f"{type(exc).__name__}: {exc}")
-            if op.host is None:
-                self.watch(failed)
-                raise NodeFailed(
-                    f"node `{step.label}` raised {type(exc).__name__}: {exc}",
-                    node=step.label,
-                    error=type(exc).__name__,
-                    remote_traceback=None,
-                ) from exc
-            self.watch(elsewhere(failed, op.host))
-            raise NodeFailed(
-                f"node `{step.label}` on `{op.host}` raised {type(exc).__name__}: {exc}",
-                node=step.label,
-                error=type(exc).__name__,
-                host=op.host,
-            ) from exc
+            self.watch(failed if op.host is None else elsewhere(failed, op.host))
+            raise _node_failed(step, exc, op.host) from exc
         took = microseconds(time.perf_counter_ns() - started)
         if self.watch:  # nobody watching: nothing is counted, nothing said
             ran = fact("ran", node=step.label, took_us=took, items=_items(output))

@@ -32,8 +32,9 @@ from conftest import WORKER
 from fabric_nodes import Add, Boom, Count, Sleep
 from somatize import Broker, FolderStore, Node, NodeFailed, Overdue, Worker, codec
 from somatize.codec import forget
-from somatize.engine import Piece, _plan_of, run_piece
+from somatize.engine import Piece, _plan_of, lone_step, run_lone, run_piece
 from somatize.fabric.pieces import piece_of
+from somatize.fabric.worker.loop import WorkerLoop
 from somatize.fabric.worker.prepared import Prepared
 from somatize.fabric.worker.slots import Abandoned, Job
 from somatize.packing import Catalog, Packer
@@ -286,3 +287,76 @@ def test_kept_steps_let_their_nodes_go_when_the_catalog_does():
     prepared.steps(_work(Recipe((two,), ("step", 0)), 0), [newer], Job("a"))
     gc.collect()
     assert gone() is None and len(prepared) == 1
+
+
+# -- a worker runs a lone node without a walk -----------------------------------------------
+
+
+def test_a_lone_step_is_found_only_for_a_piece_that_is_that_step_alone():
+    a, b = Step(Add(1), name="a"), Step(Add(2), name="b")
+    assert lone_step((a,), ("step", 0)) is a
+    assert lone_step((a, b), ("seq", (("step", 0), ("step", 1)))) is None  # two steps: the walk
+    assert lone_step((a,), ("seq", (("step", 0), ("step", 0)))) is None  # one step, run twice
+    assert run_lone(a, 1) == run_piece(_piece([a], ("step", 0), 1)).output == 2
+
+
+def test_a_lone_step_fails_as_the_walk_says_it_fails():
+    step = Step(Boom(), name="boom")
+    with pytest.raises(NodeFailed) as walked:
+        run_piece(_piece([step], ("step", 0), 1))
+    with pytest.raises(NodeFailed) as alone:
+        run_lone(step, 1)
+    for failed in (walked.value, alone.value):
+        assert str(failed) == "node `boom` raised ValueError: remote trouble"
+        assert (failed.node, failed.error, failed.host) == ("boom", "ValueError", None)
+        assert isinstance(failed.__cause__, ValueError)
+
+
+def test_kept_steps_say_which_step_a_recipe_is_alone():
+    a, b = Add(1).named("a"), Add(10).named("b")
+    one = Recipe((Packer("project").spec(a),), ("step", 0))
+    two = Recipe(tuple(Packer("project").spec(s) for s in (a, b)), ("seq", (("step", 0), ("step", 1))))
+    prepared = Prepared(Catalog("project"))
+    steps, lone = prepared.prepare(_work(one, 0), [a.node], Job("a"))
+    assert lone is steps[0] and lone.node.node is a.node  # in its guard
+    assert prepared.prepare(_work(one, 0), [a.node], Job("a")) == (steps, lone)  # kept, with its step
+    assert prepared.prepare(_work(two, 0), [a.node, b.node], Job("a"))[1] is None
+    assert prepared.prepare(_work(one, 0), [a.node], Job("a"), keep=False)[1] is None  # in a slot: the walk
+    assert prepared.prepare(_work(one, 0, placement={0: "cpu"}), [a.node], Job("a"))[1] is None
+
+
+def test_a_worker_runs_a_lone_node_directly_only_when_nobody_watches_and_nothing_is_kept(monkeypatch, tmp_path):
+    import somatize.fabric.worker.loop as worker_loop
+
+    walks, alone = [], []
+    monkeypatch.setattr(worker_loop, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
+    monkeypatch.setattr(worker_loop, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
+    loop = WorkerLoop(mode="project")
+    endpoint = loop.bind("tcp://127.0.0.1:0")
+    serving = threading.Thread(target=loop.serve, daemon=True)
+    serving.start()
+    try:
+        add, boom = Add(1).named("add").at("w1"), Boom().named("boom").at("w1")
+        with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as broker:
+            assert [add.forward(i, broker=broker) for i in range(3)] == [1, 2, 3]
+            assert (len(alone), len(walks)) == (3, 0)
+            seen = Collect()
+            assert add.forward(5, broker=broker, watching=seen) == 6  # watched: the walk, and its facts
+            assert (len(alone), len(walks)) == (3, 1) and ("ran", "w1") in seen.kinds()
+            cached = Add(2).named("cached").at("w1").cached().frozen()
+            assert cached.forward(1, broker=broker, store=FolderStore(tmp_path)) == 3  # a key to keep: the walk
+            assert (len(alone), len(walks)) == (3, 2)
+            failures = []
+            for watching in (None, Collect()):  # alone, then walked: the same failure
+                with pytest.raises(NodeFailed) as failed:
+                    boom.forward(1, broker=broker, watching=watching)
+                failures.append(failed.value)
+            assert (len(alone), len(walks)) == (4, 3)
+            for failure in failures:
+                assert str(failure).splitlines()[0] == "node `boom` on `w1` raised ValueError: remote trouble"
+                assert (failure.node, failure.error, failure.host) == ("boom", "ValueError", "w1")
+                assert "raise ValueError(\"remote trouble\")" in failure.remote_traceback
+    finally:
+        loop.stopping.set()
+        serving.join(10)
+    assert not serving.is_alive()

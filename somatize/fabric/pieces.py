@@ -96,3 +96,9 @@ def done_of(ref: int, outcome: Outcome, took_us: int, saw: tuple[dict[str, str],
     # every answer: built without the frozen dataclass's __init__ (`encode` checks each field)
     return built(Done, {"ref": ref, "output": outcome.output, "produced": outcome.produced, "took_us": took_us,
                         "saw": saw})
+
+
+def done(ref: int, output: object, took_us: int) -> Done:
+    """The ``Done`` of a piece that produced ``output`` alone: nothing kept, nothing said
+    (``encode`` checks each field as it writes it)."""
+    return built(Done, {"ref": ref, "output": output, "produced": {}, "took_us": took_us, "saw": ()})

@@ -36,7 +36,12 @@ no hop to another thread and back, which would cost more than the rest of a smal
 That thread lets go of the socket while the piece runs, and a stand-in thread takes it
 once the piece has run ``STAND_IN_AFTER`` seconds, serving (probes answered, new work
 refused as busy) until the piece returns and the socket is handed back. With ``jobs=N``
-every piece runs on one of N slot threads, and the serving thread never lets go.
+every piece runs on one of N slot threads, and the serving thread never lets go. A piece
+that is one node from its input to its output, that nobody watches and that keeps nothing
+(most calls), runs that node directly (``engine.run_lone``: as the walk runs it, failures
+named the same, with no walk, piece or outcome built); any other is walked
+(``engine.run_piece``). After a piece ran, the loop polls again before it reads another
+message: a stop, or answers waiting, are seen first.
 
 Only the thread holding the socket (``_hold``) touches it, the sessions and the streams.
 Answers and facts, from whatever thread (a job, a parallel branch of a piece), go into one
@@ -65,7 +70,7 @@ from typing import Any
 
 import zmq
 
-from ...engine import format_exception, run_piece
+from ...engine import format_exception, run_lone, run_piece
 from ...errors import CodecError, NodeFailed, ProtocolError, Refused, SomatizeError
 from ...facts import fact, microseconds
 from ...packing import Catalog
@@ -98,7 +103,7 @@ from .heap import Heap
 from .held import Held
 from .imported import Imports
 from .outbox import Outbox, To
-from ..pieces import done_of, piece_of
+from ..pieces import done, done_of, piece_of
 from .prepared import Prepared
 from .slots import Job, NodeExit, Slots, exit_now
 from .standin import WATCH, StandIn
@@ -385,6 +390,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             except zmq.Again:
                 return
             self.heap.moved(parts)
+            ran = False
             try:
                 if self._offer is None:  # ROUTER: [identity, *frames]
                     if len(parts) >= 2:
@@ -402,6 +408,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
                         work = self._expressed(to, parts[1]) if len(parts) == 2 else None
                         if work is not None:
                             self._work(to, work, None)  # a repeated small call: straight to its run
+                            ran = True
                         else:
                             self._take(to, parts[1:])
                 else:
@@ -411,6 +418,8 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             if self.heap.due():  # handled, and let go of: what big cargo freed goes back (`.heap`)
                 parts = None
                 self.heap.trim()
+            if ran:  # the next poll looks at everything (a stop, answers, the socket) after a run
+                return
 
     # -- requests ----------------------------------------------------------------------
     def _ready(self) -> Ready:
@@ -536,11 +545,16 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
         try:
             # each node built, and so checked, at every call; with one job its steps are kept
             nodes = [self.catalog.build(spec) for spec in work.recipe.nodes]
-            steps = self._prepared.steps(work, nodes, job, keep=self._slots is None)
+            steps, lone = self._prepared.prepare(work, nodes, job, keep=self._slots is None)
             built = True
-            outcome = run_piece(piece_of(work, steps), watch)
-            answer = done_of(work.ref, outcome, microseconds(time.perf_counter_ns() - started),
-                             held.take() if held is not None else ())
+            if lone is not None and watch is None and not work.keys:
+                # one node from input to output, nobody watching, nothing to keep (most
+                # calls): the node runs as the walk would run it, with no walk built
+                answer = done(work.ref, run_lone(lone, work.input), microseconds(time.perf_counter_ns() - started))
+            else:
+                outcome = run_piece(piece_of(work, steps), watch)
+                answer = done_of(work.ref, outcome, microseconds(time.perf_counter_ns() - started),
+                                 held.take() if held is not None else ())
         except NodeFailed as exc:
             cause = exc.__cause__ or exc
             if isinstance(cause, NodeExit):

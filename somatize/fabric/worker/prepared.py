@@ -14,6 +14,10 @@ another's), at most ``MAX_KEPT``, the least recently used let go first; nodes th
 now builds differently (provisioned anew, its class replaced) make the steps anew. Steps
 hold their nodes, so when the catalog lets any node go to make room (``Catalog.dropped``),
 every kept step is let go too: a node the catalog dropped never stays alive here.
+
+With the steps is kept whether the recipe is one step alone, from its input to its output
+(``engine.lone_step``): the loop then runs that step directly (``engine.run_lone``) for a
+piece nobody watches that keeps nothing, with no walk built around it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from ...engine import lone_step
 from ...graph import Node, Step
 from ...packing import Catalog
 from ...wire import Recipe, Work
@@ -52,7 +57,8 @@ class Prepared:
         self.catalog = catalog
         self.most = most
         self._dropped = catalog.dropped
-        self._kept: OrderedDict[int, tuple[Recipe, tuple[Node, ...], tuple[Step, ...], tuple[Guarded, ...]]] = OrderedDict()
+        self._kept: OrderedDict[int, tuple[Recipe, tuple[Node, ...], tuple[Step, ...], tuple[Guarded, ...], Step | None]] = (
+            OrderedDict())
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -61,9 +67,15 @@ class Prepared:
         """The steps of ``work`` with ``nodes`` (built for it, checked), reporting to ``job``:
         the kept ones when its recipe ran here before with the very same nodes and no
         placement. ``keep=False`` (a piece in a slot): made for this piece alone."""
+        return self.prepare(work, nodes, job, keep=keep)[0]
+
+    def prepare(self, work: Work, nodes: Sequence[Node], job: Job, *,
+                keep: bool = True) -> tuple[tuple[Step, ...], Step | None]:
+        """``steps``, and the one step the recipe is (``engine.lone_step``) when its steps are
+        kept here (None otherwise: a piece in a slot or with a placement takes the walk)."""
         recipe = work.recipe
         if work.placement or not keep:
-            return steps_of(work, guarded(work, nodes, job))
+            return steps_of(work, guarded(work, nodes, job)), None
         if self.catalog.dropped != self._dropped:  # the catalog let nodes go: so does this
             self._dropped = self.catalog.dropped
             self._kept.clear()
@@ -72,11 +84,12 @@ class Prepared:
             self._kept.move_to_end(id(recipe))
             for guard in kept[3]:
                 guard.job = job
-            return kept[2]
+            return kept[2], kept[4]
         guards = guarded(work, nodes, job)
         steps = steps_of(work, guards)
-        self._kept[id(recipe)] = (recipe, tuple(nodes), steps, tuple({id(g): g for g in guards}.values()))
+        lone = lone_step(steps, recipe.shape)
+        self._kept[id(recipe)] = (recipe, tuple(nodes), steps, tuple({id(g): g for g in guards}.values()), lone)
         self._kept.move_to_end(id(recipe))
         while len(self._kept) > self.most:
             self._kept.popitem(last=False)
-        return steps
+        return steps, lone
