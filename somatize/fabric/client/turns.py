@@ -70,7 +70,17 @@ class Turns:
         away as busy (``turned_away``) while a forward of this client runs there; raises
         ``turned_away`` when none does (someone else's work fills the worker), and
         ``PastDeadline`` if the deadline passes while it waits for a turn."""
-        since = self._start(host, deadline)
+        with self._lock:  # most forwards: nobody in line, so counted as running at once
+            state = self._hosts.get(host)
+            if state is None:
+                state = self._hosts[host] = _Host()
+            if state.waiting or state.handed:
+                since = None
+            else:
+                state.running += 1
+                since = state.ended
+        if since is None:
+            since = self._start(host, deadline)
         again = False
         while True:
             try:
@@ -87,7 +97,14 @@ class Turns:
             except BaseException:
                 self._end(host)
                 raise
-            self._end(host)
+            with self._lock:  # `_end`, as most forwards end: an answer, and nobody in line
+                state = self._hosts[host]
+                state.running -= 1
+                state.ended += 1
+                if state.waiting:
+                    state.hand_on()
+                elif not (state.running or state.handed):
+                    del self._hosts[host]  # nothing of ours there: nothing kept
             return result
 
     def running(self, host: str) -> int:
