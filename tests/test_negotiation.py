@@ -96,6 +96,24 @@ def test_a_value_of_a_kind_the_worker_cannot_read_is_refused_before_a_byte_of_it
         peer.close()
 
 
+
+def test_a_kind_registered_after_the_worker_was_found_to_read_all_of_ours_is_checked_again():
+    peer = Peer()
+    try:
+        with Broker.embedded({"w1": Worker.at(f"127.0.0.1:{peer.port}", mode="project")}) as broker:
+            node = Add().named("a").at("w1")
+            assert node.forward(1, broker=broker) is None  # it reads every kind this process writes
+            codec("tests.deadlines.Reading", Reading, dump=lambda r: r.data, load=Reading)
+            with pytest.raises(Refused, match=r"`w1` cannot read values of kind `tests.deadlines.Reading`"):
+                node.forward(Reading(b"x" * 100), broker=broker)
+            assert peer.seen.count("Work") == 1  # the second Work never left
+            forget("tests.deadlines.Reading")
+            assert node.forward(2, broker=broker) is None  # as it was: every kind read again
+            assert peer.seen.count("Work") == 2
+    finally:
+        forget("tests.deadlines.Reading")
+        peer.close()
+
 def test_a_worker_whose_slots_are_full_is_busy():
     why = "busy: this worker runs 1 piece of work at a time and one has run for 9 s"
     peer = Peer(answer=lambda work: [Refusal(why, ref=work.ref)])

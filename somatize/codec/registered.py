@@ -96,6 +96,14 @@ def codecs_registered() -> list[str]:
     return sorted(_by_kind)
 
 
+def registered_now() -> object:
+    """The registry as it stands, as a token: the very same object until a codec is
+    registered or forgotten (each change makes a new one), so ``is`` against one kept tells
+    whether the registry changed since, in one comparison. Nothing else about it is
+    promised."""
+    return _by_kind
+
+
 def registry() -> tuple[tuple[str, type, Callable[[Any], bytes], Callable[[bytes], Any]], ...]:
     """The registered codecs as ``(kind, type, dump, load)``, in registration order (for
     packing, which carries them to a network-mode worker, and which compares two of these

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Sequence
 
 from ..code_identity import code_digest
-from ..codec import registry
+from ..codec.registered import registered_now
 from ..engine import Outcome, Piece
 from ..graph import Step
 from ..packing import Packer
@@ -45,20 +45,15 @@ def specs_of(piece: Piece, packer: Packer) -> tuple[NodeSpec, ...]:
     if memo is None:
         return tuple(packer.spec(step) for step in piece.steps)
     network = packer.mode == "network"
-    now = registry() if network else tuple(code_digest(type(s.node)) if s.cache else "" for s in piece.steps)
+    now = registered_now() if network else tuple(code_digest(type(s.node)) if s.cache else "" for s in piece.steps)
     kept = memo.get(id(packer))
-    if kept is not None and kept[0]() is packer and (_same(kept[1], now) if network else kept[1] == now):
+    if kept is not None and kept[0]() is packer and (kept[1] is now if network else kept[1] == now):
         return kept[2]
     specs = tuple(packer.spec(step) for step in piece.steps)
     if len(memo) >= MEMO_PACKERS:
         memo.clear()
     memo[id(packer)] = (weakref.ref(packer), now, specs)
     return specs
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    """Whether two snapshots of the registry hold the very same codecs, in order."""
-    return len(a) == len(b) and all(x is y for ea, eb in zip(a, b) for x, y in zip(ea, eb))
 
 
 def work_of(piece: Piece, ref: int, specs: Sequence[NodeSpec], *, watched: bool, named: str = "") -> Work:

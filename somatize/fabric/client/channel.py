@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from ...codec import codecs_registered, readable_kinds
+from ...codec.registered import registered_now
 from ...engine import Deadline, Outcome, Piece
 from ...errors import NodeFailed, ProtocolError, Refused
 from ...packing import Packer
@@ -138,7 +139,7 @@ class Channel(Carriage):
         self._inbound = _streams.Inbound(per_tenant=1, total=1)  # one answer at a time
         self._early: list = []
         self.reads: frozenset[str] = frozenset()  # the kinds the worker said it reads
-        self._sure_for: list[str] | None = None  # the registry for which it reads all ours
+        self._sure_for: object = None  # the registry (`registered_now`) for which it reads all ours
         # recipes: sent in full once per connection, then named by digest (see `run`)
         self.held: set[str] = set()  # digests sent in full since the last Hello
         self._unkept: set[str] = set()  # ...that the worker did not keep: sent in full from then on
@@ -251,7 +252,7 @@ class Channel(Carriage):
             return None
         specs = specs_of(piece, self.packer)
         digest = self._digest_of(specs, piece.shape)
-        if digest is None or digest not in self.held or self._sure_for != codecs_registered():
+        if digest is None or digest not in self.held or self._sure_for is not registered_now():
             return None
         for spec in specs:
             if spec.source == "network" and spec.target not in self.provisioned:
@@ -382,14 +383,14 @@ class Channel(Carriage):
         message's own kinds are read from its header. A network-mode worker also reads the
         kinds whose codecs travel inside the artifacts (see :mod:`somatize.packing`).
         """
-        registered = codecs_registered()
-        if registered == self._sure_for:
+        now = registered_now()
+        if now is self._sure_for:
             return
         writable = set(readable_kinds())
         if self.packer.mode == "network":
-            writable.difference_update(registered)
+            writable.difference_update(codecs_registered())
         if writable <= self.reads:
-            self._sure_for = registered
+            self._sure_for = now
             return
         missing = sorted((peek_kinds(frames) - self.reads) & writable)
         if missing:
