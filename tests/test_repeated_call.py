@@ -360,3 +360,15 @@ def test_a_worker_runs_a_lone_node_directly_only_when_nobody_watches_and_nothing
         loop.stopping.set()
         serving.join(10)
     assert not serving.is_alive()
+
+
+def test_a_step_found_packable_is_remembered_by_identity_and_forgotten_with_it():
+    with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes])}) as broker:
+        step = Add(1).named("a").at("w1")
+        assert step.forward(1, broker=broker) == 2
+        assert [ref() for ref in broker._packable.values()] == [step.steps[0]]
+        equal = Add(1).named("a").at("w1")  # equal, not the same: packed (checked) for itself
+        assert equal.forward(1, broker=broker) == 2 and len(broker._packable) == 2
+        del step
+        gc.collect()
+        assert [ref() for ref in broker._packable.values()] == [equal.steps[0]]

@@ -35,7 +35,8 @@ _lock = threading.Lock()
 # (the sugar's `send_multipart` and `recv_multipart` are Python layers over the same calls,
 # combining enum flags on every frame). Small frames are still copied, at pyzmq's
 # `copy_threshold`, as `copy=False` does there.
-_SEND, _RECV, _GET = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
+_SEND, _RECV = zmq.backend.Socket.send, zmq.backend.Socket.recv
+_POLL = zmq.backend.zmq_poll
 NOBLOCK, SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
@@ -67,13 +68,15 @@ def receive_part(sock: zmq.Socket, flags: int = 0) -> zmq.Frame:
 
 
 def readable(sock: zmq.Socket) -> bool:
-    """Whether a message waits on ``sock`` now."""
-    return bool(_GET(sock, EVENTS) & POLLIN)
+    """Whether a message waits on ``sock`` now. Asked by a poll of no time rather than of the
+    ``EVENTS`` option, which libzmq answers the same way (a poll asks it) but pyzmq reads
+    by looking the option up in an ``enum`` on every call, a third of the cost."""
+    return bool(_POLL([(sock, POLLIN)], 0))
 
 
 def writable(sock: zmq.Socket) -> bool:
-    """Whether ``sock`` takes a message now."""
-    return bool(_GET(sock, EVENTS) & POLLOUT)
+    """Whether ``sock`` takes a message now (asked as ``readable`` asks)."""
+    return bool(_POLL([(sock, POLLOUT)], 0))
 
 
 def context() -> zmq.Context:

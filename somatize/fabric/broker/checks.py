@@ -86,7 +86,7 @@ class Helper:
 
     def deliver(self) -> None:
         """On the serving thread: call ``done(result)`` for every job that finished."""
-        while self.wake.get(zmq.EVENTS) & zmq.POLLIN:
+        while sockets.readable(self.wake):
             self.wake.recv(zmq.NOBLOCK)
         while True:
             try:

@@ -177,7 +177,7 @@ class BrokerLoop(Ending):
                 self._take()  # what a peer said before its connection dropped is heard first (its Bye)
                 if self._drops in events:
                     dropped = []
-                    while self._drops.get(zmq.EVENTS) & zmq.POLLIN:
+                    while sockets.readable(self._drops):
                         dropped.append(self._drops.recv_multipart()[0])
                     if self._probes.dropped(dropped):
                         self._probe()

@@ -190,7 +190,7 @@ class Carriage:
                 raise Dropped(f"the connection to {self.address} dropped")
             self.linked = link.linked
         else:
-            while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:  # every event since the last look
+            while sockets.readable(self.monitor):  # every event since the last look
                 event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.linked = True

@@ -36,6 +36,7 @@ the fix, and no byte of it is sent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -69,6 +70,12 @@ START_ALLOWANCE = 30.0
 #: channel is a lane of the client's one link to the broker (`link`), no socket of its own:
 #: as many are kept as the broker keeps exchanges for one client.
 MAX_IDLE, MAX_IDLE_LANES = 32, 1024
+
+
+def _let_go(packable: dict, key: int, gone: weakref.ref) -> None:
+    """A step found packable is gone: its entry goes (unless another step took its id since)."""
+    if packable.get(key) is gone:
+        packable.pop(key, None)
 
 
 class Broker:
@@ -108,7 +115,9 @@ class Broker:
         self._link: Link | None = None  # the one connection every relayed channel is a lane of
         self._packers: dict[str, Packer] = {}
         self._provisioned: dict[str, set[str]] = {}
-        self._packable: weakref.WeakSet = weakref.WeakSet()
+        # steps found packable, by identity (id -> a weak reference, gone with the step): a
+        # step's hash is its fields', dearer than this look on every forward
+        self._packable: dict[int, weakref.ref] = {}
         self._closed = False
 
     # -- construction ------------------------------------------------------------------
@@ -201,13 +210,14 @@ class Broker:
 
     def check(self, host: str, step: Any) -> None:
         """Refuse, before anything runs, a node that cannot be packed for ``host``."""
-        if step in self._packable:
+        kept = self._packable.get(id(step))
+        if kept is not None and kept() is step:
             return  # declarations never change: once packable, always packable here
         mode = self._hosts().get(host)
         if mode in (None, "inprocess"):
             return
         self._packer(host, mode).spec(step)  # packs once; the artifact is kept for the run
-        self._packable.add(step)
+        self._packable[id(step)] = weakref.ref(step, functools.partial(_let_go, self._packable, id(step)))
 
     def here(self) -> frozenset[str]:
         """The hosts whose work runs in this process (``Worker.inprocess()``): the engine
@@ -458,7 +468,7 @@ class Broker:
                 refused = 0
                 until = time.monotonic() + timeout
                 while not sockets.poll(control, min(0.1, max(0.0, until - time.monotonic()))):
-                    while not refused and watch is not None and watch.get(zmq.EVENTS) & zmq.POLLIN:
+                    while not refused and watch is not None and sockets.readable(watch):
                         event = int.from_bytes(watch.recv_multipart()[0][:2], "little")
                         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                             self._linked = True

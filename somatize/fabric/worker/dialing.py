@@ -133,7 +133,7 @@ class Dialing:
         return self._next_hello
 
     def _connection_events(self) -> None:
-        while self._events is not None and self._events.get(zmq.EVENTS) & zmq.POLLIN:
+        while self._events is not None and sockets.readable(self._events):
             event = int.from_bytes(self._events.recv_multipart()[0][:2], "little")
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if self._lost:

@@ -57,7 +57,7 @@ class Outbox:
     _outgoing: dict
 
     def _forward_answers(self) -> None:
-        while self._answers.get(zmq.EVENTS) & zmq.POLLIN:
+        while sockets.readable(self._answers):
             self._answers.recv()  # a wake-up: what to send is in the outbox
         self._flush()
 
