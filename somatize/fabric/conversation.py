@@ -157,6 +157,9 @@ class ClientExchange:
 
     def receive(self, msg: object) -> object | None:
         """The answer, if it may arrive now; None for a stale one; raises ``Violation``."""
+        if type(msg) is Done and self.state == "working" and msg.ref == self.ref and msg.ref is not None:
+            self.state, self.ref = "ready", None  # most answers: the open work's Done, as below
+            return msg
         if self.state == "working":
             ref = getattr(msg, "ref", None)
             if isinstance(msg, (Saw, Send, Done, Failed, Refusal)) and ref is not None and ref != self.ref:
@@ -262,12 +265,19 @@ class WorkerSessions:
         it (a peer that did not say Hello, a ref still open, a recipe not held, keys that do
         not fit it): ``receive`` then says why. The worker's express way in asks this first."""
         session = self._sessions.get(peer)
-        if session is None or work.recipe is not None or work.ref in session.open or work.recipe_digest not in session.recipes:
+        if session is None or type(work) is not Work or work.recipe is not None or work.ref in session.open:
             return None
-        try:
-            return self._receive(peer, work, session.tenant)  # type: ignore[return-value]
-        except ProtocolError:  # Violation: the recipe and the work do not fit
+        kept = session.recipes.get(work.recipe_digest)
+        if kept is None:
             return None
+        try:  # what `_receive` does with such a Work, in its order, with nothing left to ask
+            opened = with_recipe(work, kept[0])
+        except ProtocolError:  # the recipe and the work do not fit
+            return None
+        self._sessions.move_to_end(peer)
+        session.recipes.move_to_end(work.recipe_digest)
+        session.open[work.ref] = time.monotonic()
+        return opened
 
     def _receive(self, peer: bytes, msg: object, tenant: str) -> object:
         if isinstance(msg, Hello):
