@@ -10,6 +10,8 @@ names no work never taken for its answer, junk refused with the channel dropped.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from fabric_nodes import Add
@@ -178,3 +180,29 @@ def test_a_failure_or_an_answer_in_frames_is_taken_as_the_general_way_takes_it(p
         assert failed.value.node == "a" and failed.value.host == "w1"
     assert [by_digest(w) for w in fake.works] == [False, True, True, True, True]
     assert ways == ["general", "express", "express", "express, then settled"]
+
+
+def test_a_channel_taken_again_at_once_is_not_asked_about_its_link_and_one_idle_longer_is(played, monkeypatch):
+    from somatize.fabric import sockets
+    from somatize.fabric.client import carriage
+
+    fake = played(done)
+    with broker_for(fake) as broker:
+        node = Add(1).named("a").at("w1")
+        assert node.forward(1, broker=broker) == 2
+        looked = []  # the sockets looked at before a call (not the wait's looks at its link)
+        real = sockets.readable
+
+        def readable(sock):
+            if sys._getframe(1).f_code.co_name == "dropped_while_idle":
+                looked.append(sock)
+            return real(sock)
+
+        monkeypatch.setattr(sockets, "readable", readable)
+        for i in range(5):  # a loop of calls: each takes the channel back within BACK_AT_ONCE
+            assert node.forward(i, broker=broker) == i + 1
+        channel = broker._idle["w1"][0]
+        assert channel.monitor not in looked
+        channel.idle_since -= 2 * carriage.BACK_AT_ONCE  # idle for longer: its link is looked at
+        assert node.forward(7, broker=broker) == 8
+        assert looked.count(channel.monitor) >= 1

@@ -49,15 +49,32 @@ class PastDeadline(Exception):
         self.waiting, self.waited = waiting, 0.0  # seconds since the work given up on was sent (0: none was)
 
 
+#: A direct channel taken again within this long of being given back is not asked whether
+#: its link dropped meanwhile (seconds): see ``Carriage.dropped_while_idle``.
+BACK_AT_ONCE = 0.002
+
+
 class Carriage:
     """Sending and receiving for :class:`~.channel.Channel`."""
+
+    #: when the channel was last given back, idle (``time.monotonic()``; the broker sets it)
+    idle_since = -1e9
 
     def dropped_while_idle(self) -> bool:
         """Whether the link dropped since the last work (a worker or broker restarted
         between calls): nothing of this channel's is in flight, so a fresh channel takes
-        its place rather than the next work being lost to the drop."""
+        its place rather than the next work being lost to the drop.
+
+        A direct channel taken again within ``BACK_AT_ONCE`` of its last answer (a loop of
+        calls, most of them) is not asked: its link's events are read by a system call,
+        and a drop within those two milliseconds is no likelier than one while the Work is
+        sent a moment later, which nothing before the send could see either; both are told
+        alike, by the wait for the answer watching the link. A worker that was stopped
+        and started again is never back within that time."""
         if self.lane is not None:
             return self.lane.dropped() or self.lane.link.refused is not None
+        if time.monotonic() - self.idle_since < BACK_AT_ONCE:
+            return False
         dropped = False
         try:
             while sockets.readable(self.monitor):

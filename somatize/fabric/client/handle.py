@@ -591,6 +591,7 @@ class Broker:
         return None, None
 
     def _give_back(self, channel: Channel) -> None:
+        channel.idle_since = time.monotonic()
         closing = []
         with self._lock:
             if self._closed:
