@@ -1278,3 +1278,26 @@ def test_every_variant_is_told_by_its_first_bytes_as_the_long_way_tells_it():
         assert told(frames) is long_way is type(msg) and variant_of(frames) is type(msg), msg
         short_header = [msgpack.packb({"v": WIRE_VERSION, "t": type(msg).__name__})]  # fewer keys than fields
         assert told(short_header) is (type(msg) if not header_fields(type(msg)) else None), msg
+
+
+def test_the_header_a_call_is_read_from_is_its_bytes_when_small_and_its_buffer_otherwise():
+    import zmq
+
+    from somatize.wire import short
+
+    frames = wire.encode(wire.Done(3, 7, {}, 5))
+    header = bytes(frames[0])
+    assert short.head_of(header) is header
+    small = zmq.Frame(header)
+    assert type(short.head_of(small)) is bytes and short.head_of(small) == header
+    assert wire.decode([small]) == wire.decode([header]) == wire.Done(3, 7, {}, 5)
+    big = zmq.Frame(b"\x80" * (short._SMALL + 1))  # too big to be read the short way: not copied
+    assert type(short.head_of(big)) is memoryview and short.express(short.head_of(big)) is None
+    view = memoryview(header)
+    assert short.head_of(view) is view  # no bytes of its own: read as it is
+    assert short.express(short.head_of(view)) == wire.Done(3, 7, {}, 5)
+
+    class NoLength:  # a buffer that does not say its length: its buffer, as before
+        buffer = view
+
+    assert short.head_of(NoLength()) is view

@@ -73,7 +73,7 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     """
     if type(frames) is list and len(frames) == 1:  # a call's own Work or Done: its header, read by msgspec
         first = frames[0]
-        fast = short.express(first if type(first) is bytes else getattr(first, "buffer", first))
+        fast = short.express(short.head_of(first))
         if fast is not None:
             return fast
     cls = short.told(frames)  # a Relay, a Work or Done of one scalar, a greeting: read in one step

@@ -85,6 +85,24 @@ _WRITE = msgspec.msgpack.Encoder().encode
 _NOT_TAKEN = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)  # nesting deeper than Python allows
 
 
+def head_of(frame: Any) -> Any:
+    """Frame 0 of a message as ``express`` reads it: bytes as they are; a ``zmq.Frame`` of
+    a header small enough to be read so, as its bytes (a copy of a few hundred bytes costs
+    less than the view of them, and msgspec reads bytes faster); anything else as its
+    buffer (``express`` then says whether it reads it)."""
+    if type(frame) is bytes:
+        return frame
+    try:
+        small = len(frame) <= _SMALL
+    except TypeError:  # a buffer with no length: read as its buffer, as the long way reads it
+        small = False
+    if small:
+        data = getattr(frame, "bytes", None)
+        if type(data) is bytes:
+            return data
+    return getattr(frame, "buffer", frame)
+
+
 def express(head: Any) -> Work | Done | None:
     """The ``Work`` or ``Done`` that the header ``head`` (bytes or a memoryview) alone holds,
     when it is one of one scalar and nothing else; None for any other (the short or the

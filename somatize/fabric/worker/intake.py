@@ -156,7 +156,7 @@ class Intake:
         else, looked at no further (``_take`` reads it the general way and says what is
         wrong). Skips the carriers, the variant checks and the general decoder, none of
         which such a frame needs."""
-        work = short.express(frame if type(frame) is bytes else getattr(frame, "buffer", frame))
+        work = short.express(short.head_of(frame))
         if type(work) is not Work:
             return None
         return self.sessions.recall(to.peer, work)
