@@ -26,6 +26,7 @@ import sys
 import textwrap
 
 import pytest
+import zmq
 from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Pid
 
@@ -124,6 +125,8 @@ def test_the_heap_counts_cargo_and_trims_once_enough_went_through():
     assert counted.count == 14 and counted.due()
     counted.trim()
     assert counted.count == 0 and counted.trims == 1 and not counted.due()
+    counted.received([zmq.Frame(b"route"), zmq.Frame(bytes(6))])  # what a socket gave: bytes each
+    assert counted.count == 11 and counted.due()
 
 
 # A child whose heap holds 192 MiB freed below one live block: glibc keeps it (it returns

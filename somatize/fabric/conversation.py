@@ -44,6 +44,7 @@ from ..wire import (
 __all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]
 
 TERMINAL = (Done, Failed, Refusal)
+_CLOSING = (Send, *TERMINAL)  # the answers that close the work they answer
 #: A dialed worker's keepalive, in its patiences: its connection's pings say it is there
 #: every patience (the broker drops a connection silent past their time to live); the
 #: keepalive is the net beneath, rare, so a fleet's keepalives do not keep waking its broker.
@@ -176,7 +177,7 @@ class ClientExchange:
             self.state = "ready" if isinstance(msg, Ready) else "closed"
         elif self.state == "greeting+working":
             self.state = "working" if isinstance(msg, Ready) else "closed"
-        elif isinstance(msg, (Send, *TERMINAL)):
+        elif isinstance(msg, _CLOSING):
             self.state, self.ref = "ready", None
         return msg
 
@@ -393,13 +394,19 @@ class WorkerSessions:
         """Whether ``answer`` may go to ``peer`` now; Send and the terminal answers close
         the work they answer. ``refusing``: ``answer`` refuses the message ``peer`` just
         sent, and may name a Work that never opened (refused on arrival)."""
+        if type(answer) is Done:  # most answers: what follows, for a Done
+            session = self._sessions.get(peer)
+            if session is None or answer.ref not in session.open:
+                return False
+            del session.open[answer.ref]
+            return True
         ref = getattr(answer, "ref", None)
         if isinstance(answer, Ready) or (isinstance(answer, Refusal) and ref is None):
             return True
         session = self._sessions.get(peer)
         if session is None or ref not in session.open:
             return refusing and isinstance(answer, Refusal)
-        if isinstance(answer, (Send, *TERMINAL)):
+        if isinstance(answer, _CLOSING):
             del session.open[ref]
         return True
 

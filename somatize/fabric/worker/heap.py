@@ -69,6 +69,10 @@ class Heap:
             n += f.nbytes if isinstance(f, memoryview) else len(f)
         self.count += n
 
+    def received(self, frames: list) -> None:
+        """``moved`` for the frames a socket gave (``zmq.Frame``s: their length is in bytes)."""
+        self.count += sum(map(len, frames))
+
     def due(self) -> bool:
         return self.count >= self.every
 

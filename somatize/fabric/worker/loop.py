@@ -389,7 +389,7 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
                 parts = sockets.receive_frames(self._front, sockets.NOBLOCK)
             except zmq.Again:
                 return
-            self.heap.moved(parts)
+            self.heap.received(parts)
             ran = False
             try:
                 if self._offer is None:  # ROUTER: [identity, *frames]
