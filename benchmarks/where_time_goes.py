@@ -164,7 +164,7 @@ def cpu(calls: int = 3000) -> str:
 # deterministic profile of each side. What no stage names is "the rest".
 CLIENT_STAGES = (
     ("plan: the graph's checks and its walk",
-     (("plan.py", "check"), ("engine.py", "prepare"), ("planned.py", "one_trip"))),
+     (("plan.py", "check"), ("engine.py", "prepare"), ("planned.py", "trip_of"))),
     ("locate, borrow, give back the channel",
      (("handle.py", "_locate"), ("handle.py", "_borrow"), ("handle.py", "_give_back"))),
     ("pack: specs, Work, recipe digest, kinds",

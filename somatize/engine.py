@@ -56,7 +56,7 @@ from .plan import Closes, Join, Plan, Recall, Remote, Run, check, compile, group
 from .planned import caches as _caches
 from .planned import here as _here
 from .planned import memo_of as _memo_of
-from .planned import one_trip as _one_trip
+from .planned import trip_of as _trip_of
 from .planned import plan_of as _plan_of
 from .planned import steps_of as _steps_of
 from .wiring import inputs_of, piece_plan, wiring_of
@@ -98,10 +98,10 @@ def forward(
     check(graph, broker=broker, store=store, here=here)
     # (a graph whose hosts all run in this process, as `check` found, is walked here)
     if until is None and not watch and broker is not None and not graph.__dict__["_somatize_hosts"] <= here:
-        trip = _one_trip(graph, here, store)
+        trip = _trip_of(graph, here, store)
         if trip is not None:  # the whole forward is one trip to a host: the piece goes as it is
-            plan, op = trip
-            return broker.run(_piece(op.host, _steps_of(plan, op), op.local_shape, x, {}, None, _memo_of(op)), None).output
+            host, steps, shape, memo = trip
+            return broker.run(_piece(host, steps, shape, x, {}, None, memo), None).output
     started = time.perf_counter_ns()
     try:
         walk = _Walk.prepare(graph, x, broker=broker, store=store, watch=watch, deadline=until, here=here)

@@ -131,13 +131,21 @@ def check(graph: Graph, *, broker: Any, store: Any, here: frozenset[str] | None 
 
     What depends on the graph alone (names, what is cached and frozen, and whether a store
     was given) is checked once per graph and remembered on it when it passes; the hosts are
-    asked every time (a worker may dial in or go)."""
+    asked every time (a worker may dial in or go), unless the broker says what it knows
+    by an object that stays the same while its answers do (``listed()``: a ``Broker``'s
+    listing of its hosts, made anew when it asks the broker again): a graph found
+    runnable on one listing is runnable on it again."""
     steps = graph.steps
     passed = graph.__dict__.get("_somatize_checked")
     if passed is not None and (store is None) in passed:
         if here is not None and graph.__dict__["_somatize_hosts"] <= here:
             return  # no host, or only hosts the broker runs in this process: nothing to ask
+        token = _listed(broker)
+        if token is not None and graph.__dict__.get("_somatize_listed") is token:
+            return  # its hosts known, and its steps packable, on this very listing
         _check_hosts(steps, broker, here)
+        if token is not None:
+            graph.__dict__["_somatize_listed"] = token
         return
     _check_names(steps)
 
@@ -158,9 +166,18 @@ def check(graph: Graph, *, broker: Any, store: Any, here: frozenset[str] | None 
         return tuple(seen)
 
     visit(graph.shape, ())
+    token = _listed(broker)
     _check_hosts(steps, broker, here)
+    if token is not None:
+        graph.__dict__["_somatize_listed"] = token
     graph.__dict__["_somatize_hosts"] = frozenset(step.host for step in steps if step.host is not None)
     graph.__dict__.setdefault("_somatize_checked", set()).add(store is None)
+
+
+def _listed(broker: Any) -> object | None:
+    """What ``broker``'s knowledge of its hosts stands on (``Broker.listed``), or None."""
+    listed = getattr(broker, "listed", None)
+    return None if listed is None else listed()
 
 
 def _check_names(steps: tuple[Step, ...]) -> None:

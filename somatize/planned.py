@@ -72,6 +72,25 @@ def one_trip(graph: Graph, here: frozenset[str], store: Any) -> tuple[Plan, Remo
     return plan, op
 
 
+def trip_of(graph: Graph, here: frozenset[str], store: Any) -> tuple[str, tuple[Step, ...], Any, dict] | None:
+    """What ``one_trip`` finds, as the piece of that trip needs it: its host, its steps (as
+    ``steps_of`` numbers them), its shape and its memo; worked out once per set of hosts
+    that run here, and kept on the graph beside its plans."""
+    if store is not None and caches(graph):
+        return None
+    trips = graph.__dict__.get("_somatize_trips")
+    if trips is None:
+        trips = graph.__dict__["_somatize_trips"] = {}
+    trip = trips.get(here)
+    if trip is None:
+        found = one_trip(graph, here, None)
+        trip = False if found is None else (found[1].host, steps_of(*found), found[1].local_shape, memo_of(found[1]))
+        if len(trips) >= PLANS_PER_GRAPH:
+            trips.clear()
+        trips[here] = trip
+    return trip or None
+
+
 def memo_of(op: Remote) -> dict:
     """A remote group's memo (see ``Piece.memo``): one per operation of a plan."""
     memo = op.__dict__.get("_memo")

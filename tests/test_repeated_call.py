@@ -30,7 +30,7 @@ import pytest
 import fabric_nodes
 from conftest import WORKER
 from fabric_nodes import Add, Boom, Count, Sleep
-from somatize import Broker, FolderStore, Node, NodeFailed, Overdue, Worker, codec
+from somatize import Broker, FolderStore, Node, NodeFailed, Overdue, UnknownHost, Worker, codec
 from somatize.codec import forget
 from somatize.engine import Piece, _plan_of, lone_step, run_lone, run_piece
 from somatize.fabric.pieces import piece_of
@@ -372,3 +372,28 @@ def test_a_step_found_packable_is_remembered_by_identity_and_forgotten_with_it()
         del step
         gc.collect()
         assert [ref() for ref in broker._packable.values()] == [equal.steps[0]]
+
+
+def test_a_one_trip_forward_keeps_its_trip_and_its_host_check_stands_on_the_broker_s_listing(monkeypatch):
+    import somatize.plan as plan_module
+
+    node = Add(1).named("a").at("w1")
+    asked = []
+    real = plan_module._check_hosts
+    monkeypatch.setattr(plan_module, "_check_hosts", lambda *a, **k: asked.append(1) or real(*a, **k))
+    with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes])}) as broker:
+        assert [node.forward(i, broker=broker) for i in range(3)] == [1, 2, 3]
+        trip = node.__dict__["_somatize_trips"][frozenset()]
+        assert trip[0] == "w1" and trip[1] == node.steps and trip[3] is not None
+        assert len(asked) == 1  # the first forward's, on the listing it made: not again
+        listing = broker.listed()
+        assert node.__dict__["_somatize_listed"] is listing
+        broker._hosts(refresh=True)  # listed anew: the hosts are asked again, once
+        assert broker.listed() is not listing
+        assert node.forward(5, broker=broker) == 6 and node.forward(6, broker=broker) == 7
+        assert len(asked) == 2
+        elsewhere = Add(1).named("b").at("w2")
+        with pytest.raises(UnknownHost):  # a host it does not know is still refused, every time
+            elsewhere.forward(1, broker=broker)
+        with pytest.raises(UnknownHost):
+            elsewhere.forward(1, broker=broker)

@@ -229,6 +229,13 @@ class Broker:
         kept = self._here = (listing, frozenset(h for h, mode in listing.items() if mode == "inprocess"))
         return kept[1]
 
+    def listed(self) -> object | None:
+        """What this broker's answers to ``knows`` and ``check`` stand on: the listing of its
+        hosts, the same object until it lists them anew (None before the first). A graph's
+        hosts checked against one listing need no asking again while it stands
+        (``plan.check``); a step found packable stays packable."""
+        return self._listing
+
     def _hosts(self, *, refresh: bool = False) -> dict[str, str]:
         if self._listing is None or refresh:
             answer = self._ask(Hosts(), self.patience * 2)
