@@ -368,3 +368,27 @@ def test_work_nobody_watches_sends_no_facts_back(processes):
     assert [type(m) for m in answers[True]] == [Done]
     assert [(f["fact"], f["node"]) for f in answers[True][0].saw] == [("ran", "a")]
     assert [type(m) for m in answers[False]] == [Done] and answers[False][0].saw == ()
+
+
+def test_asking_a_socket_whether_it_has_a_message_or_room_is_an_error_once_it_is_closed():
+    import zmq
+
+    from somatize.fabric import sockets
+
+    a, b = sockets.pair(zmq.PAIR), sockets.pair(zmq.PAIR)
+    url = sockets.unique_inproc("asked")
+    a.bind(url)
+    b.connect(url)
+    try:
+        assert not sockets.readable(a) and sockets.writable(b)
+        b.send(b"x")
+        assert sockets.poll(a, 10) and sockets.readable(a)  # an inproc message is there at once
+        a.recv()
+        assert not sockets.readable(a)
+    finally:
+        sockets.close(a, b)
+    for closed in (a, b):  # never an answer about some other descriptor
+        with pytest.raises(zmq.ZMQError):
+            sockets.readable(closed)
+        with pytest.raises(zmq.ZMQError):
+            sockets.writable(closed)

@@ -70,12 +70,18 @@ def receive_part(sock: zmq.Socket, flags: int = 0) -> zmq.Frame:
 def readable(sock: zmq.Socket) -> bool:
     """Whether a message waits on ``sock`` now. Asked by a poll of no time rather than of the
     ``EVENTS`` option, which libzmq answers the same way (a poll asks it) but pyzmq reads
-    by looking the option up in an ``enum`` on every call, a third of the cost."""
+    by looking the option up in an ``enum`` on every call, a third of the cost. A closed
+    socket raises ``zmq.ZMQError`` (``ENOTSOCK``), as reading the option does: pyzmq would
+    poll descriptor 0 in its place."""
+    if sock.closed:
+        raise zmq.ZMQError(zmq.ENOTSOCK)
     return bool(_POLL([(sock, POLLIN)], 0))
 
 
 def writable(sock: zmq.Socket) -> bool:
     """Whether ``sock`` takes a message now (asked as ``readable`` asks)."""
+    if sock.closed:
+        raise zmq.ZMQError(zmq.ENOTSOCK)
     return bool(_POLL([(sock, POLLOUT)], 0))
 
 
