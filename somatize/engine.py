@@ -97,7 +97,7 @@ def forward(
     here = _here(broker, graph)
     check(graph, broker=broker, store=store, here=here)
     # (a graph whose hosts all run in this process, as `check` found, is walked here)
-    if until is None and not watch and broker is not None and not graph.__dict__["_somatize_hosts"] <= here:
+    if until is None and (watch is _NOBODY or not watch) and broker is not None and not graph.__dict__["_somatize_hosts"] <= here:
         trip = _trip_of(graph, here, store)
         if trip is not None:  # the whole forward is one trip to a host: the piece goes as it is
             host, steps, shape, memo = trip
