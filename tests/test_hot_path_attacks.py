@@ -26,8 +26,8 @@ No short way was made to answer otherwise than its general way. What failed is k
 added: ``Channel._check_kinds`` looks at the registry after ``encode`` used it (a codec
 forgotten in between lets a kind the worker cannot read through); a network-mode worker
 keeps the first codec it got for a kind (one registered again in another format gives a
-wrong value). A third, ``Carriage._watch_link`` reading a peer that hung up during the
-handshake as keys refused (with no keys on either side), was fixed.
+wrong value); and ``Carriage._watch_link`` reads a peer that hangs up during the handshake
+as keys refused.
 """
 
 from __future__ import annotations
@@ -672,9 +672,15 @@ def test_a_channel_taken_back_unasked_after_its_worker_died_ends_typed_and_recov
         assert broker._turns._hosts == {}
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "BUG (pre-existing, not in these commits): Carriage._watch_link (somatize/fabric/client/carriage.py, "
+    "`if event & _HANDSHAKE_FAILED: raise KeysRefused`) reads any failed handshake as keys refused; a "
+    "peer that hangs up during the handshake gives EVENT_HANDSHAKE_FAILED_NO_DETAIL, and a client and "
+    "worker with no keys at all are told to add a CURVE key. Not told apart by the event alone: a client "
+    "with no keys reaching a worker that listens with CURVE gets the same NO_DETAIL (test_security, "
+    "test_operable pin its sentence)"))
 def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused():
-    """Found by this attack and fixed (``Carriage._watch_link`` took any failed handshake for
-    keys refused). Attack (seen when a worker is killed right after answering, on a busy machine: the
+    """Attack (seen when a worker is killed right after answering, on a busy machine: the
     next call's link reached the port while the dying process still held it): a port that
     accepts each connection and hangs up at once. Neither side has keys; the call has to
     end with a typed error about reaching the worker, not one saying it listens with keys."""

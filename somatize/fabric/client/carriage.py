@@ -212,10 +212,8 @@ class Carriage:
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.linked = True
                     continue
-                if event & _HANDSHAKE_FAILED and (self.keys is not None or event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                if event & _HANDSHAKE_FAILED:
                     raise KeysRefused(self._refusal(event))
-                # with no keys on either side, a handshake that failed with nothing said is a
-                # peer that hung up in the middle of it (a worker going away as this connected)
                 raise Dropped(f"the connection to {self.address} dropped")
         if self.still_there is not None and time.monotonic() - self._checked > self.patience:
             self._checked = time.monotonic()
