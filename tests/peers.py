@@ -104,3 +104,23 @@ class FakeWorker:
         self._stop.set()
         self._thread.join(5)
         self.sock.close(0)
+
+
+def within(seconds: float, call):
+    """``call()`` on a thread of its own, which has to end within ``seconds``: a call that
+    would hang fails the test instead."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"the call still waited after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -26,7 +26,7 @@ from conftest import WORKER
 from fabric_nodes import Add, Sleep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peers import HANG_UP, RT
+from peers import HANG_UP, RT, within
 from peers import FakeWorker as Played
 from reliability_support import child_env
 
@@ -99,24 +99,6 @@ def warmed(node, broker) -> None:
     assert [node.forward(i, broker=broker) for i in (1, 2)] == [2, 3]
 
 
-def within(seconds: float, call):
-    """``call()`` on a thread of its own, which has to end within ``seconds``: a call that
-    would hang fails the test instead."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"the call still waited after {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def header(t: str, **fields) -> list[bytes]:

@@ -49,7 +49,7 @@ from conftest import WORKER, Process
 from fabric_nodes import Add, Count, Pid, Sleep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peers import RT, FakeWorker, Raw
+from peers import RT, FakeWorker, Raw, within
 from reliability_support import child_env
 
 from somatize import (
@@ -180,24 +180,6 @@ class Reading:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def within(seconds: float, call):
-    """``call()`` on a thread of its own that has to end within ``seconds``: a call that
-    would hang fails the test instead of hanging it."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"the call still waited after {seconds} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def free_port() -> int:
