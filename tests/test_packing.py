@@ -618,3 +618,69 @@ def test_send_makes_a_module_travel_by_value(tmp_path):
     refused = got["by_reference"]
     assert refused.startswith("refused: ")
     assert "`shipped_nodes_for_packing`" in refused and "send=[...]" in refused
+
+
+MAKE_FORMAT = """
+    import dataclasses, json, sys
+    from pathlib import Path
+    from somatize import Node, codec
+    from somatize.packing import Packer
+
+    SCALE = float(sys.argv[2])  # the format: the value is written times SCALE
+
+    @dataclasses.dataclass
+    class Reading:
+        value: float
+
+    codec("tests.Reading", Reading, dump=lambda r: json.dumps(r.value * SCALE).encode(),
+          load=lambda raw: Reading(json.loads(raw) / SCALE))
+
+    class Measure(Node):
+        def forward(self, xs):
+            return Reading(float(sum(xs)))
+
+    out = Path(sys.argv[1])
+    out.mkdir()
+    packer = Packer("network")
+    node = Measure().named("measure")
+    spec = packer.spec(node)
+    (out / "artifact").write_bytes(packer.artifact(spec.target))
+    (out / "digest").write_text(spec.target)
+"""
+
+USE_FORMAT = """
+    import json, sys
+    from pathlib import Path
+    from somatize.codec import codecs_registered
+    from somatize.errors import Refused
+    from somatize.packing import Catalog
+
+    catalog = Catalog("network")
+    got = {}
+    for where in map(Path, sys.argv[1:]):
+        try:
+            catalog.provision((where / "digest").read_text(), (where / "artifact").read_bytes())
+            got[where.name] = "held"
+        except Refused as exc:
+            got[where.name] = "refused: " + str(exc)
+    got["kinds"] = codecs_registered()
+    print(json.dumps(got))
+"""
+
+
+def test_a_network_worker_refuses_a_kind_it_already_reads_in_another_format(tmp_path):
+    """Three clients, three processes, one kind: two register it the same way (their bytes
+    differ: each pickles its own ``__main__`` class), the third writes it in another format.
+    A worker reads one format per kind while it runs, so it holds the first two and refuses
+    the third with the kind and the way out, rather than read its values the first way."""
+    for name, scale in (("first", "1"), ("same", "1"), ("other", "4")):
+        ok(run_script(tmp_path / f"client_{name}", "make.py", MAKE_FORMAT, str(tmp_path / name), scale))
+    first, same = ((tmp_path / n / "artifact").read_bytes() for n in ("first", "same"))
+    assert first != same  # two processes' pickles of one codec: the format decides, not the bytes
+    got = json.loads(ok(run_script(tmp_path / "worker", "use.py", USE_FORMAT,
+                                   *(str(tmp_path / n) for n in ("first", "same", "other")))))
+    assert got["first"] == "held" and got["same"] == "held"
+    assert got["other"].startswith("refused: ")
+    assert "`tests.Reading`" in got["other"] and "another format" in got["other"]
+    assert "new kind" in got["other"] and "restart the worker" in got["other"]
+    assert got["kinds"] == ["tests.Reading"]

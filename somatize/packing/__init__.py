@@ -27,7 +27,12 @@ There are two ways to pack, chosen per worker declaration, and they are not inte
     pickled by value. The artifact also carries the client's registered codecs, so a
     ``codec(...)`` defined next to the node works on the worker too: provisioning registers
     every carried codec whose kind the worker does not already have (one it cannot load,
-    because its type lives in a module the worker lacks, is skipped).
+    because its type lives in a module the worker lacks, is skipped). The registry is one
+    per process, so a worker reads one format per kind while it runs: an artifact carrying
+    a codec for a kind an earlier artifact brought, in another format (the kind registered
+    again differently, or used differently by two clients of one worker), is refused
+    rather than have its values read the first way. The same codec pickled again (a
+    notebook cell run twice, another client's process) is the same format.
 
 The security rule. Unpickling runs code, so only a network-mode worker ever unpickles, and
 only bytes whose sha256 matches the digest it was told (an integrity check, not an

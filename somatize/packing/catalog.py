@@ -9,12 +9,13 @@ import importlib
 import pickle
 import re
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 
-from ..code_identity import code_digest
+from ..code_identity import code_digest, written
 from ..codec import codec, codecs_registered, dumps
 from ..errors import CodecError, NodeFailed, Refused
 from ..graph import Node
@@ -47,6 +48,8 @@ _NO_CODE = (
 _MEMO_SPECS, _MEMO_ARGS = 1024, 4096
 # Checking for a kind and registering it happen together.
 _CARRY_LOCK = threading.Lock()
+# Kinds an artifact brought: the codec's pickled bytes, and the format they write.
+_CARRIED: dict[str, tuple[bytes, str]] = {}
 
 
 class _Slot:
@@ -389,17 +392,78 @@ def _open(digest: str, artifact: bytes | bytearray | memoryview) -> tuple[Node, 
 
 
 def _register_carried(codecs: list[tuple[str, bytes]]) -> None:
+    """Register the codecs an artifact carries whose kind this worker does not have yet.
+
+    A kind this worker registered itself (its own installation's) keeps its own codec. A kind
+    an earlier artifact brought keeps that codec too, but only while the new one writes the
+    same format: one that differs (a client registered the kind again in another format, or
+    two clients of one worker use the kind differently) is refused, because values of that
+    kind would be read here with one format and written by the client with the other. The
+    registry is one per process, so one worker reads one format per kind while it runs.
+    """
     with _CARRY_LOCK:
         for kind, blob in codecs:
-            if kind in codecs_registered():
-                continue  # this worker's own (or an earlier arrival's) wins
+            earlier = _CARRIED.get(kind)
+            if kind in codecs_registered() and earlier is None:
+                continue  # this worker's own wins
+            if earlier is not None and earlier[0] == blob:
+                continue  # the very codec an earlier artifact brought
             try:
                 type_, dump, load = pickle.loads(blob)
             except BaseException:  # a pickle can raise SystemExit too
                 continue  # its type lives where this worker cannot go; the node may not need it
+            if earlier is not None:
+                if _format_of(blob, type_, dump, load) != earlier[1]:
+                    raise Refused(
+                        f"the artifact carries a codec for the kind `{kind}` that writes "
+                        f"another format than the one an earlier artifact brought to this "
+                        f"worker, which reads `{kind}` that way for as long as it runs "
+                        f"(values would be read in one format and written in the other). "
+                        f"Register the new format under a new kind (`{kind}/2`, say), or "
+                        f"restart the worker"
+                    )
+                continue  # the same format, pickled anew (a notebook cell run again)
             if kind in codecs_registered():
                 continue  # loading it imported the module that registers it
             try:
                 codec(kind, type_, dump=dump, load=load)
             except CodecError:
                 continue
+            _CARRIED[kind] = (bytes(blob), _format_of(blob, type_, dump, load))
+
+
+def _format_of(blob: bytes, type_: type, dump: object, load: object) -> str:
+    """What tells two codecs of one kind apart: the type's name, and the code, defaults,
+    captured values and plain globals of ``dump`` and ``load``; not where they were written,
+    nor the identity a by-value class gets in each pickle. Where a part cannot be written
+    down by value (an object captured by a closure, say), its pickled bytes decide."""
+    parts = [f"{getattr(type_, '__module__', '')}.{getattr(type_, '__qualname__', '')}"]
+    for function in (dump, load):
+        parts.append(_function_written(function))
+    text = "\n".join(parts)
+    if "<" in text:  # a part written by its type's name only: the pickled bytes decide
+        text += "\n" + hashlib.sha256(blob).hexdigest()
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _plain(value: object) -> bool:
+    return value is None or isinstance(value, (bool, int, float, complex, str, bytes, tuple, frozenset))
+
+
+def _function_written(function: object) -> str:
+    bound = getattr(function, "__self__", None)
+    inner = getattr(function, "__func__", function)
+    if isinstance(inner, types.FunctionType):
+        cells = []
+        for cell in inner.__closure__ or ():
+            try:
+                cells.append(written(cell.cell_contents))
+            except ValueError:  # an empty cell
+                cells.append("empty")
+        names = inner.__globals__
+        used = ",".join(f"{name}={written(names[name])}" for name in inner.__code__.co_names
+                        if name in names and _plain(names[name]))
+        held = "" if bound is None else f"bound:{written(bound)}"
+        return f"{written(inner)}|{','.join(cells)}|{used}|{held}"
+    name = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+    return f"{name}|{'' if bound is None else written(bound)}" if name != "." else "<opaque>"
