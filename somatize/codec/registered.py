@@ -37,10 +37,20 @@ class Entry:
     load: Callable[[bytes], Any]
 
 
+class _Registry:
+    """The registry at one moment: both of its maps, published together as one object (so
+    that what one reader sees by kind and by type is one registry), never changed after."""
+
+    __slots__ = ("by_kind", "by_type")
+
+    def __init__(self, by_kind: dict[str, Entry], by_type: dict[type, Entry]) -> None:
+        self.by_kind = by_kind
+        self.by_type = by_type
+
+
 _lock = threading.Lock()
-# Replaced whole under the lock; readers take one dict lookup and never see half a change.
-_by_kind: dict[str, Entry] = {}
-_by_type: dict[type, Entry] = {}
+# Replaced whole under the lock; a reader takes it once and never sees half a change.
+_now = _Registry({}, {})
 
 
 def codec(
@@ -82,52 +92,67 @@ def codec(
                 f"it was given a `{type(fn).__name__}`"
             )
     entry = Entry(kind, type_, dump, load)
-    global _by_kind, _by_type
+    global _now
     with _lock:
-        by_kind = dict(_by_kind)
-        by_type = {t: c for t, c in _by_type.items() if c.kind != kind}
+        by_kind = dict(_now.by_kind)
+        by_type = {t: c for t, c in _now.by_type.items() if c.kind != kind}
         by_kind[kind] = entry
         by_type[type_] = entry
-        _by_kind, _by_type = by_kind, by_type
+        _now = _Registry(by_kind, by_type)
 
 
 def codecs_registered() -> list[str]:
     """The kinds registered with ``codec(...)`` in this process, sorted (built-ins aside)."""
-    return sorted(_by_kind)
+    return sorted(_now.by_kind)
 
 
 def registered_now() -> object:
     """The registry as it stands, as a token: the very same object until a codec is
     registered or forgotten (each change makes a new one), so ``is`` against one kept tells
-    whether the registry changed since, in one comparison. Nothing else about it is
+    whether the registry changed since, in one comparison: when it did not, every codec
+    looked up in between (writing, reading) was this registry's. Nothing else about it is
     promised."""
-    return _by_kind
+    return _now
 
 
 def registry() -> tuple[tuple[str, type, Callable[[Any], bytes], Callable[[bytes], Any]], ...]:
     """The registered codecs as ``(kind, type, dump, load)``, in registration order (for
     packing, which carries them to a network-mode worker, and which compares two of these
     item by item with ``is`` to tell whether the registry changed in between)."""
-    return tuple((c.kind, c.type, c.dump, c.load) for c in _by_kind.values())
+    return tuple((c.kind, c.type, c.dump, c.load) for c in _now.by_kind.values())
 
 
 def forget(kind: str) -> None:
     """Drop a registered kind, so bytes of it are unreadable again (a test that registers
     its own kinds, a notebook that registered one by mistake). Unknown kinds are ignored."""
-    global _by_kind, _by_type
+    global _now
     with _lock:
-        _by_kind = {k: c for k, c in _by_kind.items() if k != kind}
-        _by_type = {t: c for t, c in _by_type.items() if c.kind != kind}
+        _now = _Registry({k: c for k, c in _now.by_kind.items() if k != kind},
+                         {t: c for t, c in _now.by_type.items() if c.kind != kind})
 
 
 def readable_kinds() -> list[str]:
     """Every kind this process can read: built-ins (Arrow's when pyarrow is installed,
     tensors when torch is), the registry, and the library's own kinds it would import by
     name on arrival. Sorted."""
+    return readable_with(_now)
+
+
+def registered_with(token: object) -> list[str]:
+    """What :func:`codecs_registered` said when :func:`registered_now` gave ``token``."""
+    if not isinstance(token, _Registry):
+        raise TypeError(f"registered_with takes what registered_now() gave, not a `{type(token).__name__}`")
+    return sorted(token.by_kind)
+
+
+def readable_with(token: object) -> list[str]:
+    """What :func:`readable_kinds` says with the registry as it was when
+    :func:`registered_now` gave ``token``: the token and the kinds read at once, so a codec
+    registered or forgotten by another thread in between cannot make them disagree."""
     kinds = {PLAIN, NDARRAY, NPSCALAR}
     if _installed("pyarrow"):
         kinds |= ARROW_KINDS
-    kinds.update(_by_kind)
+    kinds.update(registered_with(token))
     kinds.update(k for k in OWN_KINDS if k != TENSOR)
     if _installed("torch"):
         kinds.add(TENSOR)
@@ -149,7 +174,7 @@ def _found_on_path(name: str) -> bool:
 
 
 def for_type(t: type) -> Entry | None:
-    by_type = _by_type
+    by_type = _now.by_type
     entry = by_type.get(t)
     if entry is None and by_type:
         for base in t.__mro__[1:]:
@@ -160,7 +185,7 @@ def for_type(t: type) -> Entry | None:
 
 
 def for_kind(kind: str) -> Entry:
-    entry = _by_kind.get(kind)
+    entry = _now.by_kind.get(kind)
     if entry is not None:
         return entry
     module = OWN_KINDS.get(kind)
@@ -183,7 +208,7 @@ def for_kind(kind: str) -> Entry:
             f"bytes of kind `{kind}` arrived, and importing `{module}` to read them raised "
             f"{type(exc).__name__}"
         ) from exc
-    entry = _by_kind.get(kind)
+    entry = _now.by_kind.get(kind)
     if entry is None:
         raise Unreadable(
             f"bytes of kind `{kind}` arrived and importing `{module}` did not register a "

@@ -31,8 +31,7 @@ from typing import Any
 
 import zmq
 
-from ...codec import codecs_registered, readable_kinds
-from ...codec.registered import registered_now
+from ...codec.registered import readable_with, registered_now, registered_with
 from ...engine import Deadline, Outcome, Piece
 from ...errors import NodeFailed, ProtocolError, Refused
 from ...packing import Packer
@@ -223,12 +222,13 @@ class Channel(Carriage):
         # the recipe travels in full the first time on this connection, then by its digest
         digest = self._digest_of(specs, piece.shape)
         named = digest if digest is not None and digest in self.held else ""
+        written_with = registered_now()
         frames = encode(work_of(piece, ref, specs, watched=watched, named=named))
         code = tuple(dict.fromkeys(s.target for s in specs if s.source == "network" and s.target not in self.provisioned))
         if self._greeting is not None and not self._may_follow_hello(frames, code):
             self._greeted(deadline)
         if self._greeting is None:
-            self._check_kinds(frames)
+            self._check_kinds(frames, written_with)
         try:
             self._provision(code, deadline)
             if host is not None:
@@ -329,8 +329,9 @@ class Channel(Carriage):
                         self._unkept.add(digest)
                 if named:
                     named = ""
+                    written_with = registered_now()
                     frames = encode(work_of(piece, ref, specs, watched=watch is not None))
-                    self._check_kinds(frames)
+                    self._check_kinds(frames, written_with)
                     continue
                 if hello:
                     continue
@@ -375,26 +376,31 @@ class Channel(Carriage):
             return False
         return not (self.relayed and _streams.worth_streaming(frames))
 
-    def _check_kinds(self, frames: list) -> None:
+    def _check_kinds(self, frames: list, written_with: object) -> None:
         """Refuse, before a byte of it is sent, a value of a kind the worker cannot read.
 
         The worker said at Hello which kinds it reads. Usually that is every kind this
-        process writes, and that is checked once per state of the registry; otherwise the
+        process writes, and that is checked once per state of the registry; otherwise, or
+        when the registry changed since ``written_with`` (the registry ``frames`` were
+        written with, ``registered_now()``: another thread forgot a codec in between), the
         message's own kinds are read from its header. A network-mode worker also reads the
         kinds whose codecs travel inside the artifacts (see :mod:`somatize.packing`).
         """
         now = registered_now()
-        if now is self._sure_for:
-            return
-        writable = set(readable_kinds())
+        if now is written_with:
+            if now is self._sure_for:
+                return
+            writable = set(readable_with(now))  # the registry the token is, not as it is now
+            if self.packer.mode == "network":
+                writable.difference_update(registered_with(now))
+            if writable <= self.reads:
+                self._sure_for = now
+                return
+        missing = peek_kinds(frames) - self.reads
         if self.packer.mode == "network":
-            writable.difference_update(codecs_registered())
-        if writable <= self.reads:
-            self._sure_for = now
-            return
-        missing = sorted((peek_kinds(frames) - self.reads) & writable)
+            missing.difference_update(registered_with(written_with))
         if missing:
-            raise unreadable(missing, self.host)
+            raise unreadable(sorted(missing), self.host)
 
     def _provision(self, digests: tuple[str, ...], deadline: Deadline | None = None, *, asked: bool = False) -> None:
         """Hand the worker the artifacts ``digests`` names, one after the other. ``asked``: the
