@@ -311,11 +311,11 @@ def test_the_worker_takes_the_lone_run_for_every_kind_of_failure_and_the_walk_wh
     really ran alone. On a loop in this process, ``run_lone`` is counted for each failure
     kind unwatched, and ``run_piece`` for each watched; the answers agree as above. Here the
     header limit is lowered, so an output over it is cheap to make."""
-    import somatize.fabric.worker.loop as worker_loop
+    import somatize.fabric.worker.running as worker_running
 
     walks, alone = [], []
-    monkeypatch.setattr(worker_loop, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
-    monkeypatch.setattr(worker_loop, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
+    monkeypatch.setattr(worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
+    monkeypatch.setattr(worker_running, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
     # lowered on both sides (one process): a header of a few thousand short strings is over it
     monkeypatch.setattr(limits, "MAX_HEADER", 64 << 10)
     _, endpoint, _ = serving()
@@ -448,11 +448,11 @@ def test_an_abandoned_job_stops_its_lone_node_before_it_runs(tmp_path):
 def test_a_worker_with_more_than_one_job_never_runs_a_node_alone(serving, monkeypatch):
     """Attack: with ``jobs=2`` pieces run in slots, each made for itself: the lone run (which
     needs steps kept across calls) must never be taken, express calls included."""
-    import somatize.fabric.worker.loop as worker_loop
+    import somatize.fabric.worker.running as worker_running
 
     alone, walks = [], []
-    monkeypatch.setattr(worker_loop, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
-    monkeypatch.setattr(worker_loop, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
+    monkeypatch.setattr(worker_running, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
+    monkeypatch.setattr(worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
     _, endpoint, _ = serving(jobs=2)
     node = Add(1).named("inc").at("w1")
     with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}, patience=PATIENCE) as broker:

@@ -326,11 +326,11 @@ def test_kept_steps_say_which_step_a_recipe_is_alone():
 
 
 def test_a_worker_runs_a_lone_node_directly_only_when_nobody_watches_and_nothing_is_kept(monkeypatch, tmp_path):
-    import somatize.fabric.worker.loop as worker_loop
+    import somatize.fabric.worker.running as worker_running
 
     walks, alone = [], []
-    monkeypatch.setattr(worker_loop, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
-    monkeypatch.setattr(worker_loop, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
+    monkeypatch.setattr(worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
+    monkeypatch.setattr(worker_running, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
     loop = WorkerLoop(mode="project")
     endpoint = loop.bind("tcp://127.0.0.1:0")
     serving = threading.Thread(target=loop.serve, daemon=True)

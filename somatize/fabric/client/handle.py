@@ -8,10 +8,11 @@ in is located by the listing (``Listed.dialed``) with no question of its own: th
 relays to it. For the engine this is one call,
 :meth:`Broker.run`.
 
-A channel (:mod:`somatize.fabric.client.channel`) is one DEALER socket to one worker (or to the broker, for a
-relayed host), used by one forward at a time; concurrent forwards borrow concurrent channels. A channel that
-breaks is thrown away, so a late answer from a worker that came back is never read. Each
-channel's conversation (Hello, Provision, Work and their answers) is checked by a
+A channel (:mod:`somatize.fabric.client.channel`) is one DEALER socket to one worker (or
+to the broker, for a relayed host), used by one forward at a time; concurrent forwards
+borrow concurrent channels (kept between calls: :mod:`somatize.fabric.client.pool`). A
+channel that breaks is thrown away, so a late answer from a worker that came back is never
+read. Each channel's conversation (Hello, Provision, Work and their answers) is checked by a
 :class:`~somatize.fabric.conversation.ClientExchange`; what carries a message is a message
 of the wire too: a ``Relay`` envelope naming the host for a relayed one, ``Begin`` /
 ``Chunk`` / ``Credit`` for a big relayed one (:mod:`somatize.fabric.streams`), ``Mounted`` for cargo in a
@@ -55,6 +56,7 @@ from .. import sockets
 from ..broker.loop import BrokerLoop
 from .carriage import Dropped, PastDeadline, bounded
 from .channel import Channel
+from .pool import Pool
 from .link import Link
 from .refusals import TurnedAway
 from .turns import Turns
@@ -64,12 +66,6 @@ from ..hosts import Worker
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
 START_ALLOWANCE = 30.0
-#: Channels kept open between calls, for all hosts together (the least recently used is
-#: closed past it): a client that reaches a thousand hosts holds this many connections, not
-#: a thousand, and never meets ZeroMQ's limit on sockets (1,023 by default). A relayed
-#: channel is a lane of the client's one link to the broker (`link`), no socket of its own:
-#: as many are kept as the broker keeps exchanges for one client.
-MAX_IDLE, MAX_IDLE_LANES = 32, 1024
 
 
 def _let_go(packable: dict, key: int, gone: weakref.ref) -> None:
@@ -78,7 +74,7 @@ def _let_go(packable: dict, key: int, gone: weakref.ref) -> None:
         packable.pop(key, None)
 
 
-class Broker:
+class Broker(Pool):
     """Resolves the hosts a graph names with ``.at()`` and carries work to them.
 
     Use as a context manager, or call :meth:`close`: that closes every channel and, for an
@@ -523,96 +519,3 @@ class Broker:
             with contextlib.suppress(zmq.ZMQError):
                 control.disable_monitor()
         sockets.close(watch, control)
-
-    # -- channels ----------------------------------------------------------------------
-    def _packer(self, host: str, mode: str) -> Packer:
-        with self._lock:
-            packer = self._packers.get(host)
-            if packer is None:
-                packer = self._packers[host] = Packer(mode, self._send_by_host.get(host, ()))
-            return packer
-
-    def _borrow(self, located: Located, deadline: Deadline | None = None) -> Channel:
-        with self._lock:
-            if self._closed:
-                raise Closed("this broker was closed; make a new one")
-            idle = self._idle.get(located.host)
-            while idle:
-                channel = idle.pop()
-                self._order(channel).pop(id(channel), None)
-                if not channel.dropped_while_idle():
-                    return channel
-                channel.close()  # its peer went away between calls: a fresh one says Hello
-            provisioned = self._provisioned.setdefault(located.host, set())
-        # a relayed host is reached through the very broker this client talks to, as a lane
-        # of the one link every relayed channel shares
-        relayed = located.path == "relayed"
-        address = self.url if relayed else located.address
-        keys, server_key = self._keys_for(located)
-        channel = Channel(
-            located, address, self._packer(located.host, located.mode), provisioned, self.patience,
-            keys=keys, server_key=server_key,
-            still_there=(lambda timeout: self._still_there(located.host, timeout)) if relayed else None,
-            deadline=deadline, lane=self._relay_link().lane(located.host) if relayed else None,
-        )
-        channel.views = located.host in self._views
-        return channel
-
-    def _relay_link(self) -> Link:
-        """The link relayed channels are lanes of: made at the first, made anew once the broker
-        refused its handshake (its keys may have been fixed since) or the link ended."""
-        with self._lock:
-            if self._closed:
-                raise Closed("this broker was closed; make a new one")
-            stale = self._link if self._link is not None and (self._link.refused is not None or self._link.closed) else None
-            if self._link is None or stale is not None:
-                self._link = Link(self.url, self.patience, self.keys)
-        if stale is not None:
-            stale.close()
-        return self._link
-
-    def _order(self, channel: Channel) -> OrderedDict[int, Channel]:
-        return self._idle_lanes if channel.lane is not None else self._idle_order
-
-    def _still_there(self, host: str, timeout: float) -> bool:
-        """Whether the broker still has a worker serving ``host`` (relayed work is waited
-        on through the broker, which is the one that sees a dialed-in worker go)."""
-        try:
-            return isinstance(self._ask(Where(host), timeout), Located)
-        except (Unreachable, Broken, Closed):
-            return False  # the broker itself is gone: so is the way to the worker
-
-    def _keys_for(self, located: Located) -> tuple[Keys | None, bytes | None]:
-        if located.path == "relayed":
-            return self.keys, None  # the broker's key, as for the control socket
-        declared = self._host_keys.get(located.host)
-        if declared is not None:
-            return declared, declared.server_key
-        if located.key:
-            if self.keys is None:
-                raise Refused(
-                    f"the worker for `{located.host}` listens with CURVE keys and this client has "
-                    f"none: pass `keys=Keys.client(\"me.key_secret\", server=...)` to `Broker.at`"
-                )
-            return self.keys, located.key.encode()
-        return None, None
-
-    def _give_back(self, channel: Channel) -> None:
-        channel.idle_since = time.monotonic()
-        closing = []
-        with self._lock:
-            if self._closed:
-                closing.append(channel)
-            else:
-                self._idle.setdefault(channel.host, []).append(channel)
-                order, most = (self._idle_lanes, MAX_IDLE_LANES) if channel.lane is not None else (self._idle_order, MAX_IDLE)
-                order[id(channel)] = channel
-                while len(order) > most:
-                    _, oldest = order.popitem(last=False)
-                    idle = self._idle[oldest.host]
-                    idle.remove(oldest)
-                    if not idle:
-                        del self._idle[oldest.host]
-                    closing.append(oldest)
-        for old in closing:
-            old.close()

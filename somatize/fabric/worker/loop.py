@@ -31,17 +31,7 @@ What it survives, and how:
   node stuck forever does not keep an orphan alive; if the serving thread does not close
   within a short grace, the process ends with ``os._exit``.
 
-Where work runs. With ``jobs=1`` (the default) a piece runs on the thread that received it:
-no hop to another thread and back, which would cost more than the rest of a small call.
-That thread lets go of the socket while the piece runs, and a stand-in thread takes it
-once the piece has run ``STAND_IN_AFTER`` seconds, serving (probes answered, new work
-refused as busy) until the piece returns and the socket is handed back. With ``jobs=N``
-every piece runs on one of N slot threads, and the serving thread never lets go. A piece
-that is one node from its input to its output, that nobody watches and that keeps nothing
-(most calls), runs that node directly (``engine.run_lone``: as the walk runs it, failures
-named the same, with no walk, piece or outcome built); any other is walked
-(``engine.run_piece``). After a piece ran, the loop polls again before it reads another
-message: a stop, or answers waiting, are seen first.
+Where work runs, and how: :mod:`somatize.fabric.worker.running`.
 
 Only the thread holding the socket (``_hold``) touches it, the sessions and the streams.
 Answers and facts, from whatever thread (a job, a parallel branch of a piece), go into one
@@ -58,7 +48,6 @@ the piece runs no further node, and nothing it says afterwards (``Saw``, ``Done`
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -66,58 +55,39 @@ import queue
 import socket
 import threading
 import time
-from typing import Any
 
 import zmq
 
-from ...engine import format_exception, run_lone, run_piece
-from ...errors import CodecError, NodeFailed, ProtocolError, Refused, SomatizeError
-from ...facts import fact, microseconds
+from ...errors import Refused, SomatizeError
+from ...facts import fact
 from ...packing import Catalog
 from ...record import report, self_report
 from ...store import FolderStore
-from ...wire import (
-    Bye,
-    Failed,
-    Mounted,
-    Provision,
-    Ready,
-    Refusal,
-    Runtime,
-    Saw,
-    Send,
-    Work,
-    compatible,
-    encode,
-    ref_of,
-)
-from .attachments import Taken
+from ...wire import Bye, Provision, Refusal, Runtime, compatible, encode, ref_of
 from .. import mount as _mount
 from .. import sockets
 from .. import streams as _streams
 from ..conversation import WorkerSessions
 from ..curve import Guard, Keys, as_server, user_of
 from .dialing import MAX_BACKOFF, Dialing
-from .intake import Intake
 from .heap import Heap
-from .held import Held
 from .imported import Imports
+from .intake import Intake
 from .outbox import Outbox, To
-from ..pieces import done, done_of, piece_of
 from .prepared import Prepared
+from .running import BUSY_SAID_EVERY, Running
+from .said import Limiter
 from .slots import Job, NodeExit, Slots, exit_now
-from .standin import WATCH, StandIn
-from .said import Limiter, clip, failed_answer
+from .standin import StandIn
 
 __all__ = ["MAX_BACKOFF", "NodeExit", "WorkerLoop"]
 
 #: How often a spawned worker checks that whoever spawned it is still there (seconds).
 PARENT_CHECK = 0.5
-BUSY_SAID_EVERY = 60.0  # seconds: a refusal as busy is logged at most this often
 log = logging.getLogger("somatize.worker")
 
 
-class WorkerLoop(Intake, Dialing, Outbox, StandIn):
+class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
     """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
 
     def __init__(
@@ -422,16 +392,6 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
                 return
 
     # -- requests ----------------------------------------------------------------------
-    def _ready(self) -> Ready:
-        """Ready, saying how long the oldest running work has run (0: idle)."""
-        oldest = self._oldest()
-        busy_us = 0 if oldest is None else max(1, int((time.monotonic() - oldest.started) * 1e6))
-        return Ready(self.runtime, busy_us=busy_us)
-
-    def _oldest(self) -> Job | None:
-        with self._running_lock:
-            return min(self._running.values(), key=lambda job: job.started, default=None)
-
     def _provision(self, to: To, message: Provision) -> None:
         if self.mode == "network":
             why = compatible(self.runtime, self.sessions.runtime(to.peer), needs_pickle=True,
@@ -445,170 +405,3 @@ class WorkerLoop(Intake, Dialing, Outbox, StandIn):
             self._reply(to, Refusal(str(exc)))
             return
         self._reply(to, self._ready())
-
-    def _work(self, to: To, work: Work, mounted: Mounted | None) -> None:
-        try:
-            missing = self.catalog.missing(work.recipe.nodes)
-        except Refused as exc:
-            self._reply(to, Refusal(str(exc), ref=work.ref))
-            return
-        if missing:
-            self._reply(to, Send(work.ref, tuple(missing)))
-            return
-        with self._running_lock:
-            full = len(self._running) >= self.jobs
-            if not full:
-                token = next(self._tokens)
-                job = self._running[token] = Job(work.recipe.nodes[0].label if work.recipe.nodes else "?", to.peer)
-        if full:
-            self._busy(to, work)
-            return
-        self.served += 1
-        if self._slots is not None:
-            self._slots.submit(self._run, token, job, to, work, mounted)
-        else:
-            self._run_here(token, job, to, work, mounted)
-
-    def _run_here(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | None) -> None:
-        """Run a piece on this thread, letting go of the socket meanwhile (the stand-in
-        takes it if the piece runs long), and take it back once the piece has returned."""
-        me = threading.get_ident()
-        self._inline = job
-        self._inline_seq += 1
-        WATCH.arm(self, self._inline_seq)  # its stand-in is woken only if it runs long
-        self._holder = None
-        self._hold.release()
-        try:
-            self._run(token, job, to, work, mounted)
-        finally:
-            self._want_back = True
-            if self._holder not in (None, me):
-                self._wake()  # the stand-in is polling: it hands the socket back now
-            self._hold.acquire()
-            self._holder = me
-            self._want_back = False
-            self._inline = None
-            with self._running_lock:
-                self._running.pop(token, None)
-        self._flush()
-
-    def _busy(self, to: To, work: Work) -> None:
-        """Every slot is taken: say so at once (the client makes it ``Busy``), never queue."""
-        oldest = self._oldest()
-        if oldest is None:  # it returned meanwhile: the client may simply send again
-            node, seconds = "?", 0.0
-        else:
-            node, seconds = oldest.node, time.monotonic() - oldest.started
-        slots = f"{self.jobs} piece{'s' if self.jobs > 1 else ''} of work at once"
-        took = f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2g} s"
-        why = (f"busy: running `{node}` for {took}; this worker runs {slots} and takes "
-               f"new work once one returns (start it with --jobs N to run more at once)")
-        if work.watched:
-            said = fact("said", kind="busy", node=node, running_us=int(seconds * 1e6), jobs=self.jobs)
-            self._reply(to, Saw(work.ref, said))
-        self._reply(to, Refusal(why, ref=work.ref))
-        now = time.monotonic()
-        if now - self._busy_said >= BUSY_SAID_EVERY:  # a client's own threads taking turns refuse often
-            more = f" ({self._busy_unsaid} more refused as busy since the last such line)" if self._busy_unsaid else ""
-            self._busy_said, self._busy_unsaid = now, 0
-            log.warning("%s%s", why, more)
-        else:
-            self._busy_unsaid += 1
-
-    # -- a job, in a slot ----------------------------------------------------------------
-    def _push(self) -> zmq.Socket:
-        push = getattr(self._local, "push", None)
-        if push is None:
-            push = sockets.pair(zmq.PUSH)
-            push.connect(self._answers_url)
-            self._local.push = push
-            self._pushes.append(push)
-        return push
-
-    def _run(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | None) -> None:
-        ref = work.ref
-
-        def sent(fact: dict[str, str]) -> None:  # one fact as a Saw of its own, into the outbox
-            saw = Saw(ref, fact)
-            self._post(to, saw, encode(saw))
-        # what the piece says is held while it is young, to travel inside its Done (`.held`)
-        held = job.held = Held(sent) if work.watched else None
-        watch = held.told if held is not None else None  # nobody on the other side looks: no facts at all
-        said = self._said()
-        if said is not None and watch is not None:
-            watch(said)
-        started = time.perf_counter_ns()
-        answer: Any
-        built = False
-        if isinstance(mounted, Taken):
-            work = mounted.restore(work)  # its input, held here until the answer is written
-        try:
-            # each node built, and so checked, at every call; with one job its steps are kept
-            nodes = [self.catalog.build(spec) for spec in work.recipe.nodes]
-            steps, lone = self._prepared.prepare(work, nodes, job, keep=self._slots is None)
-            built = True
-            if lone is not None and watch is None and not work.keys:
-                # one node from input to output, nobody watching, nothing to keep (most
-                # calls): the node runs as the walk would run it, with no walk built
-                answer = done(work.ref, run_lone(lone, work.input), microseconds(time.perf_counter_ns() - started))
-            else:
-                outcome = run_piece(piece_of(work, steps), watch)
-                answer = done_of(work.ref, outcome, microseconds(time.perf_counter_ns() - started),
-                                 held.take() if held is not None else ())
-        except NodeFailed as exc:
-            cause = exc.__cause__ or exc
-            if isinstance(cause, NodeExit):
-                cause = cause.raised
-            answer = Failed(
-                work.ref,
-                # a node raised: what it raised; an import or a build: what was being done
-                why=clip(f"{type(cause).__name__}: {cause}" if built else str(exc), 64 << 10),
-                node=exc.node,
-                error=type(cause).__name__ if exc.__cause__ is not None else exc.error,
-                traceback=clip(format_exception(cause), 512 << 10),
-            )
-            # its traceback holds this frame, and the frames below it the message as it
-            # arrived: kept in a local, that cycle would hold the input until a collection
-            cause = None
-        except Refused as exc:
-            answer = Refusal(str(exc), ref=work.ref)
-        except BaseException as exc:  # the worker's own trouble: still an answer, never a hang
-            answer = failed_answer(work.ref, exc, traceback=format_exception(exc))
-        if isinstance(answer, (Failed, Refusal)):
-            if held is not None:
-                held.release()  # what the piece said leaves first, as Saws
-            answer = self._stale(answer)  # here, before it is written into a segment
-        try:
-            frames = encode(answer)
-        except (CodecError, ValueError) as exc:  # unwritable, or over a wire limit
-            for early in getattr(answer, "saw", ()):  # what the piece said still leaves, first
-                sent(early)
-            answer = failed_answer(work.ref, exc, why=f"what this work produced cannot travel back: {exc}")
-            frames = encode(answer)
-        self.heap.moved(frames)
-        if isinstance(mounted, Taken):
-            # pooled: frames into a spare segment (a view of the input goes back as a span of
-            # it), then everything of ours that points into the segments is let go of, and
-            # an anchor still alive is a view a node kept: the answer names it in `kept`
-            try:
-                mounted.write(frames)
-            except (OSError, Refused, ProtocolError) as exc:
-                mounted.write(encode(failed_answer(ref, exc, why=f"the answer could not be written to the shared folder: {exc}")))
-            if hasattr(answer, "produced"):  # a Done: the conversation needs only its kind and ref
-                answer = dataclasses.replace(answer, output=None, produced={})
-            work = frames = outcome = cause = None  # noqa: F841 (the input, the output)
-            frames = mounted.sealed()
-        elif mounted is not None and self.mount is not None and len(frames) > 1:
-            try:  # named for the client, which removes them once read
-                frames, _ = _mount.write(frames, self.mount, answering=mounted)
-            except (OSError, Refused) as exc:
-                answer = failed_answer(work.ref, exc, why=f"the answer could not be written to the shared folder: {exc}")
-                frames = encode(answer)
-        if self._slots is not None:
-            with self._running_lock:
-                # the slot is free before the answer leaves: a client that sends again at
-                # once never finds this worker busy with the work it just got the answer of
-                self._running.pop(token, None)
-        else:
-            self._want_back = True  # a stand-in sends this answer, then takes nothing new
-        self._post(to, answer, frames)
