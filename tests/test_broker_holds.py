@@ -369,3 +369,17 @@ def test_a_bindings_folder_others_may_write_in_is_refused_with_the_fix(processes
                      "--bindings", str(state / "bindings.json")], announce=None)
     assert hub.popen.wait(30) == 2
     assert "can be written by others" in hub.stderr() and f"chmod go-w {state}" in hub.stderr()
+
+
+def test_a_worker_with_no_keys_dialing_a_broker_with_keys_is_told_how_to_start(processes, tmp_path):
+    """A keyless worker dialing a broker that listens with CURVE: its handshake fails with
+    nothing said, as a broker too busy to finish one would. The broker's greeting, asked
+    again, says it wants keys, so the worker's line says which options it lacks rather than
+    asking whether the broker is overloaded."""
+    ring = key_ring(tmp_path, clients=("alice",), workers=("victim",))
+    hub = keyed_broker(processes, ring)
+    worker = dial(processes, hub.endpoint, "w1")  # no keys
+    wait_until(lambda: "listens with CURVE keys" in worker.stderr(), 20, "the worker saying what it lacks")
+    said = worker.stderr()
+    assert "--key and --broker-key" in said and "overloaded" not in said, said[-1500:]
+    assert hub.alive and worker.alive

@@ -32,6 +32,7 @@ named.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -74,6 +75,7 @@ from somatize.codec.registered import registered_now
 from somatize.engine import Piece, run_lone, run_piece
 from somatize.fabric import sockets as fabric_sockets
 from somatize.fabric.client import carriage
+from somatize.fabric.curve import speaks_curve
 from somatize.fabric.conversation import ClientExchange, Violation, WorkerSessions
 from somatize.fabric.pieces import piece_of
 from somatize.fabric.worker.loop import WorkerLoop
@@ -654,23 +656,13 @@ def test_a_channel_taken_back_unasked_after_its_worker_died_ends_typed_and_recov
         assert broker._turns._hosts == {}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG (pre-existing, not in these commits): Carriage._watch_link (somatize/fabric/client/carriage.py, "
-    "`if event & _HANDSHAKE_FAILED: raise KeysRefused`) reads any failed handshake as keys refused; a "
-    "peer that hangs up during the handshake gives EVENT_HANDSHAKE_FAILED_NO_DETAIL, and a client and "
-    "worker with no keys at all are told to add a CURVE key. Not told apart by the event alone: a client "
-    "with no keys reaching a worker that listens with CURVE gets the same NO_DETAIL (test_security, "
-    "test_operable pin its sentence)"))
-def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused():
-    """Attack (seen when a worker is killed right after answering, on a busy machine: the
-    next call's link reached the port while the dying process still held it): a port that
-    accepts each connection and hangs up at once. Neither side has keys; the call has to
-    end with a typed error about reaching the worker, not one saying it listens with keys."""
+@contextlib.contextmanager
+def _hanging_up():
+    """A port that accepts each connection and hangs up at once; yields its number."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)
     server.settimeout(0.05)
-    port = server.getsockname()[1]
     stop = threading.Event()
 
     def hang_up() -> None:
@@ -684,6 +676,19 @@ def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused()
     thread = threading.Thread(target=hang_up, daemon=True)
     thread.start()
     try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(WAIT)
+        server.close()
+
+
+def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused():
+    """Attack (seen when a worker is killed right after answering, on a busy machine: the
+    next call's link reached the port while the dying process still held it): a port that
+    accepts each connection and hangs up at once. Neither side has keys; the call has to
+    end with a typed error about reaching the worker, not one saying it listens with keys."""
+    with _hanging_up() as port:
         with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")},
                              patience=PATIENCE) as broker:
             try:
@@ -691,12 +696,53 @@ def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused()
                 outcome = None
             except SomatizeError as exc:
                 outcome = exc
-    finally:
-        stop.set()
-        thread.join(WAIT)
-        server.close()
     assert isinstance(outcome, SomatizeError), outcome
     assert not isinstance(outcome, KeysRefused), str(outcome)
+
+
+def test_a_broker_address_that_hangs_up_is_unreachable_not_keys_refused():
+    """The same hang-up where a client looks for its broker (the control socket's handshake,
+    ``Broker._ask``): nobody there that speaks, so ``Unreachable``, with no word of keys."""
+    with _hanging_up() as port:
+        broker = Broker.at(f"tcp://127.0.0.1:{port}", patience=PATIENCE)
+        try:
+            with pytest.raises(Unreachable) as caught:
+                within(WAIT, broker.hosts)
+        finally:
+            broker.close()
+    assert "key" not in str(caught.value).lower(), caught.value
+
+
+def test_the_greeting_probe_tells_curve_from_null_from_nobody(tmp_path):
+    """``curve.speaks_curve``, what tells keys refused from a hang-up, against real ZeroMQ
+    servers: one with CURVE (tcp and ipc), one without, a port that hangs up, one where
+    nobody listens, and an address of another transport."""
+    context = zmq.Context.instance()
+    public, secret = zmq.curve_keypair()
+    servers = []
+    try:
+        for curve, where in ((True, "tcp://127.0.0.1:*"), (False, "tcp://127.0.0.1:*"),
+                             (True, f"ipc://{tmp_path}/curve.sock")):
+            server = context.socket(zmq.ROUTER)
+            server.linger = 0
+            if curve:
+                server.curve_server, server.curve_secretkey, server.curve_publickey = True, secret, public
+            server.bind(where)
+            servers.append((curve, server.getsockopt_string(zmq.LAST_ENDPOINT), server))
+        for curve, address, _ in servers:
+            assert speaks_curve(address, 2.0) is curve, address
+        with _hanging_up() as port:
+            assert speaks_curve(f"tcp://127.0.0.1:{port}", 2.0) is None
+        nobody = socket.socket()
+        nobody.bind(("127.0.0.1", 0))
+        free = nobody.getsockname()[1]
+        nobody.close()
+        assert speaks_curve(f"tcp://127.0.0.1:{free}", 2.0) is None
+        assert speaks_curve("inproc://somewhere", 2.0) is None
+        assert speaks_curve("tcp://not-an-address", 2.0) is None
+    finally:
+        for _, _, server in servers:
+            server.close(0)
 
 
 # == 3. turns taken and ended in place ========================================================

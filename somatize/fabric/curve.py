@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import socket
 import stat
 import time
 from pathlib import Path
@@ -263,6 +264,65 @@ def user_of(frame: object) -> str:
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+
+
+# ZMTP 3's greeting (rfc.zeromq.org/spec/23): a signature of 10 bytes and the major version
+# draw the rest of the peer's greeting, whose bytes 12 to 31 name its security mechanism.
+_SIGNATURE = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03"
+_GREETING = 64
+#: The longest a failed handshake waits for the server's greeting, asked again to tell keys
+#: refused from a hang-up (seconds; :func:`hung_up`).
+PROBE = 1.0
+
+
+def speaks_curve(address: str, timeout: float) -> bool | None:
+    """Whether whoever listens at ``address`` (``tcp://`` or ``ipc://``) asks for CURVE, as
+    its ZeroMQ greeting says: True, False (another mechanism), or None when that could not
+    be learnt within ``timeout`` seconds (nobody there, a hang-up, not ZeroMQ, another
+    transport). Opens one plain connection and sends only the greeting's signature, never a
+    key: asked only after a handshake failed with nothing said, to tell a server that wants
+    keys from a peer that hung up during the handshake."""
+    scheme, _, rest = address.partition("://")
+    try:
+        if scheme == "tcp":
+            host, _, port = rest.rpartition(":")
+            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        elif scheme == "ipc":
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(timeout)
+            conn.connect(rest)
+        else:
+            return None
+    except (OSError, ValueError):
+        return None
+    try:
+        conn.settimeout(timeout)
+        conn.sendall(_SIGNATURE)
+        got = b""
+        until = time.monotonic() + timeout
+        while len(got) < _GREETING and time.monotonic() < until:
+            part = conn.recv(_GREETING - len(got))
+            if not part:
+                break
+            got += part
+    except OSError:
+        return None
+    finally:
+        conn.close()
+    if len(got) < 32 or got[0] != 0xFF or got[9] != 0x7F:
+        return None
+    return got[12:32].rstrip(b"\0") == b"CURVE"
+
+
+def hung_up(event: int, keys: Keys | None, address: str, timeout: float) -> bool:
+    """Whether a handshake that failed with ``event`` is a peer that hung up during it, not
+    keys refused. A client with no keys meeting a server that wants CURVE gets the very
+    event a hang-up gives (``HANDSHAKE_FAILED_NO_DETAIL``); the server's greeting, asked
+    again (:func:`speaks_curve`), tells them apart: only a server that says it wants CURVE
+    is keys refused; one that speaks without keys, hangs up again or is gone hung up."""
+    if event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or keys is not None:
+        return False
+    return speaks_curve(address, timeout) is not True
 
 
 def handshake_refusal(event: int, *, who: str, keys: Keys | None, server_key: bytes | None,

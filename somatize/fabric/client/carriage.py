@@ -27,6 +27,7 @@ from .. import mount as _mount
 from .. import sockets
 from .. import streams as _streams
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
+from ..curve import PROBE, hung_up
 from . import lending as _lending
 from .refusals import handshake_failed
 
@@ -213,6 +214,8 @@ class Carriage:
                     self.linked = True
                     continue
                 if event & _HANDSHAKE_FAILED:
+                    if hung_up(event, self.keys, self.address, min(self.patience, PROBE)):
+                        raise Dropped(f"the connection to {self.address} dropped during its handshake")
                     raise KeysRefused(self._refusal(event))
                 raise Dropped(f"the connection to {self.address} dropped")
         if self.still_there is not None and time.monotonic() - self._checked > self.patience:

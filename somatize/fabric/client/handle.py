@@ -61,7 +61,7 @@ from .link import Link
 from .refusals import TurnedAway
 from .turns import Turns
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from ..curve import Keys, as_client, handshake_refusal
+from ..curve import PROBE, Keys, as_client, handshake_refusal, hung_up
 from ..hosts import Worker
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
@@ -477,6 +477,8 @@ class Broker(Pool):
                             self._linked = True
                         elif event == zmq.EVENT_DISCONNECTED:
                             self._linked = False  # the broker's end closed: it went away
+                        elif hung_up(event, self.keys, self.url, min(self.patience, PROBE)):
+                            self._linked = False  # it hung up during the handshake: as gone
                         else:
                             refused = event
                     if refused or time.monotonic() >= until:

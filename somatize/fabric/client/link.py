@@ -37,7 +37,7 @@ from ...errors import Closed, ProtocolError
 from ...wire import Bye, Refusal, Relay, decode, encode, variant_of
 from .. import sockets
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from ..curve import Keys, as_client
+from ..curve import PROBE, Keys, as_client, hung_up
 
 #: Messages kept for one lane before its oldest is dropped (a lane's channel reads each in
 #: turn; what piles up is late answers to work given up on).
@@ -54,6 +54,7 @@ class Link:
     def __init__(self, address: str, patience: float, keys: Keys | None = None) -> None:
         self.address = address
         self.keys = keys
+        self.patience = patience
         self.linked = False  # the broker took the connection (a handshake completed)
         self.drops = 0  # how often the connection dropped
         self.refused: int | None = None  # the monitor event of a handshake the broker refused
@@ -267,7 +268,7 @@ class Link:
         with self._changed:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.linked = True
-            elif event & _HANDSHAKE_FAILED:
+            elif event & _HANDSHAKE_FAILED and not hung_up(event, self.keys, self.address, min(self.patience, PROBE)):
                 self.refused = event
                 self.drops += 1
             else:

@@ -35,7 +35,7 @@ from .. import mount as _mount
 from .. import sockets
 from ..conversation import KEEPALIVE
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from ..curve import Keys, as_client
+from ..curve import PROBE, Keys, as_client, speaks_curve
 from .outbox import To
 
 #: The longest a dialed worker waits before saying Hello again to a broker that refused it.
@@ -149,6 +149,10 @@ class Dialing:
                                   "public key in the broker's --allow-workers folder (then reload the broker), "
                                   "and is --broker-key the broker's own `.key`? Dialing again meanwhile",
                                   self._broker)
+                    elif speaks_curve(self._broker, PROBE):  # no keys, and the broker asks for them
+                        log.error("the broker at %s listens with CURVE keys and this worker has none: start "
+                                  "it with --key and --broker-key, and put its public key in the broker's "
+                                  "--allow-workers folder. Dialing again meanwhile", self._broker)
                     else:  # no keys: a handshake that failed is a broker too busy, or not a broker
                         log.warning("the handshake with the broker at %s failed (is it overloaded, or is "
                                     "something else listening there?); dialing again", self._broker)
