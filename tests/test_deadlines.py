@@ -126,3 +126,50 @@ def test_a_deadline_is_a_positive_finite_number_of_seconds(bad):
         Add(1).named("a").forward(1, deadline=bad)
     with pytest.raises(TypeError, match="seconds as a number"):
         Add(1).named("a").forward(1, deadline="5")
+
+
+def test_closing_the_broker_ends_a_call_waiting_on_a_worker_that_is_not_its_own(processes):
+    """A call waits, with no deadline, on a listening worker running a node for an hour; the
+    broker is closed from another thread (a notebook's shutdown, a service stopping). The
+    call ends at once with ``Closed``, saying what happened; it did not wait the hour for
+    a worker that closing the broker does not stop."""
+    import threading
+
+    from somatize import Closed
+
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "network"])
+    declared = {"w1": Worker.at(worker.endpoint, mode="network", send=[fabric_nodes])}
+    broker, probe = Broker.embedded(declared, patience=2.0), Broker.embedded(declared, patience=2.0)
+    ended: list = []
+
+    def call() -> None:
+        try:
+            Sleep(3600).named("long").at("w1").forward(0, broker=broker)
+            ended.append("returned")
+        except BaseException as exc:  # noqa: BLE001 - told to the test's thread
+            ended.append(exc)
+
+    def busy() -> bool:  # the worker says so to another client while the hour's node runs
+        try:
+            Add(1).named("inc").at("w1").forward(1, broker=probe)
+        except Busy:
+            return True
+        return False
+
+    thread = threading.Thread(target=call, daemon=True)
+    try:
+        thread.start()
+        until = time.monotonic() + 30
+        while not busy():
+            assert time.monotonic() < until and thread.is_alive(), f"the node never ran: {ended}"
+        closed_at = time.monotonic()
+        broker.close()
+        thread.join(MARGIN + 5)
+        assert not thread.is_alive(), "the call went on waiting after its broker closed"
+        assert time.monotonic() - closed_at < MARGIN + 5
+        assert busy(), "the node stopped: closing a broker stops no worker it did not start"
+    finally:
+        broker.close()
+        probe.close()
+    assert len(ended) == 1 and isinstance(ended[0], Closed), ended
+    assert "the broker was closed while this call waited" in str(ended[0])

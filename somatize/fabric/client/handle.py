@@ -78,7 +78,8 @@ class Broker(Pool):
     """Resolves the hosts a graph names with ``.at()`` and carries work to them.
 
     Use as a context manager, or call :meth:`close`: that closes every channel and, for an
-    embedded broker, stops the workers it spawned.
+    embedded broker, stops the workers it spawned. A call still waiting for an answer on
+    another thread then ends ``Closed`` within a moment (the work may go on where it runs).
     """
 
     def __init__(self, url: str, *, patience: float = sockets.PATIENCE, server: BrokerLoop | None = None,
@@ -115,6 +116,7 @@ class Broker(Pool):
         # step's hash is its fields', dearer than this look on every forward
         self._packable: dict[int, weakref.ref] = {}
         self._closed = False
+        self._ended = threading.Event()  # set by close: a call waiting on a channel ends `Closed`
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -174,6 +176,7 @@ class Broker(Pool):
             if self._closed:
                 return
             self._closed = True
+            self._ended.set()  # calls waiting for an answer end within a look (`Carriage._watch_link`)
             channels = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
             self._idle_order.clear()

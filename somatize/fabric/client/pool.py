@@ -42,6 +42,7 @@ class Pool:
     keys: Keys | None
     _lock: Any
     _closed: bool
+    _ended: Any
 
     def _packer(self, host: str, mode: str) -> Packer:
         with self._lock:
@@ -74,6 +75,7 @@ class Pool:
             deadline=deadline, lane=self._relay_link().lane(located.host) if relayed else None,
         )
         channel.views = located.host in self._views
+        channel.ended = self._ended
         return channel
 
     def _relay_link(self) -> Link:
