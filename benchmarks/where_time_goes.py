@@ -30,6 +30,9 @@ Without py-spy, ``run a --cprofile`` profiles the client's loop with cProfile.
 pack, encode, send, decode, check, run, answer...): each stage's share of the side's Python in
 a cProfile of both sides, times the side's CPU per call measured without one.
 
+``placement`` runs case (a) on both with each process pinned: left free, both on one CPU, and
+on a CPU each, which is where a free run's least disturbed blocks of raw come from.
+
 ``cpu`` runs case (a) on somatize and on raw pyzmq and says, per call, the wall time and the
 CPU time each side spent, by thread (the calling thread, libzmq's I/O thread) and as user and
 system time (Linux: read from /proc). ``ceilings`` says
@@ -156,6 +159,62 @@ def cpu(calls: int = 3000) -> str:
             wall = 1e6 * (time.perf_counter() - wall) / calls
             lines.append(f"{name:16} {wall:6.0f} µs per call; CPU per call: client {said(mine, threads(os.getpid()))}; "
                          f"other side {said(theirs, threads(pid))}")
+    return "\n".join(lines)
+
+
+def placement(calls: int = 2000, blocks: int = 5) -> str:
+    """Case (a), somatize and raw, with each process's threads pinned to CPUs: left free (as
+    the benchmark runs), both processes on one CPU, and each on a CPU of its own (the
+    client's threads on CPU 0, the other side's on CPU 1). For each, the median of
+    ``blocks`` blocks of ``calls`` calls, and their least. Where the least disturbed blocks
+    of a free run come from: a raw round trip is fastest when the two processes happen to
+    sit on two CPUs, somatize's barely moves, since its time per call is mostly its CPU."""
+    import os
+    import time
+
+    import paths
+    from cases import floor
+    from nodes import Echo
+    from table import median
+
+    if len(os.sched_getaffinity(0)) < 2:
+        return "placement needs two CPUs at least"
+
+    def pin(pid: int, cpus: set[int]) -> None:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:  # it ended meanwhile
+                pass
+
+    everywhere = os.sched_getaffinity(0)
+    first, second = sorted(everywhere)[:2]
+    placements = (("free", everywhere, everywhere), ("one CPU", {first}, {first}),
+                  ("a CPU each", {first}, {second}))
+    echo = Echo().named("echo").at("w1")
+    lines = [f"case (a), {blocks} blocks of {calls} calls each: median of the blocks (least), µs per call"]
+    with paths.direct() as broker, floor() as raw:
+        echo.forward(SMALL, broker=broker)
+        worker = broker._server.children["w1"].process.pid
+        try:
+            for name, call, pid in (("raw pyzmq", lambda: raw.small(SMALL), raw.server_pid),
+                                    ("somatize Direct", lambda: echo.forward(SMALL, broker=broker), worker)):
+                said = []
+                for where, mine, theirs in placements:
+                    pin(os.getpid(), mine)
+                    pin(pid, theirs)
+                    for _ in range(calls):  # settled where it now runs
+                        call()
+                    took = []
+                    for _ in range(blocks):
+                        started = time.perf_counter()
+                        for _ in range(calls):
+                            call()
+                        took.append(1e6 * (time.perf_counter() - started) / calls)
+                    said.append(f"{where} {median(took):.0f} ({min(took):.0f})")
+                lines.append(f"{name:16} " + ", ".join(said))
+        finally:
+            pin(os.getpid(), everywhere)
     return "\n".join(lines)
 
 
@@ -403,6 +462,9 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["cpu"]:
         print(cpu())
+        return 0
+    if argv == ["placement"]:
+        print(placement())
         return 0
     if argv == ["ceilings"]:
         print(ceilings())
