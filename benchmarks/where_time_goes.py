@@ -243,8 +243,9 @@ WORKER_STAGES = (
     ("decode the Work", (("reading.py", "decode"), ("short.py", "express", "_expressed"))),
     ("check it against the conversation", (("conversation.py", "receive"), ("conversation.py", "recall"))),
     ("look up and build the nodes",
-     (("catalog.py", "missing"), ("catalog.py", "build"), ("prepared.py", "steps"), ("pieces.py", "piece_of"))),
-    ("run the piece (the node's forward inside)", (("engine.py", "run_piece"),)),
+     (("catalog.py", "missing"), ("catalog.py", "build"), ("prepared.py", "prepare"), ("pieces.py", "piece_of"))),
+    # a lone node runs directly (`run_lone`); any other piece is walked (`run_piece`)
+    ("run the piece (the node's forward inside)", (("engine.py", "run_piece"), ("engine.py", "run_lone"))),
     ("encode the answer", (("writing.py", "encode"),)),
     # what the serving thread answers leaves straight away (`_post`), what other threads
     # queued through the outbox (`_flush`); both send with `_deliver`
