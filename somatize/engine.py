@@ -194,6 +194,7 @@ class _Walk:
         self.waited = waited or {}  # recalled after waiting for another forward: how long (us)
         self.deadline = deadline
         self.watch = watch
+        self.watching = watch is not _NOBODY and bool(watch)  # asked once: every node asks
         self.keys = keys
         self.store = store
         self.broker = broker
@@ -351,7 +352,7 @@ class _Walk:
         if isinstance(op, Run):
             return self._run(op, value)
         if isinstance(op, Join):
-            if op.closes is not None:
+            if op.closes is not None and (self.watching or self._held):
                 self._close_group(op.closes)
             return value
         if isinstance(op, Recall):
@@ -366,7 +367,7 @@ class _Walk:
     def _run(self, op: Run, value: Any) -> Any:
         step = self.plan.steps[op.step]
         started = time.perf_counter_ns()
-        if op.opens:  # a group of a host run in this process starts: timed from its first step
+        if op.opens and self.watching:  # a group of a host run in this process starts: timed for `left`
             self._entered.setdefault(op.opens, started)
         try:
             if step.device is not None:
@@ -377,7 +378,7 @@ class _Walk:
             self.watch(failed if op.host is None else elsewhere(failed, op.host))
             raise _node_failed(step, exc, op.host) from exc
         took = microseconds(time.perf_counter_ns() - started)
-        if self.watch:  # nobody watching: nothing is counted, nothing said
+        if self.watching:  # nobody watching: nothing is counted, nothing said
             ran = fact("ran", node=step.label, took_us=took, items=_items(output))
             self.watch(ran if op.host is None else elsewhere(ran, op.host))
         if step.cache and op.step in self.keys:
@@ -387,7 +388,7 @@ class _Walk:
                 self._held[op.step] = output  # kept once the group closes, after `left`
             else:
                 self._keep(step, self.keys[op.step], output)
-        if op.closes is not None:
+        if op.closes is not None and (self.watching or self._held):  # nothing to say or keep: nothing to do
             self._close_group(op.closes)
         return output
 
@@ -395,7 +396,7 @@ class _Walk:
         """A group run in this process has given its output: say ``left`` as a trip to its
         host would, then keep what its cached steps produced."""
         entered = self._entered.pop(closes.group, None)
-        if self.watch:
+        if self.watching:
             took = 0 if entered is None else microseconds(time.perf_counter_ns() - entered)
             self.watch(fact("left", host=closes.host, took_us=took, worked_us=took))
         if self._held:
@@ -419,7 +420,7 @@ class _Walk:
         host = op.host
         started = time.perf_counter_ns()
         # with nobody watching, say so: a worker then sends no facts back at all
-        watch = (lambda f: self.watch(elsewhere(f, host))) if self.watch else None
+        watch = (lambda f: self.watch(elsewhere(f, host))) if self.watching else None
         outcome = self.broker.run(piece, watch)
         if watch is not None:
             self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started),

@@ -265,10 +265,13 @@ class Link:
                 self._changed.notify_all()
 
     def _event(self, event: int) -> None:
+        # a failed handshake may be a hang-up: asked (up to PROBE) before the lanes' lock is taken
+        refused = bool(event & _HANDSHAKE_FAILED) and not hung_up(event, self.keys, self.address,
+                                                                   min(self.patience, PROBE))
         with self._changed:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.linked = True
-            elif event & _HANDSHAKE_FAILED and not hung_up(event, self.keys, self.address, min(self.patience, PROBE)):
+            elif refused:
                 self.refused = event
                 self.drops += 1
             else:
