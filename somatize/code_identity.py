@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["code_digest", "noted", "written"]
+__all__ = ["code_digest", "noted"]
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: made by a class statement or type(), not static C
 _WORDS = {tokenize.NAME, tokenize.ERRORTOKEN}
@@ -465,13 +465,6 @@ def _bytecode(klass: type) -> bytes:
         _feed(digest, name.encode())
         _feed(digest, _written(attributes[name]).encode("utf-8", "surrogatepass"))
     return digest.digest()
-
-
-def written(value: Any) -> str:
-    """``value`` written down by what it does: a function by its code, constants and
-    defaults (not its file, lines or name), plain values by their text, anything else by
-    its type's name in angle brackets. The same in every process of one Python version."""
-    return _written(value)
 
 
 def _written(value: Any, depth: int = 0) -> str:

@@ -32,7 +32,8 @@ There are two ways to pack, chosen per worker declaration, and they are not inte
     a codec for a kind an earlier artifact brought, in another format (the kind registered
     again differently, or used differently by two clients of one worker), is refused
     rather than have its values read the first way. The same codec pickled again (a
-    notebook cell run twice, another client's process) is the same format.
+    notebook cell run twice, another client's process) is the same format
+    (:mod:`somatize.packing.formats` says how that is told).
 
 The security rule. Unpickling runs code, so only a network-mode worker ever unpickles, and
 only bytes whose sha256 matches the digest it was told (an integrity check, not an

@@ -9,17 +9,17 @@ import importlib
 import pickle
 import re
 import threading
-import types
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 
-from ..code_identity import code_digest, written
+from ..code_identity import code_digest
 from ..codec import codec, codecs_registered, dumps
 from ..errors import CodecError, NodeFailed, Refused
 from ..graph import Node
 from .artifact import ARTIFACT_FORMAT, check_mode, digest_of, is_main, lookup, short
+from .formats import format_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..wire import NodeSpec
@@ -413,7 +413,7 @@ def _register_carried(codecs: list[tuple[str, bytes]]) -> None:
             except BaseException:  # a pickle can raise SystemExit too
                 continue  # its type lives where this worker cannot go; the node may not need it
             if earlier is not None:
-                if _format_of(blob, type_, dump, load) != earlier[1]:
+                if format_of(blob, type_, dump, load) != earlier[1]:
                     raise Refused(
                         f"the artifact carries a codec for the kind `{kind}` that writes "
                         f"another format than the one an earlier artifact brought to this "
@@ -429,41 +429,4 @@ def _register_carried(codecs: list[tuple[str, bytes]]) -> None:
                 codec(kind, type_, dump=dump, load=load)
             except CodecError:
                 continue
-            _CARRIED[kind] = (bytes(blob), _format_of(blob, type_, dump, load))
-
-
-def _format_of(blob: bytes, type_: type, dump: object, load: object) -> str:
-    """What tells two codecs of one kind apart: the type's name, and the code, defaults,
-    captured values and plain globals of ``dump`` and ``load``; not where they were written,
-    nor the identity a by-value class gets in each pickle. Where a part cannot be written
-    down by value (an object captured by a closure, say), its pickled bytes decide."""
-    parts = [f"{getattr(type_, '__module__', '')}.{getattr(type_, '__qualname__', '')}"]
-    for function in (dump, load):
-        parts.append(_function_written(function))
-    text = "\n".join(parts)
-    if "<" in text:  # a part written by its type's name only: the pickled bytes decide
-        text += "\n" + hashlib.sha256(blob).hexdigest()
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _plain(value: object) -> bool:
-    return value is None or isinstance(value, (bool, int, float, complex, str, bytes, tuple, frozenset))
-
-
-def _function_written(function: object) -> str:
-    bound = getattr(function, "__self__", None)
-    inner = getattr(function, "__func__", function)
-    if isinstance(inner, types.FunctionType):
-        cells = []
-        for cell in inner.__closure__ or ():
-            try:
-                cells.append(written(cell.cell_contents))
-            except ValueError:  # an empty cell
-                cells.append("empty")
-        names = inner.__globals__
-        used = ",".join(f"{name}={written(names[name])}" for name in inner.__code__.co_names
-                        if name in names and _plain(names[name]))
-        held = "" if bound is None else f"bound:{written(bound)}"
-        return f"{written(inner)}|{','.join(cells)}|{used}|{held}"
-    name = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
-    return f"{name}|{'' if bound is None else written(bound)}" if name != "." else "<opaque>"
+            _CARRIED[kind] = (bytes(blob), format_of(blob, type_, dump, load))
