@@ -283,6 +283,7 @@ def speaks_curve(address: str, timeout: float) -> bool | None:
     key: asked only after a handshake failed with nothing said, to tell a server that wants
     keys from a peer that hung up during the handshake."""
     scheme, _, rest = address.partition("://")
+    until = time.monotonic() + timeout
     try:
         if scheme == "tcp":
             host, _, port = rest.rpartition(":")
@@ -290,23 +291,26 @@ def speaks_curve(address: str, timeout: float) -> bool | None:
         elif scheme == "ipc":
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.settimeout(timeout)
-            conn.connect(rest)
+            # ZeroMQ's `ipc://@name` is a name in the abstract namespace, not a file
+            conn.connect("\0" + rest[1:] if rest.startswith("@") else rest)
         else:
             return None
     except (OSError, ValueError):
         return None
+    got = b""
     try:
-        conn.settimeout(timeout)
         conn.sendall(_SIGNATURE)
-        got = b""
-        until = time.monotonic() + timeout
-        while len(got) < _GREETING and time.monotonic() < until:
+        while len(got) < _GREETING:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            conn.settimeout(left)  # the whole probe within `timeout`, however the bytes trickle
             part = conn.recv(_GREETING - len(got))
             if not part:
                 break
             got += part
     except OSError:
-        return None
+        pass  # what arrived before the peer failed or the time ran out is judged below
     finally:
         conn.close()
     if len(got) < 32 or got[0] != 0xFF or got[9] != 0x7F:
