@@ -684,3 +684,49 @@ def test_a_network_worker_refuses_a_kind_it_already_reads_in_another_format(tmp_
     assert "`tests.Reading`" in got["other"] and "another format" in got["other"]
     assert "new kind" in got["other"] and "restart the worker" in got["other"]
     assert got["kinds"] == ["tests.Reading"]
+
+
+def _format(codec_parts) -> str:
+    """What a worker writes down for a codec ``(type, dump, load)`` that arrived pickled."""
+    from somatize.packing.formats import format_of
+
+    blob = cloudpickle.dumps(codec_parts)
+    return format_of(blob, *pickle.loads(blob))
+
+
+def test_a_codec_holding_an_object_with_a_c_base_is_judged_by_its_bytes():
+    """A ``dict`` subclass keeps its items where no attribute shows them: two codecs whose
+    tables differ must not be written down alike (their bytes decide, and they differ)."""
+    class Table(dict):
+        pass
+
+    def made(scale: float):
+        table = Table(scale=scale)
+        return (float, lambda v: repr(v * table["scale"]).encode(), lambda b: float(b) / table["scale"])
+
+    assert _format(made(1.0)) != _format(made(4.0))
+    assert _format(made(1.0)) == _format(made(1.0))  # one process's pickles: the same bytes
+
+
+SCALE_FOR_FORMAT = 2.0
+
+
+def test_a_codec_is_written_down_by_the_globals_it_reads_not_by_attribute_names():
+    """``r.SCALE_FOR_FORMAT`` is an attribute, not the module's global of that name: changing
+    the global does not change the codec that only reads the attribute; changing a global
+    the codec does read does."""
+    global SCALE_FOR_FORMAT
+
+    class Holder:
+        SCALE_FOR_FORMAT = 3.0
+
+    by_attribute = (float, lambda v: repr(v * Holder.SCALE_FOR_FORMAT).encode(), lambda b: float(b))
+    by_global = (float, lambda v: repr(v * SCALE_FOR_FORMAT).encode(), lambda b: float(b))
+    before = _format(by_attribute), _format(by_global)
+    try:
+        SCALE_FOR_FORMAT = 5.0
+        after = _format(by_attribute), _format(by_global)
+    finally:
+        SCALE_FOR_FORMAT = 2.0
+    assert before[0] == after[0]
+    assert before[1] != after[1]

@@ -27,6 +27,7 @@ a codec taken for the same one would read values wrong without a word.
 
 from __future__ import annotations
 
+import dis
 import functools
 import hashlib
 import sys
@@ -39,6 +40,7 @@ __all__ = ["DEPTH", "format_of"]
 #: judged by its bytes.
 DEPTH = 24
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), type(Ellipsis))
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: made by a class statement (or by a C module at run time)
 # Attributes of a class that say where it was written, not what it does.
 _WHERE = frozenset(("__module__", "__qualname__", "__dict__", "__weakref__", "__firstlineno__",
                     "__static_attributes__", "__slotnames__", "__doc__"))
@@ -152,15 +154,19 @@ class _Writer:
             held.update(attributes)
         elif attributes is not None:
             raise _Opaque
-        if not held and not _plain_class(type(value)):
-            raise _Opaque  # what it holds is not in attributes (a C object): its bytes decide
+        if not _plain_class(type(value)):
+            raise _Opaque  # it may hold what is not in its attributes (a C base): its bytes decide
         fields = sorted(f"{name}={self.write(v, depth + 1)}" for name, v in held.items())
         return f"object({self.write(type(value), depth + 1)},{','.join(fields)})"
 
 
+_GLOBAL_OPS = frozenset(("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"))
+
+
 def _names(code: types.CodeType) -> set[str]:
-    """Every name ``code`` or a code object nested in it looks up."""
-    names = set(code.co_names)
+    """Every global ``code`` or a code object nested in it looks up (not the names of
+    attributes, which share ``co_names``), as cloudpickle finds the globals it sends."""
+    names = {op.argval for op in dis.get_instructions(code) if op.opname in _GLOBAL_OPS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _names(const)
@@ -186,6 +192,15 @@ def _imported_name(value: Any) -> str | None:
 
 
 def _plain_class(cls: type) -> bool:
-    """Whether instances of ``cls`` hold nothing outside their attributes (a class written
-    in Python, with no base written in C other than ``object``)."""
-    return all(klass is object or "__dict__" in vars(klass) or "__slots__" in vars(klass) for klass in cls.__mro__)
+    """Whether instances of ``cls`` hold nothing outside their attributes: every class of
+    its line written in Python (a heap type whose ``__new__``, if it has one, is Python's
+    too), down to ``object``. A subclass of ``dict`` or of a C type is not."""
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        if not klass.__flags__ & _HEAPTYPE:
+            return False
+        made = vars(klass).get("__new__")
+        if made is not None and not isinstance(made, (staticmethod, types.FunctionType)):
+            return False
+    return True
