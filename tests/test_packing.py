@@ -730,3 +730,16 @@ def test_a_codec_is_written_down_by_the_globals_it_reads_not_by_attribute_names(
         SCALE_FOR_FORMAT = 2.0
     assert before[0] == after[0]
     assert before[1] != after[1]
+
+
+def test_a_subclass_of_a_plain_type_is_not_written_as_its_plain_value():
+    """A ``str`` subclass may answer its methods otherwise: a codec holding one is not the
+    codec holding the plain string of the same text."""
+    class Shouting(str):
+        def upper(self):
+            return "!" + str.upper(self)
+
+    def made(sep):
+        return (float, lambda v: (repr(v) + sep.upper()).encode(), lambda b: float(b.decode().rstrip("X!")))
+
+    assert _format(made("x")) != _format(made(Shouting("x")))

@@ -68,7 +68,7 @@ class _Writer:
     def write(self, value: Any, depth: int) -> str:
         if depth > DEPTH:
             raise _Opaque
-        if isinstance(value, _PLAIN):
+        if type(value) in _PLAIN:  # a subclass of one (its methods may differ) is an object
             return f"{type(value).__name__}:{value!r}"
         if type(value) in (tuple, list):
             return f"{type(value).__name__}(" + ",".join(self.write(v, depth + 1) for v in value) + ")"
