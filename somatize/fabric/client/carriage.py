@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from ...engine import Deadline
-from ...errors import Broken, Busy, Closed, KeysRefused, ProtocolError, Unreachable
+from ...errors import Broken, Busy, KeysRefused, ProtocolError, Unreachable
 from ...wire import CARRIERS, Begin, Chunk, Credit, Done, Failed, Mounted, Refusal, Relay, decode, encode
 from .. import leases as _leases
 from .. import mount as _mount
@@ -61,7 +61,7 @@ class Carriage:
     #: when the channel was last given back, idle (``time.monotonic()``; the broker sets it)
     idle_since = -1e9
     #: set when the broker that made this channel is closed (a ``threading.Event``; the
-    #: broker sets it): a wait for an answer then ends ``Closed`` within a look
+    #: broker sets it): a wait for an answer then ends within a look, as ``Closed``
     ended: Any = None
 
     def dropped_while_idle(self) -> bool:
@@ -204,11 +204,9 @@ class Carriage:
         """Between polls: the broker closed meanwhile, the link's events, the broker's word
         on a relayed worker, and how long this client has waited."""
         if self.ended is not None and self.ended.is_set():
+            # the broker turns it into `Closed`, naming what ran there (`Broker._lost`)
             self.exchange.give_up()
-            raise Closed(
-                f"the broker was closed while this call waited {waiting} for `{self.host}`: the "
-                f"work may still run there, and its answer is not read. Make a new broker"
-            )
+            raise Dropped(f"this client was closed while this call waited {waiting} for `{self.host}`")
         if self.lane is not None:
             link = self.lane.link
             if link.refused is not None:
