@@ -74,7 +74,8 @@ def test_a_dead_claimer_s_claim_is_taken_over(tmp_path, monkeypatch):
     claimer = subprocess.Popen([sys.executable, "-c", script, str(folder), str(tally), str(gate)], env=env_with_tests())
     try:
         wait_until(lambda: list(store.scan("computing/")), 30, "the claimer claiming the prefix")
-        wait_until(lambda: tally.exists(), 30, "the claimer computing")
+        # its line written, not only the file made (killed between the two, it leaves none)
+        wait_until(lambda: tally.exists() and tally.read_text().strip(), 30, "the claimer computing")
     finally:
         claimer.send_signal(signal.SIGKILL)
         claimer.wait()
