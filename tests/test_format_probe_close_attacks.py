@@ -423,14 +423,14 @@ def test_the_probe_reads_garbage_as_nobody_quickly():
     with _fake_server(_garbage) as (port, _):
         started = time.monotonic()
         assert within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE)) is None
-        assert time.monotonic() - started < PROBE + 0.3
+        assert time.monotonic() - started < PROBE + 1.0  # bounded: a busy machine may add a little
 
 
 def test_the_probe_of_a_port_that_never_answers_ends_within_its_timeout():
     with _fake_server(_silent) as (port, _):
         started = time.monotonic()
         assert within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE)) is None
-        assert time.monotonic() - started < PROBE + 0.3
+        assert time.monotonic() - started < PROBE + 1.0  # bounded: a busy machine may add a little
 
 
 def test_a_peer_trickling_its_greeting_cannot_hold_the_probe_past_its_timeout():
@@ -438,7 +438,8 @@ def test_a_peer_trickling_its_greeting_cannot_hold_the_probe_past_its_timeout():
         started = time.monotonic()
         within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE))
         took = time.monotonic() - started
-    assert took < PROBE + 0.3, f"the probe took {took:.2f} s for a timeout of {PROBE} s"
+    # held by the trickle, a read given the whole timeout each time ended near 1.8 s
+    assert took < PROBE + 0.6, f"the probe took {took:.2f} s for a timeout of {PROBE} s"
 
 
 def test_the_probe_understands_ipv6_and_hostnames():
