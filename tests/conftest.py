@@ -292,3 +292,22 @@ def ways(monkeypatch):
     monkeypatch.setattr(Channel, "_express", express)
     monkeypatch.setattr(Channel, "_settle", settle)
     return taken
+
+
+@pytest.fixture
+def played():
+    """``played(answer, **options)``: a worker played by hand (``peers.FakeWorker``); each
+    is closed after the test, and none may have failed to write what the test asked of it."""
+    from peers import FakeWorker
+
+    fakes: list = []
+
+    def start(answer, **options):
+        fake = FakeWorker(answer, **options)
+        fakes.append(fake)
+        return fake
+
+    yield start
+    for fake in fakes:
+        fake.close()
+    assert not [e for fake in fakes for e in fake.errors], "the played worker could not write an answer"

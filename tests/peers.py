@@ -3,6 +3,8 @@ worker that answers what it likes."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 
 import zmq
@@ -124,3 +126,56 @@ def within(seconds: float, call):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+@contextlib.contextmanager
+def socket_peer(serve):
+    """A loopback TCP port, not ZeroMQ, whose every connection is handed to
+    ``serve(conn, stop)`` on a thread of its own and closed after; yields (the port, a list
+    with one item per connection accepted). ``serve`` returning at once hangs up."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.05)
+    stop = threading.Event()
+    accepted: list[int] = []
+    serving: list[threading.Thread] = []
+
+    def each(conn) -> None:
+        try:
+            serve(conn, stop)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            accepted.append(1)
+            thread = threading.Thread(target=each, args=(conn,), daemon=True)
+            thread.start()
+            serving.append(thread)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        stop.set()
+        thread.join(5)
+        for each_thread in serving:
+            each_thread.join(5)
+        server.close()
+
+
+def curve_router() -> zmq.Socket:
+    """A ROUTER that listens with a fresh CURVE key pair (not bound yet; linger 0)."""
+    public, secret = zmq.curve_keypair()
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.linger = 0
+    server.curve_server, server.curve_secretkey, server.curve_publickey = True, secret, public
+    return server

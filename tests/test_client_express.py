@@ -23,21 +23,6 @@ from somatize.wire import Done, Failed, Refusal, recipe_digest
 PATIENCE = 2.0  # a worker played wrongly is a Busy in seconds, never a hang
 
 
-@pytest.fixture
-def played():
-    """``played(answer)``: a worker played by hand; every one is closed after the test."""
-    fakes: list[FakeWorker] = []
-
-    def start(answer) -> FakeWorker:
-        fake = FakeWorker(answer)
-        fakes.append(fake)
-        return fake
-
-    yield start
-    for fake in fakes:
-        fake.close()
-
-
 def broker_for(fake: FakeWorker) -> Broker:
     return Broker.embedded({"w1": Worker.at(fake.endpoint, mode="project")}, patience=PATIENCE)
 

@@ -58,25 +58,6 @@ ODD = 10  # the input the played worker answers wrongly: calls before it warm th
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 
-@pytest.fixture
-def played():
-    """``played(answer, ...)``: a worker played by hand; each is closed after the test, and
-    none may have failed to write what the test asked of it."""
-    fakes: list[Played] = []
-
-    def start(answer, **options) -> Played:
-        fake = Played(answer, **options)
-        fakes.append(fake)
-        return fake
-
-    yield start
-    for fake in fakes:
-        fake.close()
-    assert not [e for fake in fakes for e in fake.errors], "the played worker could not write an answer"
-
-
-
-
 def broker_for(fake: Played, mode: str = "project", **declared) -> Broker:
     return Broker.embedded({"w1": Worker.at(fake.endpoint, mode=mode, **declared)}, patience=PATIENCE)
 

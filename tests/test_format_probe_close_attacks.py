@@ -16,10 +16,8 @@ peer, and read an abstract ``ipc://@name`` as a file.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -32,9 +30,9 @@ import zmq
 
 from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Sleep
-from peers import within
+from peers import curve_router, socket_peer, within
 
-from somatize import Broken, Broker, Closed, KeysRefused, SomatizeError, Worker
+from somatize import Broker, Closed, KeysRefused, SomatizeError, Worker
 from somatize.fabric.curve import PROBE, hung_up, speaks_curve
 
 import fabric_nodes
@@ -352,50 +350,6 @@ GREETING_CURVE = (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(2
                   + b"\0" + b"\0" * 31)
 
 
-@contextlib.contextmanager
-def _fake_server(serve, family=socket.AF_INET, host="127.0.0.1"):
-    """A TCP port whose every connection is handed to ``serve(conn, stop)`` on its own
-    thread; yields (port, accepted connections count list)."""
-    server = socket.socket(family)
-    server.bind((host, 0))
-    server.listen(16)
-    server.settimeout(0.05)
-    stop = threading.Event()
-    accepted: list[int] = []
-    workers: list[threading.Thread] = []
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            accepted.append(1)
-            t = threading.Thread(target=_serving, args=(serve, conn, stop), daemon=True)
-            t.start()
-            workers.append(t)
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1], accepted
-    finally:
-        stop.set()
-        thread.join(5)
-        for t in workers:
-            t.join(5)
-        server.close()
-
-
-def _serving(serve, conn, stop) -> None:
-    try:
-        serve(conn, stop)
-    except OSError:
-        pass
-    finally:
-        conn.close()
-
-
 def _garbage(conn, stop):
     conn.sendall(os.urandom(64))
     stop.wait(3)
@@ -420,21 +374,21 @@ def _fake_curve(conn, stop):
 
 
 def test_the_probe_reads_garbage_as_nobody_quickly():
-    with _fake_server(_garbage) as (port, _):
+    with socket_peer(_garbage) as (port, _):
         started = time.monotonic()
         assert within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE)) is None
         assert time.monotonic() - started < PROBE + 1.0  # bounded: a busy machine may add a little
 
 
 def test_the_probe_of_a_port_that_never_answers_ends_within_its_timeout():
-    with _fake_server(_silent) as (port, _):
+    with socket_peer(_silent) as (port, _):
         started = time.monotonic()
         assert within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE)) is None
         assert time.monotonic() - started < PROBE + 1.0  # bounded: a busy machine may add a little
 
 
 def test_a_peer_trickling_its_greeting_cannot_hold_the_probe_past_its_timeout():
-    with _fake_server(_trickle) as (port, _):
+    with socket_peer(_trickle) as (port, _):
         started = time.monotonic()
         within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE))
         took = time.monotonic() - started
@@ -443,17 +397,13 @@ def test_a_peer_trickling_its_greeting_cannot_hold_the_probe_past_its_timeout():
 
 
 def test_the_probe_understands_ipv6_and_hostnames():
-    context = zmq.Context.instance()
-    public, secret = zmq.curve_keypair()
-    server = context.socket(zmq.ROUTER)
-    server.linger = 0
+    server = curve_router()
     server.ipv6 = True
-    server.curve_server, server.curve_secretkey, server.curve_publickey = True, secret, public
     try:
         server.bind("tcp://[::1]:*")
         port = server.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         assert speaks_curve(f"tcp://[::1]:{port}", 2.0) is True
-        plain = context.socket(zmq.ROUTER)
+        plain = zmq.Context.instance().socket(zmq.ROUTER)
         plain.linger = 0
         try:
             port4 = plain.bind_to_random_port("tcp://127.0.0.1")
@@ -469,11 +419,7 @@ def test_the_probe_of_an_ipc_path_that_does_not_exist_is_nobody(tmp_path):
 
 
 def test_the_probe_reads_an_abstract_ipc_curve_server_as_curve():
-    context = zmq.Context.instance()
-    public, secret = zmq.curve_keypair()
-    server = context.socket(zmq.ROUTER)
-    server.linger = 0
-    server.curve_server, server.curve_secretkey, server.curve_publickey = True, secret, public
+    server = curve_router()
     name = f"ipc://@somatize-attack-{os.getpid()}-{time.monotonic_ns()}"
     try:
         server.bind(name)
@@ -488,7 +434,7 @@ def test_a_client_with_keys_never_probes(tmp_path):
 
     public, secret = zmq.curve_keypair()
     keys = Keys(public, secret, server_key=public)
-    with _fake_server(_fake_curve) as (port, accepted):
+    with socket_peer(_fake_curve) as (port, accepted):
         address = f"tcp://127.0.0.1:{port}"
         assert hung_up(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, keys, address, PROBE) is False
         assert hung_up(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, None, address, PROBE) is False
@@ -501,11 +447,7 @@ def test_a_client_with_keys_never_probes(tmp_path):
 def test_a_keyless_client_against_a_curve_server_is_keys_refused_not_dropped():
     """End to end: a real ZeroMQ CURVE server where a keyless broker expects a worker: the call
     ends KeysRefused (the probe reads CURVE), within a bound."""
-    context = zmq.Context.instance()
-    public, secret = zmq.curve_keypair()
-    server = context.socket(zmq.ROUTER)
-    server.linger = 0
-    server.curve_server, server.curve_secretkey, server.curve_publickey = True, secret, public
+    server = curve_router()
     port = server.bind_to_random_port("tcp://127.0.0.1")
     try:
         with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")},
@@ -517,11 +459,7 @@ def test_a_keyless_client_against_a_curve_server_is_keys_refused_not_dropped():
 
 
 def test_a_keyless_client_against_an_abstract_ipc_curve_server_is_keys_refused():
-    context = zmq.Context.instance()
-    public, secret = zmq.curve_keypair()
-    server = context.socket(zmq.ROUTER)
-    server.linger = 0
-    server.curve_server, server.curve_secretkey, server.curve_publickey = True, secret, public
+    server = curve_router()
     name = f"ipc://@somatize-attack-{os.getpid()}-{time.monotonic_ns()}"
     server.bind(name)
     try:
@@ -742,7 +680,7 @@ def test_kinds_are_checked_against_the_registry_they_were_written_with_under_chu
                     sent_unread.append("returned")
                 except SomatizeError as exc:
                     text = str(exc)
-                    told = f"cannot read values of kind `atk.session.unread`"
+                    told = "cannot read values of kind `atk.session.unread`"
                     if told in text and "nothing was sent" in text:
                         continue  # refused here, before a byte was sent
                     if "`atk.session.unread`" not in text and "_Unread" in text:

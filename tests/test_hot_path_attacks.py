@@ -32,7 +32,6 @@ named.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import pickle
@@ -50,7 +49,7 @@ from conftest import WORKER, Process
 from fabric_nodes import Add, Count, Pid, Sleep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peers import RT, FakeWorker, Raw, within
+from peers import RT, FakeWorker, Raw, curve_router, socket_peer, within
 from reliability_support import child_env
 
 from somatize import (
@@ -656,31 +655,8 @@ def test_a_channel_taken_back_unasked_after_its_worker_died_ends_typed_and_recov
         assert broker._turns._hosts == {}
 
 
-@contextlib.contextmanager
-def _hanging_up():
-    """A port that accepts each connection and hangs up at once; yields its number."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    server.settimeout(0.05)
-    stop = threading.Event()
-
-    def hang_up() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            conn.close()
-
-    thread = threading.Thread(target=hang_up, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join(WAIT)
-        server.close()
+def _hang_up(conn, stop) -> None:
+    """A peer that accepts a connection and hangs up at once (``socket_peer`` closes it)."""
 
 
 def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused():
@@ -688,7 +664,7 @@ def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused()
     next call's link reached the port while the dying process still held it): a port that
     accepts each connection and hangs up at once. Neither side has keys; the call has to
     end with a typed error about reaching the worker, not one saying it listens with keys."""
-    with _hanging_up() as port:
+    with socket_peer(_hang_up) as (port, _):
         with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")},
                              patience=PATIENCE) as broker:
             try:
@@ -703,7 +679,7 @@ def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused()
 def test_a_broker_address_that_hangs_up_is_unreachable_not_keys_refused():
     """The same hang-up where a client looks for its broker (the control socket's handshake,
     ``Broker._ask``): nobody there that speaks, so ``Unreachable``, with no word of keys."""
-    with _hanging_up() as port:
+    with socket_peer(_hang_up) as (port, _):
         broker = Broker.at(f"tcp://127.0.0.1:{port}", patience=PATIENCE)
         try:
             with pytest.raises(Unreachable) as caught:
@@ -717,21 +693,17 @@ def test_the_greeting_probe_tells_curve_from_null_from_nobody(tmp_path):
     """``curve.speaks_curve``, what tells keys refused from a hang-up, against real ZeroMQ
     servers: one with CURVE (tcp and ipc), one without, a port that hangs up, one where
     nobody listens, and an address of another transport."""
-    context = zmq.Context.instance()
-    public, secret = zmq.curve_keypair()
     servers = []
     try:
         for curve, where in ((True, "tcp://127.0.0.1:*"), (False, "tcp://127.0.0.1:*"),
                              (True, f"ipc://{tmp_path}/curve.sock")):
-            server = context.socket(zmq.ROUTER)
+            server = curve_router() if curve else zmq.Context.instance().socket(zmq.ROUTER)
             server.linger = 0
-            if curve:
-                server.curve_server, server.curve_secretkey, server.curve_publickey = True, secret, public
             server.bind(where)
             servers.append((curve, server.getsockopt_string(zmq.LAST_ENDPOINT), server))
         for curve, address, _ in servers:
             assert speaks_curve(address, 2.0) is curve, address
-        with _hanging_up() as port:
+        with socket_peer(_hang_up) as (port, _):
             assert speaks_curve(f"tcp://127.0.0.1:{port}", 2.0) is None
         nobody = socket.socket()
         nobody.bind(("127.0.0.1", 0))
@@ -974,23 +946,6 @@ def test_the_workers_one_look_paths_are_the_general_rules_in_every_state(steps):
             b = ("gave", slow.answering(peer, _slow(answer), refusing=refusing))
         assert a == b, (step, a, b)
         assert _worker_state(fast) == _worker_state(slow), step
-
-
-@pytest.fixture
-def played():
-    """``played(answer, **options)``: a worker played by hand; each is closed after the test,
-    and none may have failed to write what the test asked of it."""
-    fakes: list[FakeWorker] = []
-
-    def start(answer, **options) -> FakeWorker:
-        fake = FakeWorker(answer, **options)
-        fakes.append(fake)
-        return fake
-
-    yield start
-    for fake in fakes:
-        fake.close()
-    assert not [e for fake in fakes for e in fake.errors], "the played worker could not write an answer"
 
 
 ODD = 10  # the input the played worker answers wrongly; the calls before it warm the channel

@@ -702,6 +702,7 @@ def test_a_codec_holding_an_object_with_a_c_base_is_judged_by_its_bytes():
 
     def made(scale: float):
         table = Table(scale=scale)
+        table.name = "scales"  # an attribute too: what it shows is the same in both
         return (float, lambda v: repr(v * table["scale"]).encode(), lambda b: float(b) / table["scale"])
 
     assert _format(made(1.0)) != _format(made(4.0))
@@ -733,13 +734,15 @@ def test_a_codec_is_written_down_by_the_globals_it_reads_not_by_attribute_names(
 
 
 def test_a_subclass_of_a_plain_type_is_not_written_as_its_plain_value():
-    """A ``str`` subclass may answer its methods otherwise: a codec holding one is not the
-    codec holding the plain string of the same text."""
-    class Shouting(str):
-        def upper(self):
-            return "!" + str.upper(self)
+    """A ``str`` subclass may answer its methods otherwise: two codecs holding the same text
+    in two classes of one name whose ``upper`` differs are not the same codec."""
+    def shouting(mark: str):
+        class Shouting(str):
+            def upper(self):
+                return mark + str.upper(self)
+        return Shouting
 
     def made(sep):
-        return (float, lambda v: (repr(v) + sep.upper()).encode(), lambda b: float(b.decode().rstrip("X!")))
+        return (float, lambda v: (repr(v) + sep.upper()).encode(), lambda b: float(b.decode().rstrip("X!?")))
 
-    assert _format(made("x")) != _format(made(Shouting("x")))
+    assert _format(made(shouting("!")("x"))) != _format(made(shouting("?")("x")))
