@@ -695,3 +695,41 @@ def test_kinds_are_checked_against_the_registry_they_were_written_with_under_chu
     assert not refused_plain, refused_plain[:3]
     assert not sent_unread, sent_unread[:3]
     assert worker.alive
+
+
+def _slow_to_probes(conn, stop):
+    """Hangs up on a ZeroMQ peer (it sends 10 bytes of signature, then waits) and keeps a
+    probe (11 bytes: the signature and a version) for a long while, a byte at a time."""
+    conn.settimeout(0.2)
+    got = b""
+    try:
+        while len(got) < 11:
+            part = conn.recv(11 - len(got))
+            if not part:
+                return
+            got += part
+    except OSError:
+        return  # 10 bytes and silence: ZeroMQ's handshake; hung up on
+    for byte in GREETING_CURVE:
+        if stop.wait(0.5):
+            return
+        conn.sendall(bytes([byte]))
+
+
+def test_a_peer_that_hangs_up_on_handshakes_and_holds_probes_cannot_hold_the_client_past_its_wait():
+    """Attack on the probe where a client looks for its broker: a hostile address hangs up on
+    every ZeroMQ handshake (ZeroMQ reconnects, a failed handshake each time) and holds each
+    probe its whole timeout. Asked once per failure, the probes would fall behind the
+    failures and the wait for the broker would never end; it ends Unreachable, within its
+    own bound, and probes that address a few times at most."""
+    from somatize import Unreachable
+
+    with socket_peer(_slow_to_probes) as (port, accepted):
+        client = Broker.at(f"tcp://127.0.0.1:{port}", patience=1.0)
+        try:
+            started = time.monotonic()
+            with pytest.raises(Unreachable):
+                within(30, client.hosts)
+            assert time.monotonic() - started < 2 * 1.0 + 3 * PROBE + 2.0
+        finally:
+            client.close()

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -273,6 +274,12 @@ _GREETING = 64
 #: The longest a failed handshake waits for the server's greeting, asked again to tell keys
 #: refused from a hang-up (seconds; :func:`hung_up`).
 PROBE = 1.0
+#: How long what a probe found of an address is taken as still true (seconds): an address
+#: is asked at most once in that time, however often its handshakes fail.
+PROBED_FOR = 10.0
+_PROBED: dict[str, tuple[float, bool]] = {}  # address -> (until when, hung up)
+_PROBED_LOCK = threading.Lock()
+_PROBED_MOST = 256
 
 
 def speaks_curve(address: str, timeout: float) -> bool | None:
@@ -326,7 +333,19 @@ def hung_up(event: int, keys: Keys | None, address: str, timeout: float) -> bool
     is keys refused; one that speaks without keys, hangs up again or is gone hung up."""
     if event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or keys is not None:
         return False
-    return speaks_curve(address, timeout) is not True
+    # ZeroMQ reconnects, and a peer that hangs up every time fails a handshake every time:
+    # asked at each, a probe the peer holds for its timeout would fall behind the failures
+    now = time.monotonic()
+    with _PROBED_LOCK:
+        known = _PROBED.get(address)
+    if known is not None and now < known[0]:
+        return known[1]
+    verdict = speaks_curve(address, timeout) is not True
+    with _PROBED_LOCK:
+        if len(_PROBED) >= _PROBED_MOST:
+            _PROBED.clear()
+        _PROBED[address] = (time.monotonic() + PROBED_FOR, verdict)
+    return verdict
 
 
 def handshake_refusal(event: int, *, who: str, keys: Keys | None, server_key: bytes | None,

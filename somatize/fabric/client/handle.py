@@ -474,7 +474,8 @@ class Broker(Pool):
                 refused = 0
                 until = time.monotonic() + timeout
                 while not sockets.poll(control, min(0.1, max(0.0, until - time.monotonic()))):
-                    while not refused and watch is not None and sockets.readable(watch):
+                    while (not refused and watch is not None and time.monotonic() < until
+                           and sockets.readable(watch)):
                         event = int.from_bytes(watch.recv_multipart()[0][:2], "little")
                         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                             self._linked = True
