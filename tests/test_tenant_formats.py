@@ -243,10 +243,13 @@ def test_a_node_importing_a_package_as_it_runs_never_changes_another_tenants_for
 # Tenant D's installed package: its import registers a new kind first, then the shared one
 # in A's format; its node is what D sends.
 PACKAGE_D = '''
-import json
+import json, os
 from dataclasses import dataclass
 
 from somatize import Node, codec
+
+with open(os.environ["TENANT_D_LOG"], "a") as log:  # each time it is imported
+    log.write("imported\\n")
 
 
 @dataclass
@@ -338,7 +341,7 @@ def provision(folder):
 got["first"] = provision(sys.argv[1])
 before = registry()
 got["kinds_before"] = codecs_registered()
-for name, folder in zip(("second", "third"), sys.argv[2:]):
+for name, folder in zip(("second", "second_again", "third"), sys.argv[2:]):
     got[name] = provision(folder)
     got[name + "_kinds"] = codecs_registered()
     got[name + "_same_registry"] = all(x is y for a, b in zip(before, registry()) for x, y in zip(a, b)) and len(before) == len(registry())
@@ -353,21 +356,25 @@ def test_a_refused_artifact_leaves_the_registry_as_it_was(tmp_path, installed):
     new kind and then the shared kind in another format; then an artifact carrying a new
     kind beside the shared one in a third format. Both later artifacts are refused naming
     the shared kind, and the registry is exactly as B's artifact left it: no kind gained,
-    the same codec objects, B's bytes read B's way, D's package not left half imported."""
+    the same codec objects, B's bytes read B's way, D's package not left half imported; D's
+    artifact sent again is refused without being unpickled again."""
     (installed / "tenant_d_pkg").mkdir()
     (installed / "tenant_d_pkg" / "__init__.py").write_text(textwrap.dedent(PACKAGE_D))
     for which, paths in (("b", ()), ("d", (installed,)), ("b2", ())):
         folder = tmp_path / f"client_{which}"
         folder.mkdir()
         (folder / "pack.py").write_text(textwrap.dedent(PACK))
+        env = {**_env(*paths), "TENANT_D_LOG": str(tmp_path / "imports_of_d_by_its_client.txt")}
         proc = subprocess.run([sys.executable, str(folder / "pack.py"), which, str(tmp_path / which)],
-                              cwd=folder, env=_env(*paths), capture_output=True, text=True, timeout=60)
+                              cwd=folder, env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr[-3000:]
     worker = tmp_path / "worker"
     worker.mkdir()
     (worker / "open.py").write_text(textwrap.dedent(OPEN))
-    proc = subprocess.run([sys.executable, str(worker / "open.py"), *(str(tmp_path / w) for w in ("b", "d", "b2"))],
-                          cwd=worker, env=_env(installed), capture_output=True, text=True, timeout=60)
+    log = tmp_path / "imports_of_d.txt"
+    env = {**_env(installed), "TENANT_D_LOG": str(log)}
+    proc = subprocess.run([sys.executable, str(worker / "open.py"), *(str(tmp_path / w) for w in ("b", "d", "d", "b2"))],
+                          cwd=worker, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout)
     assert got["first"] == "held", got
@@ -375,6 +382,9 @@ def test_a_refused_artifact_leaves_the_registry_as_it_was(tmp_path, installed):
     assert got["second"].startswith("refused: ") and f"`{KIND}`" in got["second"], got
     assert got["second_kinds"] == [KIND] and got["second_same_registry"], got
     assert not got["package_left_imported"], got
+    # sent again while the worker reads the kind the same way: refused the same, unopened
+    assert got["second_again"] == got["second"] and got["second_again_same_registry"], got
+    assert log.read_text().splitlines() == ["imported"], "the refused artifact was opened again"
     assert got["third"].startswith("refused: ") and f"`{KIND}`" in got["third"], got
     assert got["third_kinds"] == [KIND] and got["third_same_registry"], got
     assert got["reads_b"] == 50.0, got

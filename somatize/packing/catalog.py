@@ -19,7 +19,7 @@ from ..codec import dumps
 from ..errors import CodecError, NodeFailed, Refused
 from ..graph import Node
 from .artifact import ARTIFACT_FORMAT, check_mode, digest_of, is_main, lookup, short
-from .kinds import carry, judged
+from .kinds import Clash, carry, judged, still
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..wire import NodeSpec
@@ -82,6 +82,9 @@ class Catalog:
         self._max_built_bytes = max(0, int(built_bytes))
         self._lock = threading.Lock()
         self._held: OrderedDict[str, tuple[Node, int]] = OrderedDict()  # digest -> (node, bytes)
+        # digest -> why it was refused for a kind's format (the last MAX_HELD): sent again while
+        # the registry holds what it was judged against, it is refused without being unpickled
+        self._clashed: OrderedDict[str, Clash] = OrderedDict()
         self._built: OrderedDict[tuple[str, str], _Slot] = OrderedDict()
         # id(spec) -> (spec, its key in `_built`, its module): a recipe a worker keeps for a
         # client comes back with the very same specs on every Work that names it by digest
@@ -121,12 +124,23 @@ class Catalog:
                 f"the artifact sent as `{short(digest)}…` hashes to `{short(actual)}…`: it "
                 f"was damaged or mislabelled on the way, so it was not opened. Send it again"
             )
+        with self._lock:
+            clash = self._clashed.get(digest)
+        if clash is not None and still(clash):
+            raise Refused(str(clash))  # refused before, against what is still there: not opened again
         # every codec registered while it opens (its imports', its own) is judged against
         # the format this worker reads the kind in; a refusal puts the registry back
         name = f"the artifact `{short(digest)}…`"
-        with judged(name, f"a module imported to open {name}") as judging:
-            node, codecs = _open(digest, artifact)
-            carry(codecs, judging)
+        try:
+            with judged(name, f"a module imported to open {name}") as judging:
+                node, codecs = _open(digest, artifact)
+                carry(codecs, judging)
+        except Clash as exc:
+            with self._lock:  # the sentence and what it was judged against: no traceback, no bytes
+                self._clashed[digest] = Clash(str(exc), exc.kind, exc.against)
+                while len(self._clashed) > MAX_HELD:
+                    self._clashed.popitem(last=False)
+            raise
         size = memoryview(artifact).nbytes
         with self._lock:
             if digest not in self._held:

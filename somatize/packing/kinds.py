@@ -36,7 +36,7 @@ from ..codec.registered import Entry
 from ..errors import BadCodec, CodecError, Refused
 from .formats import format_of
 
-__all__ = ["FormatClash", "always", "carry", "judged", "reads_as"]
+__all__ = ["Clash", "FormatClash", "always", "carry", "judged", "reads_as", "still"]
 
 # One judged time at once (an artifact opened, a module imported for a node); reentrant.
 _LOCK = threading.RLock()
@@ -49,6 +49,25 @@ _AS_IT_RAN = "code this worker ran (a node's import or `codec(...)` call, as it 
 class FormatClash(BadCodec):
     """A codec for a kind this worker already reads in another format (raised by
     ``codec(...)`` while a worker judges what a client's artifact or node brought)."""
+
+
+class Clash(Refused):
+    """What a catalog answers when a codec was refused for its kind's format: the sentence,
+    with the kind and the registry's entry it was judged against (None: another codec of
+    the same artifact), so the same bytes sent again can be refused unopened while the
+    registry still holds that entry (:func:`still`)."""
+
+    def __init__(self, sentence: str, kind: str, against: Entry | None) -> None:
+        super().__init__(sentence)
+        self.kind = kind
+        self.against = against
+
+
+def still(clash: Clash) -> bool:
+    """Whether what ``clash`` was judged against is still what the registry holds for its
+    kind (then the same bytes would be refused the same way)."""
+    return clash.against is not None and (
+        registered.registered_now().by_kind.get(clash.kind) is clash.against)  # type: ignore[attr-defined]
 
 
 class _Known:
@@ -77,7 +96,7 @@ class _Judging:
         self.doing = doing
         self.how = how
         self.thread = threading.get_ident()  # another thread's registrations are not its own
-        self.clashes: list[str] = []  # the sentence of each registration refused
+        self.clashes: list[Clash] = []  # each registration refused
 
 
 _now: list[_Judging] = []  # the judged times open (nested ones on top), under _LOCK
@@ -144,7 +163,7 @@ def _judge(entry: Entry | None, previous: Entry | None) -> None:
             return
         sentence = clash_sentence(entry.kind, _known(previous).how, doing)
     if judging is not None:
-        judging.clashes.append(sentence)
+        judging.clashes.append(Clash(sentence, previous.kind, previous))
     raise FormatClash(sentence)
 
 
@@ -168,8 +187,8 @@ def judged(doing: str, how: str | None = None) -> Iterator[_Judging]:
                     _KNOWN[kind] = known[kind]  # what was judged of the entry put back
                 else:
                     _KNOWN.pop(kind, None)
-            if judging.clashes and not (isinstance(exc, Refused) and str(exc) == judging.clashes[0]):
-                raise Refused(judging.clashes[0]) from exc
+            if judging.clashes and not isinstance(exc, Clash):
+                raise judging.clashes[0] from exc
             raise
         finally:
             registered._judged_by(outer)
@@ -219,7 +238,7 @@ def carry(codecs: list[tuple[str, bytes | bytearray]], judging: _Judging) -> Non
             type_, dump, load = pickle.loads(blob)
         except BaseException as exc:  # a pickle can raise SystemExit too
             if judging.clashes:  # its unpickling imported a module whose codec was refused
-                raise Refused(judging.clashes[0]) from exc
+                raise judging.clashes[0] from exc
             held = registered.registered_now().by_kind.get(kind)  # type: ignore[attr-defined]
             if held is None:
                 continue
@@ -236,11 +255,11 @@ def carry(codecs: list[tuple[str, bytes | bytearray]], judging: _Judging) -> Non
         if held is None:
             earlier = taken.get(kind)
             if earlier is not None and earlier[3] != fmt:
-                raise Refused(clash_sentence(kind, doing, doing))
+                raise Clash(clash_sentence(kind, doing, doing), kind, None)
             taken[kind] = (type_, dump, load, fmt, digest)
             continue
         if not (_same(held, type_, dump, load) or fmt == _format(held)):
-            raise Refused(clash_sentence(kind, _known(held).how, doing))
+            raise Clash(clash_sentence(kind, _known(held).how, doing), kind, held)
         known = _known(held)
         if len(known.blobs) >= _BLOBS:
             known.blobs.clear()
