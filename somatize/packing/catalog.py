@@ -104,7 +104,10 @@ class Catalog:
 
         Refused in project mode (before the bytes are looked at), when the bytes do not hash
         to ``digest``, when they cannot be unpickled here (a module missing: list it in
-        ``send=``), or when they are not a somatize artifact.
+        ``send=``), when they are not a somatize artifact, and when a codec they carry, or
+        one a module their unpickling imports registers, writes a kind in another format
+        than the one this worker reads it in (:mod:`somatize.packing.kinds`; the registry is
+        then as it was before, and the same bytes sent again are refused unopened).
         """
         if self.mode == "project":
             raise Refused(_NO_CODE)

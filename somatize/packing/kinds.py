@@ -17,6 +17,12 @@ registration never reaches a reader even for an instant; and when what it ran is
 for any reason, the registry is put back as it was before (every kind registered, replaced
 or forgotten meanwhile), so a refused artifact changes nothing another tenant reads.
 
+A worker process judges every registration, not only while it opens what a client sent
+(:func:`always`): a node that imports a package as it runs is judged the same way, and
+fails naming the kind. A refused artifact is remembered by its digest (its ``Clash``), so
+the same bytes sent again are refused unopened while the registry holds what they were
+judged against.
+
 What a format was judged to be is kept beside the registry's entry it was judged for, and
 is good only while the registry still holds that very entry: a kind registered again
 outside a judged time (a node's own code as it runs) is judged afresh from the entry that
@@ -36,7 +42,7 @@ from ..codec.registered import Entry
 from ..errors import BadCodec, CodecError, Refused
 from .formats import format_of
 
-__all__ = ["Clash", "FormatClash", "always", "carry", "judged", "reads_as", "still"]
+__all__ = ["Clash", "FormatClash", "always", "carry", "judged", "still"]
 
 # One judged time at once (an artifact opened, a module imported for a node); reentrant.
 _LOCK = threading.RLock()
@@ -203,13 +209,6 @@ def always() -> None:
     process that hosts no tenants (a client, a test) never calls it, and there registering
     a kind again replaces it, as ``codec`` says."""
     registered._judged_by(_judge)
-
-
-def reads_as(kind: str) -> str | None:
-    """Who registered the codec this process reads ``kind`` with, as the sentences say it
-    ("this worker's own code", "the artifact `sha256:…`"); None when none is registered."""
-    entry = registered.registered_now().by_kind.get(kind)  # type: ignore[attr-defined]
-    return _known(entry).how if entry is not None else None
 
 
 def carry(codecs: list[tuple[str, bytes | bytearray]], judging: _Judging) -> None:
