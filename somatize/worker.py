@@ -25,6 +25,7 @@ from .fabric import command
 from .fabric import sockets
 from .fabric.curve import Keys
 from .fabric.worker.loop import WorkerLoop
+from .packing import kinds
 from .fabric.broker.spawn import ANNOUNCE
 
 
@@ -126,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _loop(args: argparse.Namespace) -> WorkerLoop | None:
     """The serving loop for these arguments; None after saying why it cannot be made (a
     store folder that cannot be created, say)."""
+    kinds.always()  # a worker's tenants share its codec registry: no import of one changes another's formats
     try:
         return WorkerLoop(mode=args.mode, mount=args.mount, jobs=args.jobs, parent=args.parent, patience=args.patience,
                           store=args.store, reporting=args.reporting, machine=args.machine, exit_when_stuck=True)

@@ -36,6 +36,7 @@ from somatize import Broker, Closed, KeysRefused, SomatizeError, Worker
 from somatize.fabric.curve import PROBE, hung_up, speaks_curve
 
 import fabric_nodes
+import somatize
 
 # == 1. carried codec formats ===================================================================
 #
@@ -204,10 +205,16 @@ print(json.dumps(got))
 '''
 
 
+# The somatize under test (a worktree's, when it is first on the path), for the scripts here,
+# which run without the tests' folder on theirs
+SOMATIZE_ROOT = str(Path(somatize.__file__).resolve().parents[1])
+
+
 def _script(folder: Path, name: str, code: str, *args: str) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = SOMATIZE_ROOT  # the somatize under test, and nothing of the tests
     proc = subprocess.run([sys.executable, str(folder / name), *args], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -292,7 +299,7 @@ def attempt(catalog, which):
 catalog = Catalog("network")
 got = {}
 if case == "own":
-    # the worker's own installation registered the kind: its codec wins, silently, for both
+    # the worker's own installation registered the kind in a third format: both are refused
     own_dump = lambda r: b"own"
     codec(kind, float, dump=own_dump, load=lambda raw: 0.0)
     got["a"], got["b"] = attempt(catalog, "a"), attempt(catalog, "b")
@@ -319,10 +326,15 @@ print(json.dumps(got))
 '''
 
 
-def test_the_workers_own_codec_wins_silently_over_both_carried_formats(formats, tmp_path):
+def test_the_workers_own_codec_refuses_both_carried_formats_and_stays(formats, tmp_path):
+    """The worker's own code registered the kind in a format neither client writes: each
+    client's values would be read the worker's way, so both are refused, naming the kind and
+    who registered the format the worker reads (issue 38: once this was taken in silence)."""
     root = _formats_root(formats)
     got = json.loads(_script(tmp_path, "edge.py", EDGES, str(root), "own"))
-    assert got["a"] == "held" and got["b"] == "held", got
+    for which in "ab":
+        assert got[which].startswith("refused: "), got
+        assert "`atk.closure_value`" in got[which] and "this worker's own code" in got[which], got
     assert got["own_kept"] is True
 
 

@@ -20,6 +20,7 @@ import packing_nodes
 import pytest
 from packing_nodes import Add, Outer, Slow
 
+import somatize
 from somatize import Node, NodeFailed, PlanError, Refused, codec
 from somatize.code_identity import code_digest
 from somatize.packing import ARTIFACT_FORMAT, Catalog, Packer, digest_of
@@ -48,12 +49,18 @@ class Evil:
         return (open, (self.path, "w"))
 
 
+# The somatize under test (a worktree's, when it is first on the path), for the scripts here,
+# which run without the tests' folder on theirs
+SOMATIZE_ROOT = str(Path(somatize.__file__).resolve().parents[1])
+
+
 def run_script(folder: Path, name: str, code: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``code`` as ``__main__`` from its own file in ``folder`` (which is also its cwd)."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / name
     script.write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = SOMATIZE_ROOT  # the somatize under test, and nothing of the tests
     return subprocess.run(
         [sys.executable, str(script), *args],
         cwd=folder,

@@ -48,9 +48,16 @@ class _Registry:
         self.by_type = by_type
 
 
-_lock = threading.Lock()
+# Reentrant: a judge (below) runs under it, and what it looks at may register a codec too.
+_lock = threading.RLock()
 # Replaced whole under the lock; a reader takes it once and never sees half a change.
 _now = _Registry({}, {})
+# Asked, while one is set, about every registration (``judge(entry, previous)``) and every
+# forgetting (``judge(None, previous)``) before it is published, under the lock; it refuses
+# by raising, and then nothing changed. A network-mode worker sets one while it opens what
+# a client sent (:mod:`somatize.packing.kinds`): one tenant's import must not change how
+# another's bytes are read. Readers never look at it: lookups cost what they did.
+_judge: Callable[[Entry | None, Entry | None], None] | None = None
 
 
 def codec(
@@ -60,7 +67,10 @@ def codec(
 
     Call it in the module that defines the type, so that whoever can build one can also
     write one down. Name the kind after the type (``"myproject.Reading"``): it is written
-    beside the bytes and kept as long as they are. Registering a kind again replaces it.
+    beside the bytes and kept as long as they are. Registering a kind again replaces it,
+    except in a worker process (``python -m somatize.worker``), whose tenants share its
+    registry: there a kind registered again in another format raises ``BadCodec`` and
+    the kind stays as it was (see docs/codecs.md).
     """
     if not isinstance(kind, str) or not kind:
         raise BadCodec(
@@ -94,6 +104,8 @@ def codec(
     entry = Entry(kind, type_, dump, load)
     global _now
     with _lock:
+        if _judge is not None:
+            _judge(entry, _now.by_kind.get(kind))
         by_kind = dict(_now.by_kind)
         by_type = {t: c for t, c in _now.by_type.items() if c.kind != kind}
         by_kind[kind] = entry
@@ -127,8 +139,42 @@ def forget(kind: str) -> None:
     its own kinds, a notebook that registered one by mistake). Unknown kinds are ignored."""
     global _now
     with _lock:
+        if _judge is not None and kind in _now.by_kind:
+            _judge(None, _now.by_kind[kind])
         _now = _Registry({k: c for k, c in _now.by_kind.items() if k != kind},
                          {t: c for t, c in _now.by_type.items() if c.kind != kind})
+
+
+def _judged_by(judge: Callable[[Entry | None, Entry | None], None] | None) -> Callable | None:
+    """Set the judge of registrations (None: none); gives the one it replaces."""
+    global _judge
+    with _lock:
+        before, _judge = _judge, judge
+    return before
+
+
+def _put_back(before: object) -> tuple[str, ...]:
+    """Make every kind whose entry is not the one it was in ``before`` (a token from
+    :func:`registered_now`) what it was there again: a kind registered since is forgotten,
+    one replaced or forgotten since is as it was; kinds nobody touched stay as they are
+    now. Gives the kinds put back. Not judged: it only ever returns to what was."""
+    if not isinstance(before, _Registry):
+        raise TypeError(f"_put_back takes what registered_now() gave, not a `{type(before).__name__}`")
+    global _now
+    with _lock:
+        now = _now
+        changed = {k for k in now.by_kind.keys() | before.by_kind.keys()
+                   if now.by_kind.get(k) is not before.by_kind.get(k)}
+        if not changed:
+            return ()
+        by_kind = {k: c for k, c in now.by_kind.items() if k not in changed}
+        by_kind.update((k, c) for k, c in before.by_kind.items() if k in changed)
+        by_type = {t: c for t, c in now.by_type.items() if c.kind not in changed}
+        for t, c in before.by_type.items():
+            if t not in by_type and by_kind.get(c.kind) is c:
+                by_type[t] = c
+        _now = _Registry(by_kind, by_type)
+    return tuple(sorted(changed))
 
 
 def readable_kinds() -> list[str]:

@@ -27,12 +27,18 @@ There are two ways to pack, chosen per worker declaration, and they are not inte
     pickled by value. The artifact also carries the client's registered codecs, so a
     ``codec(...)`` defined next to the node works on the worker too: provisioning registers
     every carried codec whose kind the worker does not already have (one it cannot load,
-    because its type lives in a module the worker lacks, is skipped). The registry is one
-    per process, so a worker reads one format per kind while it runs: an artifact carrying
-    a codec for a kind an earlier artifact brought, in another format (the kind registered
-    again differently, or used differently by two clients of one worker), is refused
-    rather than have its values read the first way. The same codec pickled again (a
-    notebook cell run twice, another client's process) is the same format
+    because its type lives in a module the worker lacks, is skipped while the worker reads
+    no such kind, and refused while it does: the two cannot be compared). The registry is
+    one per process, shared by every tenant of the worker, so a worker reads one format per
+    kind while it runs, whoever registered it: the worker's own code, a module an
+    artifact's unpickling imported (a tenant's installed package), a codec an artifact
+    carried, a node's import as it ran. A codec for a kind the worker reads in another
+    format is refused naming the kind, wherever it comes from: a carried one refuses its
+    artifact, a package's import that registers it refuses the artifact (or the node)
+    whose unpickling imported it, and the registration never reaches a reader; a refused
+    artifact leaves the registry exactly as it was (:mod:`somatize.packing.kinds`). The
+    same codec pickled again (a notebook cell run twice, another client's process, the
+    package's own codec carried by a client that has it installed) is the same format
     (:mod:`somatize.packing.formats` says how that is told).
 
 The security rule. Unpickling runs code, so only a network-mode worker ever unpickles, and

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 
 from ..code_identity import code_digest
-from ..codec import codec, codecs_registered, dumps
+from ..codec import dumps
 from ..errors import CodecError, NodeFailed, Refused
 from ..graph import Node
 from .artifact import ARTIFACT_FORMAT, check_mode, digest_of, is_main, lookup, short
-from .formats import format_of
+from .kinds import Clash, carry, judged, still
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..wire import NodeSpec
@@ -46,10 +46,6 @@ _NO_CODE = (
 #: Specs whose key a catalog remembers (the specs of recipes named by digest come back
 #: as the same objects), and the most bytes of written arguments one of them may hold.
 _MEMO_SPECS, _MEMO_ARGS = 1024, 4096
-# Checking for a kind and registering it happen together.
-_CARRY_LOCK = threading.Lock()
-# Kinds an artifact brought: the codec's pickled bytes, and the format they write.
-_CARRIED: dict[str, tuple[bytes, str]] = {}
 
 
 class _Slot:
@@ -86,6 +82,9 @@ class Catalog:
         self._max_built_bytes = max(0, int(built_bytes))
         self._lock = threading.Lock()
         self._held: OrderedDict[str, tuple[Node, int]] = OrderedDict()  # digest -> (node, bytes)
+        # digest -> why it was refused for a kind's format (the last MAX_HELD): sent again while
+        # the registry holds what it was judged against, it is refused without being unpickled
+        self._clashed: OrderedDict[str, Clash] = OrderedDict()
         self._built: OrderedDict[tuple[str, str], _Slot] = OrderedDict()
         # id(spec) -> (spec, its key in `_built`, its module): a recipe a worker keeps for a
         # client comes back with the very same specs on every Work that names it by digest
@@ -105,7 +104,10 @@ class Catalog:
 
         Refused in project mode (before the bytes are looked at), when the bytes do not hash
         to ``digest``, when they cannot be unpickled here (a module missing: list it in
-        ``send=``), or when they are not a somatize artifact.
+        ``send=``), when they are not a somatize artifact, and when a codec they carry, or
+        one a module their unpickling imports registers, writes a kind in another format
+        than the one this worker reads it in (:mod:`somatize.packing.kinds`; the registry is
+        then as it was before, and the same bytes sent again are refused unopened).
         """
         if self.mode == "project":
             raise Refused(_NO_CODE)
@@ -125,8 +127,23 @@ class Catalog:
                 f"the artifact sent as `{short(digest)}…` hashes to `{short(actual)}…`: it "
                 f"was damaged or mislabelled on the way, so it was not opened. Send it again"
             )
-        node, codecs = _open(digest, artifact)
-        _register_carried(codecs)
+        with self._lock:
+            clash = self._clashed.get(digest)
+        if clash is not None and still(clash):
+            raise Refused(str(clash))  # refused before, against what is still there: not opened again
+        # every codec registered while it opens (its imports', its own) is judged against
+        # the format this worker reads the kind in; a refusal puts the registry back
+        name = f"the artifact `{short(digest)}…`"
+        try:
+            with judged(name, f"a module imported to open {name}") as judging:
+                node, codecs = _open(digest, artifact)
+                carry(codecs, judging)
+        except Clash as exc:
+            with self._lock:  # the sentence and what it was judged against: no traceback, no bytes
+                self._clashed[digest] = Clash(str(exc), exc.kind, exc.against)
+                while len(self._clashed) > MAX_HELD:
+                    self._clashed.popitem(last=False)
+            raise
         size = memoryview(artifact).nbytes
         with self._lock:
             if digest not in self._held:
@@ -239,7 +256,10 @@ class Catalog:
             return slot.node
         with slot.lock:  # one build per class and arguments, however many Works ask at once
             if slot.node is None:
-                cls = _node_class(module, qualname, target, label)
+                # what importing it registers is judged: one node's package must not change
+                # how another tenant's bytes of a kind are read
+                with judged(f"importing `{module}` for `{label}`"):
+                    cls = _node_class(module, qualname, target, label)
                 _same_code(spec, cls, module)  # before its constructor runs
                 try:
                     slot.node = cls(*args, **kwargs)
@@ -389,44 +409,3 @@ def _open(digest: str, artifact: bytes | bytearray | memoryview) -> tuple[Node, 
             f"the artifact `{name_of}…` carries its codecs in a shape this worker does not read"
         )
     return node, codecs
-
-
-def _register_carried(codecs: list[tuple[str, bytes]]) -> None:
-    """Register the codecs an artifact carries whose kind this worker does not have yet.
-
-    A kind this worker registered itself (its own installation's) keeps its own codec. A kind
-    an earlier artifact brought keeps that codec too, but only while the new one writes the
-    same format: one that differs (a client registered the kind again in another format, or
-    two clients of one worker use the kind differently) is refused, because values of that
-    kind would be read here with one format and written by the client with the other. The
-    registry is one per process, so one worker reads one format per kind while it runs.
-    """
-    with _CARRY_LOCK:
-        for kind, blob in codecs:
-            earlier = _CARRIED.get(kind)
-            if kind in codecs_registered() and earlier is None:
-                continue  # this worker's own wins
-            if earlier is not None and earlier[0] == blob:
-                continue  # the very codec an earlier artifact brought
-            try:
-                type_, dump, load = pickle.loads(blob)
-            except BaseException:  # a pickle can raise SystemExit too
-                continue  # its type lives where this worker cannot go; the node may not need it
-            if earlier is not None:
-                if format_of(blob, type_, dump, load) != earlier[1]:
-                    raise Refused(
-                        f"the artifact carries a codec for the kind `{kind}` that writes "
-                        f"another format than the one an earlier artifact brought to this "
-                        f"worker, which reads `{kind}` that way for as long as it runs "
-                        f"(values would be read in one format and written in the other). "
-                        f"Register the new format under a new kind (`{kind}/2`, say), or "
-                        f"restart the worker"
-                    )
-                continue  # the same format, pickled anew (a notebook cell run again)
-            if kind in codecs_registered():
-                continue  # loading it imported the module that registers it
-            try:
-                codec(kind, type_, dump=dump, load=load)
-            except CodecError:
-                continue
-            _CARRIED[kind] = (bytes(blob), format_of(blob, type_, dump, load))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dis
 import functools
 import hashlib
+import os
 import sys
 import types
 from typing import Any
@@ -50,14 +51,18 @@ class _Opaque(Exception):
     """Something in the codec could not be written down."""
 
 
-def format_of(blob: bytes | bytearray, type_: type, dump: Any, load: Any) -> str:
+def format_of(blob: bytes | bytearray | None, type_: type, dump: Any, load: Any) -> str:
     """A digest that is equal for two codecs only when they write the same format on this
     worker (see the module's text); ``blob`` is the codec's pickled bytes, which decide when
-    a part of it cannot be written down."""
+    a part of it cannot be written down. A codec registered here (the worker's own code, a
+    module an artifact imported) has no bytes: one of those that cannot be written down
+    gets a digest of its own, equal to no other (the very same objects are told apart
+    before a format is asked)."""
     try:
         text = _Writer().write((getattr(type_, "__qualname__", "?"), dump, load), 0)
     except Exception:  # noqa: BLE001 - _Opaque, a recursion too deep, an object that will not say
-        text = "bytes:" + hashlib.sha256(blob).hexdigest()
+        text = ("bytes:" + hashlib.sha256(blob).hexdigest() if blob is not None
+                else "unique:" + os.urandom(16).hex())
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -121,8 +126,10 @@ class _Writer:
             except ValueError:  # a cell not filled yet
                 cells.append("empty")
         names = function.__globals__
-        used = sorted(f"{name}={self.write(names[name], depth + 1)}"
-                      for name in sorted(_names(code)) if name in names)
+        # a name its globals lack yet (a module still being imported defines it below) is
+        # written as missing, never left out: two codecs alike but for it are not the same
+        used = sorted(f"{name}={self.write(names[name], depth + 1)}" if name in names else f"{name}=?"
+                      for name in sorted(_names(code)))
         return (f"function({self._code(code, depth + 1)},{self.write(function.__defaults__, depth + 1)},"
                 f"{self.write(function.__kwdefaults__, depth + 1)},cells({','.join(cells)}),"
                 f"globals({','.join(used)}))")
