@@ -59,6 +59,15 @@ def _certificate(public: bytes, secret: bytes | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_public(path: str | os.PathLike[str], public: bytes) -> None:
+    """Write a public key file (``NAME.key``) holding ``public`` (Z85), through a temporary
+    name renamed into place: a reader sees the whole file or none."""
+    final = Path(path)
+    temporary = final.with_name(f".{final.name}.{os.getpid()}.{time.monotonic_ns()}")
+    _write(temporary, _certificate(public, None), 0o644)
+    os.replace(temporary, final)
+
+
 def _write(path: Path, text: str, mode: int) -> None:
     # created with its final mode: a secret is never readable by others, even for a moment
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
