@@ -94,8 +94,13 @@ def forward(
     until = None if deadline is None else Deadline.after(_seconds(deadline))
     # a watcher that cannot be called is refused first; nobody watching is one shared nobody
     watch = _NOBODY if watching is None else Watchers(watching).for_forward()
-    here = _here(broker, graph)
-    check(graph, broker=broker, store=store, here=here)
+    if until is not None and hasattr(broker, "asking_within"):
+        with broker.asking_within(until):  # what the checks ask its broker waits no longer than the forward
+            here = _here(broker, graph)
+            check(graph, broker=broker, store=store, here=here)
+    else:
+        here = _here(broker, graph)
+        check(graph, broker=broker, store=store, here=here)
     # (a graph whose hosts all run in this process, as `check` found, is walked here)
     if until is None and (watch is _NOBODY or not watch) and broker is not None and not graph.__dict__["_somatize_hosts"] <= here:
         trip = _trip_of(graph, here, store)

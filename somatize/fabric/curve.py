@@ -59,6 +59,15 @@ def _certificate(public: bytes, secret: bytes | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_public(path: str | os.PathLike[str], public: bytes) -> None:
+    """Write a public key file (``NAME.key``) holding ``public`` (Z85), through a temporary
+    name renamed into place: a reader sees the whole file or none."""
+    final = Path(path)
+    temporary = final.with_name(f".{final.name}.{os.getpid()}.{time.monotonic_ns()}")
+    _write(temporary, _certificate(public, None), 0o644)
+    os.replace(temporary, final)
+
+
 def _write(path: Path, text: str, mode: int) -> None:
     # created with its final mode: a secret is never readable by others, even for a moment
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -289,6 +298,11 @@ def speaks_curve(address: str, timeout: float) -> bool | None:
     transport). Opens one plain connection and sends only the greeting's signature, never a
     key: asked only after a handshake failed with nothing said, to tell a server that wants
     keys from a peer that hung up during the handshake."""
+    return _greeting(address, timeout)[0]
+
+
+def _greeting(address: str, timeout: float) -> tuple[bool | None, bool]:
+    """``speaks_curve``'s answer, and whether the time ran out before it was known."""
     scheme, _, rest = address.partition("://")
     until = time.monotonic() + timeout
     try:
@@ -301,36 +315,46 @@ def speaks_curve(address: str, timeout: float) -> bool | None:
             # ZeroMQ's `ipc://@name` is a name in the abstract namespace, not a file
             conn.connect("\0" + rest[1:] if rest.startswith("@") else rest)
         else:
-            return None
+            return None, False
+    except TimeoutError:
+        return None, True
     except (OSError, ValueError):
-        return None
+        return None, False
     got = b""
+    late = False
     try:
         conn.sendall(_SIGNATURE)
         while len(got) < _GREETING:
             left = until - time.monotonic()
             if left <= 0:
+                late = True
                 break
             conn.settimeout(left)  # the whole probe within `timeout`, however the bytes trickle
             part = conn.recv(_GREETING - len(got))
             if not part:
                 break
             got += part
+    except TimeoutError:
+        late = True
     except OSError:
         pass  # what arrived before the peer failed or the time ran out is judged below
     finally:
         conn.close()
     if len(got) < 32 or got[0] != 0xFF or got[9] != 0x7F:
-        return None
-    return got[12:32].rstrip(b"\0") == b"CURVE"
+        return None, late and len(got) < 32
+    return got[12:32].rstrip(b"\0") == b"CURVE", False
 
 
-def hung_up(event: int, keys: Keys | None, address: str, timeout: float) -> bool:
+def hung_up(event: int, keys: Keys | None, address: str, timeout: float, *, within: float | None = None) -> bool | None:
     """Whether a handshake that failed with ``event`` is a peer that hung up during it, not
     keys refused. A client with no keys meeting a server that wants CURVE gets the very
     event a hang-up gives (``HANDSHAKE_FAILED_NO_DETAIL``); the server's greeting, asked
     again (:func:`speaks_curve`), tells them apart: only a server that says it wants CURVE
-    is keys refused; one that speaks without keys, hangs up again or is gone hung up."""
+    is keys refused; one that speaks without keys, hangs up again or is gone hung up.
+
+    ``within``: the seconds the caller has left (its deadline), when fewer than ``timeout``
+    bound the probe: a probe cut short that learnt nothing answers None (not known: the
+    caller's time is up), and is not kept."""
     if event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or keys is not None:
         return False
     # ZeroMQ reconnects, and a peer that hangs up every time fails a handshake every time:
@@ -340,7 +364,13 @@ def hung_up(event: int, keys: Keys | None, address: str, timeout: float) -> bool
         known = _PROBED.get(address)
     if known is not None and now < known[0]:
         return known[1]
-    verdict = speaks_curve(address, timeout) is not True
+    cut = within is not None and within < timeout
+    if cut and within <= 0:
+        return None
+    said, late = _greeting(address, within if cut else timeout)
+    if cut and late:
+        return None  # the caller's deadline, not the peer, ended the probe
+    verdict = said is not True
     with _PROBED_LOCK:
         if len(_PROBED) >= _PROBED_MOST:
             _PROBED.clear()

@@ -1,5 +1,6 @@
 """What a broker does off its serving thread: starting spawned workers, checking on one a
-client says it lost, writing the bindings file.
+client says it lost (looking, never killing on a client's word: :func:`check`), writing the
+bindings file.
 
 Each of these can take seconds (``Child.start`` of a spawned host, a probe waiting for an
 answer, a settle, an fsync), and the broker's one serving thread must never wait for them.
@@ -11,11 +12,14 @@ through an inproc socket, and the loop calls ``done(result)`` itself, where the 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
@@ -23,7 +27,11 @@ import zmq
 from ...errors import ProtocolError
 from ...wire import Hello, Ready, Runtime, decode, encode
 from .. import sockets
+from ..curve import HANDSHAKE_FAILED, Keys, as_client
+from .quiet import Quiet
 from .spawn import Child
+
+log = logging.getLogger("somatize.broker")
 
 #: The longest a broker waits for a spawned worker to answer a probe (seconds).
 PROBE = 2.0
@@ -113,37 +121,99 @@ class Helper:
         sockets.close(self.wake)
 
 
+@dataclass(frozen=True)
+class Look:
+    """What one probe of a worker found."""
+
+    answer: Any = None  # what the worker said to Hello (a ``Ready`` when it serves), or None
+    reached: bool = False  # its ZeroMQ completed the handshake: the process is there, its I/O runs
+    refused: int = 0  # the monitor event of a handshake that failed (keys it does not accept)
+
+
 def check(child: Child, deadline: float | None, runtime: Runtime, patience: float) -> str | None:
-    """Probe a spawned worker a client says it lost (off the serving thread). Kill it only
-    if it is gone, does not answer, or has run one piece of work past its host's deadline;
-    return how it ended, or None when it is well (the client's trouble was elsewhere)."""
+    """Look at a spawned worker a client says it lost (off the serving thread); return how
+    it ended, or None when it is not stopped (well, or not reached: then left running).
+
+    A client's word makes the broker look, never kill: the worker is stopped only on the
+    broker's own evidence that it is stuck, which is one of: its process is stopped (its
+    state, as the kernel says: SIGSTOP); its ZeroMQ took the probe's connection and the
+    worker said nothing within the probe (its loop is stuck, in C code that holds the GIL,
+    say); it said it has run one piece of work past ``deadline``. A probe that cannot reach
+    the worker (its handshake fails or never completes, and the process runs) is said in the
+    broker's log and kills nothing: a check that cannot see is no evidence.
+
+    The probe speaks the worker's language: for a child that listens with keys, the key pair
+    the broker made for its checks, which that child allows (:class:`~.spawn.Child`)."""
     child.settle(0.2)  # a child that was just killed may still be on its way out
     if not child.running:
         return child.ended()
-    answer = probe(child.address, runtime, min(PROBE, patience))
-    if isinstance(answer, Ready) and (deadline is None or answer.busy_us <= deadline * 1_000_000):
-        return None
+    look = probe(child.address, runtime, min(PROBE, patience), keys=child.checker)
+    answer = look.answer
+    if answer is not None and (not isinstance(answer, Ready) or deadline is None
+                               or answer.busy_us <= deadline * 1_000_000):
+        return None  # it answered: alive (a refusal too: one whose sessions are full is busy, not stuck)
     child.settle(0.1)
     if not child.running:
         return child.ended()
-    why = (
-        "stopped answering while still running" if not isinstance(answer, Ready)
-        else f"was still running one piece of work after {answer.busy_us / 1e6:.0f} s, past its deadline of {deadline:g} s"
-    )
+    if isinstance(answer, Ready):
+        why = (f"was still running one piece of work after {answer.busy_us / 1e6:.0f} s, "
+               f"past its deadline of {deadline:g} s")
+    elif child.stopped:
+        why = "stopped answering while still running: its process is stopped (SIGSTOP)"
+    elif look.reached:
+        why = ("stopped answering while still running: it took the broker's connection and said "
+               f"nothing within {min(PROBE, patience):g} s")
+    else:
+        more = _unreached.more()
+        if more is not None:
+            said = ("it refused the check's handshake (its allow folder does not hold the key the broker "
+                    "checks it with)" if look.refused
+                    else f"its handshake did not complete within {min(PROBE, patience):g} s")
+            log.warning("a client said it lost `%s`; the broker could not check it at %s: %s. It is left "
+                        "running: a check that cannot reach a worker stops nothing%s",
+                        child.host, child.address, said, more)
+        return None
     child.kill()  # the next forward starts afresh
     return why
 
 
-def probe(address: str, runtime: Runtime, timeout: float) -> Any:
-    """Say Hello to a worker on a socket of its own; its answer, or None within ``timeout``."""
+#: What the checks that could not reach a worker say in the log, bounded.
+_unreached = Quiet("checks that could not reach a worker")
+
+
+def probe(address: str, runtime: Runtime, timeout: float, *, keys: Keys | None = None) -> Look:
+    """Say Hello to a worker on a socket of its own, with ``keys`` when it listens with
+    CURVE (their ``server_key`` its public key); what came of it within ``timeout``."""
+    reached, refused = False, 0
     sock = sockets.dealer(timeout)
+    monitor = None
     try:
+        if keys is not None:
+            as_client(sock, keys, None)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         sock.connect(address)
         sock.send_multipart(encode(Hello(runtime)))
-        if not sockets.poll(sock, timeout):
-            return None
-        return decode(sock.recv_multipart(copy=False))
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        until = time.monotonic() + timeout
+        while (left := until - time.monotonic()) > 0:
+            ready = dict(poller.poll(max(1, int(left * 1000))))
+            if sock in ready:
+                return Look(decode(sock.recv_multipart(copy=False)), True)
+            while sockets.readable(monitor):
+                event = int.from_bytes(monitor.recv_multipart()[0][:2], "little")
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    reached = True
+                elif event & HANDSHAKE_FAILED:
+                    refused = event
+            if refused and not reached:
+                break  # ZeroMQ would try again and again: the first refusal says it
+        return Look(None, reached, refused)
     except (zmq.ZMQError, ProtocolError):
-        return None
+        return Look(None, reached, refused)
     finally:
-        sockets.close(sock)
+        if monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+        sockets.close(monitor, sock)

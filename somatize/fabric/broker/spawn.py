@@ -7,8 +7,11 @@ was given. Everything it prints afterwards is passed on, prefixed with the host'
 Who may reach a child: only this user's processes, unless its broker listens for other
 machines with keys (``reach``): then the child listens on the broker's address, on a port of
 its own, with a key pair the broker made for it in that private directory, and allows the
-keys the broker allows (``--allow``, read again when the broker is reloaded); a client checks
-it reached that child by its public key, which the broker names in ``Located.key``.
+keys the broker allows (``--allow``, copied into that directory and copied again when the
+broker is reloaded) and one more: the key the broker checks on it with (``checker``, made
+for that child, its secret never written down), so that the broker's probe speaks CURVE as
+the child asks; a client checks it reached that child by its public key, which the broker
+names in ``Located.key``.
 Otherwise its socket lies in a fresh 0700 directory this process makes (``tempfile.mkdtemp`` under ``$XDG_RUNTIME_DIR``, else the
 temporary folder), so the kernel refuses another user's ``connect`` before a byte is read;
 no TCP port is opened for anyone to find in ``/proc/net/tcp``. (An ipc round trip costs no
@@ -20,6 +23,7 @@ that was itself killed is removed by the next ``start`` that finds its socket de
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import selectors
@@ -35,10 +39,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import Refused
+import zmq
+
+from ...errors import BadKeys, Refused
 from ...wire import Located
 from .. import mount as _mount
-from ..curve import make_pair, read_public
+from ..curve import Keys, make_pair, read_allowed, read_public, write_public
 
 ANNOUNCE = "somatize-worker ready "
 START_DEADLINE = 30.0
@@ -59,6 +65,7 @@ class Child:
         self.mount = mount
         self.reach = reach
         self.key = ""  # its public key (Z85), when it listens for other machines
+        self.checker: Keys | None = None  # the keys the broker probes it with, when it has keys
         self.seen = ""  # the mark in its default folder, when clients elsewhere may not see it
         # no mount named: this user's default folder, looked at each start, since another
         # user may take its name in /dev/shm at any time (then: the socket, never a failure)
@@ -90,8 +97,15 @@ class Child:
         if self.reach is not None:  # other machines reach it, with keys: a pair of its own
             public, secret = make_pair(self.directory, "worker")
             self.key = read_public(public).decode()
+            mine, theirs = zmq.curve_keypair()  # the broker's checks: a pair for this child alone
+            self.checker = Keys(mine, theirs, server_key=self.key.encode())
             url = f"tcp://{self.reach.interface}:0"
-            keyed = ["--key", str(secret), "--allow", str(self.reach.allow)]
+            try:
+                allowing = self._allowing()
+            except Refused:
+                self.stop()
+                raise
+            keyed = ["--key", str(secret), "--allow", str(allowing)]
         command = [*self.argv, "--listen", url, "--announce", "--mode", self.mode, "--parent", str(os.getpid()), *keyed]
         if self.mode == "project":
             # the spawner's own folder is the project its nodes come from (a notebook's modules
@@ -143,6 +157,41 @@ class Child:
                   f"host `mount=` a folder of your own", file=sys.stderr, flush=True)
         return None
 
+    def _allowing(self) -> Path:
+        """The child's allow folder, in its private directory: the keys of the broker's own
+        (as they are now) and the checker's; ``Refused`` when the broker's cannot be read."""
+        assert self.reach is not None and self.directory is not None and self.checker is not None
+        try:
+            keys = read_allowed(self.reach.allow)
+        except BadKeys as exc:
+            raise Refused(f"the worker for `{self.host}` was not given the keys it allows: {exc}") from exc
+        keys.add(self.checker.public.decode())
+        folder = Path(self.directory) / "allow"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        wanted = {f"{hashlib.sha256(k.encode()).hexdigest()[:24]}.key": k for k in keys}
+        for entry in os.scandir(folder):
+            if entry.name not in wanted:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+        for name, key in wanted.items():
+            if not (folder / name).exists():
+                write_public(folder / name, key.encode())
+        return folder
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the child's process is stopped (SIGSTOP, or a debugger's), as the kernel
+        says (``/proc``; False where it cannot say)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return False
+        try:
+            with open(f"/proc/{process.pid}/stat", "rb") as stat_file:
+                state = stat_file.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state in (b"T", b"t")
+
     def settle(self, seconds: float) -> None:
         """Give a child that is exiting a moment to finish, so ``ended`` can say how."""
         if self.process is not None:
@@ -187,9 +236,15 @@ class Child:
                        mount=self.mount, ended=ended, key=self.key)
 
     def reload(self) -> None:
-        """Its broker's allow folder was read again: so is its own (the same folder)."""
+        """Its broker's allow folder was read again: its copy is made anew, and read again
+        by the child (one that cannot be read now leaves the copy as it was, as the broker
+        keeps its own lists)."""
         process = self.process
         if self.reach is not None and process is not None and process.poll() is None:
+            try:
+                self._allowing()
+            except (Refused, OSError):
+                return
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGHUP)
 

@@ -150,7 +150,7 @@ class Carriage:
                 self.exchange.give_up()
                 raise PastDeadline(waiting)
             if self.lane is not None:
-                parts = self.lane.receive(0.05)
+                parts = self.lane.receive(0.05, None if deadline is None else deadline.until)
                 if parts is not None:
                     break
             else:  # waits up to LOOK_EVERY_MS, on the calling thread, as a bare socket would
@@ -211,7 +211,7 @@ class Carriage:
             link = self.lane.link
             if link.refused is not None:
                 raise KeysRefused(self._refusal(link.refused))
-            if self.lane.dropped():
+            if self.lane.dropped(None if deadline is None else deadline.until):
                 raise Dropped(f"the connection to {self.address} dropped")
             self.linked = link.linked
         else:
@@ -221,7 +221,13 @@ class Carriage:
                     self.linked = True
                     continue
                 if event & _HANDSHAKE_FAILED:
-                    if hung_up(event, self.keys, self.address, min(self.patience, PROBE)):
+                    # the probe is a wait of this call's too: within what its deadline leaves
+                    verdict = hung_up(event, self.keys, self.address, min(self.patience, PROBE),
+                                      within=None if deadline is None else deadline.left())
+                    if verdict is None or (deadline is not None and deadline.left() < 0):
+                        self.exchange.give_up()
+                        raise PastDeadline(waiting)
+                    if verdict:
                         raise Dropped(f"the connection to {self.address} dropped during its handshake")
                     raise KeysRefused(self._refusal(event))
                 raise Dropped(f"the connection to {self.address} dropped")

@@ -36,7 +36,6 @@ the fix, and no byte of it is sent.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
@@ -48,20 +47,20 @@ from typing import Any
 import zmq
 
 from ...engine import Deadline, Outcome, Piece, run_piece
-from ...errors import Broken, Busy, Closed, KeysRefused, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
+from ...errors import Broken, Busy, Closed, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
 from ...packing import Packer
-from ...wire import Hosts, Listed, Located, Refusal, Where, decode, encode
+from ...wire import Hosts, Listed, Located, Refusal, Where, encode
 from . import lending as _lending
 from .. import sockets
 from ..broker.loop import BrokerLoop
 from .carriage import Dropped, PastDeadline, bounded
 from .channel import Channel
+from .asking import Asking
 from .pool import Pool
 from .link import Link
 from .refusals import TurnedAway
 from .turns import Turns
-from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from ..curve import PROBE, Keys, as_client, handshake_refusal, hung_up
+from ..curve import Keys, as_client
 from ..hosts import Worker
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
@@ -74,7 +73,7 @@ def _let_go(packable: dict, key: int, gone: weakref.ref) -> None:
         packable.pop(key, None)
 
 
-class Broker(Pool):
+class Broker(Asking, Pool):
     """Resolves the hosts a graph names with ``.at()`` and carries work to them.
 
     Use as a context manager, or call :meth:`close`: that closes every channel and, for an
@@ -97,6 +96,8 @@ class Broker(Pool):
         self._views = frozenset(views)  # hosts whose mounted answers come back as views
         self._checking: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
+        self._asking = threading.Lock()  # held by the question on the control socket (`_ask`)
+        self._bounds = threading.local()  # `deadline`: what bounds this thread's questions (`asking_within`)
         self._control: zmq.Socket | None = None
         self._watch: zmq.Socket | None = None
         self._linked = False  # the control socket's handshake with the broker completed
@@ -182,8 +183,13 @@ class Broker(Pool):
             self._idle_order.clear()
             self._idle_lanes.clear()
             checking = list(self._checking.values())
-            self._close_control()
             link, self._link = self._link, None
+        # the control socket, once no question holds it (one waiting ends within a look: `_asked`)
+        if self._asking.acquire(timeout=5.0):
+            try:
+                self._close_control()
+            finally:
+                self._asking.release()
         for channel in channels:  # a lane's worker hears of its end from the broker, as the link ends
             channel.close(quiet=link is not None and channel.lane is not None)
         if link is not None:
@@ -237,7 +243,11 @@ class Broker(Pool):
 
     def _hosts(self, *, refresh: bool = False) -> dict[str, str]:
         if self._listing is None or refresh:
-            answer = self._ask(Hosts(), self.patience * 2)
+            deadline = getattr(self._bounds, "deadline", None)
+            if deadline is not None and deadline.left() < self.patience * 2:
+                answer = self._ask(Hosts(), max(0.0, deadline.left()), late="for the broker to list its hosts")
+            else:
+                answer = self._ask(Hosts(), self.patience * 2)
             if not isinstance(answer, Listed):
                 raise Refused(f"the broker at {self.url} would not list its hosts: {getattr(answer, 'why', answer)}")
             hosts = dict(answer.hosts)
@@ -287,7 +297,7 @@ class Broker(Pool):
             raise self._overdue(piece, channel.bound or deadline, late, located) from None
         except Broken as exc:
             channel.close()
-            raise self._lost(piece, located, exc) from exc
+            raise self._lost(piece, located, exc, channel.bound or deadline, channel.waited()) from exc
         except TurnedAway:  # the work was refused whole; a channel whose session stands serves on
             if channel.exchange.state == "ready":
                 self._give_back(channel)
@@ -307,9 +317,11 @@ class Broker(Pool):
             return None
         return lambda: Deadline.after(seconds, f"host `{host}`'s")
 
-    def _overdue(self, piece: Piece, deadline: Deadline | None, late: PastDeadline, located: Located | None) -> Overdue:
+    def _overdue(self, piece: Piece, deadline: Deadline | None, late: PastDeadline, located: Located | None,
+                 *, asked: bool = False) -> Overdue:
         """The sentence for a piece past its deadline; a worker that may be stuck is
-        forgotten here and reported to the broker, which checks it (and may restart it)."""
+        forgotten here and reported to the broker, which checks it (and may restart it).
+        ``asked``: the broker was asked already (a ``Where(lost)`` the deadline cut short)."""
         host = piece.host
         running = ", ".join(f"`{s.label}`" for s in piece.steps)
         took = "" if deadline is None else f" ({deadline.seconds - deadline.left():.1f} s had passed)"
@@ -317,7 +329,8 @@ class Broker(Pool):
         if located is None:
             return Overdue(f"{text}. Nothing of it ran on `{host}`; give the forward a longer deadline")
         self._forget(host)
-        self._check_on(host, late.waited)
+        if not asked:
+            self._check_on(host, late.waited)
         return Overdue(
             f"{text}. The broker was asked to check `{host}`: a spawned worker still stuck there "
             f"is stopped, and the next forward starts it afresh; a standalone one answers Busy "
@@ -360,10 +373,13 @@ class Broker(Pool):
             self._checking[host] = thread
         thread.start()
 
-    def _lost(self, piece: Piece, located: Located, exc: Broken) -> Broken | Closed:
+    def _lost(self, piece: Piece, located: Located, exc: Broken, deadline: Deadline | None = None,
+              waited: float = 0.0) -> Broken | Closed | Overdue:
         """The sentence for a piece whose worker, or broker, went away: whichever it was, and
         the fix for that one (a spawned worker is started again; any other is restarted where
-        it runs). Or this client was closed under it, by another thread: ``Closed``."""
+        it runs). Or this client was closed under it, by another thread: ``Closed``. The
+        broker's word on it is a wait of the forward's too: past ``deadline``, ``Overdue``
+        (``waited``: seconds since its work was sent)."""
         host = piece.host
         running = ", ".join(f"`{s.label}`" for s in piece.steps)
         if self._closed:
@@ -381,9 +397,21 @@ class Broker(Pool):
                 f"broker is back (`systemctl status somatize-broker`) and `{host}` has dialed in "
                 f"again, forward again"
             )
+        if deadline is not None and deadline.left() <= 0:  # no time left to ask: the broker is told aside
+            late = PastDeadline(f"for the worker, which went away ({exc})")
+            late.waited = waited
+            return self._overdue(piece, deadline, late, located)
         try:
-            # the broker probes the worker before it answers (see `_check_on`): give it the time
-            answer = self._ask(Where(host, lost=True), self.patience * 2)
+            # the broker probes the worker before it answers (see `_check_on`): give it the
+            # time, as far as the deadline leaves it
+            if deadline is not None and deadline.left() < self.patience * 2:
+                answer = self._ask(Where(host, lost=True), deadline.left(),
+                                   late=f"for the broker's word on the worker, which went away ({exc})")
+            else:
+                answer = self._ask(Where(host, lost=True), self.patience * 2)
+        except PastDeadline as late:
+            late.waited = waited
+            return self._overdue(piece, deadline, late, located, asked=True)
         except (Unreachable, Broken, Closed):
             if located.path == "relayed":
                 return Broken(
@@ -451,77 +479,3 @@ class Broker(Pool):
             raise ProtocolError(f"the broker answered `Where` with a `{type(answer).__name__}`")
         self._located[host] = answer
         return answer
-
-    def _ask(self, message: Any, timeout: float, *, late: str | None = None) -> Any:
-        """One request to the broker and its answer. Past ``timeout``: ``Unreachable``, or
-        ``PastDeadline(late)`` when a deadline set the timeout."""
-        with self._lock:
-            if self._closed:
-                raise Closed("this broker was closed; make a new one")
-            if self._control is None:
-                self._control = sockets.dealer(self.patience)
-                if self.keys is not None:
-                    as_client(self._control, self.keys, None)
-                # a broker that refuses this client's keys says nothing: its handshake fails
-                self._watch = self._control.get_monitor_socket(
-                    _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                )
-                self._control.connect(self.url)
-                self._linked = False
-            control, watch = self._control, self._watch
-            with sockets.translated(f"the broker at {self.url}"):
-                control.send_multipart(encode(message))
-                refused = 0
-                until = time.monotonic() + timeout
-                while not sockets.poll(control, min(0.1, max(0.0, until - time.monotonic()))):
-                    while (not refused and watch is not None and time.monotonic() < until
-                           and sockets.readable(watch)):
-                        event = int.from_bytes(watch.recv_multipart()[0][:2], "little")
-                        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                            self._linked = True
-                        elif event == zmq.EVENT_DISCONNECTED:
-                            self._linked = False  # the broker's end closed: it went away
-                        elif hung_up(event, self.keys, self.url, min(self.patience, PROBE)):
-                            self._linked = False  # it hung up during the handshake: as gone
-                        else:
-                            refused = event
-                    if refused or time.monotonic() >= until:
-                        break
-                else:
-                    self._answered = True
-                    return decode(control.recv_multipart(copy=False))
-                # a socket that missed an answer would read it later as another's
-                linked = self._linked
-                self._close_control()
-                if refused:
-                    raise KeysRefused(handshake_refusal(
-                        refused, who=f"the broker at {self.url}", keys=self.keys,
-                        server_key=self.keys.server_key if self.keys is not None else None,
-                        allow="the broker's allow folder (then `systemctl reload somatize-broker`)",
-                        server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
-                    ))
-                if late is not None:
-                    raise PastDeadline(late)
-                if linked:  # connected, handshake done: something is there and says nothing
-                    raise Unreachable(
-                        f"the broker at {self.url} took this client's connection but did not answer "
-                        f"within {timeout:.0f} s: it is stuck or stopped (`systemctl status "
-                        f"somatize-broker` on its machine, and its log, say which)."
-                    )
-                if self._answered:
-                    raise Unreachable(
-                        f"the broker at {self.url} went away: it answered this client before, and now "
-                        f"nobody answered there within {timeout:.0f} s. Is it still running "
-                        f"(`systemctl status somatize-broker`), and its machine reachable?"
-                    )
-                raise Unreachable(
-                    f"nobody answered at {self.url} within {timeout:.0f} s: is a broker running "
-                    f"there, and the port open? Start one with `python -m somatize.broker --listen {self.url}`."
-                )
-
-    def _close_control(self) -> None:
-        control, watch, self._control, self._watch = self._control, self._watch, None, None
-        if control is not None and not control.closed:
-            with contextlib.suppress(zmq.ZMQError):
-                control.disable_monitor()
-        sockets.close(watch, control)

@@ -69,6 +69,7 @@ class Link:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._closed = False
+        self._bound: float | None = None  # the holder's deadline (``time.monotonic()``), if it has one
         self.sock = sockets.dealer(patience)
         if keys is not None:
             as_client(self.sock, keys, None)
@@ -98,8 +99,10 @@ class Link:
         else:
             self._wake()
 
-    def receive(self, number: int, timeout: float) -> list | None:
-        """The next message for lane ``number``, or None after ``timeout`` seconds."""
+    def receive(self, number: int, timeout: float, bound: float | None = None) -> list | None:
+        """The next message for lane ``number``, or None after ``timeout`` seconds.
+        ``bound``: the caller's deadline (``time.monotonic()``), which a wait of its own
+        while it holds the socket (a handshake's probe) does not pass."""
         until = time.monotonic() + timeout
         while True:
             with self._changed:
@@ -119,19 +122,23 @@ class Link:
                         self._waiting -= 1
                     continue
             ok = True
+            self._bound = bound
             try:
                 ok = self._serve(number, until)
             finally:
+                self._bound = None
                 self._release(ok)
 
-    def look(self) -> None:
+    def look(self, bound: float | None = None) -> None:
         """Read the connection's events now, if the socket is free (a channel borrowed after
-        a while idle asks whether the link dropped meanwhile)."""
+        a while idle asks whether the link dropped meanwhile). ``bound``: as for ``receive``."""
         if not self._closed and self._socket.acquire(blocking=False):
             ok = True
+            self._bound = bound
             try:
                 ok = self._take()
             finally:
+                self._bound = None
                 self._release(ok)
 
     def forget(self, number: int) -> None:
@@ -265,9 +272,16 @@ class Link:
                 self._changed.notify_all()
 
     def _event(self, event: int) -> None:
-        # a failed handshake may be a hang-up: asked (up to PROBE) before the lanes' lock is taken
-        refused = bool(event & _HANDSHAKE_FAILED) and not hung_up(event, self.keys, self.address,
-                                                                   min(self.patience, PROBE))
+        # a failed handshake may be a hang-up: asked (up to PROBE, within the holder's
+        # deadline) before the lanes' lock is taken
+        refused = False
+        if event & _HANDSHAKE_FAILED:
+            bound = self._bound
+            verdict = hung_up(event, self.keys, self.address, min(self.patience, PROBE),
+                              within=None if bound is None else bound - time.monotonic())
+            if verdict is None:
+                return  # not known in the holder's time: ZeroMQ tries again, and fails again, soon
+            refused = not verdict
         with self._changed:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.linked = True
@@ -314,13 +328,13 @@ class Lane:
     def send(self, frames: list) -> None:
         self.link.send(encode(Relay(host=self.host, lane=self.number, inner=tuple(frames))))
 
-    def receive(self, timeout: float) -> Any:
-        return self.link.receive(self.number, timeout)
+    def receive(self, timeout: float, bound: float | None = None) -> Any:
+        return self.link.receive(self.number, timeout, bound)
 
-    def dropped(self) -> bool:
+    def dropped(self, bound: float | None = None) -> bool:
         """Whether the link dropped since this lane opened (its events read first, when
-        nobody else is reading them)."""
-        self.link.look()
+        nobody else is reading them, within ``bound``, the caller's deadline)."""
+        self.link.look(bound)
         return self.link.drops != self.drops_seen
 
     def close(self, *, quiet: bool = False) -> None:
