@@ -273,9 +273,11 @@ def test_an_allowed_worker_key_running_as_nobody_gets_none_of_another_users_carg
 class Raw:
     """A client speaking the wire by hand on one DEALER."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, *, keys: tuple[bytes, bytes, bytes] | None = None) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.linger = 0
+        if keys is not None:
+            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = keys
         self.sock.connect(endpoint)
 
     def ask(self, frames, timeout: float = 20.0):
@@ -446,6 +448,27 @@ def test_a_relay_of_the_proof_to_another_worker_proves_nothing_to_the_client(pro
         assert decode(encode(Ready(RT))).proof == ""
         answer = raw.ask(encode(Hello(RT, prove=f"prove-{os.getpid()}-{'9' * 32}")))
         assert isinstance(answer, Ready) and answer.proof == ""
+    finally:
+        raw.close()
+
+
+def test_a_listening_worker_with_keys_proves_it_is_the_holder_of_its_key(processes, folder, tmp_path):
+    """The proof of a worker that listens with CURVE keys is bound to its public key: what a
+    client of a broker's spawned child (``Located.key``) expects of it."""
+    from somatize.fabric import proofs
+
+    ring = key_ring(tmp_path, clients=("alice",), workers=(), others=("worker",))
+    w = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mount", str(folder),
+                   "--key", str(ring["worker_secret"]), "--allow", str(ring["allow"])], env=env_with_tests())
+    public, secret = read_secret(ring["alice_secret"])
+    raw = Raw(w.endpoint, keys=(public, secret, read_public(ring["worker"])))
+    try:
+        made = proofs.challenge(str(folder), named_by_peer=False)
+        answer = raw.ask(encode(Hello(RT, prove=made.name)))
+        made.remove()
+        assert isinstance(answer, Ready)
+        assert made.proves(answer.proof, proofs.identity(None, read_public(ring["worker"])))
+        assert not made.proves(answer.proof, proofs.identity(None, None))
     finally:
         raw.close()
 
