@@ -28,8 +28,9 @@ from somatize import Broker, Node, NodeFailed, Worker
 from somatize.fabric import leases, mount
 from somatize.fabric.client import lending as client_pool
 from somatize.packing import Packer
-from somatize.wire import WIRE_VERSION, Done, Hello, Mounted, Ready, Recipe, Refusal, Runtime, Work, decode, encode
+from somatize.wire import WIRE_VERSION, Done, Mounted, Recipe, Refusal, Work, decode, encode
 from reliability_support import wait_until
+from cargo_support import proved, sealed
 
 SHM = Path("/dev/shm")
 pytestmark = pytest.mark.skipif(
@@ -367,9 +368,9 @@ def test_hostile_spans_and_names_are_refused_and_the_worker_keeps_serving(proces
     work = encode(Work(1, Recipe((scale,), ("step", 0)), x, watched=False))
     me = f"{os.getpid()}-{mount._tag()}"
     try:
-        assert isinstance(raw.ask(encode(Hello(Runtime.here(mode="project")))), Ready)
+        key = proved(raw.ask, folder)  # cargo goes only to a worker that proved it sees the folder
         lending = client_pool.Lending(pool)
-        good = decode(lending.send(work))
+        good = decode(lending.send(work, key))
         seg = good.files[0]
 
         def refused(msg, why: str) -> None:
@@ -380,12 +381,12 @@ def test_hostile_spans_and_names_are_refused_and_the_worker_keeps_serving(proces
         def variant(**changes) -> Mounted:
             fields = dict(files=good.files, header=good.header, spans=good.spans, spare=good.spare, kept=())
             fields.update(changes)
-            return Mounted(**fields)
+            return sealed(Mounted(**fields), key)  # sealed: the check each one is about is reached
 
         size = pool.known[seg].size
         refused(variant(spans=((0, size - 8, 64),)), "reads up to byte")
         refused(variant(spans=((0, 32 << 30, 16 << 30),)), "reads up to byte")
-        overflow = {"v": WIRE_VERSION, "t": "Mounted", "files": [seg], "spans": [[0, 0, 2**40]], "spare": [], "kept": []}
+        overflow = {"v": WIRE_VERSION, "t": "Mounted", "files": [seg], "spans": [[0, 0, 2**40]], "spare": [], "kept": [], "seal": ""}
         refused([msgpack.packb(overflow), bytes(good.header)], "Mounted.spans[0][2]")
         refused(variant(spare=("4242-" + "0" * 32 + "-0",)), "two different owners")
         link = f"{me}{'1' * 24}-0"
@@ -401,7 +402,7 @@ def test_hostile_spans_and_names_are_refused_and_the_worker_keeps_serving(proces
             os.chown(folder / theirs, 65534, 65534)  # nobody's
             refused(variant(files=(theirs,)), "belongs to user 65534")
         # and the worker still serves, from the very same segment
-        answer = raw.ask(lending.send(work))
+        answer = raw.ask(lending.send(work, key))
         assert isinstance(answer, Mounted) and not answer.kept
         done = decode(lending.receive(answer))
         assert isinstance(done, Done)

@@ -26,6 +26,7 @@ import zmq
 from conftest import BROKER, SETPRIV, WORKER, env_with_tests
 from fabric_nodes import Scale
 from reliability_support import key_ring, wait_until
+from cargo_support import proved, sealed
 from somatize import Node, ProtocolError
 from somatize.fabric import leases, mount
 from somatize.fabric.client import lending as client_pool
@@ -78,6 +79,7 @@ class Raw:
     """A client speaking the wire by hand on one DEALER."""
 
     def __init__(self, endpoint: str, *, keys: tuple[bytes, bytes, bytes] | None = None) -> None:
+        self.key = b""  # the seal key of its session, once a worker proved it sees the folder (`greeted`)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.linger = 0
         if keys is not None:
@@ -110,9 +112,11 @@ def work_of(node: Node, x, ref: int = 1) -> list:
     return encode(Work(ref, Recipe((spec,), ("step", 0)), x, watched=False))
 
 
-def greeted(endpoint: str) -> Raw:
+def greeted(endpoint: str, folder: Path) -> Raw:
+    """A raw client greeted by the worker, which proved it sees ``folder``: ``raw.key`` seals
+    what it names there (a request with no seal of its session is refused before anything)."""
     raw = Raw(endpoint)
-    assert isinstance(raw.ask(encode(Hello(RT))), Ready)
+    raw.key = proved(raw.ask, folder)
     return raw
 
 
@@ -128,7 +132,7 @@ def tidy(folder: Path, pool: client_pool.Pool) -> None:
 @in_memory
 def test_a_sparse_segment_does_not_make_the_worker_allocate_what_the_client_never_did(processes, folder):
     w = worker(processes, folder)
-    raw = greeted(w.endpoint)
+    raw = greeted(w.endpoint, folder)
     mount.private(folder)
     frames = work_of(Scale(2.0), np.arange(1000, dtype=np.float64))
     name = f"{me()}{secrets.token_hex(12)}-0"
@@ -138,7 +142,8 @@ def test_a_sparse_segment_does_not_make_the_worker_allocate_what_the_client_neve
             out.truncate(64 << 20)  # a hole: nothing allocated
             out.write(bytes(frames[1]))
         before = os.stat(path).st_blocks * 512
-        answer = raw.ask(encode(Mounted((name,), header=bytes(frames[0]), spans=((0, 0, len(frames[1])),))))
+        answer = raw.ask(encode(sealed(Mounted((name,), header=bytes(frames[0]), spans=((0, 0, len(frames[1])),)),
+                                       raw.key)))
         after = os.stat(path).st_blocks * 512
         assert before < (1 << 20)
         assert isinstance(answer, Refusal) or after < (4 << 20), (
@@ -154,7 +159,7 @@ def test_a_sparse_segment_does_not_make_the_worker_allocate_what_the_client_neve
 def test_an_answer_the_client_gave_up_on_leaves_no_segment_behind(processes, folder, tmp_path):
     started, go = tmp_path / "started", tmp_path / "go"
     w = worker(processes, folder)
-    raw = greeted(w.endpoint)
+    raw = greeted(w.endpoint, folder)
     pool = client_pool.pool(folder)
     for seg in [pool.lease(3 << 20), pool.lease(8 << 20)]:  # free: the input's, and a spare for the answer
         seg.lent = False
@@ -162,7 +167,7 @@ def test_an_answer_the_client_gave_up_on_leaves_no_segment_behind(processes, fol
     try:
         lending = client_pool.Lending(pool)
         x = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: needs a spare or a new file
-        sent = lending.send(work_of(SlowScale(str(started), str(go)), x))
+        sent = lending.send(work_of(SlowScale(str(started), str(go)), x), raw.key)
         assert decode(sent).spare, "the request offered no spare"
         raw.send(sent)
         wait_until(started.exists, 10, "the node starting")
@@ -184,15 +189,15 @@ def test_a_spare_that_is_the_requests_own_input_is_never_written_over(processes,
     and a `kept` the worker should ignore): the worker would write its answer over the input
     it is still reading. It does not: the answer goes to a new file, the input is intact."""
     w = worker(processes, folder)
-    raw = greeted(w.endpoint)
+    raw = greeted(w.endpoint, folder)
     pool = client_pool.pool(folder)
     x = np.arange(1 << 16, dtype=np.float64)
     try:
         lending = client_pool.Lending(pool)
-        good = decode(lending.send(work_of(Scale(3.0), x)))
+        good = decode(lending.send(work_of(Scale(3.0), x), raw.key))
         (seg,) = good.files
         before = bytes(pool.known[seg].view[: x.nbytes])
-        hostile = Mounted(good.files, header=good.header, spans=good.spans, spare=(seg,), kept=(seg,))
+        hostile = sealed(Mounted(good.files, header=good.header, spans=good.spans, spare=(seg,), kept=(seg,)), raw.key)
         answer = raw.ask(encode(hostile))
         assert isinstance(answer, Mounted), answer
         assert not answer.kept
@@ -206,8 +211,9 @@ def test_a_spare_that_is_the_requests_own_input_is_never_written_over(processes,
 
         # two spans over the same bytes: the node sees the same memory twice, nothing breaks
         lending = client_pool.Lending(pool)
-        good = decode(lending.send(work_of(Scale(1.0), x)))
-        twice = Mounted(good.files, header=good.header, spans=(good.spans[0], good.spans[0]), spare=good.spare)
+        good = decode(lending.send(work_of(Scale(1.0), x), raw.key))
+        twice = sealed(Mounted(good.files, header=good.header, spans=(good.spans[0], good.spans[0]), spare=good.spare),
+                       raw.key)
         answer = raw.ask(encode(twice))
         assert isinstance(answer, (Mounted, Refusal)), answer
         if isinstance(answer, Mounted):
@@ -374,9 +380,9 @@ def test_a_peer_cannot_forge_a_line_in_a_workers_log(processes, folder):
             encode(Hello(RT)),
             forged(Where("w1"), host=FORGED),
             [msgpack.packb({"v": WIRE_VERSION, "t": "Mounted", "files": [short], "spans": [], "spare": [],
-                            "kept": []}), b"x"],
+                            "kept": [], "seal": ""}), b"x"],
             [msgpack.packb({"v": WIRE_VERSION, "t": "Mounted", "files": [f"{me()}{'0' * 24}-0"], "spans": [],
-                            "spare": [short], "kept": [short]}), b"x"],
+                            "spare": [short], "kept": [short], "seal": ""}), b"x"],
         ):
             assert isinstance(raw.ask(frames), (Refusal, Ready))
         wait_until(lambda: w.stderr().count("refused") >= 5, 10, "the worker logging its refusals")
@@ -437,7 +443,7 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
     the request is refused, the answer is never written into the short spare, the worker
     serves on."""
     w = worker(processes, folder)
-    raw = greeted(w.endpoint)
+    raw = greeted(w.endpoint, folder)
     pool = client_pool.pool(folder)
     x = np.arange(1 << 17, dtype=np.float64)  # 1 MiB
     try:
@@ -445,7 +451,7 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
             seg.lent = False
             pool.settle(seg)
         lending = client_pool.Lending(pool)
-        first = decode(lending.send(work_of(Scale(2.0), x)))
+        first = decode(lending.send(work_of(Scale(2.0), x), raw.key))
         assert first.spare
         answer = raw.ask(encode(first))  # now the worker has both mapped
         assert isinstance(answer, Mounted) and answer.files == first.spare, answer
@@ -458,13 +464,14 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
 
         # the input whole, the spare short: the answer goes to a new file
         lending = client_pool.Lending(pool)
-        second = decode(lending.send(work_of(Scale(2.0), x)))
+        second = decode(lending.send(work_of(Scale(2.0), x), raw.key))
         spare = f"{me()}{secrets.token_hex(12)}-0"
         with open(os.open(folder / spare, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "r+b") as out:
             os.posix_fallocate(out.fileno(), 0, 4 << 20)
-        raw.ask(encode(Mounted(second.files, header=second.header, spans=second.spans, spare=(spare,))))
+        raw.ask(encode(sealed(Mounted(second.files, header=second.header, spans=second.spans, spare=(spare,)), raw.key)))
         os.truncate(folder / spare, 4096)  # mapped by the worker at 4 MiB, now one page
-        answer = raw.ask(encode(Mounted(second.files, header=second.header, spans=second.spans, spare=(spare,))))
+        answer = raw.ask(encode(sealed(Mounted(second.files, header=second.header, spans=second.spans, spare=(spare,)),
+                                       raw.key)))
         assert isinstance(answer, Mounted) and spare not in answer.files, answer
         assert os.stat(folder / spare).st_size == 4096
         done = decode(lending.receive(answer))
@@ -491,11 +498,11 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
 def test_a_segment_truncated_while_a_node_reads_it_does_not_kill_the_worker(processes, folder, tmp_path):
     started, go = tmp_path / "started", tmp_path / "go"
     w = worker(processes, folder)
-    raw = greeted(w.endpoint)
+    raw = greeted(w.endpoint, folder)
     pool = client_pool.pool(folder)
     try:
         lending = client_pool.Lending(pool)
-        sent = lending.send(work_of(SlowSum(str(started), str(go)), np.ones(1 << 17)))
+        sent = lending.send(work_of(SlowSum(str(started), str(go)), np.ones(1 << 17)), raw.key)
         raw.send(sent)
         wait_until(started.exists, 10, "the node starting")
         os.truncate(folder / decode(sent).files[0], 0)

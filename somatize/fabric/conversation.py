@@ -28,6 +28,7 @@ from ..wire import (
     Done,
     Failed,
     Hello,
+    Mounted,
     Provision,
     Ready,
     Recipe,
@@ -40,6 +41,7 @@ from ..wire import (
     recipe_digest,
     with_recipe,
 )
+from .proofs import sealed
 
 __all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]
 
@@ -194,6 +196,8 @@ class _Session:
     streams: set[int] = field(default_factory=set)  # answers streaming to it, not yet all credited
     # the recipes this peer sent in full, by the digest this side computed: digest -> (recipe, cost)
     recipes: OrderedDict[str, tuple[Recipe, int]] = field(default_factory=OrderedDict)
+    # the key of its seals, once its Hello proved it shares this worker's folder (`proofs`)
+    seal: bytes | None = None
 
 
 def _recipe_cost(size: int) -> int:
@@ -223,6 +227,11 @@ class WorkerSessions:
     recently used forgotten first; a Hello starts afresh. A Work naming a digest its own peer
     did not send (another peer's, or a forgotten one) is refused ``recipe=True`` and runs
     nothing: one peer never runs under a recipe another sent.
+
+    Cargo: a ``Mounted`` may arrive only from a peer whose Hello proved that it shares this
+    worker's folder (``proven``), and only naming files under that session's seal
+    (``carries``, asked before any file is opened): a segment lent to one session opens
+    nothing in another, whatever its name. A Hello renews the session, and its key with it.
     """
 
     def __init__(
@@ -307,6 +316,35 @@ class WorkerSessions:
                 self._keep(peer, session, msg.recipe)
             session.open[msg.ref] = time.monotonic()
         return msg
+
+    def proven(self, peer: bytes, key: bytes) -> None:
+        """``peer``'s Hello, just greeted, proved that it shares this worker's folder: the
+        key of the seals of its requests (``proofs.seal_key``)."""
+        session = self._sessions.get(peer)
+        if session is not None:
+            session.seal = key
+
+    def carries(self, peer: bytes, mounted: Mounted) -> None:
+        """May ``peer`` name these files? Only under its own session's seal; raises
+        ``Violation`` (``Unknown`` for a peer that did not say Hello), before anything is
+        opened."""
+        session = self._sessions.get(peer)
+        if session is None:
+            self.refused += 1
+            raise Unknown("say Hello first: this worker has not heard from you")
+        if session.seal is None:
+            self.refused += 1
+            raise Violation(
+                "a `Mounted` names files in this worker's folder, and your Hello proved no folder: a "
+                "client sends cargo through a folder only once the worker proved it sees it "
+                "(`Hello.prove`); send it on the socket"
+            )
+        if not sealed(session.seal, mounted.files, mounted.spare, mounted.seal):
+            self.refused += 1
+            raise Violation(
+                "a `Mounted` names files that your session did not lend (its seal is not this session's): "
+                "a worker maps only the segments lent to the exchange that names them"
+            )
 
     def _recalled(self, session: _Session, work: Work) -> Work:
         kept = session.recipes.get(work.recipe_digest)

@@ -24,6 +24,11 @@ known. It is swept from a folder by the first ``write`` or ``read`` of each proc
 folder, and each time a spawned worker is started there (``spawn.Child.start``): files of
 this machine whose owner's pid is dead are removed. A worker answering names its files for
 the client (``write(..., answering=request)``), so they are swept with the client's.
+
+A client uses a folder only once the worker it talks to has proved, on that channel, that it
+sees it, and every request it sends names its files under that session's seal; a worker
+opens no file a request names unless its own session sealed it (:mod:`.proofs`). A proof's
+file (``prove-...``) is swept as a dead client's cargo is.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ NAME = re.compile(r"(\d{1,10})-([0-9a-f]{8})[0-9a-f]{24}-\d{1,6}")
 #: The file a dialing worker makes in its folder (``mark``), and a dead one's (``sweep``).
 SEEN = re.compile(r"\d{1,10}-[0-9a-f]{32}")
 _SEEN_FILE = re.compile(r"seen-(\d{1,10})-([0-9a-f]{8})[0-9a-f]{24}")
+_PROOF_FILE = re.compile(r"prove-(\d{1,10})-([0-9a-f]{8})[0-9a-f]{24}")  # a client's (`proofs.challenge`)
 
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never hangs us
 _OPEN_READWRITE = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -60,11 +66,13 @@ _lock = threading.Lock()
 
 
 def write(
-    frames: Sequence[bytes | memoryview], folder: str | os.PathLike[str], *, answering: Mounted | None = None
+    frames: Sequence[bytes | memoryview], folder: str | os.PathLike[str], *, answering: Mounted | None = None,
+    seal_key: bytes | None = None,
 ) -> tuple[list, list[Path]]:
     """Write ``frames[1:]`` to files in ``folder``; return the frames of the ``Mounted``
     message to send in their place, and the files made. With ``answering`` (the mounted
-    request being answered), the files are named for that request's owner."""
+    request being answered), the files are named for that request's owner; with
+    ``seal_key`` (a request's: its session's), the names are sealed (:mod:`.proofs`)."""
     root = private(folder)
     prefix = _owner_prefix(answering) or f"{os.getpid()}-{_tag()}"
     token = prefix + secrets.token_hex(12)
@@ -85,7 +93,10 @@ def write(
     finally:
         os.close(directory)
     # the names are sent only once every file is complete: a reader never maps half of one
-    return encode(Mounted(tuple(names), header=frames[0])), made
+    from .proofs import seal  # proofs builds on this module
+
+    sealed = seal(seal_key, names) if seal_key is not None else ""
+    return encode(Mounted(tuple(names), header=frames[0], seal=sealed)), made
 
 
 def read(msg: Mounted, folder: str | os.PathLike[str]) -> tuple[list, list[Path]]:
@@ -201,7 +212,7 @@ def sweep(folder: str | os.PathLike[str]) -> list[str]:
         return gone
     dead: dict[int, bool] = {}
     for name in names:
-        match = NAME.fullmatch(name) or _SEEN_FILE.fullmatch(name)
+        match = NAME.fullmatch(name) or _SEEN_FILE.fullmatch(name) or _PROOF_FILE.fullmatch(name)
         if match is None or match.group(2) != tag:
             continue
         pid = int(match.group(1))
@@ -236,7 +247,10 @@ def unmark(folder: str | os.PathLike[str], token: str) -> None:
 def sees(folder: str, token: str) -> bool:
     """Whether this process sees the folder a worker marked with ``token``: the folder is
     safe for cargo (``unsafe``) and holds the worker's file, a regular file of this user's
-    with one link. A folder named by a peer is only looked at, never made or swept."""
+    with one link. A folder named by a peer is only looked at, never made or swept.
+
+    A hint, never a proof: anyone may copy a token (the broker lists them). It says only
+    whether asking the worker to prove it sees the folder (:mod:`.proofs`) is worth a file."""
     if not SEEN.fullmatch(token) or not os.path.isabs(folder) or unsafe(folder) is not None:
         return False
     try:
@@ -257,8 +271,9 @@ def sees(folder: str, token: str) -> bool:
 
 
 def folder_of(located: Located) -> str | None:
-    """The folder a client sends cargo through: a declared mount's, or the folder a relayed
-    worker or a broker's child named, when this process finds the file marked there
+    """The folder a client may send cargo through, once the worker it reaches has proved on
+    that channel that it sees it (:mod:`.proofs`): a declared mount's, or the folder a
+    relayed worker or a broker's child named, when this process finds the file marked there
     (``sees``); None, and cargo goes on the socket."""
     if located.path == "mount":
         return located.mount

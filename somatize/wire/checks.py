@@ -104,6 +104,12 @@ def _check_hello(m: Hello) -> None:
         if m.offering is None:
             raise Bad("`Hello.mount` is a dialing worker's folder for cargo, and this Hello offers no host")
         _mount_and_token(m.mount, m.seen, "Hello")
+    _text(m.prove, "Hello.prove", limits.MAX_FILE_NAME, empty=True)
+    if m.prove:
+        if m.offering is not None:
+            raise Bad("`Hello.prove` names a file for a worker to read, and a worker offering a host proves nothing")
+        if not limits.PROOF_FILE.fullmatch(m.prove):
+            raise Bad(f"`Hello.prove` is {shown(m.prove)}, not a proof's file (prove-, a pid, a dash, 32 hex digits)")
 
 
 def _mount_and_token(mount: Any, seen: Any, where: str) -> None:
@@ -263,6 +269,14 @@ def _check_nothing(m: Any) -> None:
 def _check_ready(m: Ready) -> None:
     _runtime(m.runtime, "Ready.runtime")
     _int(m.busy_us, "Ready.busy_us", 0, limits.MAX_REF)
+    _sealed(m.proof, "Ready.proof")
+
+
+def _sealed(x: Any, where: str) -> None:
+    """A proof or a seal: 32 hex digits, or ``""`` for none."""
+    _text(x, where, 32, empty=True)
+    if x and not limits.SEAL.fullmatch(x):
+        raise Bad(f"`{where}` is {shown(x)}, not 32 hex digits")
 
 
 def _check_relay(m: Relay) -> None:
@@ -347,6 +361,7 @@ def _check_mounted(m: Mounted) -> None:
             _text(name, f"Mounted.{field_name}[{i}]", limits.MAX_FILE_NAME)
             if not limits.MOUNT_FILE.fullmatch(name):
                 raise Bad(f"`Mounted.{field_name}[{i}]` is {shown(name)}, not a name the mount makes")
+    _sealed(m.seal, "Mounted.seal")
 
 
 def _sid(x: Any, where: str) -> None:

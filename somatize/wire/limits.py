@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-WIRE_VERSION = 9
+WIRE_VERSION = 10
 """The version of this layout. Two sides talk only when it is the same on both. (5: a
 project-mode ``NodeSpec`` carries the client's digest of the node's code, ``code``; 7: a
 dialing worker's ``Hello`` and a relayed ``Located`` may name its folder for cargo; 8:
@@ -82,7 +82,12 @@ PYTHON = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}")
 """Python's major.minor version."""
 MOUNT_FILE = re.compile(r"(?:[0-9]{1,10}-)?[0-9a-f]{32}-[0-9]{1,6}")
 """A file the mount makes: 32 hex digits of token and the frame's number, after the
-writer's pid when it gives one. Nothing else is ever opened in a mount folder."""
+writer's pid when it gives one. Nothing else is ever opened in a mount folder (but a proof)."""
+PROOF_FILE = re.compile(r"prove-[0-9]{1,10}-[0-9a-f]{32}")
+"""The file a client makes in a worker's folder for it to prove that it sees the folder
+(``Hello.prove``): its pid, then 32 hex (a machine tag and random), as a cargo file's."""
+SEAL = re.compile(r"[0-9a-f]{32}")
+"""A proof (``Ready.proof``) and a seal (``Mounted.seal``): 32 hex digits."""
 Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 """The characters of Z85 text (a CURVE key)."""
 

@@ -104,14 +104,20 @@ class Hello:
 
     A worker dialing in to a broker names the host it serves in ``offering``; one started
     with a folder for cargo (``--mount``) names it in ``mount``, and in ``seen`` the token of
-    a file it made there (``seen-<token>``, the token its pid and 32 hex), by which a client tells whether it sees the very
-    same folder.
+    a file it made there (``seen-<token>``, the token its pid and 32 hex), by which a client tells whether it may see the very
+    same folder (a hint: anyone may copy a token).
+
+    A client that would send cargo through the worker's folder names in ``prove`` a file it
+    has just made there (``prove-<pid>-<32 hex>``, 32 random bytes, this user's alone): the
+    worker proves it sees the folder by what it read there (``Ready.proof``), and what it
+    read keys the seal of every ``Mounted`` of this session (:mod:`somatize.fabric.proofs`).
     """
 
     runtime: Runtime
     offering: str | None = None
     mount: str | None = None
     seen: str = ""
+    prove: str = ""
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,10 @@ class Ready:
     runtime: Runtime
     busy_us: int = 0
     """How long the worker's oldest running work has run, in whole microseconds (0: idle)."""
+    proof: str = ""
+    """The answer to a ``Hello`` that named a file to ``prove``: what the worker read there,
+    bound to who it is (32 hex; :func:`somatize.fabric.proofs.proof_of`); ``""`` when it
+    read nothing (it does not see the folder)."""
 
 
 @dataclass(frozen=True)
@@ -357,6 +367,10 @@ class Mounted:
     kept: tuple[str, ...] = ()
     """An answer's: segments of the request the worker still holds views of (a node kept
     its input): the client never reuses them."""
+    seal: str = ""
+    """A request's: the names of ``files`` and ``spare``, sealed with the key of the session
+    that lends them (32 hex; :func:`somatize.fabric.proofs.seal`): a worker maps no file a
+    request names unless its own session sealed it. ``""`` in an answer."""
 
 
 Request = Hello | Provision | Work | Where | Hosts | Bye

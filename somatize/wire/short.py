@@ -303,9 +303,10 @@ def read(cls: type, buffers: list) -> Relay | Work | Done | Hello | Ready | Bye 
 
 def remember(buffers: list, msg: Any) -> None:
     """A greeting read the long way (so checked whole): the same bytes read again are it.
-    A dialing worker's ``Hello`` names its host, and differs from worker to worker: not kept."""
+    A dialing worker's ``Hello`` names its host, and differs from worker to worker, and a
+    proof (``Hello.prove``, ``Ready.proof``) is made once: neither is kept."""
     if type(msg) in GREETINGS and len(buffers) == 1 and len(buffers[0]) <= _MAX_GREETING_BYTES:
-        if type(msg) is Hello and msg.offering is not None:
+        if _once(msg):
             return
         if len(_KNOWN) >= _MAX_GREETINGS:  # many runtimes (or a peer sending many): start afresh
             _KNOWN.clear()
@@ -322,10 +323,16 @@ def written(msg: Hello | Ready | Bye) -> list[bytes] | None:
 
 
 def keep_written(msg: Hello | Ready | Bye, frames: list) -> None:
-    if len(frames) == 1 and len(frames[0]) <= _MAX_GREETING_BYTES and getattr(msg, "offering", None) is None:
+    if len(frames) == 1 and len(frames[0]) <= _MAX_GREETING_BYTES and not _once(msg):
         if len(_WRITTEN) >= _MAX_GREETINGS:
             _WRITTEN.clear()
         _WRITTEN[msg] = [bytes(frames[0])]
+
+
+def _once(msg: Any) -> bool:
+    """A greeting that is never the same twice: not worth remembering."""
+    return getattr(msg, "offering", None) is not None or bool(getattr(msg, "prove", "")) \
+        or bool(getattr(msg, "proof", ""))
 
 
 def _each_key_once(head: Any) -> bool:

@@ -43,6 +43,7 @@ from ...wire import (
     Located,
     NodeSpec,
     Provision,
+    Ready,
     Recipe,
     Refusal,
     Runtime,
@@ -57,6 +58,7 @@ from ...wire import (
 from .. import leases as _leases
 from . import lending as _lending
 from .. import mount as _mount
+from .. import proofs as _proofs
 from .. import sockets
 from .carriage import LOOK_EVERY_MS, Carriage
 from .refusals import TurnedAway, unreadable
@@ -108,7 +110,14 @@ class Channel(Carriage):
         self.patience = patience
         self.address = address
         self.relayed = located.path == "relayed"
-        self.folder = _mount.folder_of(located)  # where cargo goes; None: on the socket
+        # where cargo may go, once the worker proves on this channel that it sees it (`_say_hello`)
+        self._may_mount = _mount.folder_of(located)
+        self._proving = _proofs.expected(located)  # who the worker must prove it is
+        self._worker = f"{self._proving}@{located.address}"  # whose segments it is lent (`lending`)
+        self._challenge: _proofs.Challenge | None = None  # the proof asked of the worker, not yet answered
+        self.folder: str | None = None  # where cargo goes, proved; None: on the socket
+        self.seal_key: bytes | None = None  # the key of this session's seals (`proofs.seal`)
+        self._unusable: Refused | None = None  # why the declared folder may not hold cargo
         self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
         self.exchange = ClientExchange()
         self.lane = lane  # a relayed channel: a lane of the client's one link to the broker
@@ -158,6 +167,7 @@ class Channel(Carriage):
         _mount.remove(self.mounted)
         self.mounted = []
         self._end_lending()
+        self._unchallenge()
         if self.lane is not None:
             self.lane.close(quiet=quiet)  # its worker hears Bye; the link stays for the other lanes
             return
@@ -184,13 +194,31 @@ class Channel(Carriage):
         self._sure_for = None  # and what it reads is what its answer to this Hello says
         self.exchange.hello_sent()
         self._mine = Runtime.here(mode=self.packer.mode)
-        self._send(encode(Hello(self._mine)))
+        # a folder is believed seen by this worker only once it proves it, now: a new session
+        # (a worker greeted again may be another process) proves it anew, under a new key
+        self._unchallenge()
+        self.folder = self.seal_key = None
+        if self._may_mount is not None:
+            try:
+                self._challenge = _proofs.challenge(self._may_mount, named_by_peer=self.located.path != "mount")
+            except Refused as exc:  # a declared folder that may not hold cargo: said by the first cargo
+                self._unusable = exc
+        self._send(encode(Hello(self._mine, prove=self._challenge.name if self._challenge is not None else "")))
         self._greeting = time.monotonic() + self.patience  # when its answer is due
+
+    def _unchallenge(self) -> None:
+        challenge, self._challenge = self._challenge, None
+        if challenge is not None:
+            challenge.remove()
 
     def _greeted(self, deadline: Deadline | None) -> None:
         """The answer to the Hello sent (`_say_hello`), read and checked."""
         answer_by, self._greeting = self._greeting, None
         answer = self._next(answer_by, "for the worker to answer Hello", deadline)
+        challenge = self._challenge
+        self._unchallenge()  # read by now, or never
+        if challenge is not None and isinstance(answer, Ready) and challenge.proves(answer.proof, self._proving):
+            self.folder, self.seal_key = self._may_mount, _proofs.seal_key(challenge.nonce)
         mine = self._mine
         if isinstance(answer, Refusal):
             if answer.why.startswith("busy:"):
@@ -429,13 +457,19 @@ class Channel(Carriage):
             self.provisioned.add(digest)
 
     def _send_work(self, ref: int, frames: list, deadline: Deadline | None = None) -> None:
+        if self.lending is not None and self.folder is None:
+            # greeted again, by a worker that proved no folder: what was lent is retired
+            lending, self.lending = self.lending, None
+            lending.end(answered=False)
+        if self._unusable is not None and len(frames) > 1:
+            raise self._unusable
         if self.folder is not None and len(frames) > 1:
             if self.lending is not None or _leases.in_memory(self.folder):  # one machine: pooled memory
                 if self.lending is None:
-                    self.lending = _lending.Lending(_lending.pool(self.folder))
-                frames = self.lending.send(frames)
+                    self.lending = _lending.Lending(_lending.pool(self.folder), self._worker)
+                frames = self.lending.send(frames, self.seal_key)
             else:  # a folder other machines see: one file per frame
-                frames, made = _mount.write(frames, self.folder)
+                frames, made = _mount.write(frames, self.folder, seal_key=self.seal_key)
                 self.mounted.extend(made)
         self.exchange.work_sent(ref)
         self.sent_at = time.monotonic()

@@ -2,12 +2,21 @@
 :class:`Pool` of segments this process creates and owns in each mount folder, and the
 :class:`Lending` of one exchange, which copies a request into a leased segment, reads the
 answer out, and gives the segments back (or retires them) however the exchange ends.
+
+A segment belongs to the worker it was first lent to, for life: it is lent again, as input
+or as a spare, only to that worker (``Segment.worker``: the host as the client reaches it),
+never to another. Zeroing it on the way to another worker would hide its old bytes from the
+new one, but not the new bytes from the old one, which may keep it mapped (a worker's
+``Attachments`` do, by design, between calls); and it costs a pass over the segment each
+time. So one pool per folder, its free segments kept apart by worker, and its bounds
+(``IDLE_COUNT``, ``IDLE_BYTES``) over them all: memory does not grow with the workers.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import mmap
 import os
 import secrets
@@ -23,6 +32,7 @@ import numpy as np
 from ...errors import ProtocolError, Refused
 from ...wire import Mounted, encode
 from .. import mount as _mount
+from ..proofs import seal as _seal
 from ..leases import aligned, anchor_at, byte_view, MAKE, map_shared, open_folder, size_for
 
 IDLE_COUNT = 8
@@ -33,10 +43,11 @@ SPARE = 4
 class Segment:
     """One pooled file, mapped for as long as it lives."""
 
-    __slots__ = ("name", "path", "size", "map", "view", "holds", "lent", "retired", "gone", "__weakref__")
+    __slots__ = ("name", "path", "size", "map", "view", "holds", "lent", "retired", "gone", "worker", "__weakref__")
 
-    def __init__(self, name: str, path: Path, size: int, mapped: mmap.mmap) -> None:
+    def __init__(self, name: str, path: Path, size: int, mapped: mmap.mmap, worker: str = "") -> None:
         self.name = name
+        self.worker = worker  # the only worker it is ever lent to
         self.path = path
         self.size = size
         self.map = mapped
@@ -70,26 +81,28 @@ class Pool:
         self.released: deque[Segment] = deque()
 
     # segments in and out
-    def lease(self, need: int) -> Segment:
+    def lease(self, need: int, worker: str = "") -> Segment:
+        """A segment of at least ``need`` bytes for ``worker``: the smallest free one that
+        was lent to it before, or a new one, which is its from now on."""
         with self.lock:
             self._released()
             best = None
             for seg in self.free.values():
-                if seg.size >= need and (best is None or seg.size < best.size):
+                if seg.worker == worker and seg.size >= need and (best is None or seg.size < best.size):
                     best = seg
             if best is not None:
                 del self.free[best.name]
                 best.lent = True
                 return best
-        seg = self._make(size_for(need))
+        seg = self._make(size_for(need), worker)
         seg.lent = True
         return seg
 
-    def spares(self, count: int) -> list[Segment]:
-        """Up to ``count`` free segments, the largest first, lent to the caller."""
+    def spares(self, count: int, worker: str = "") -> list[Segment]:
+        """Up to ``count`` free segments of ``worker``'s, the largest first, lent to the caller."""
         with self.lock:
             self._released()
-            chosen = sorted(self.free.values(), key=lambda s: -s.size)[:count]
+            chosen = sorted((s for s in self.free.values() if s.worker == worker), key=lambda s: -s.size)[:count]
             for seg in chosen:
                 del self.free[seg.name]
                 seg.lent = True
@@ -107,8 +120,8 @@ class Pool:
         with self.lock:
             self._released()
 
-    def adopt(self, name: str) -> Segment:
-        """A file a worker made for this process's answer, taken into the pool."""
+    def adopt(self, name: str, worker: str = "") -> Segment:
+        """A file ``worker`` made for this process's answer, taken into the pool as its."""
         directory = open_folder(self.root)
         try:
             descriptor, info = _mount.opened(directory, self.root, name, writable=True, need=1)
@@ -117,7 +130,7 @@ class Pool:
         try:
             with contextlib.suppress(OSError):
                 os.posix_fallocate(descriptor, 0, info.st_size)  # a hole would fault on reuse
-            seg = Segment(name, self.root / name, info.st_size, map_shared(descriptor, info.st_size))
+            seg = Segment(name, self.root / name, info.st_size, map_shared(descriptor, info.st_size), worker)
         finally:
             os.close(descriptor)
         with self.lock:
@@ -211,7 +224,7 @@ class Pool:
                 seg.view.release()
                 seg.map.close()
 
-    def _make(self, size: int) -> Segment:
+    def _make(self, size: int, worker: str) -> Segment:
         name = f"{self.prefix}{secrets.token_hex(12)}-0"
         path = self.root / name
         for again in (True, False):
@@ -234,7 +247,7 @@ class Pool:
                     f"a shared-memory segment of {size:,} bytes could not be made in {self.root} "
                     f"({exc.strerror}): free memory there, or give `mount=` a larger folder"
                 ) from exc
-            seg = Segment(name, path, size, map_shared(descriptor, size))
+            seg = Segment(name, path, size, map_shared(descriptor, size), worker)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -282,22 +295,26 @@ class Lending:
     """The client's side of one mounted exchange: the segments it lent, and what it read.
 
     ``send`` copies a request's frames into a leased segment and returns the ``Mounted``
-    frames to send (the same ones when the request is sent again); ``receive`` turns an
+    frames to send, sealed with the session's key (the same segments when the request is
+    sent again, sealed anew: a worker greeted again holds a new key); ``receive`` turns an
     answer's spans into frames; ``end`` gives everything back (idempotent), or retires it
-    when no terminal answer came."""
+    when no terminal answer came. ``worker`` names the worker it lends to (``Segment.worker``)."""
 
-    def __init__(self, pool_: Pool) -> None:
+    def __init__(self, pool_: Pool, worker: str = "") -> None:
         self.pool = pool_
+        self.worker = worker
         self.mine: dict[str, Segment] = {}  # lent to this exchange, by name
-        self.sent: list | None = None
+        self.sent: Mounted | None = None
         self.ended = False
 
-    def send(self, frames: Sequence[Any]) -> list:
+    def send(self, frames: Sequence[Any], seal_key: bytes | None = None) -> list:
+        """The ``Mounted`` frames standing for ``frames``, its names sealed with ``seal_key``
+        (the key of the session it goes to: ``proofs.seal_key``)."""
         if self.sent is not None:
-            return self.sent
+            return encode(self._sealed(self.sent, seal_key))
         views = [byte_view(f) for f in frames[1:]]
         need = sum(aligned(v.nbytes) for v in views)
-        seg = self.pool.lease(max(need, 1))
+        seg = self.pool.lease(max(need, 1), self.worker)
         self.mine[seg.name] = seg
         spans = []
         offset = 0
@@ -305,13 +322,19 @@ class Lending:
             seg.view[offset:offset + v.nbytes] = v
             spans.append((0, offset, v.nbytes))
             offset += aligned(v.nbytes)
-        spare = self.pool.spares(SPARE)
+        spare = self.pool.spares(SPARE, self.worker)
         for s in spare:
             self.mine[s.name] = s
         header = frames[0] if isinstance(frames[0], (bytes, memoryview)) else byte_view(frames[0])
-        self.sent = encode(Mounted((seg.name,), header=header, spans=tuple(spans),
-                                   spare=tuple(s.name for s in spare)))
-        return self.sent
+        files, spares = (seg.name,), tuple(s.name for s in spare)
+        self.sent = Mounted(files, header=header, spans=tuple(spans), spare=spares,
+                            seal=_seal(seal_key, files, spares) if seal_key is not None else "")
+        return encode(self.sent)
+
+    @staticmethod
+    def _sealed(msg: Mounted, key: bytes | None) -> Mounted:
+        sealed = _seal(key, msg.files, msg.spare) if key is not None else ""
+        return msg if sealed == msg.seal else dataclasses.replace(msg, seal=sealed)
 
     def receive(self, msg: Mounted) -> list:
         """The frames of an answer: its header, then a read-only view per span, each
@@ -328,7 +351,7 @@ class Lending:
                         f"the answer names `{name[:80]}`, which is no segment this exchange lent "
                         f"and no file made for this process: refused"
                     )
-                seg = self.pool.adopt(name)
+                seg = self.pool.adopt(name, self.worker)
                 seg.lent = True
                 self.mine[name] = seg
             segs.append(seg)

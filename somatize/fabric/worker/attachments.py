@@ -118,7 +118,9 @@ class Attachments:
 
     def take(self, msg: Mounted) -> tuple[list, Taken]:
         """The frames of a pooled request (its header, then a writable, anchored view per
-        span) and the :class:`Taken` that answers it."""
+        span) and the :class:`Taken` that answers it. Asked only for a request whose names
+        its own session sealed (``WorkerSessions.carries``, before this): a segment is mapped
+        for the session it was lent to, never for one that merely names it."""
         self.prune()
         owner = _owner(msg.files[0]) if msg.files else None
         for name in (*msg.files, *msg.spare):

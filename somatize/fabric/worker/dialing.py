@@ -32,6 +32,7 @@ import zmq
 from ...errors import ProtocolError
 from ...wire import Hello, Ready, Refusal, Relay, decode, encode, variant_of
 from .. import mount as _mount
+from .. import proofs as _proofs
 from .. import sockets
 from ..conversation import KEEPALIVE
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
@@ -80,6 +81,7 @@ class Dialing:
         self._front.connect(broker)
         self._broker = broker
         self._offer = offer
+        self._identity = _proofs.identity(offer, None)  # what its clients' proofs are bound to
         self._keyed = keys is not None
         self._announce(time.monotonic())
 

@@ -46,6 +46,7 @@ from ...wire import (
 )
 from . import attachments as _attachments
 from .. import mount as _mount
+from .. import proofs as _proofs
 from ..conversation import Unheld, Unknown, Violation
 from .outbox import To
 
@@ -58,6 +59,7 @@ class Intake:
 
     sessions: Any
     mount: str | None
+    _identity: str  # who this worker is to its clients (`proofs.identity`)
 
     def _revoke(self) -> None:
         """On the thread holding the socket, after a reload: every session of a key no
@@ -120,6 +122,8 @@ class Intake:
                     raise Violation("this worker sees no shared directory; start it with --mount DIR")
                 if not message.files:  # cargo with no files of its client's is never swept
                     raise Violation("a `Mounted` names the files of its frames; this one names none")
+                # only files this very session lent, under its seal: before anything is opened
+                self.sessions.carries(to.peer, message)
                 if message.spans:  # pooled segments: views of the client's memory, no copy
                     frames, mounted = self._attachments().take(message)
                 else:  # one file per frame: the client removes them
@@ -141,13 +145,25 @@ class Intake:
             self._reply(to, refused, refusing=True)
             return
         if isinstance(message, Hello):
-            self._reply(to, self._ready())
+            self._reply(to, self._ready(proof=self._prove(to.peer, message)))
         elif isinstance(message, Bye):
             self._inbound.drop(to.peer)
         elif isinstance(message, Provision):
             self._provision(to, message)
         else:
             self._work(to, message, mounted)
+
+    def _prove(self, peer: bytes, hello: Hello) -> str:
+        """The answer to a Hello naming a proof's file (``Hello.prove``): what this worker
+        read there, bound to who it is, and the key of the session's seals from it; ``""``
+        when it reads nothing there (it does not see the client's folder, or has none)."""
+        if not hello.prove or self.mount is None:
+            return ""
+        nonce = _proofs.answer(self.mount, hello.prove)
+        if nonce is None:
+            return ""
+        self.sessions.proven(peer, _proofs.seal_key(nonce))
+        return _proofs.proof_of(nonce, self._identity)
 
     def _expressed(self, to: To, frame: Any) -> Work | None:
         """The express way in: a ``Work`` naming a recipe ``to`` sent before, of one scalar

@@ -65,6 +65,7 @@ from ...record import report, self_report
 from ...store import FolderStore
 from ...wire import Bye, Provision, Refusal, Runtime, compatible, encode, ref_of
 from .. import mount as _mount
+from .. import proofs as _proofs
 from .. import sockets
 from .. import streams as _streams
 from ..conversation import WorkerSessions
@@ -147,6 +148,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         self._guard: Guard | None = None
         self._offer: str | None = None
         self._seen = ""  # a dialed worker's file in its mount folder (`.dialing`)
+        self._identity = _proofs.identity(None, None)  # who it is to its clients (`bind`, `dial`)
         self._broker = ""
         self._events: zmq.Socket | None = None  # a dialed worker's connection events
         self._accepted = False  # the broker answered our Hello with Ready
@@ -178,6 +180,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         if keys is not None:
             self._guard = Guard(sockets.context(), keys, log=log)
             as_server(self._front, keys)
+        self._identity = _proofs.identity(None, keys.public if keys is not None else None)
         self._front.bind(url)
         return sockets.bound_endpoint(self._front)
 

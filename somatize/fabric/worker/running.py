@@ -60,11 +60,12 @@ class Running:
     jobs: int
     runtime: Any
 
-    def _ready(self) -> Ready:
-        """Ready, saying how long the oldest running work has run (0: idle)."""
+    def _ready(self, proof: str = "") -> Ready:
+        """Ready, saying how long the oldest running work has run (0: idle), and the proof
+        that this worker sees its client's folder, when its Hello asked (``Intake._prove``)."""
         oldest = self._oldest()
         busy_us = 0 if oldest is None else max(1, int((time.monotonic() - oldest.started) * 1e6))
-        return Ready(self.runtime, busy_us=busy_us)
+        return Ready(self.runtime, busy_us=busy_us, proof=proof)
 
     def _oldest(self) -> Job | None:
         with self._running_lock:
