@@ -145,3 +145,45 @@ def test_a_worker_answering_a_client_that_never_reads_holds_at_most_the_stated_b
     finally:
         for raw in (worker, client, other):
             raw.close()
+
+
+def test_one_tenants_flood_at_a_worker_delays_anothers_message_by_a_bounded_share(processes):
+    """Attacker: a client. It sends 200 relayed messages of 256 KiB at a worker's name faster
+    than the worker reads; then another tenant sends one. ZeroMQ's queue from the broker to
+    the worker took 1,000 messages whatever their tenant, so the other tenant's message
+    waited behind all 200. Now that queue takes `PIPED` messages and the rest wait in the
+    outbox, one queue per tenant, drained in turn: the other tenant's message goes out
+    behind at most that queue, what the kernel's buffers hold, and one turn of the tenants."""
+    import zmq
+
+    hub = keyless_broker(processes)
+    worker = zmq.Context.instance().socket(zmq.DEALER)
+    worker.linger = 0
+    worker.rcvhwm = 1
+    worker.rcvbuf = 256 << 10
+    worker.connect(hub.endpoint)
+    flooder, victim = Raw(hub.endpoint, hwm=0), Raw(hub.endpoint)
+    try:
+        worker.send_multipart(encode(Hello(RT, offering="node")))
+        assert worker.poll(15_000) and isinstance(decode(worker.recv_multipart()), Ready)
+        flood = encode(Relay(host="node", lane=1, inner=(*encode(Hello(RT)), bytes(256 << 10))))
+        for _ in range(200):
+            flooder.sock.send_multipart(flood, copy=False)
+        assert isinstance(flooder.ask(Hosts(), 30.0), Listed)  # asked behind them: all handled
+        victim.send(Relay(host="node", inner=tuple(encode(Hello(RT)))))
+        assert isinstance(victim.ask(Hosts(), 30.0), Listed)
+        tenants = []
+        while worker.poll(5_000):
+            message = decode(worker.recv_multipart(copy=False))
+            tenants.append(message.tenant)
+            if len(set(tenants)) == 2:
+                break
+        assert len(set(tenants)) == 2, f"the other tenant's message never reached the worker ({len(tenants)} did)"
+        ahead = len(tenants) - 1
+        # ZeroMQ's queue (8, and the one being written), the kernel's buffers (4 MiB sending,
+        # 256 KiB receiving), the worker's own queue, one turn of the tenants: 30 at most
+        assert ahead < 40, f"the other tenant's message waited behind {ahead} of the flood's 200"
+    finally:
+        worker.close(0)
+        for raw in (flooder, victim):
+            raw.close()
