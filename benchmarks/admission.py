@@ -55,8 +55,10 @@ def _dealer(url: str, ring: dict, who: str, *, hwm: int | None = None, deaf: boo
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
-    if hwm is not None:
+    if hwm is not None:  # a flooder: it queues all it likes, and takes all it is sent (a
+        # full queue of answers would stall its own connection, and flatter the broker)
         sock.sndhwm = hwm
+        sock.rcvhwm = 0
     if deaf:  # it reads nothing: what is sent to it stays at the broker
         sock.rcvhwm = 1
         sock.rcvbuf = 4096

@@ -11,8 +11,9 @@ is bounded:
   refusal; past `REFUSED` a second on one connection, or `REFUSED_KEY` over all of a key's,
   the connection it came on is closed. A dialed worker's refusals (its late answers to
   exchanges that ended) count only while the loop is behind: they are not its fault.
-- While the loop is behind (it has not caught up with what arrives for `BEHIND` seconds),
-  the rate: a connection sending more than `CHATTY` questions a second (anything but a
+- While the loop is behind (it has not caught up with what arrives for `BEHIND` seconds;
+  only then are rates counted: while it keeps up, nobody's pace is another's wait), the
+  rate: a connection sending more than `CHATTY` questions a second (anything but a
   relayed message), `BUSY` messages of any kind or `FLOW` bytes, or a key more than
   `CHATTY_KEY`, `BUSY_KEY` or `FLOW_KEY` over all its connections, has the connection it
   sends on closed. A dialed worker's connection carries many tenants' answers: it is held
@@ -22,9 +23,10 @@ Why a cut and not a queue: a broker reads every message a peer sends, and its in
 queue has no bound in messages (with one, libzmq 4.3.5 aborts the process when a peer whose
 queue is full leaves and a heartbeat, or a PING it sent, is then handled; see the loop's
 ``bind``). What arrives faster than the loop reads would pile up in its memory; a cut
-connection takes what it queued with it, and its peer must dial again. A client waits for
-each answer, so it sends far fewer while the loop is behind; while the loop keeps up, only
-refusals cut.
+connection is closed, and its peer must dial again (what it queued before is read and
+dropped unopened; libzmq hands it over whatever happens, so a peer that dials back at once
+and floods again costs the broker a read per message). A client waits for each answer, so
+it sends far fewer while the loop is behind; while the loop keeps up, only refusals cut.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class Admission:
         """Count one message of ``size`` bytes from ``route`` (of ``key``, on a keyed broker;
         ``worker``: a connection serving dialed hosts). Why its connection is to be cut, or
         "" while it keeps to its share; a message over `LARGEST` is to be refused."""
+        if not self._behind_since or now - self._behind_since < BEHIND:
+            return ""  # the shares hold only while the loop is behind: nothing to count
         mine = self._count(route, now)
         mine[_MESSAGES] += 1
         mine[_BYTES] += size
@@ -82,8 +86,6 @@ class Admission:
             theirs[_BYTES] += size
             if question:
                 theirs[_QUESTIONS] += 1
-        if not self.behind(now):
-            return ""
         if theirs is not None:
             if theirs[_QUESTIONS] > CHATTY_KEY:
                 return f"its key asked more than {CHATTY_KEY} questions in a second while the broker was behind"

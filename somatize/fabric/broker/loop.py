@@ -276,22 +276,41 @@ class BrokerLoop(Ending):
 
     # -- receiving --------------------------------------------------------------------
     def _take(self, most: int = 1024) -> None:
-        """Read up to ``most`` messages, each through `_admit` before anything else is done
+        """Read up to ``most`` messages, each through the admission step (`_admit`, or
+        `_unread` for a peer that does not read its answers) before anything else is done
         with it. Never left queued in ZeroMQ: see `bind`."""
-        front, severed = self._front, self._admission.severed
+        front, severed, waiting, offers = self._front, self._admission.severed, self._outbox.waiting, self.view.offers_index
+        receive, noblock = sockets.receive_part, sockets.NOBLOCK
         for _ in range(most):
-            if not sockets.readable(front):  # asked, not raised: an exception a turn costs
+            try:  # raised once a turn, not asked of every message: a flood is read at the least cost
+                part = receive(front, noblock)
+            except zmq.Again:
                 self._admission.caught_up()
                 return
-            part = sockets.receive_part(front, sockets.NOBLOCK)
             if not part.more:
                 continue
             route = part.bytes
             frames = sockets.receive_frames(front)
             if severed(route):  # what a cut connection queued before it was cut
                 continue
+            if waiting(route) >= MAX_UNREAD and route not in offers:
+                self._unread(route, frames)
+                continue
             self._handle(route, frames)
         self._admission.fell_behind(time.monotonic())
+
+    def _unread(self, route: bytes, frames: list) -> None:
+        """A message from a peer that does not read its answers: counted as a question at the
+        admission step (past its share, its connection is cut), and dropped unanswered, never
+        decoded, at the least cost this loop can pay (a flood of them costs a read and a count)."""
+        admission = self._admission
+        now = time.monotonic()
+        cut = admission.behind(now) and admission.admit(route, self._user(frames[0]) or None, _size(frames), True,
+                                                        False, now)
+        if cut:
+            self._cut(route, frames[0], cut)
+        else:
+            self._outbox.dropped += 1
 
     def _cut(self, route: bytes, frame: zmq.Frame, why: str) -> None:
         """Close the connection of a peer that floods (`sockets.cut`): read and dropped, its
@@ -323,22 +342,19 @@ class BrokerLoop(Ending):
     def _admit(self, route: bytes, user: str, frames: list, question: bool, now: float) -> bool:
         """The one admission step (`floods.Admission`): every message from every connection
         is counted, per connection and per key, before anything else is done with it.
-        False when it is not to be served: its connection was cut, it is too big (refused),
-        or its peer does not read what it is sent (dropped unanswered until it does)."""
+        False when it is not to be served: its connection was cut, or it is too big (refused).
+        A peer that does not read what it is sent is counted by `_unread` instead."""
         worker = route in self.view.offers_index
         size = _size(frames)
         cut = self._admission.admit(route, user or None, size, question, worker, now)
         if cut:
             self._cut(route, frames[0], cut)
             return False
-        why = self._admission.too_big(size)
-        if why:
+        if size > LARGEST:
             if not self._refusal(route, user, frames[0], now):
+                why = self._admission.too_big(size)
                 self._refused(route, user, why)
                 self._answer(route, Refusal(why))
-            return False
-        if not worker and self._outbox.waiting(route) >= MAX_UNREAD:
-            self._outbox.dropped += 1  # it does not read its answers: not heard until it does
             return False
         return True
 
