@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 import fleet
+import admission
 import flooding
 import memory
 import paths
@@ -503,6 +504,7 @@ CASES: dict[str, Callable[[Settings, Floors], list[Row]]] = {
     "f": studies,
     "g": flooding.flood_rows,
     "h": fleet.fleet_rows,
+    "k": admission.admission_rows,
     "t": threads.threads_rows,
     "v": view.view_rows,
     "m": memory.memory_rows,

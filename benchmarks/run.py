@@ -10,6 +10,8 @@ One command, one table, every row measured in this run:
     (f) a study's trials per second, and reading its history
     (g) another tenant's answers, and the broker's memory, while one floods it
     (h) a fleet of dialed workers on one broker: registering, idle, relayed forwards
+    (k) another key's relayed forwards and Hosts, and the broker's memory, while one key
+        floods it every way its admission step bounds
     (t) 16 threads of one client forwarding 100 B to 4 spawned workers: forwards/s (and Ray's)
     (v) the live view opening a 100,000-forward run and a 10,000-trial study
     (m) the peak memory of client, worker and broker during (b)'s round trips, per path
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few calls: a smoke run")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--only", metavar="a,b,...", default=",".join(cases.CASES),
-                        help="the cases to run (default: all of a,b,c,d,e,f,m)")
+                        help=f"the cases to run (default: all of {','.join(cases.CASES)})")
     args = parser.parse_args(argv)
     chosen = [c.strip() for c in args.only.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in cases.CASES]

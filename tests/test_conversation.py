@@ -455,7 +455,8 @@ def test_only_a_host_a_client_waits_on_is_held_closer():
     assert b.expire(27.0) == [] and b.checks == [] and "w1" in b.offers
     from_client(work(3), 30.0)  # waited on again, and never answered
     # another client, another tenant, cannot end alice's wait: its Bye is its own exchange's
-    b.relay(b"mallory", "M", Relay(host="w1", inner=tuple(encode(Bye()))), 30.5)
+    with pytest.raises(Stale):  # it had no exchange there: its Bye ends nothing, and is refused
+        b.relay(b"mallory", "M", Relay(host="w1", inner=tuple(encode(Bye()))), 30.5)
     assert b.expire(31.6) == ["w1"] and b.stalled == {"w1"}
 
 

@@ -94,10 +94,17 @@ def unique_inproc(what: str) -> str:
     return f"inproc://somatize-{what}-{os.getpid()}-{next(_counter)}"
 
 
-def router(*, mandatory: bool = True) -> zmq.Socket:
+def router(*, mandatory: bool = True, largest: int = MAX_MESSAGE, queued: int | None = None) -> zmq.Socket:
+    """A ROUTER. ``largest``: the biggest frame a peer may send (``MAXMSGSIZE``: libzmq cuts
+    a peer that sends a bigger one); ``queued``: how many messages its queue to each peer
+    takes (``SNDHWM``; ``ROUTER_MANDATORY`` makes a send past it ``EAGAIN``, never a loss).
+    Its queue from each peer is never bounded here (``RCVHWM`` stays libzmq's own; see the
+    broker's ``bind`` for why it must not be)."""
     sock = context().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    sock.setsockopt(zmq.MAXMSGSIZE, largest)
+    if queued is not None:
+        sock.setsockopt(zmq.SNDHWM, queued)
     if mandatory:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     return sock

@@ -32,14 +32,15 @@ import zmq
 from ...errors import ProtocolError
 from ...wire import (Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode,
                      encode, ref_of, variant_of)
+from . import answers as _answers
 from . import bindings as _bindings
 from .. import sockets
 from .checks import Helper
 from .children import Spawned
-from .floods import Gate
+from .floods import Admission
 from .probes import Probes
 from .quiet import Quiet
-from .outbox import DROPPED, GONE, Outbox
+from .outbox import DROPPED, GONE, LARGEST, PIPED, Outbox
 from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name, user_of
 from .spawn import Child, Reach
@@ -57,6 +58,10 @@ MAX_CONNECTIONS, MAX_UNREAD = 64, 64
 CONNECTION_IDLE = 60.0
 _EVERYONE = frozenset((CLIENT, WORKER))
 log = logging.getLogger("somatize.broker")
+
+
+def _size(frames: list) -> int:
+    return sum(map(len, frames))  # a zmq.Frame's length is its bytes'
 
 
 def _some(names: Any, most: int = 20) -> str:
@@ -116,8 +121,9 @@ class BrokerLoop(Ending):
         self._connections: dict[str, OrderedDict[bytes, float]] = {}  # key -> route -> last heard
         self._reload_asked = False
         self._probes = Probes()  # which dialed workers to look at when connections drop
-        self._keepalives: dict[bytes, int] = {}  # a dialed worker's route -> its last Hello, hashed
-        self._gate = Gate()  # who is cut while this loop is behind
+        # a dialed worker's route -> its last Hello (hashed, and its size), and when it was last heard
+        self._keepalives: dict[bytes, tuple[int, int, float]] = {}
+        self._admission = Admission()  # what each connection and key sent, and who is cut
         self._refusals = Quiet("refusals")
         self._comings = Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
         self._losses = Quiet("undelivered messages")
@@ -133,7 +139,9 @@ class BrokerLoop(Ending):
         return self.view.offers
 
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
-        self._front = sockets.router()
+        # a frame bigger than any the broker takes cuts its peer in libzmq, before it is queued;
+        # its queue to each peer holds a few messages, counted in bytes by the outbox (`outbox`)
+        self._front = sockets.router(largest=LARGEST, queued=PIPED)
         # never a full queue from a peer: libzmq (4.3.5) aborts the process when a peer whose
         # inbound queue is full disconnects and a heartbeat (ours, or a PING it sent) is then
         # written (`!_io_error`, stream_engine_base.cpp:310). This loop reads as fast as
@@ -268,29 +276,41 @@ class BrokerLoop(Ending):
 
     # -- receiving --------------------------------------------------------------------
     def _take(self, most: int = 1024) -> None:
-        """Read up to ``most`` messages. A peer that does not read its answers is not heard
-        until it does: its messages are read and dropped at the least cost this loop can pay
-        (the route first, the rest as bytes never decoded), so a flood costs the broker a read
-        per message and no more. Never left queued in ZeroMQ: see `bind`."""
-        front, waiting, offers = self._front, self._outbox.waiting, self.view.offers_index
+        """Read up to ``most`` messages, each through the admission step (`_admit`, or
+        `_unread` for a peer that does not read its answers) before anything else is done
+        with it. Never left queued in ZeroMQ: see `bind`."""
+        front, severed, waiting, offers = self._front, self._admission.severed, self._outbox.waiting, self.view.offers_index
+        receive, noblock = sockets.receive_part, sockets.NOBLOCK
         for _ in range(most):
-            if not sockets.readable(front):  # asked, not raised: an exception a turn costs
-                self._gate.caught_up()
+            try:  # raised once a turn, not asked of every message: a flood is read at the least cost
+                part = receive(front, noblock)
+            except zmq.Again:
+                self._admission.caught_up()
                 return
-            part = sockets.receive_part(front, sockets.NOBLOCK)
             if not part.more:
                 continue
             route = part.bytes
-            if self._gate.severed(route):  # what a cut connection queued before it was cut
-                sockets.receive_frames(front)
+            frames = sockets.receive_frames(front)
+            if severed(route):  # what a cut connection queued before it was cut
                 continue
             if waiting(route) >= MAX_UNREAD and route not in offers:
-                first = sockets.receive_frames(front)[0]  # read, never decoded
-                if not self._chatty(route, first, time.monotonic()):  # past its share: cut
-                    self._outbox.dropped += 1
+                self._unread(route, frames)
                 continue
-            self._handle(route, sockets.receive_frames(front))
-        self._gate.fell_behind(time.monotonic())
+            self._handle(route, frames)
+        self._admission.fell_behind(time.monotonic())
+
+    def _unread(self, route: bytes, frames: list) -> None:
+        """A message from a peer that does not read its answers: counted as a question at the
+        admission step (past its share, its connection is cut), and dropped unanswered, never
+        decoded, at the least cost this loop can pay (a flood of them costs a read and a count)."""
+        admission = self._admission
+        now = time.monotonic()
+        cut = admission.behind(now) and admission.admit(route, self._user(frames[0]) or None, _size(frames), True,
+                                                        False, now)
+        if cut:
+            self._cut(route, frames[0], cut)
+        else:
+            self._outbox.dropped += 1
 
     def _cut(self, route: bytes, frame: zmq.Frame, why: str) -> None:
         """Close the connection of a peer that floods (`sockets.cut`): read and dropped, its
@@ -300,61 +320,90 @@ class BrokerLoop(Ending):
         sent, or finds its queue full), so the connection cut is the one ``frame`` came from."""
         try:
             self._front.send_multipart([route, *encode(Refusal(
-                f"the broker closed this connection: {why}; ask less often, and read its answers"))], zmq.NOBLOCK)
+                f"the broker closed this connection: {why}; send less often, and read its answers"))], zmq.NOBLOCK)
         except zmq.Again:
             pass
         except zmq.ZMQError:
             return  # gone already
-        self._gate.sever(route)
+        self._admission.sever(route)
+        self._outbox.dropped += 1
+        user = self._user(frame)
+        if user:  # closed here: it no longer counts against its key's connections
+            self._connections.get(user, {}).pop(route, None)
         if sockets.cut(frame, self.endpoint):
             self._outbox.forget(route)
             more = self._losses.more()
             if more is not None:
-                log.info("closed the connection of %s: %s%s", peer_name(route), why, more)
+                log.info("closed the connection of %s: %s%s", peer_name(route, user), why, more)
 
-    def _chatty(self, route: bytes, frame: zmq.Frame, now: float) -> bool:
-        """Count a question from ``route`` (`floods.Gate`): past its share while this loop is
-        behind, the connection it came on is cut and the question dropped."""
-        if route in self.view.offers_index:
+    def _user(self, frame: zmq.Frame) -> str:
+        return user_of(frame) if self._guard is not None else ""
+
+    def _admit(self, route: bytes, user: str, frames: list, question: bool, now: float) -> bool:
+        """The one admission step (`floods.Admission`): every message from every connection
+        is counted, per connection and per key, before anything else is done with it.
+        False when it is not to be served: its connection was cut, or it is too big (refused).
+        A peer that does not read what it is sent is counted by `_unread` instead."""
+        worker = route in self.view.offers_index
+        size = _size(frames)
+        cut = self._admission.admit(route, user or None, size, question, worker, now)
+        if cut:
+            self._cut(route, frames[0], cut)
             return False
-        over = self._gate.over(route, user_of(frame) if self._guard is not None else None, now)
-        if not over:
+        if size > LARGEST:
+            if not self._refusal(route, user, frames[0], now):
+                why = self._admission.too_big(size)
+                self._refused(route, user, why)
+                self._answer(route, Refusal(why))
             return False
-        self._cut(route, frame, over)
-        self._outbox.dropped += 1
+        return True
+
+    def _refusal(self, route: bytes, user: str, frame: zmq.Frame, now: float) -> bool:
+        """Count a message refused, or one that opened or ended nothing: True when its
+        connection was cut for it (past its share, `floods`)."""
+        cut = self._admission.refused(route, user or None, route in self.view.offers_index, now)
+        if not cut:
+            return False
+        self._cut(route, frame, cut)
         return True
 
     def _handle(self, route: bytes, frames: list) -> None:
         now = time.monotonic()
-        if route in self.view.offers_index and self._keepalives.get(route) == hash(b"".join(f.bytes for f in frames)):
-            self.view.heard(route, now)  # the very Hello it said before: a keepalive, nothing to decode
-            return
+        offering = route in self.view.offers_index
+        if offering:
+            kept = self._keepalives.get(route)
+            if kept is not None and now - kept[2] >= self.patience / 10 and kept[1] == _size(frames) \
+                    and kept[0] == hash(b"".join(f.bytes for f in frames)):
+                # the very Hello it said before, at a keepalive's pace: nothing to count or decode
+                self._keepalives[route] = (kept[0], kept[1], now)
+                self.view.heard(route, now)
+                return
         try:
             variant = variant_of(frames)  # a Relay's told by its first bytes
         except ProtocolError as exc:
             variant, junk = None, exc
-        # a question, or junk, counts against its connection; a relayed message only when it
-        # is refused (past its share while this loop is behind, the connection is cut: `floods`)
-        if variant is not Relay and self._chatty(route, frames[0], now):
+        user = self._user(frames[0])
+        if not self._admit(route, user, frames, variant is not Relay, now):
             return
-        user, roles = "", _EVERYONE
+        roles = _EVERYONE
         if self._guard is not None:
-            user = user_of(frames[0])
             roles = self._guard.roles(user)
             if not roles:  # its key was taken out of the allow folders since it connected (the
                 # reload that took it out ended its exchanges and offers)
-                self._refused(route, user, "its key is no longer in the allow-list")
-                self._answer(route, Refusal("this key is no longer allowed on this broker; ask its operator"))
+                if not self._refusal(route, user, frames[0], now):
+                    self._refused(route, user, "its key is no longer in the allow-list")
+                    self._answer(route, Refusal("this key is no longer allowed on this broker; ask its operator"))
                 return
         self.view.heard(route, now)  # any message from a dialed worker says it is there
-        if variant is Ready and route in self.view.offers_index:
+        if variant is Ready and offering:
             return  # its answer to our check (`_expire`): heard, nothing more to do
         # a worker key is a job's key: one connection per node it runs on, up to the hosts it may serve
         most = MAX_CONNECTIONS + (self.view.max_offers if WORKER in roles else 0)
         if user and not self._connected(user, route, now, most):
-            self._refused(route, user, f"this key already has {most} connections open here")
-            self._answer(route, Refusal(f"this key already has {most} connections open at this broker; "
-                                        f"use fewer, or wait {CONNECTION_IDLE:g} s after closing some"))
+            if not self._refusal(route, user, frames[0], now):
+                self._refused(route, user, f"this key already has {most} connections open here")
+                self._answer(route, Refusal(f"this key already has {most} connections open at this broker; "
+                                            f"use fewer, or wait {CONNECTION_IDLE:g} s after closing some"))
             return
         relay = None
         try:
@@ -372,12 +421,12 @@ class BrokerLoop(Ending):
             if variant not in (Hello, Where, Hosts, Bye):  # never decode values it will not use
                 raise Violation(f"a broker does not answer a `{variant.__name__}`")
             message = decode(frames)
-        except Stale:
-            if variant is Relay:
-                self._chatty(route, frames[0], now)
-            return  # counted by the view; the answer's client is gone and nobody is owed a word
+        except Stale:  # counted by the view; nobody is owed a word (an answer's client is gone,
+            # or a Bye ended nothing), and it counts as a refusal here
+            self._refusal(route, user, frames[0], now)
+            return
         except ProtocolError as exc:
-            if variant is Relay and self._chatty(route, frames[0], now):
+            if self._refusal(route, user, frames[0], now):
                 return
             self._refused(route, user, exc.why)  # a relayed Work refused here is named: it ended
             refusal = Refusal(exc.why, ref=None if relay is None else ref_of(relay.inner))
@@ -391,14 +440,13 @@ class BrokerLoop(Ending):
             if route in self.view.offers_index:
                 if not self._probes.knows(route):
                     self._probes.know(route, frames[0])
-                self._keepalives[route] = hash(b"".join(f.bytes for f in frames))
+                self._keepalives[route] = (hash(b"".join(f.bytes for f in frames)), _size(frames), now)
         elif isinstance(message, Where):
             answer = self._where(message, route, self.view.identity(route, user))
             if answer is not None:
                 self._answer(route, answer)
         elif isinstance(message, Hosts):
-            dialed = {h: [o.mount, o.token] if o.mount else [] for h, o in self.view.offers.items()}  # as `_where` says
-            self._answer(route, Listed(self._listing(), dialed))
+            self._answer(route, self._listed())
         else:
             self._leave(route, "it said Bye")
             self._outbox.forget(route)
@@ -525,10 +573,11 @@ class BrokerLoop(Ending):
             except zmq.ZMQError:
                 self._gone(route)
 
+    def _listed(self) -> Listed:
+        return _answers.listed(self.hosts, self.view.offers)
+
     def _listing(self) -> dict[str, str]:
-        listing = {name: ("inprocess" if w.how == "inprocess" else w.mode) for name, w in self.hosts.items()}
-        listing.update({name: o.runtime.mode or "project" for name, o in self.view.offers.items()})
-        return listing
+        return _answers.listing(self.hosts, self.view.offers)
 
     def _where(self, where: Where, route: bytes, tenant: str) -> Located | Refusal | None:
         """The answer now, or None when a helper job will give it (a spawned host to start

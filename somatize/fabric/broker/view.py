@@ -21,6 +21,13 @@ from ..conversation import KEEPALIVE, Stale, Violation
 
 
 CLIENT, WORKER = "client", "worker"
+
+
+class Void(Stale):
+    """A message that opens nothing and ends nothing (a client's relayed ``Bye`` for an
+    exchange not open): nobody is owed a word, and the broker counts it as refused (a flood
+    of them has its connection cut, `floods`)."""
+
 #: Patiences an offer with no exchange open may be silent (three keepalives missed).
 IDLE_SILENCE = 3 * KEEPALIVE
 
@@ -353,7 +360,8 @@ class BrokerView:
         """Where a relayed message goes. From a worker: to the client of the exchange it
         names, if that exchange was sent to this very worker. From a client: to the worker
         serving ``relay.host``, in an exchange of the broker's numbering; None for a client's
-        Bye in an exchange that has ended already (nothing to deliver)."""
+        Bye in an exchange whose worker left (nothing to deliver). Raises `Stale` for a
+        worker's answer in an exchange not open, `Void` for a client's Bye in none."""
         if self.offered_by(route):
             exchange = self.exchanges.get(relay.exchange)
             if exchange is None or exchange.worker != route:
@@ -381,9 +389,11 @@ class BrokerView:
         exchange = self.exchanges.get(number) if number is not None else None
         variant = _told(relay.inner)  # read once, from the header's first bytes
         if (exchange is None or exchange.worker != offer.route) and variant is Bye:
-            if exchange is not None:
-                self._end(exchange)
-            return None  # the Bye of an exchange already ended (crowded out, or its worker left)
+            if exchange is None:  # opens nothing, ends nothing: refused and counted, answered nothing
+                self.refused += 1
+                raise Void(f"this broker has no exchange open with `{relay.host}` on that lane for a Bye to end")
+            self._end(exchange)
+            return None  # the Bye of an exchange whose worker left
         if exchange is None or exchange.worker != offer.route:
             if exchange is not None:
                 self._end(exchange)
