@@ -244,8 +244,10 @@ def test_a_peer_that_never_reads_leaves_the_side_bounded(fresh, role):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="broker/view.py expire: a host whose worker spoke after the Work (an acknowledgement, a fact) falls back to the idle limit (60 s), not 1.5 patiences")
+@pytest.mark.xfail(strict=True, reason="broker/view.py relay/expire: the worker's Ready to the Hello ends the exchange's `waiting` while the Work sent behind it is open, so the host falls back to the idle limit (60 s), not 1.5 patiences")
 def test_a_dialed_worker_stopped_under_work_is_broken_within_two_patiences(fresh, tmp_path):
+    """A client new to w1 (its Work right behind its Hello) waits on a held piece; w1 is
+    SIGSTOPped: ``Broken`` within two patiences and the probe (issue 38)."""
     took = hostile_load.stopped_under_work(fresh, tmp_path)
     print(f"Broken after {took:.1f} s")
 
