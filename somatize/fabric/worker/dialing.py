@@ -123,13 +123,16 @@ class Dialing:
 
     def _hello_due(self) -> float:
         """When the next Hello is due: a keepalive every `KEEPALIVE` patiences, or every
-        patience while clients may wait on this worker: work runs here, a stream goes out,
-        or an answer found no room on the socket within the last patience (the broker holds
-        a host that clients wait on closer: silent for one and a half patiences, it is gone).
-        Clients that merely hold sessions here cost no more keepalives than an idle worker."""
+        half patience while clients may wait on this worker: work runs here, a stream goes
+        out, or an answer found no room on the socket within the last patience (the broker
+        holds a host with work open to the working limit: silent for a patience it is asked,
+        for one and a half it is gone; two keepalives fit in that, so a long honest piece is
+        never taken for a stopped worker). Said by whichever thread holds the socket (the
+        stand-in, while a piece runs where it arrived), never by the piece. Clients that
+        merely hold sessions here cost no more keepalives than an idle worker."""
         recently = time.monotonic() - self._dropped_at < self.patience
         if self._accepted and not self._backoff and (self._running or self._outgoing or self._blocked or recently):
-            return min(self._next_hello, self._hello_at + self.patience)
+            return min(self._next_hello, self._hello_at + self.patience / 2)
         return self._next_hello
 
     def _connection_events(self) -> None:
