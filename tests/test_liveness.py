@@ -147,3 +147,63 @@ def test_a_long_honest_piece_is_never_taken_for_a_stopped_worker(processes, tmp_
         node = Marked(str(tmp_path / "started"), 4 * patience, spin=spin).named("honest").at("w1")
         assert node.forward("done", broker=client) == "done"
         assert "left" not in hub.stderr(), hub.stderr()
+
+
+def _flood(url: str, connections: int, message: list, stop: threading.Event, sent: list) -> None:
+    """Send ``message`` from ``connections`` connections as fast as they take it, reading
+    (and dropping) whatever comes back, until ``stop``."""
+    context = zmq.Context.instance()
+    socks = []
+    try:
+        for _ in range(connections):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.connect(url)
+            socks.append(sock)
+        while not stop.is_set():
+            for sock in socks:
+                for _ in range(100):
+                    try:
+                        sock.send_multipart(message, zmq.NOBLOCK)
+                        sent[0] += 1
+                    except zmq.Again:
+                        break
+                while True:
+                    try:
+                        sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@pytest.mark.parametrize("what", ["Hello", "Work"])
+def test_a_flood_at_a_dialed_worker_never_holds_back_another_tenants_answer(processes, what):
+    """The attack, scaled down: while connections of their own flood a dialed worker with
+    relayed Hellos (or Works, refused as busy), a victim's 2 s piece there runs. The worker
+    answered each of the flood at once, the socket always took it (the kernel's buffers and
+    the broker's queue hold tens of thousands), and the victim's Done left behind all of
+    them: the broker read it long after the victim's deadline. Now the worker keeps a window
+    in flight and sends what waits one tenant at a time."""
+    url, hub, worker = dialed(processes)
+    if what == "Hello":
+        inner = Hello(Runtime.here(mode="project"))
+    else:  # never greeted: each is refused, naming its ref
+        inner = Work(1, Recipe((Packer("project").spec(Add(1).named("a").steps[0]),), ("step", 0)), 1)
+    flood = encode(Relay(host="w1", inner=tuple(encode(inner))))
+    stop, sent = threading.Event(), [0]
+    with Broker.at(url) as client:
+        wait_until(lambda: client.knows("w1"), 20, "the worker dialing in")
+        assert Add(1).named("a").at("w1").forward(1, broker=client) == 2
+        thread, box = in_thread(lambda: Sleep(2.0).named("victim").at("w1").forward("mine", broker=client, deadline=10))
+        flooding = threading.Thread(target=_flood, args=(url, 16, flood, stop, sent), daemon=True)
+        flooding.start()
+        try:
+            thread.join(15)
+            assert not thread.is_alive() and box.get("value") == "mine", box
+            assert sent[0] > 10_000, f"the flood sent only {sent[0]} messages"
+        finally:
+            stop.set()
+            flooding.join(10)
