@@ -207,3 +207,29 @@ def test_a_flood_at_a_dialed_worker_never_holds_back_another_tenants_answer(proc
         finally:
             stop.set()
             flooding.join(10)
+
+
+def test_a_worker_back_before_its_client_looked_has_that_client_told(processes, tmp_path):
+    """The broker found a stopped worker gone with work open and ended its exchange; the
+    worker went on and offered its host again before the client looked (once a patience of
+    its own, 20 s here). The client found the host there and waited for ever: the answer to
+    its work could never come through (its exchange was over). Now the broker tells it as
+    the host is offered again."""
+    url, hub, worker = dialed(processes, 1.0)
+    started = tmp_path / "started"
+    with Broker.at(url, patience=20.0) as client:
+        wait_until(lambda: client.knows("w1"), 20, "the worker dialing in")
+        thread, box = in_thread(lambda: Marked(str(started), 4.0).named("long").at("w1").forward(0, broker=client))
+        wait_until(started.exists, 20, "the piece running")
+        running_there(url)
+        worker.signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: "with work open" in hub.stderr(), 20, "the broker finding the worker gone")
+        finally:
+            worker.signal(signal.SIGCONT)
+        thread.join(15)
+        assert not thread.is_alive(), "the client still waits 15 s after its worker came back"
+        error = box.get("error")
+        assert isinstance(error, Refused), box
+        assert "was lost while the work sent there was open" in str(error) and "whether it ran is not known" in str(error)
+        assert served(lambda: Add(1).named("a").at("w1").forward(1, broker=client), 15) == 2

@@ -23,6 +23,9 @@ from ..conversation import KEEPALIVE, Stale, Violation
 CLIENT, WORKER = "client", "worker"
 #: Patiences an offer with no exchange open may be silent (three keepalives missed).
 IDLE_SILENCE = 3 * KEEPALIVE
+#: Seconds an exchange whose worker was lost with its work open is remembered, should that
+#: worker dial in again before the exchange's client has looked (once a patience of its own).
+LOST_FOR = 60.0
 
 
 @dataclass
@@ -183,6 +186,13 @@ class BrokerView:
         self.revoked: list[Exchange] = []  # the exchanges the last revoke ended
         self.ending: list[Exchange] = []  # ended with their worker still there, not told yet
         self.cut: list[Exchange] = []  # crowded out while their client waited, not told yet
+        # exchanges whose worker was lost with their work open, by host: should the host be
+        # offered again before their client looked, that client would wait for ever (the
+        # host is there, the answer can never come); told then (`orphaned`), never before:
+        # a client that looks finds the host gone and says `Broken`, as it should
+        self._lost: dict[str, dict[int, Exchange]] = {}
+        self._lost_at: dict[str, float] = {}  # host -> when its losses were first looked at
+        self.orphaned: list[Exchange] = []  # their host was offered again: their client is to be told
 
     @staticmethod
     def identity(route: bytes, key: str) -> str:
@@ -243,8 +253,14 @@ class BrokerView:
                 del self.bindings[idle]
             self.bindings[host] = owner
         if known is not None:  # the same owner from a new connection (it restarted): move
-            self._end_numbers(self._of_host.get(host, set()) & self._of_route.get(known.route, set()))
+            moved = self._of_host.get(host, set()) & self._of_route.get(known.route, set())
+            self.orphaned.extend(e for e in map(self.exchanges.get, moved) if e is not None and e.work_open)
+            self._end_numbers(moved)
             self._drop(host)
+        lost = self._lost.pop(host, None)
+        if lost:  # its work open when its worker was lost: the clients still waiting are told
+            self._lost_at.pop(host, None)
+            self.orphaned.extend(lost.values())
         self.offers[host] = Offer(host, route, owner, hello.runtime, now, hello.mount, hello.seen)
         self._routes.setdefault(route, set()).add(host)
         self._serving[owner] = self._serving.get(owner, 0) + 1
@@ -280,10 +296,21 @@ class BrokerView:
                 self.bindings.pop(host, None)
         for number in list(self._of_route.get(route, ())):
             exchange = self.exchanges[number]
+            if exchange.worker == route and exchange.work_open:
+                self._lose(exchange)
             self._end(exchange)
             if exchange.client == route:  # its worker is still there: it hears Bye
                 self.ending.append(exchange)
         return gone
+
+    def _lose(self, exchange: Exchange) -> None:
+        """``exchange``'s worker is gone with its work open (`_lost`)."""
+        if exchange.host not in self._lost and len(self._lost) >= self.max_dialed:
+            return  # bounded as offers are
+        lost = self._lost.setdefault(exchange.host, {})
+        if len(lost) < self.max_exchanges:
+            lost[exchange.number] = exchange
+        self._lost_at.setdefault(exchange.host, 0.0)
 
     def expire(self, now: float) -> list[str]:
         """Offers that are gone, and the exchanges with them. A dialed worker's connection
@@ -344,8 +371,24 @@ class BrokerView:
             offer = self._drop(host)
             if offer.owner.startswith("route:"):
                 self.bindings.pop(host, None)
-            self._end_numbers(set(self._of_host.get(host, ())))
+            numbers = set(self._of_host.get(host, ()))
+            for exchange in map(self.exchanges.get, numbers):
+                if exchange is not None and exchange.work_open:
+                    self._lose(exchange)
+            self._end_numbers(numbers)
+        if full and self._lost_at:
+            self._forget_losses(now)
         return gone
+
+    def _forget_losses(self, now: float) -> None:
+        """Losses older than `LOST_FOR` are forgotten: their clients have looked by then.
+        Timed from the first full look after them (a loss is noted where no clock is at hand)."""
+        for host, at in list(self._lost_at.items()):
+            if not at:
+                self._lost_at[host] = now
+            elif now - at > LOST_FOR:
+                del self._lost_at[host]
+                self._lost.pop(host, None)
 
     @property
     def offers_index(self) -> dict[bytes, set[str]]:
