@@ -26,3 +26,15 @@ class Marked(Node):
         while time.monotonic() < until:
             sum(range(1000))
         return x
+
+
+class Big(Node):
+    """Sleeps ``seconds``, then answers ``nbytes`` bytes: an answer that streams back."""
+
+    def __init__(self, seconds: float, nbytes: int) -> None:
+        self.seconds = seconds
+        self.nbytes = nbytes
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return bytes([x % 256]) * self.nbytes

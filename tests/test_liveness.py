@@ -15,7 +15,7 @@ import zmq
 
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Sleep
-from liveness_nodes import Marked
+from liveness_nodes import Big, Marked
 from reliability_support import wait_until
 from somatize import Broken, Broker, Busy, Refused
 from somatize.fabric.broker.checks import PROBE
@@ -179,14 +179,15 @@ def _flood(url: str, connections: int, message: list, stop: threading.Event, sen
             sock.close()
 
 
-@pytest.mark.parametrize("what", ["Hello", "Work"])
-def test_a_flood_at_a_dialed_worker_never_holds_back_another_tenants_answer(processes, what):
+@pytest.mark.parametrize(("what", "big"), [("Hello", False), ("Work", False), ("Hello", True)],
+                         ids=["Hellos", "Works", "Hellos, a streamed answer"])
+def test_a_flood_at_a_dialed_worker_never_holds_back_another_tenants_answer(processes, what, big):
     """The attack, scaled down: while connections of their own flood a dialed worker with
     relayed Hellos (or Works, refused as busy), a victim's 2 s piece there runs. The worker
     answered each of the flood at once, the socket always took it (the kernel's buffers and
     the broker's queue hold tens of thousands), and the victim's Done left behind all of
     them: the broker read it long after the victim's deadline. Now the worker keeps a window
-    in flight and sends what waits one tenant at a time."""
+    in flight and sends what waits one tenant at a time, a stream beside them."""
     url, hub, worker = dialed(processes)
     if what == "Hello":
         inner = Hello(Runtime.here(mode="project"))
@@ -197,12 +198,15 @@ def test_a_flood_at_a_dialed_worker_never_holds_back_another_tenants_answer(proc
     with Broker.at(url) as client:
         wait_until(lambda: client.knows("w1"), 20, "the worker dialing in")
         assert Add(1).named("a").at("w1").forward(1, broker=client) == 2
-        thread, box = in_thread(lambda: Sleep(2.0).named("victim").at("w1").forward("mine", broker=client, deadline=10))
+        victim = Big(2.0, 12 << 20) if big else Sleep(2.0)  # 12 MiB: three chunks of a stream
+        expected = bytes([7]) * (12 << 20) if big else 7
+        thread, box = in_thread(lambda: victim.named("victim").at("w1").forward(7, broker=client, deadline=10))
         flooding = threading.Thread(target=_flood, args=(url, 16, flood, stop, sent), daemon=True)
         flooding.start()
         try:
             thread.join(15)
-            assert not thread.is_alive() and box.get("value") == "mine", box
+            assert not thread.is_alive(), "the victim still waits"
+            assert box.get("value") == expected, str(box)[:300]
             assert sent[0] > 10_000, f"the flood sent only {sent[0]} messages"
         finally:
             stop.set()

@@ -153,7 +153,7 @@ class Outbox:
             out = _streams.Outgoing(_streams.new_sid(), frames)
             self._outgoing[(to.peer, out.sid)] = (to, out)
             self.sessions.hold(to.peer, out.sid)  # its session stays until every byte is credited
-            self._carry(to, encode(out.begin()))
+            out.begun = False  # its Begin leaves first, in `_drain`, as soon as there is room
             self._drain(to, out)
             return
         self._carry(to, frames)
@@ -191,16 +191,25 @@ class Outbox:
                 self._mark()
 
     def _drain(self, to: To, out: _streams.Outgoing) -> None:
-        """The chunks the credit allows, while the socket has room; the rest wait here."""
-        chunks = out.chunks()
+        """Its Begin, then the chunks the credit allows, while the socket and the window have
+        room; the rest wait here. A stream takes its place in the window beside the answers
+        waiting (`_pump_paced`), never behind all of them: its client's credit bounds it."""
+        chunks = out.chunks() if out.begun else None
         while True:
             if not self._room():
-                self._blocked = True  # resumed when the socket has room (`_drain_streams`)
-                break
-            chunk = next(chunks, None)
-            if chunk is None:
-                break
-            self._carry(to, encode(chunk))
+                if self._pacer is None or self._pacer.room():
+                    self._blocked = True  # resumed when the socket has room (`_drain_streams`)
+                break  # or when the broker answers a mark (`_turn`)
+            if chunks is None:
+                message, out.begun = out.begin(), True
+                chunks = out.chunks()
+            else:
+                message = next(chunks, None)
+                if message is None:
+                    break
+            parts = passed_on(tuple(encode(message)), exchange=to.exchange)
+            if self._send(parts) and self._pacer is not None and self._pacer.sent_one():
+                self._mark()
         if out.finished and out.credit >= _streams.WINDOW:
             self._settle(to.peer, out.sid)  # every byte credited: the session may go
 
@@ -215,11 +224,11 @@ class Outbox:
         self.sessions.release(peer, sid)
 
     def _room(self) -> bool:
-        """Whether the socket takes a message now, with no keepalive waiting before it and,
-        to a broker, the window open with no answer waiting for it."""
+        """Whether the socket takes a message of a stream now, with no keepalive waiting
+        before it and, to a broker, the window open."""
         if self._control and not self._push_control():
             return False
-        if self._pacer is not None and not self._pacer.free():
+        if self._pacer is not None and not self._pacer.room():
             return False
         return sockets.writable(self._front)
 

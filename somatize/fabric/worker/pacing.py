@@ -120,7 +120,7 @@ class Pacer:
         while self._marks and now - self._marks[0][1] >= MARK_LOST:
             self.lost += 1
             self.answered()
-        if self._marks and self._queues and not self.room():
+        if self._marks and not self.room():
             return self._marks[0][1] + MARK_LOST
         return None
 
