@@ -542,11 +542,24 @@ class BrokerLoop(Ending):
         gone = self.view.expire(time.monotonic())
         if self.view.checks:
             self._ask(self.view.checks, Hello(self.runtime))
+        if self.view.orphaned:
+            self._tell_orphaned()
         if gone:  # a keyed owner's binding outlives its offer: it names the key
             stalled = self.view.stalled
             self._left([h for h in gone if h in stalled], {}, f"silent for {1.5 * self.patience:g} s with work open")
             self._left([h for h in gone if h not in stalled], {}, f"silent for {IDLE_SILENCE * self.patience:g} s")
             self._prune()
+
+    def _tell_orphaned(self) -> None:
+        """Clients whose work was open when its worker was lost, the host offered again
+        before they looked (they would find it there and wait for ever): told now."""
+        orphaned, self.view.orphaned = self.view.orphaned, []
+        for exchange in orphaned:
+            self._outbox.forget(exchange.client, str(exchange.number))
+            self._tell_client(exchange, Refusal(
+                f"the worker serving `{exchange.host}` was lost while the work sent there was open (silent "
+                f"past this broker's patience, or its connection dropped) and has dialed in again since: no "
+                f"answer to that work can come through; forward again"))
 
     def _prune(self) -> None:
         """Forget what was kept of routes that serve nothing any more (offers expired or

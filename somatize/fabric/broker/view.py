@@ -30,6 +30,9 @@ class Void(Stale):
 
 #: Patiences an offer with no exchange open may be silent (three keepalives missed).
 IDLE_SILENCE = 3 * KEEPALIVE
+#: Seconds an exchange whose worker was lost with its work open is remembered, should that
+#: worker dial in again before the exchange's client has looked (once a patience of its own).
+LOST_FOR = 60.0
 
 
 @dataclass
@@ -59,6 +62,11 @@ class Exchange:
     lane: int = 0  # the client's number for its channel, when it carries many over one connection
     waiting: bool = False  # its client said something the worker has not answered yet
     work_open: bool = False  # its client sent a Work the worker has not ended yet
+
+    @property
+    def held(self) -> bool:
+        """Its host is held to the working limit: work open there, or a word unanswered."""
+        return self.waiting or self.work_open
 
 
 class Bindings(MutableMapping):
@@ -167,8 +175,10 @@ class BrokerView:
         self._next_expiry = 0.0
         self.stalled: set[str] = set()  # what the last expire found gone with exchanges open
         self.checks: list[bytes] = []  # routes the last expire wants checked (a Hello, answered by Ready)
-        self._busy_since: dict[str, float] = {}  # host a client waits on -> since when
-        self._waiting: dict[str, int] = {}  # host -> its exchanges whose client waits on an answer
+        self._busy_since: dict[str, float] = {}  # host held to the working limit -> since when
+        self._held: dict[str, int] = {}  # host -> its exchanges with work open or a word unanswered
+        self._next_held = 0.0  # when the hosts held closer are looked at next (`expire`)
+        self._asked_at: dict[bytes, float] = {}  # route of a host held and silent -> when last checked
         self.bindings = Bindings()  # host -> owner, kept while the broker runs (keyed)
         self.exchanges: dict[int, Exchange] = {}
         self._by_pair: dict[tuple[bytes, str, int], int] = {}  # (client route, host, lane) -> number
@@ -183,6 +193,13 @@ class BrokerView:
         self.revoked: list[Exchange] = []  # the exchanges the last revoke ended
         self.ending: list[Exchange] = []  # ended with their worker still there, not told yet
         self.cut: list[Exchange] = []  # crowded out while their client waited, not told yet
+        # exchanges whose worker was lost with their work open, by host: should the host be
+        # offered again before their client looked, that client would wait for ever (the
+        # host is there, the answer can never come); told then (`orphaned`), never before:
+        # a client that looks finds the host gone and says `Broken`, as it should
+        self._lost: dict[str, dict[int, Exchange]] = {}
+        self._lost_at: dict[str, float] = {}  # host -> when its losses were first looked at
+        self.orphaned: list[Exchange] = []  # their host was offered again: their client is to be told
 
     @staticmethod
     def identity(route: bytes, key: str) -> str:
@@ -243,8 +260,14 @@ class BrokerView:
                 del self.bindings[idle]
             self.bindings[host] = owner
         if known is not None:  # the same owner from a new connection (it restarted): move
-            self._end_numbers(self._of_host.get(host, set()) & self._of_route.get(known.route, set()))
+            moved = self._of_host.get(host, set()) & self._of_route.get(known.route, set())
+            self.orphaned.extend(e for e in map(self.exchanges.get, moved) if e is not None and e.work_open)
+            self._end_numbers(moved)
             self._drop(host)
+        lost = self._lost.pop(host, None)
+        if lost:  # its work open when its worker was lost: the clients still waiting are told
+            self._lost_at.pop(host, None)
+            self.orphaned.extend(lost.values())
         self.offers[host] = Offer(host, route, owner, hello.runtime, now, hello.mount, hello.seen)
         self._routes.setdefault(route, set()).add(host)
         self._serving[owner] = self._serving.get(owner, 0) + 1
@@ -280,51 +303,99 @@ class BrokerView:
                 self.bindings.pop(host, None)
         for number in list(self._of_route.get(route, ())):
             exchange = self.exchanges[number]
+            if exchange.worker == route and exchange.work_open:
+                self._lose(exchange)
             self._end(exchange)
             if exchange.client == route:  # its worker is still there: it hears Bye
                 self.ending.append(exchange)
         return gone
 
+    def _lose(self, exchange: Exchange) -> None:
+        """``exchange``'s worker is gone with its work open (`_lost`)."""
+        if exchange.host not in self._lost and len(self._lost) >= self.max_dialed:
+            return  # bounded as offers are
+        lost = self._lost.setdefault(exchange.host, {})
+        if len(lost) < self.max_exchanges:
+            lost[exchange.number] = exchange
+        self._lost_at.setdefault(exchange.host, 0.0)
+
     def expire(self, now: float) -> list[str]:
         """Offers that are gone, and the exchanges with them. A dialed worker's connection
         says it is there (its pings, every patience, have a time to live: ZeroMQ drops a
         connection silent past it, and the broker then probes); its keepalive, every
-        `KEEPALIVE` patiences, is the net beneath: an offer silent for `IDLE_SILENCE`
-        patiences is gone. A host a client waits on (an exchange whose client spoke last:
-        its Work, Hello or Provision not answered yet) is held closer: silent for a patience
-        it is checked (its route is in ``self.checks``: the
-        broker says Hello, it answers Ready), for one and a half it is gone (a stopped
-        worker with work open is noticed as soon as ZeroMQ's heartbeats noticed it, with
-        no timer of theirs in the broker's I/O thread). Looked at every quarter patience,
-        not at every turn of the loop (a walk over the fleet). An exchange is never ended
-        for being quiet (work may run for hours with nobody watching); what bounds them is
-        ``max_exchanges`` per tenant and ``max_open`` in all, the least recently used ended
-        first."""
+        `KEEPALIVE` patiences, is the net beneath: an idle offer silent for `IDLE_SILENCE`
+        patiences is gone. A host with any exchange *held* (work open there that its worker
+        has not ended, whoever spoke last, or a client's word not answered yet) is held to
+        the working limit: silent for a patience it is checked (its route is in
+        ``self.checks``: the broker says Hello, it answers Ready; asked again each quarter
+        patience it stays silent), for one and a half it is gone (``self.stalled``). A worker
+        running work says Hello every half patience (:mod:`somatize.fabric.worker.dialing`),
+        from its serving thread, whatever the piece does: a long honest piece is never
+        taken for a stopped worker. Silence is counted from when the host was last heard or
+        first held, whichever is later, and never past the idle limit (exchanges opened
+        again and again do not hold a silent host).
+
+        The fleet is looked at every quarter patience (a walk over every offer); the hosts
+        held, every sixteenth (a walk over those alone), so a stopped worker with work open
+        is gone within one and a half patiences and a sixteenth of its last word. An
+        exchange is never ended for being quiet (work may run for hours with nobody
+        watching); what bounds them is ``max_exchanges`` per tenant and ``max_open`` in all,
+        the least recently used ended first."""
         self.checks = []
-        if now < self._next_expiry:
+        full = now >= self._next_expiry
+        if not full and (now < self._next_held or not self._busy_since):
             return []
-        self._next_expiry = now + self.patience / 4
-        heard, busy = self._heard, self._busy_since
+        self._next_held = now + self.patience / 16
+        if full:
+            self._next_expiry = now + self.patience / 4
+        heard, busy, offers = self._heard, self._busy_since, self.offers
         idle, check, working = IDLE_SILENCE * self.patience, self.patience, 1.5 * self.patience
         gone, stalled, checks = [], set(), {}
-        for host, offer in self.offers.items():
-            quiet = now - max(offer.seen, heard.get(offer.route, 0.0))
-            silent = min(quiet, now - busy.get(host, 0.0))  # held closer from when a client first waited
-            if host in busy:
-                if silent > working or quiet > idle:  # exchanges opened again and again do not hold it
+        if full:
+            for host, offer in offers.items():
+                if host not in busy and now - max(offer.seen, heard.get(offer.route, 0.0)) > idle:
                     gone.append(host)
-                    stalled.add(host)
-                elif silent > check:
-                    checks[offer.route] = None
-            elif silent > idle:
+        asked, again = self._asked_at, self.patience / 4
+        self._asked_at = {}
+        for host, since in busy.items():
+            offer = offers.get(host)
+            if offer is None:
+                continue
+            last = max(offer.seen, heard.get(offer.route, 0.0))
+            quiet = now - last
+            if min(quiet, now - since) > working or quiet > idle:
                 gone.append(host)
+                stalled.add(host)
+            elif min(quiet, now - since) > check:
+                route = offer.route
+                at = asked.get(route)
+                if at is None or at < last or now - at >= again:  # asked once a quarter patience
+                    at = now
+                    checks[route] = None
+                self._asked_at[route] = at
         self.stalled, self.checks = stalled, list(checks)
         for host in gone:
             offer = self._drop(host)
             if offer.owner.startswith("route:"):
                 self.bindings.pop(host, None)
-            self._end_numbers(set(self._of_host.get(host, ())))
+            numbers = set(self._of_host.get(host, ()))
+            for exchange in map(self.exchanges.get, numbers):
+                if exchange is not None and exchange.work_open:
+                    self._lose(exchange)
+            self._end_numbers(numbers)
+        if full and self._lost_at:
+            self._forget_losses(now)
         return gone
+
+    def _forget_losses(self, now: float) -> None:
+        """Losses older than `LOST_FOR` are forgotten: their clients have looked by then.
+        Timed from the first full look after them (a loss is noted where no clock is at hand)."""
+        for host, at in list(self._lost_at.items()):
+            if not at:
+                self._lost_at[host] = now
+            elif now - at > LOST_FOR:
+                del self._lost_at[host]
+                self._lost.pop(host, None)
 
     @property
     def offers_index(self) -> dict[bytes, set[str]]:
@@ -368,11 +439,7 @@ class BrokerView:
                 self.refused += 1
                 raise Stale(f"this broker has no exchange {relay.exchange} open with you")
             exchange.touched = now
-            variant = _variant(relay.inner)
-            if exchange.waiting and variant in _ANSWERS:
-                self._wait(exchange, False, now)
-            if variant in _ENDS_WORK:
-                exchange.work_open = False
+            self._answered(exchange, _variant(relay.inner), now)
             if exchange.lane:  # one of many channels over the client's connection: say which
                 return Deliver(exchange.client, passed_on(relay.inner, lane=exchange.lane))
             return Deliver(exchange.client, list(relay.inner))
@@ -409,10 +476,7 @@ class BrokerView:
         if variant is Bye:  # the exchange is over, and the worker hears it
             self._end(exchange)
             return deliver
-        if not exchange.waiting:  # anything else, junk included, asks for an answer
-            self._wait(exchange, True, now)
-        if not exchange.work_open and variant in _OPENS_WORK:
-            exchange.work_open = True
+        self._asked(exchange, variant, now)
         return deliver
 
     def _crowd_out(self, candidates: Iterable[Exchange]) -> None:
@@ -424,17 +488,35 @@ class BrokerView:
         self._end(exchange)
         self.ending.append(exchange)
 
-    def _wait(self, exchange: Exchange, waiting: bool, now: float) -> None:
-        """Its client waits on an answer now (``waiting``), or no longer: a host a client
-        waits on is held closer (`expire`), from when the first began to wait."""
-        exchange.waiting = waiting
+    def _asked(self, exchange: Exchange, variant: type | None, now: float) -> None:
+        """Its client said ``variant`` (anything but Bye, junk included, asks for an answer;
+        a Work, bare, streamed or in a shared folder, opens work)."""
+        if exchange.waiting and (exchange.work_open or variant not in _OPENS_WORK):
+            return  # held already, and stays so: the common case costs one look
+        self._mark(exchange, True, exchange.work_open or variant in _OPENS_WORK, now)
+
+    def _answered(self, exchange: Exchange, variant: type | None, now: float) -> None:
+        """Its worker said ``variant``: an answer ends the wait of its client, and what ends
+        work (Done, Failed, Refusal, Send) the work open; a fact or a credit ends neither.
+        The Ready that answers a Hello sent right behind by a Work leaves the work open."""
+        if variant in _ANSWERS and exchange.held:
+            self._mark(exchange, False, exchange.work_open and variant not in _ENDS_WORK, now)
+
+    def _mark(self, exchange: Exchange, waiting: bool, work_open: bool, now: float) -> None:
+        """Set what the exchange waits on; a host with any exchange held (work open there,
+        whoever spoke last, or its client's word unanswered) is held to the working limit
+        (`expire`), from when the first of them was held."""
+        was = exchange.held
+        exchange.waiting, exchange.work_open = waiting, work_open
+        if exchange.held == was:
+            return
         host = exchange.host
-        count = self._waiting.get(host, 0) + (1 if waiting else -1)
+        count = self._held.get(host, 0) + (1 if not was else -1)
         if count > 0:
-            self._waiting[host] = count
+            self._held[host] = count
             self._busy_since.setdefault(host, now)
         else:
-            self._waiting.pop(host, None)
+            self._held.pop(host, None)
             self._busy_since.pop(host, None)
 
     def _open(self, exchange: Exchange) -> None:
@@ -450,8 +532,8 @@ class BrokerView:
         number = exchange.number
         if self.exchanges.pop(number, None) is None:
             return
-        if exchange.waiting:
-            self._wait(exchange, False, exchange.touched)
+        if exchange.held:
+            self._mark(exchange, False, False, exchange.touched)
         pair = (exchange.client, exchange.host, exchange.lane)
         if self._by_pair.get(pair) == number:
             del self._by_pair[pair]

@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from ...errors import ProtocolError
-from ...wire import Hello, Ready, Refusal, Relay, decode, encode, variant_of
+from ...wire import Hello, Located, Ready, Refusal, Relay, Where, decode, encode, variant_of
 from .. import mount as _mount
 from .. import proofs as _proofs
 from .. import sockets
@@ -38,6 +38,7 @@ from ..conversation import KEEPALIVE
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import PROBE, Keys, as_client, speaks_curve
 from .outbox import To
+from .pacing import Pacer
 
 #: The longest a dialed worker waits before saying Hello again to a broker that refused it.
 MAX_BACKOFF = 30.0
@@ -82,6 +83,8 @@ class Dialing:
         self._broker = broker
         self._offer = offer
         self._identity = _proofs.identity(offer, None)  # what its clients' proofs are bound to
+        self._pacer = Pacer()  # answers in a fair order, a window in flight (`.pacing`)
+        self._marking = encode(Where(offer))  # a mark: the broker answers it once it read what came before
         self._keyed = keys is not None
         self._announce(time.monotonic())
 
@@ -110,7 +113,15 @@ class Dialing:
             self._control.pop(0)
             if what == "hello":
                 self._hello_at = time.monotonic()
+            elif what == "mark":
+                self._pacer.marked(time.monotonic())
         return True
+
+    def _mark(self) -> None:
+        """A mark behind the answers sent so far (`.pacing`): control, so it never waits
+        for the window it opens, and it leaves before any answer sent after it."""
+        self._control.append(("mark", self._marking))
+        self._push_control()
 
     def _keep_offering(self, now: float) -> None:
         if self._backoff and self._refused_at < self._hello_at and now - self._hello_at > min(2.0, self.patience):
@@ -125,18 +136,24 @@ class Dialing:
 
     def _hello_due(self) -> float:
         """When the next Hello is due: a keepalive every `KEEPALIVE` patiences, or every
-        patience while clients may wait on this worker: work runs here, a stream goes out,
-        or an answer found no room on the socket within the last patience (the broker holds
-        a host that clients wait on closer: silent for one and a half patiences, it is gone).
-        Clients that merely hold sessions here cost no more keepalives than an idle worker."""
+        half patience while clients may wait on this worker: work runs here, a stream goes
+        out, or an answer found no room on the socket within the last patience (the broker
+        holds a host with work open to the working limit: silent for a patience it is asked,
+        for one and a half it is gone; two keepalives fit in that, so a long honest piece is
+        never taken for a stopped worker). Said by whichever thread holds the socket (the
+        stand-in, while a piece runs where it arrived), never by the piece. Clients that
+        merely hold sessions here cost no more keepalives than an idle worker."""
         recently = time.monotonic() - self._dropped_at < self.patience
         if self._accepted and not self._backoff and (self._running or self._outgoing or self._blocked or recently):
-            return min(self._next_hello, self._hello_at + self.patience)
+            return min(self._next_hello, self._hello_at + self.patience / 2)
         return self._next_hello
 
     def _connection_events(self) -> None:
         while self._events is not None and sockets.readable(self._events):
             event = int.from_bytes(self._events.recv_multipart()[0][:2], "little")
+            if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
+                self._pacer.reset()  # nothing of the old connection is in flight; no mark will be answered
+                self._control = [m for m in self._control if m[0] != "mark"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if self._lost:
                     log.info("reached the broker at %s again; offering `%s`", self._broker, self._offer)
@@ -174,6 +191,9 @@ class Dialing:
                     tenant = relay.tenant or "exchange:%d" % relay.exchange
                     self._take(To(peer, tenant, exchange=relay.exchange), list(relay.inner))
                 return
+            if variant is Located:  # its answer to our oldest mark: it read what came before
+                self._pacer.answered()
+                return
             if variant not in (Ready, Refusal, Hello):
                 raise ProtocolError(f"a broker does not send a worker a `{variant.__name__}`")
             message = decode(parts)
@@ -188,6 +208,7 @@ class Dialing:
                 self._next_hello = self._hello_at + KEEPALIVE * self.patience  # taken: the net beneath now
             self._accepted, self._backoff = True, 0.0
         elif isinstance(message, Refusal):
+            self._pacer.answered()  # an answer in line: to a mark, perhaps (a broker that lost our offer)
             # a restarted broker that does not know us (a late answer it cannot place), or a
             # refusal of our offer: neither is a reason to stop serving. Hello again, later.
             self._accepted = False

@@ -156,6 +156,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         self._lines = Limiter(log)  # every line a peer can cause goes through it
         self._advised: dict[str, float] = {}  # advice about stale imports: when last said
         self._control: list = []  # a dialed worker's keepalive waiting for room (`.dialing`)
+        self._pacer = None  # a dialed worker's window and fair order for its answers (`.pacing`)
         self._blocked = False  # a stream waits for room on the socket
         self._revoking = False  # the allow-list was reloaded: end what revoked keys have open
         self._refused_keys = False  # the broker's handshake refused our keys, said once
@@ -220,6 +221,8 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
             due = min(due, self._last_report + self.reporting)
         if self._slots is not None and self._running:  # a young piece's facts leave once it runs long
             due = min(due, self._young_until())
+        if self._pacer is not None and not self._pacer.room():  # the window waits on a mark that may be lost
+            due = min(due, self._pacer.look(time.monotonic()) or due)
         return max(0, int(1000 * (due - time.monotonic())) + 1)
 
     def _poller(self) -> sockets.Poller:
@@ -247,13 +250,18 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
             self._release_held(now)
         if self._answers in events:
             self._forward_answers()
+        # a stand-in whose piece has returned takes nothing new: the socket goes back first
+        if self._front in events and not (self._want_back and self._holder != self._owner):
+            self._receive()
+        # after what was read: a credit moves a stream, the broker's answer to a mark the window
+        if self._pacer is not None and not self._pacer.room():
+            self._pacer.look(now)  # a mark unanswered past its time is taken as read
         if self._outgoing:
             self._drain_streams()
         else:
             self._blocked = False
-        # a stand-in whose piece has returned takes nothing new: the socket goes back first
-        if self._front in events and not (self._want_back and self._holder != self._owner):
-            self._receive()
+        if self._pacer is not None and self._pacer.waiting():
+            self._pump_paced(now)
         if self._events is not None and self._events in events:
             self._connection_events()
         if now - self._last_check >= 1.0:

@@ -31,6 +31,7 @@ from ...wire.writing import passed_on
 from .. import sockets
 from .. import streams as _streams
 from ..curve import peer_name
+from .pacing import TENANT_QUEUE
 from .said import clip
 
 log = logging.getLogger("somatize.worker")
@@ -55,6 +56,7 @@ class Outbox:
     _broker: str
     _control: list
     _outgoing: dict
+    _pacer: Any  # a dialed worker's window and fair order (`.pacing`); None for a listening one
 
     def _forward_answers(self) -> None:
         while sockets.readable(self._answers):
@@ -151,25 +153,63 @@ class Outbox:
             out = _streams.Outgoing(_streams.new_sid(), frames)
             self._outgoing[(to.peer, out.sid)] = (to, out)
             self.sessions.hold(to.peer, out.sid)  # its session stays until every byte is credited
-            self._carry(to, encode(out.begin()))
+            out.begun = False  # its Begin leaves first, in `_drain`, as soon as there is room
             self._drain(to, out)
             return
         self._carry(to, frames)
 
     def _carry(self, to: To, frames: list) -> None:
-        self._send(passed_on(tuple(frames), exchange=to.exchange))  # its answer, checked as it was written
+        """An answer in an exchange the broker relays, through the window (`.pacing`): now
+        when it is open and nothing waits for it, else behind its tenant's others."""
+        parts = passed_on(tuple(frames), exchange=to.exchange)  # its answer, checked as it was written
+        pacer = self._pacer
+        if pacer is None:
+            self._send(parts)
+        elif pacer.free():
+            if self._send(parts) and pacer.sent_one():
+                self._mark()
+        elif not pacer.hold(to.tenant, parts):
+            self._dropped(f"tenant {to.tenant or '?'} has {TENANT_QUEUE} answers waiting for the broker to read "
+                          f"what this worker sent before them (a flood's, most likely)")
+
+    def _pump_paced(self, now: float) -> None:
+        """Answers that waited for the window leave, one per tenant in turn, while it is open
+        and the socket has room (a full socket is looked at again when it has room)."""
+        pacer = self._pacer
+        pacer.look(now)
+        while pacer.waiting():
+            if self._control and not self._push_control():
+                self._blocked = True
+                return
+            if not sockets.writable(self._front):
+                self._blocked = True
+                return
+            parts = pacer.next()
+            if parts is None:  # the window is full: the broker's answer to a mark opens it
+                return
+            if self._send(parts) and pacer.sent_one():
+                self._mark()
 
     def _drain(self, to: To, out: _streams.Outgoing) -> None:
-        """The chunks the credit allows, while the socket has room; the rest wait here."""
-        chunks = out.chunks()
+        """Its Begin, then the chunks the credit allows, while the socket and the window have
+        room; the rest wait here. A stream takes its place in the window beside the answers
+        waiting (`_pump_paced`), never behind all of them: its client's credit bounds it."""
+        chunks = out.chunks() if out.begun else None
         while True:
             if not self._room():
-                self._blocked = True  # resumed when the socket has room (`_drain_streams`)
-                break
-            chunk = next(chunks, None)
-            if chunk is None:
-                break
-            self._carry(to, encode(chunk))
+                if self._pacer is None or self._pacer.room():
+                    self._blocked = True  # resumed when the socket has room (`_drain_streams`)
+                break  # or when the broker answers a mark (`_turn`)
+            if chunks is None:
+                message, out.begun = out.begin(), True
+                chunks = out.chunks()
+            else:
+                message = next(chunks, None)
+                if message is None:
+                    break
+            parts = passed_on(tuple(encode(message)), exchange=to.exchange)
+            if self._send(parts) and self._pacer is not None and self._pacer.sent_one():
+                self._mark()
         if out.finished and out.credit >= _streams.WINDOW:
             self._settle(to.peer, out.sid)  # every byte credited: the session may go
 
@@ -184,18 +224,22 @@ class Outbox:
         self.sessions.release(peer, sid)
 
     def _room(self) -> bool:
-        """Whether the socket takes a message now, with no keepalive waiting before it."""
+        """Whether the socket takes a message of a stream now, with no keepalive waiting
+        before it and, to a broker, the window open."""
         if self._control and not self._push_control():
+            return False
+        if self._pacer is not None and not self._pacer.room():
             return False
         return sockets.writable(self._front)
 
-    def _send(self, parts: list) -> None:
-        # never blocks: a peer that stops reading must not stall everyone else's answers;
-        # a keepalive waiting for room goes first (see `.dialing`)
+    def _send(self, parts: list) -> bool:
+        """True when it left. Never blocks: a peer that stops reading must not stall
+        everyone else's answers; a keepalive waiting for room goes first (see `.dialing`)."""
         try:
             if self._control and not self._push_control():
                 raise zmq.Again()
             sockets.send_frames(self._front, parts, sockets.NOBLOCK)
+            return True
         except zmq.Again:
             if self._broker:  # a dialed worker's one peer: the broker, reached or not
                 self._dropped(f"the broker at {self._broker} is not taking messages (not connected yet, "
@@ -204,6 +248,7 @@ class Outbox:
                 self._dropped("its client is not reading its answers (its queue is full)")
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
             self._dropped(f"its client is gone ({exc})")
+        return False
 
     def _dropped(self, why: str) -> None:
         self.dropped += 1
@@ -225,3 +270,6 @@ class Outbox:
 
     def _push_control(self) -> bool:  # overridden by `Dialing`; a listening worker has no control
         return True
+
+    def _mark(self) -> None:  # overridden by `Dialing`: only a dialed worker paces its answers
+        pass
