@@ -22,20 +22,12 @@ from somatize.wire import Refusal
 
 #: Known faults, each a finding of this harness: (role, kind, state) -> why, one line.
 FAULTS: dict[tuple[str, str, str], str] = {}
-_UNCOUNTED = ("broker/loop.py `_chatty` never counts a route that offers hosts, and `view.relay` drops a Relay "
-              "for an exchange not open uncounted: a worker key's flood piles up in ZeroMQ, never cut")
-#: Known faults under a flood, by (role, "every kind" or "Bye").
-FLOODS: dict[tuple[str, str], str] = {
-    ("dialed worker, in an exchange", "every kind"): _UNCOUNTED,
-    ("relayed client", "Bye"): "broker/loop.py `_handle`: a client's Relay(host, Bye) for an exchange not open "
-                               "(`view.relay` returns None) is never counted by the flood cut: the broker grows, no cut",
-}
-#: Known faults with a peer that never reads, by role.
-UNREAD: dict[str, str] = {
-    "dialed worker, in an exchange": "broker/outbox.py `Outbox.send` counts bytes only after EAGAIN, behind a ROUTER "
-                                     "whose pipe takes 1,000 messages of any size: answers to a client that never reads "
-                                     "pile up far past 64 MiB",
-}
+#: Known faults under a flood, by (role, "every kind" or "Bye"): none since issue 38's
+#: admission step (a Relay that opens or ends nothing is refused and counted).
+FLOODS: dict[tuple[str, str], str] = {}
+#: Known faults with a peer that never reads, by role: none since the broker's ROUTER queue
+#: is counted in bytes (issue 38).
+UNREAD: dict[str, str] = {}
 
 
 # -- what the conversation says each side answers (docs/conversation.md) ---------------------
@@ -244,7 +236,6 @@ def test_a_peer_that_never_reads_leaves_the_side_bounded(fresh, role):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="broker/view.py relay/expire: the worker's Ready to the Hello ends the exchange's `waiting` while the Work sent behind it is open, so the host falls back to the idle limit (60 s), not 1.5 patiences")
 def test_a_dialed_worker_stopped_under_work_is_broken_within_two_patiences(fresh, tmp_path):
     """A client new to w1 (its Work right behind its Hello) waits on a held piece; w1 is
     SIGSTOPped: ``Broken`` within two patiences and the probe (issue 38)."""
