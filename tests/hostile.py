@@ -251,13 +251,16 @@ class FakeBroker:
         self.sock.bind("tcp://127.0.0.1:0")
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.route = b""
+        self.offer = None  # the host the worker offers, learnt from its first Hello
         self.numbers = itertools.count(1000)
 
     def accept(self, timeout: float = 30.0) -> None:
         """Wait for the worker's offer, and take it."""
         assert self.sock.poll(int(timeout * 1000)), "the worker never dialed the played broker"
         self.route, *frames = self.sock.recv_multipart()
-        assert isinstance(read(frames), Hello), read(frames)
+        hello = read(frames)
+        assert isinstance(hello, Hello), hello
+        self.offer = hello.offering
         self.send(frames_of(messages.Ready(RT)))
 
     def send(self, frames: list) -> None:
@@ -274,6 +277,11 @@ class FakeBroker:
             if isinstance(message, Hello):
                 self.route = route
                 self.send(frames_of(messages.Ready(RT)))
+                continue
+            if isinstance(message, Where) and message.host == self.offer:
+                # the worker's pacing mark (fabric/worker/pacing.py): answered Located, as a
+                # broker does once it read what came before it, never taken for an answer
+                self.send(frames_of(messages.Located(message.host, "relayed", self.endpoint, "project")))
                 continue
             return message
         return None
