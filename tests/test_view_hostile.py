@@ -402,8 +402,19 @@ def test_a_folder_where_a_file_belongs_leaks_no_descriptor(processes, tmp_path):
     (folder / "run" / "r" / "7.rec").mkdir()  # and where a forward's file does
     (folder / "machine").mkdir(exist_ok=True)
     (folder / "machine" / "gpu-box.rec").mkdir()  # and a machine's report
+    (folder / "fifo").mkdir()
+    os.mkfifo(folder / "fifo" / "study.rec")  # a FIFO there: answered at once, never waited on
+    (folder / "socket").mkdir()
+    listening = socket.socket(socket.AF_UNIX)
+    here = os.getcwd()
+    os.chdir(folder / "socket")  # (a relative name: a socket's path is short)
+    try:
+        listening.bind("study.rec")  # and a socket
+    finally:
+        os.chdir(here)
     process, address = view(processes, folder)
-    pages = ("/api/study/tune", "/api/studies", "/api/run/r", "/api/run/r/nodes", "/api/machines", "/api/runs")
+    pages = ("/api/study/tune", "/api/studies", "/api/run/r", "/api/run/r/nodes", "/api/machines", "/api/runs",
+             "/api/study/fifo", "/api/study/socket")
     for path in pages:
         assert ask(address, path)[0] == 200, path
     open_before = descriptors(process.pid)
@@ -415,3 +426,4 @@ def test_a_folder_where_a_file_belongs_leaks_no_descriptor(processes, tmp_path):
     study = json.loads(ask(address, "/api/study/tune")[1])
     assert study["count"] == 1 and study["trials"][0]["score"] == 1.0
     assert "study.rec is not a regular file" in process.stderr()
+    listening.close()
