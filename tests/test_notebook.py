@@ -84,7 +84,7 @@ def test_the_quickstart_notebook_runs_in_a_kernel(kernel, tmp_path):
     assert printed.rstrip().endswith(sys.executable)  # the kernel was this interpreter
 
     # the live view started beside the training, and was stopped before the end
-    assert "open http://127.0.0.1:" in printed and "?token=" in printed, printed
+    assert "open http://127.0.0.1:" in printed and "#token=" in printed, printed
 
     # live facts reached print, from both workers; the second forward recalled `embed`
     assert "'host': 'w1'" in printed and "'host': 'w2'" in printed

@@ -7,10 +7,13 @@ whichever machine. Nothing needs to keep running for the record to exist: the vi
 reads it, and can be started and stopped at any time.
 
 It listens on loopback (``127.0.0.1``) by default and needs its token, printed once in the
-address it gives (as Jupyter does): another user of a shared machine can reach a loopback
-port, and must not read your record through it. ``--insecure`` drops the token; listening
-beyond loopback needs a token (so never with ``--insecure``). Needs the ``view`` extra
-(``pip install '.[view]'`` from a clone): Starlette and uvicorn.
+fragment of the address it gives (``#token=``, which a browser never sends): another user of
+a shared machine can reach a loopback port, and must not read your record through it. The
+page keeps the token for its own origin and sends it as a header; no cookie is set (a
+browser sends cookies to every port of a host). Every request must name the view's own
+address as its ``Host`` (no DNS rebinding), ``--insecure`` or not. ``--insecure`` drops the
+token; listening beyond loopback needs a token (so never with ``--insecure``). Needs the
+``view`` extra (``pip install '.[view]'`` from a clone): Starlette and uvicorn.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def command(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .app import make_app
+        from .guard import Guarded, host_check
     except ImportError as exc:
         print(f"somatize view: needs the view extra ({exc.name} is missing): "
               f"pip install '.[view]' from a clone of somatize", file=sys.stderr)
@@ -68,8 +72,8 @@ def command(args: argparse.Namespace) -> int:
         return 2
     bound = listener.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    address = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
-    app = make_app(FolderStore(args.store), token=token)
+    address = f"http://{shown}:{bound}/" + (f"#token={token}" if token else "")
+    app = Guarded(make_app(FolderStore(args.store), token=token), host_check(host, bound), f"http://{shown}:{bound}/")
     if args.announce:  # for whoever started it: the address, on the first line
         print(f"somatize-view ready {address}", flush=True)
     print(f"somatize view of {args.store}: open {address}", flush=True)

@@ -1,13 +1,16 @@
 """The view's web application: a page, the record's readers as JSON, and a stream of changes.
 
 Only ``GET``: nothing a request does writes the store or runs code. Every answer is read
-from the store by the readers of :mod:`somatize.record` (one scan each, as they say), and a
-name in a URL is checked as those readers check it, so no path leaves the store. The page
-draws every text it is given with ``textContent``, never as markup: a label written by
-someone else's process shows as the text it is.
+from the store by the readers of :mod:`somatize.record`, through a :class:`ViewStore`
+(every read bounded, a damaged entry read as a missing one: see ``reading``), and a name in
+a URL is checked as those readers check it, so no path leaves the store. The page draws
+every text it is given with ``textContent``, never as markup: a label written by someone
+else's process shows as the text it is.
 
-Who may look: whoever holds the token (a cookie set from ``?token=`` on the first visit, or
-an ``Authorization: token ...`` header), unless the view was started without one.
+Who may look (``guard``): a request to the view's own address (its ``Host``), and, unless
+the view was started without one, with its token in an ``Authorization: token ...`` header.
+Live streams are bounded (:data:`STREAMS` at once), and all of them are served by the one
+watcher of the view (``watching``), so more tabs cost no more looks at the store.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
@@ -31,38 +35,48 @@ from ..record.readers import whole
 from ..record.studies import best_of
 from .answers import by_parameter, report_ages, running, runs_by_last_write
 from .changes import Changes, studies
+from .guard import refused as _refused
+from .reading import ViewStore
 from .runs import Runs
 from .runs import thinned as _thinned
+from .watching import Watcher
 
 STATIC = Path(__file__).parent / "static"
 _FILES = {  # what the page is made of, and nothing else from the disk
     "app.js": "text/javascript", "style.css": "text/css",
     "uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css",
 }
-_COOKIE = "somatize-view"
 #: How many rows of a table one answer holds at most (a page asks for the next ones).
 PAGE = 500
-#: How often the stream looks at the store for changes (seconds).
-LOOK = 0.5
+#: Live streams open at once, at most (a tab follows one or two): the next is answered 429.
+STREAMS = 32
+#: Answers read from the store at once, at most (each one's memory is bounded by its page).
+READING = 4
+#: How often a quiet stream says it is still there (seconds).
+QUIET = 15.0
 
 
 def make_app(store: Any, *, token: str | None) -> Starlette:
-    """The view of ``store``; with ``token``, only requests that carry it are answered."""
+    """The view of ``store``; with ``token``, only requests that carry it are answered.
+    (``command`` wraps it in `guard.Guarded`, which checks each request's ``Host``.)"""
+    path = getattr(store, "path", None)
+    if path is None:
+        raise TypeError("the view reads a folder store: give it a FolderStore (or --store DIR)")
+    store = ViewStore(path)  # every read bounded; nothing written
     changes = Changes(store)
     runs = Runs(store)
     runs.warm()  # the newest runs read before anyone asks: a long run's first look waits less
+    watcher = Watcher(Path(path))
+    reading = asyncio.Semaphore(READING)
+    streaming = [0]  # live streams open now
 
     async def index(request: Request) -> Response:
         given = request.query_params.get("token")
-        if token is not None and given is not None:
-            if not secrets.compare_digest(given, token):
+        if token is not None and given is not None:  # an address of an older view: the token moves to the fragment
+            if not secrets.compare_digest(given.encode(), token.encode()):
                 return PlainTextResponse("this view's token is not that one", status_code=403)
-            answer = RedirectResponse("/", status_code=303)  # the token leaves the address bar
-            answer.set_cookie(_COOKIE, token, httponly=True, samesite="strict")
-            return answer
-        refused = _refused(request, token)
-        if refused is not None:
-            return refused
+            return RedirectResponse(f"/#token={token}", status_code=303, headers=_HEADERS)
+        # the page itself holds no data: what it shows is asked with the token (/api/...)
         return FileResponse(STATIC / "index.html", media_type="text/html", headers=_HEADERS)
 
     async def static(request: Request) -> Response:
@@ -77,7 +91,8 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
             if refused is not None:
                 return refused
             try:
-                body = await asyncio.to_thread(read, request)
+                async with reading:
+                    body = await asyncio.to_thread(read, request)
             except (BadName, ValueError) as exc:
                 return JSONResponse({"error": str(exc)}, status_code=400, headers=_HEADERS)
             except (OSError, SomatizeError) as exc:
@@ -133,32 +148,44 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
 
     async def events(request: Request) -> Response:
         """Server-Sent Events: one ``changed`` whenever what ``subject`` shows has changed
-        in the store (by the folders' stamps), and a comment every 15 s to keep it open."""
+        in the store (by the folders' stamps, as the view's one watcher sees them), and a
+        comment every 15 s to keep it open. Read with ``fetch``, which sends the token."""
         refused = _refused(request, token)
         if refused is not None:
             return refused
-        subject = request.query_params.get("subject", "runs")
+        if streaming[0] >= STREAMS:
+            return PlainTextResponse(f"this view serves {STREAMS} live streams at once, and as many are open: "
+                                     "close a tab of it", status_code=429, headers={**_HEADERS, "Retry-After": "5"})
+        streaming[0] += 1
         try:
-            first = await asyncio.to_thread(changes.stamp, subject)
+            subject = await watcher.follow(request.query_params.get("subject", "runs"))
         except (BadName, ValueError) as exc:
+            streaming[0] -= 1
             return JSONResponse({"error": str(exc)}, status_code=400, headers=_HEADERS)
+        except BaseException:
+            streaming[0] -= 1
+            raise
 
         async def stream():  # noqa: ANN202
-            before, quiet = first, 0.0
-            while not await request.is_disconnected():
-                await asyncio.sleep(LOOK)
-                now = await asyncio.to_thread(changes.stamp, subject)
-                if now != before:
-                    before, quiet = now, 0.0
+            seen = subject.version
+            yield ": open\n\n"
+            while True:
+                moved = subject.moved
+                if subject.version != seen:
+                    seen = subject.version
                     yield "event: changed\ndata: {}\n\n"
-                else:
-                    quiet += LOOK
-                    if quiet >= 15:
-                        quiet = 0.0
-                        yield ": still here\n\n"
+                    continue
+                try:
+                    await asyncio.wait_for(moved.wait(), QUIET)
+                except TimeoutError:
+                    yield ": still here\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={**_HEADERS, "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        def done() -> None:
+            streaming[0] -= 1
+            watcher.leave(subject)
+
+        return _Stream(stream(), done, media_type="text/event-stream",
+                       headers={**_HEADERS, "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     routes = [
         Route("/", index),
@@ -184,19 +211,29 @@ _HEADERS = {
 }
 
 
-def _refused(request: Request, token: str | None) -> Response | None:
-    if token is None:
-        return None
-    given = request.cookies.get(_COOKIE, "")
-    header = request.headers.get("authorization", "")
-    if header.lower().startswith("token "):
-        given = header[6:].strip()
-    if given and secrets.compare_digest(given, token):
-        return None
-    return PlainTextResponse(
-        "this view needs its token: open the address it printed when it started (…/?token=…)",
-        status_code=403,
-    )
+class _Stream(StreamingResponse):
+    """A stream that ends when its client goes (whatever the server's ASGI version), and
+    then calls ``done`` once."""
+
+    def __init__(self, content: Any, done: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._done = done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def streamed() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # gone
+                    group.cancel_scope.cancel()
+
+                group.start_soon(streamed)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self._done()
 
 
 def _number(value: str | None) -> float | None:

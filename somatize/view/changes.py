@@ -1,11 +1,10 @@
-"""What changed in the store, by its folders' stamps, and which studies it holds.
+"""The listings the view reads besides the records: a store's runs, a run's forward files,
+and which studies it holds.
 
-A page is told to read again when what it shows has changed: the stamps (modification times)
-of the folders its entries live in. Every write of a ``FolderStore`` renames a file into its
-folder, which moves that folder's stamp, so a look costs one ``stat`` per folder a page
-shows (a run's one folder; a study's folder per trial), never a read of a record. Names are
-checked as the readers check them before any path is made of them, and a link is never
-followed: a folder that is a link counts as absent.
+A listing names files without opening them (a run's forwards are counted, and its last one
+found, without reading the thousands before it). Names are checked as the readers check
+them before any path is made of them, and a link is never followed: a folder that is a
+link counts as absent. Whether a page's subject changed is ``watching``'s.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ from ..errors import BadName, Missing, SomatizeError
 from ..record.recorder import RUNS, check_run
 from ..store import check_name
 
-_MACHINES = "machine"
-
 
 class Changes:
-    """Stamps of what each page shows, in one store."""
+    """The listings of one store's runs."""
 
     def __init__(self, store: Any) -> None:
         path = getattr(store, "path", None)
@@ -31,27 +28,6 @@ class Changes:
             raise TypeError("the view reads a folder store: give it a FolderStore (or --store DIR)")
         self.root = Path(path)
         self.store = store
-
-    def stamp(self, subject: str) -> tuple:
-        """A value that changes whenever what ``subject`` shows changes: ``runs``, ``run:NAME``,
-        ``machines`` (with ``:RUN`` for that run's fleet), ``studies`` or ``study:NAME``."""
-        kind, _, name = subject.partition(":")
-        if kind == "runs":
-            return self._folders(self.root / RUNS.rstrip("/"), depth=1)
-        if kind == "run":
-            check_run(name, "the view")
-            return self._folders(self.root / RUNS.rstrip("/") / name)
-        if kind == "machines":
-            if name:
-                check_run(name, "the view")
-                return self._folders(self.root / _MACHINES) + self._folders(self.root / RUNS.rstrip("/") / name)
-            return self._folders(self.root / _MACHINES)
-        if kind == "studies":
-            return tuple(self._folders(self.root / s / "trial", depth=1) for s in _study_names(self.root))
-        if kind == "study":
-            check_name(f"{name}/study")
-            return self._folders(self.root / name) + self._folders(self.root / name / "trial", depth=1)
-        raise ValueError(f"the view shows runs, run:NAME, machines, studies or study:NAME; not {subject[:40]!r}")
 
     def runs(self) -> list[str]:
         """The runs the store holds, from a listing of ``run/`` (``runs`` reads every record)."""
@@ -112,25 +88,6 @@ class Changes:
             if not stat.S_ISDIR(os.lstat(folder).st_mode):
                 return None
         return folder
-
-    def _folders(self, folder: Path, depth: int = 0) -> tuple:
-        """The stamps of ``folder`` and, ``depth`` levels down, of the folders in it."""
-        try:
-            info = os.lstat(folder)
-        except OSError:
-            return ((str(folder), 0),)
-        if not stat.S_ISDIR(info.st_mode):
-            return ((str(folder), 0),)
-        out = [(str(folder), info.st_mtime_ns)]
-        if depth > 0:
-            try:
-                entries = sorted(os.scandir(folder), key=lambda e: e.name)
-            except OSError:
-                return tuple(out)
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    out.extend(self._folders(Path(entry.path), depth - 1))
-        return tuple(out)
 
 
 def studies(store: Any, only: str | None = None) -> Any:

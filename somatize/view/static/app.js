@@ -1,11 +1,36 @@
 // The somatize view: one page, routed by the address's #fragment, drawn from the view's
 // JSON. Every text from the store goes in with textContent, never as markup: records are
 // written by other people's processes. A page reads again when the server says what it
-// shows changed (Server-Sent Events).
+// shows changed (Server-Sent Events, read with fetch so that they carry the token).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 let streams = [];
+
+// The token that opens this view comes once, in the fragment of the address the view printed
+// (#token=..., which a browser never sends anywhere). It is kept in this origin's storage
+// (one per port: no other server's page reads it) and leaves the address bar; every request
+// of the page sends it as a header. Never a cookie: a browser sends those to every port.
+const TOKEN = "somatize-view-token";
+let kept = null; // where storage is refused
+function takeToken() {
+  const given = /^#token=([A-Za-z0-9_-]{1,200})$/.exec(location.hash);
+  if (!given) return;
+  try {
+    localStorage.setItem(TOKEN, given[1]);
+  } catch (error) {
+    kept = given[1];
+  }
+  history.replaceState(null, "", location.pathname);
+}
+
+function withToken() {
+  let token = kept;
+  try {
+    token = token || localStorage.getItem(TOKEN);
+  } catch (error) { /* storage refused: only what this page was given */ }
+  return token ? { Authorization: "token " + token } : {};
+}
 let drawing = 0; // the latest drawing begun: an older one's answer, come late, is dropped
 const STALE = new Error("a later drawing has begun");
 
@@ -97,8 +122,14 @@ function chart(id, title, labels, xs, ...series) {
 
 async function read(path) {
   const mine = drawing;
-  const answer = await fetch(path, { credentials: "same-origin" });
-  const body = await answer.json().catch(() => ({ error: answer.statusText }));
+  const answer = await fetch(path, { headers: withToken(), cache: "no-store" });
+  const raw = await answer.text();
+  let body;
+  try {
+    body = JSON.parse(raw);
+  } catch (error) {
+    body = { error: raw.slice(0, 300) || answer.statusText }; // a refusal says why, as text
+  }
   if (mine !== drawing) throw STALE;
   if (!answer.ok) throw new Error(body.error || answer.statusText);
   return body;
@@ -337,19 +368,56 @@ async function draw(page) {
   document.body.dataset.drawn = String(Number(document.body.dataset.drawn || 0) + 1);
 }
 
+// One stream of changes for `subject`, read with fetch (an EventSource cannot send the
+// token); opened again a moment after it ends. `page` is drawn each time it opens (a change
+// between a drawing and the stream's first look is never missed) and at each change.
+function listen(subject, page) {
+  const control = new AbortController();
+  (async () => {
+    while (!control.signal.aborted) {
+      let wait = 1000;
+      try {
+        const answer = await fetch("/api/events?subject=" + encodeURIComponent(subject),
+          { headers: withToken(), cache: "no-store", signal: control.signal });
+        if (answer.ok && answer.body) {
+          $("live").classList.add("on");
+          draw(page);
+          const reader = answer.body.getReader();
+          const text = new TextDecoder();
+          let buffer = "";
+          for (;;) {
+            const { value, done } = await reader.read();
+            if (done) break;
+            buffer += text.decode(value, { stream: true });
+            let end;
+            while ((end = buffer.indexOf("\n\n")) >= 0) {
+              const message = buffer.slice(0, end).split("\n");
+              buffer = buffer.slice(end + 2);
+              if (message.includes("event: changed")) draw(page);
+            }
+          }
+        } else {
+          if (answer.status === 403 || answer.status === 400 || answer.status === 421) return; // asking again changes nothing
+          wait = answer.status === 429 ? 5000 : 3000;
+          await answer.body?.cancel();
+        }
+      } catch (error) {
+        if (control.signal.aborted) return;
+      }
+      $("live").classList.remove("on");
+      await new Promise((resolve) => setTimeout(resolve, wait));
+    }
+  })();
+  return { close: () => control.abort() };
+}
+
 function open() {
+  takeToken(); // on the first load, and when the address is given to a page already open
   const [subjects, page] = route();
   for (const stream of streams) stream.close();
+  $("live").classList.remove("on");
   draw(page);
-  streams = [].concat(subjects).map((subject) => {
-    const stream = new EventSource("/api/events?subject=" + encodeURIComponent(subject));
-    // drawn once the stream is open (and again each time it reopens): a change between a
-    // drawing and the stream's first look is never missed
-    stream.addEventListener("open", () => { $("live").classList.add("on"); draw(page); });
-    stream.addEventListener("error", () => $("live").classList.remove("on"));
-    stream.addEventListener("changed", () => draw(page));
-    return stream;
-  });
+  streams = [].concat(subjects).map((subject) => listen(subject, page));
 }
 
 window.addEventListener("hashchange", open);
