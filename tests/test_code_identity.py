@@ -239,13 +239,19 @@ def test_a_base_class_outside_somatize_is_part_of_the_code(tmp_path):
     assert before != edited
 
 
-def test_a_helper_called_from_forward_is_not_part_of_the_code(tmp_path):
-    # said in the docs: what forward calls outside the class is not read
+def test_a_helper_called_by_name_is_part_of_the_code_and_one_reached_as_an_attribute_is_not(tmp_path):
+    # said in the docs: a function of the project that forward loads as a global is followed
+    # (issue 39); what it reaches as an attribute of a module is not
     helper = "def scale(x):\n    return x * 3\n"
     feature = "from cid_helper import scale\nfrom somatize import Node\n\n\nclass Feature(Node):\n" \
               "    def forward(self, x):\n        return scale(x)\n"
     before = identity(tmp_path, "before", {"cid_helper.py": helper, "cid_feature.py": feature})
     after = identity(tmp_path, "after", {"cid_helper.py": helper.replace("3", "4"), "cid_feature.py": feature})
+    assert before != after
+    dotted = "import cid_helper\nfrom somatize import Node\n\n\nclass Feature(Node):\n" \
+             "    def forward(self, x):\n        return cid_helper.scale(x)\n"
+    before = identity(tmp_path, "dotted-before", {"cid_helper.py": helper, "cid_feature.py": dotted})
+    after = identity(tmp_path, "dotted-after", {"cid_helper.py": helper.replace("3", "4"), "cid_feature.py": dotted})
     assert before == after
 
 

@@ -27,13 +27,14 @@ a codec taken for the same one would read values wrong without a word.
 
 from __future__ import annotations
 
-import dis
 import functools
 import hashlib
 import os
 import sys
 import types
 from typing import Any
+
+from ..code_source import loaded_globals as _names
 
 __all__ = ["DEPTH", "format_of"]
 
@@ -165,19 +166,6 @@ class _Writer:
             raise _Opaque  # it may hold what is not in its attributes (a C base): its bytes decide
         fields = sorted(f"{name}={self.write(v, depth + 1)}" for name, v in held.items())
         return f"object({self.write(type(value), depth + 1)},{','.join(fields)})"
-
-
-_GLOBAL_OPS = frozenset(("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"))
-
-
-def _names(code: types.CodeType) -> set[str]:
-    """Every global ``code`` or a code object nested in it looks up (not the names of
-    attributes, which share ``co_names``), as cloudpickle finds the globals it sends."""
-    names = {op.argval for op in dis.get_instructions(code) if op.opname in _GLOBAL_OPS}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
 
 
 def _imported_name(value: Any) -> str | None:
