@@ -96,9 +96,9 @@ class Blocked(StoreError):
         self.where = where
         self.held = held
         self.filename = where  # as an OSError names its path
-        self.strerror = f"is held by {held}"
+        self.strerror = f"is {held}, which no store writes"
         super().__init__(
-            f"{where} is held by {held}, which no store writes{f' ({doing})' if doing else ''}; "
+            f"{where} is {held}, which no store writes{f' ({doing})' if doing else ''}; "
             "someone who may write this folder put it there: remove it, and check who else may "
             "write there. Until then the name counts as blocked."
         )
@@ -405,8 +405,9 @@ def tell_blocked(root: Path, where: str, held: str) -> None:
     if held == "a symbolic link":
         tell_once(path, f"somatize store: {path} {_LINK_TEXT}; it is left out.")
     else:
-        tell_once(path, f"somatize store: {path} is held by {held}, which no store writes; it is "
-                        "left out (read as nothing there). Remove it, and check who else may write there.")
+        what = held if held.startswith("a file") else f"not a regular file ({held})"
+        tell_once(path, f"somatize store: {path} is {what}, which no store writes; it is left out "
+                        "(read as nothing there). Remove it, and check who else may write there.")
 
 
 def tell_link(root: Path, where: str) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Missing, SomatizeError, StoreError, StudyMismatch, Superseded
-from ..folders import LinkMet
+from ..folders import Blocked
 from ..store import ClaimingStore
 from .attempt import Pulse, Running, Trial
 from .definition import Definition, check_name, check_runner, load, optuna
@@ -339,10 +339,10 @@ class Study:
             got = running.claim()
         except StoreError as exc:
             got = False
-            if not isinstance(exc.__cause__, LinkMet):
+            if not isinstance(exc, Blocked):
                 raise
-            # the trial's folder is a link (said above): lost, as if claimed; the next read
-            # shows nothing, so it is blocked
+            # the attempt's name, or the trial's folder, is held by a link or anything else
+            # (said above): lost, as if claimed; the next read shows nothing, so it is blocked
         finally:
             if otrial is not None and mirror is not None and not running.claimed:
                 mirror.drop(otrial)
