@@ -53,6 +53,8 @@ for op, path, *rest in json.loads(sys.stdin.read()):
         open(path, "wb").close()
     elif op == "folder":
         os.mkdir(path)
+    elif op == "rename":  # another's entry moved away (a folder open to the group allows it)
+        os.rename(path, rest[0])
     elif op == "link":
         os.symlink(rest[0], path)
     elif op == "fifo":
@@ -293,6 +295,36 @@ def test_a_folder_planted_at_a_running_attempts_fence_neither_stops_nor_traps_it
     assert "trial 0 attempt 0: done" in out, out
     assert counted(store, "fenced")[0][1]["state"] == "done"
     assert watched(store, "fenced").startswith("study 'fenced': 2/2 finished (2 done)")
+
+
+def test_a_folder_put_where_a_running_attempts_own_entry_was_stops_only_that_attempt(shared, plant, tmp_path):
+    """Attack: a running attempt's own entry moved away and a folder put in its place: its
+    next write raised out of the objective and out of the runner (exit 2). Now the attempt
+    can no longer be written, so it stops as an overtaken one does; its trial reads as
+    nothing, so it is blocked, and the runner finishes the others and exits 0."""
+    store = FolderStore(shared)
+    Study(store, "moved", objective="test_study_planted:waits_for_go", space=X, trials=2, sampler="random")
+    trial = opened(store, "moved") / "trial" / "000000"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    env = {**env_with_tests(), "PLANTED_READY": str(ready), "PLANTED_GO": str(go)}
+    runner = subprocess.Popen(command(store, "moved"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, preexec_fn=lambda: os.umask(0))
+    try:
+        until = time.monotonic() + RUN_FOR
+        while not ready.exists() and runner.poll() is None and time.monotonic() < until:
+            time.sleep(0.02)
+        assert ready.exists(), "the objective never started"
+        plant(["rename", str(trial / "000.rec"), str(trial / "elsewhere")], ["folder", str(trial / "000.rec")])
+        go.touch()
+        out, err = runner.communicate(timeout=RUN_FOR)
+    finally:
+        runner.kill()
+        runner.wait()
+    assert runner.returncode == 0, err
+    assert "trial 0 attempt 0: something else holds its name now, so it cannot be written" in out, out
+    assert "trial 0: blocked" in out and "trial 1 attempt 0: done" in out, out
+    assert (trial / "000.rec").is_dir() and not any((trial / "000.rec").iterdir())  # nothing written into it
+    assert watched(store, "moved").startswith("study 'moved': 1/2 finished (1 done), 1 blocked")
 
 
 # -- helpers a runner imports ---------------------------------------------------------------
