@@ -346,3 +346,15 @@ def cpu_seconds(pid: int) -> float:
     """User and system CPU time the process ``pid`` has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_show_reads_a_took_that_is_a_digit_but_no_number(shared, plant):
+    """A record whose `took_us` is "²" (a digit to `str.isdigit`, no number to `int`): `--show`
+    exited 2. Now the time is left blank and the row shown."""
+    store = FolderStore(shared)
+    Study(store, "took", objective="study_objectives:quadratic", space=X, trials=1, sampler="random")
+    record = {**attempt_record(0, 0, "done"), "score": "2.25", "took_us": "\u00b2"}
+    plant(["record", str(opened(store, "took") / "trial" / "000000" / "000.rec"), record])
+    shown = finish(store, "took", "--show")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("study 'took': 1 trials (1 done); best 2.25 (trial 0)"), shown.stdout
