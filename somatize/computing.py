@@ -9,8 +9,20 @@ waits: it looks for the entry, which it recalls as soon as it is kept, and it ju
 claim by the store's stamps, as a study judges a trial's attempt (a fresh entry of its own
 against the claim's, never this machine's clock): a claim not written for ``PATIENCE`` is a
 dead claimer's, deleted and taken over; a claim that goes away without the entry (its
-forward failed) is taken again. A forward with a deadline waits at most half of what is
-left of it, and at most ``MAX_WAIT`` in any case, then computes the entry itself.
+forward failed) is taken again. Where its judge cannot be written (the name is blocked),
+the waiter judges by the claim's own stamp alone: one that does not change for
+``PATIENCE`` by this machine's monotonic clock is a dead claimer's. A waiter looks again
+after a pause that grows from 20 ms to 250 ms and never less: it never spins.
+
+One forward's waits share one end: half of what is left of its deadline when it starts
+claiming (``MAX_WAIT`` without one), for every claim it waits on together, never a fresh
+wait per entry. Past it, the forward computes what it still misses itself, unclaimed.
+
+A claim name held by anything a store does not write (a link, a folder, a FIFO, a file
+that is not a store entry: ``Blocked``, or a read that fails) is nobody's claim: the
+forward computes that entry at once, unclaimed, as it would with no claims, and the name
+is said once on stderr. Nothing planted among the claims makes a forward raise, wait past
+its end, or spin.
 
 Claims are taken in one order everywhere, the entries' depth in the graph (how many steps
 feed them) and then their keys: a key names its whole upstream, so the order is the same in
@@ -32,11 +44,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .errors import Missing, SomatizeError
+from .folders import Blocked, tell_blocked
 
 #: A claim not written again for this long (by the store's stamps) is a dead claimer's.
 PATIENCE = 10.0
 #: The longest a forward waits for another to compute an entry, whatever its deadline.
 MAX_WAIT = 3600.0
+_PAUSE_FLOOR = 0.02  # a waiter's pause between looks: never less than this
+_PAUSE_MOST = 0.25
 _PREFIX = "computing/"
 
 
@@ -55,12 +70,18 @@ class Claims:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pulse: threading.Thread | None = None
+        self._judge_blocked = False  # its judge's name is blocked: judge by stamps alone
 
     # -- taking and giving back ----------------------------------------------------------
     def take(self, key: str, node: str) -> bool:
-        """Claim ``key`` for this forward; False when another holds a claim on it."""
+        """Claim ``key`` for this forward; False when another holds a claim on it. True too
+        when the claim cannot be taken (its name is blocked, the store refuses): then this
+        forward computes, unclaimed, as without claims."""
         try:
             made = self.store.create(_PREFIX + key, self._record(node))
+        except Blocked as exc:
+            self._said_blocked(exc)
+            return True
         except (OSError, SomatizeError):
             return True  # a store that cannot take the claim: compute, as without claims
         if made:
@@ -104,23 +125,27 @@ class Claims:
         return {"by": self.me, "node": node}
 
     # -- waiting for another's -----------------------------------------------------------
-    def wait(self, key: str, node: str, found: Callable[[], bool], limit: float | None) -> str:
+    def wait(self, key: str, node: str, found: Callable[[], bool], until: float | None) -> str:
         """Wait while another computes ``key``: "found" once ``found()`` says the entry is
-        there, "taken" once this forward holds the claim (the other's died or went away),
-        "late" past ``limit`` seconds (then this forward computes it, unclaimed)."""
-        started = time.monotonic()
-        limit = MAX_WAIT if limit is None else min(limit, MAX_WAIT)
-        pause, judged = 0.02, started
+        there, "taken" once this forward holds the claim (the other's died or went away) or
+        may compute it unclaimed (the claim's name is blocked), "late" once the monotonic
+        clock reaches ``until`` (``None``: ``MAX_WAIT`` from now), then this forward computes
+        it, unclaimed. Every look is followed by a pause of at least 20 ms."""
+        if until is None:
+            until = time.monotonic() + MAX_WAIT
+        pause, judged = _PAUSE_FLOOR, time.monotonic()
         try:
             self.store.record(_PREFIX + key)  # a claim is a store entry; anything else is nobody's
         except Missing:
-            pass  # given back meanwhile: the loop takes it
+            pass  # given back meanwhile (or blocked, and said): the loop takes it
         except (OSError, SomatizeError):
-            return "late"  # not a claim (a FIFO, a damaged file): compute now, leave it alone
+            return "late"  # not a claim (a damaged or foreign file): compute now, leave it alone
+        seen: int | None = None  # the claim's stamp last seen, and when (for a judge-less look)
+        seen_at = time.monotonic()
         while True:
             if found():
                 return "found"
-            if time.monotonic() - started >= limit:
+            if time.monotonic() >= until:
                 return "late"
             try:
                 written = self.store.stamp(_PREFIX + key)
@@ -129,12 +154,14 @@ class Claims:
                     return "found"
                 if self.take(key, node):
                     return "taken"
-                continue  # another took it meanwhile: wait for that one
+                written = None  # another took it meanwhile: wait for that one, after a pause
             except (OSError, SomatizeError):
                 return "late"
-            if time.monotonic() - judged >= self.patience / 3:
+            if written is not None and written != seen:
+                seen, seen_at = written, time.monotonic()
+            if written is not None and time.monotonic() - judged >= self.patience / 3:
                 judged = time.monotonic()
-                if self._now() - written > self.patience * 1e9:
+                if self._dead(written, seen_at):
                     # its claimer stopped writing it: dead, or cut off. Take it over.
                     try:
                         self.store.delete(_PREFIX + key)
@@ -142,9 +169,21 @@ class Claims:
                         return "late"
                     if self.take(key, node):
                         return "taken"
-                    continue
-            time.sleep(pause)
-            pause = min(pause * 2, 0.25)
+            time.sleep(max(0.0, min(pause, until - time.monotonic())))
+            pause = min(pause * 2, _PAUSE_MOST)
+
+    def _dead(self, written: int, seen_at: float) -> bool:
+        """Whether a claim last written at ``written`` (its stamp, first seen at ``seen_at``
+        on this machine's monotonic clock) has gone unwritten for longer than ``patience``."""
+        if not self._judge_blocked:
+            try:
+                return self._now() - written > self.patience * 1e9
+            except Blocked as exc:
+                self._said_blocked(exc)
+            except (OSError, SomatizeError):
+                pass
+            self._judge_blocked = True  # judge by the stamp alone from now on
+        return time.monotonic() - seen_at > self.patience
 
     def _now(self) -> int:
         """This moment in the store's own clock: a fresh entry of ours, and its stamp."""
@@ -158,6 +197,11 @@ class Claims:
             except (OSError, SomatizeError):
                 pass
 
+    def _said_blocked(self, exc: Blocked) -> None:
+        root = getattr(self.store, "path", None)
+        if root is not None:
+            tell_blocked(root, exc.where, exc.held)
+
 
 def claim(
     claims: Claims,
@@ -165,20 +209,28 @@ def claim(
     depth: dict[int, int],
     label: Callable[[int], str],
     fetch: Callable[[int, str], bool],
-    limit: float | None,
+    until: float | None,
     waited: dict[int, int],
 ) -> bool:
     """Claim each missed entry (step index -> key) in the one order, waiting where another
-    forward computes one. True as soon as an entry was recalled after a wait: what the
-    forward needs has changed, and the caller prunes its plan again and claims again."""
+    forward computes one, every wait ending by ``until`` (the monotonic clock's; one end
+    for all of a forward's claims: `waits_end`). True as soon as an entry was recalled after
+    a wait: what the forward needs has changed, and the caller prunes its plan again and
+    claims again."""
     for index, key in sorted(missed.items(), key=lambda item: (depth.get(item[0], 0), item[1])):
         if key in claims.held or claims.take(key, label(index)):
             continue
         started = time.monotonic_ns()
-        if claims.wait(key, label(index), lambda i=index, k=key: fetch(i, k), limit) == "found":
+        if claims.wait(key, label(index), lambda i=index, k=key: fetch(i, k), until) == "found":
             waited[index] = (time.monotonic_ns() - started) // 1000
             return True
     return False
+
+
+def waits_end(left: float | None) -> float:
+    """When a forward's waits for others' claims end, all of them together (the monotonic
+    clock's): half of ``left``, what is left of its deadline, or ``MAX_WAIT`` without one."""
+    return time.monotonic() + (MAX_WAIT if left is None else min(max(0.0, left / 2), MAX_WAIT))
 
 
 def depths(shape: Any) -> dict[int, int]:

@@ -45,9 +45,10 @@ from typing import Any
 
 from . import keys as _keys
 from .codec import loads, written_parts
-from .computing import Claims, claim, claiming, depths
+from .computing import Claims, claim, claiming, depths, waits_end
 from .errors import CodecError, Missing, NodeFailed, Overdue, SomatizeError
 from .facts import Watchers, elsewhere, fact, microseconds
+from .folders import Blocked
 from .graph import Graph, Step, as_graph
 from .pieces import Deadline, Outcome, Piece
 from .pieces import outcome as _outcome
@@ -249,9 +250,9 @@ class _Walk:
         if missed and claiming(store):
             # one forward computes a missing entry, the others wait for it (`computing`)
             claims = Claims(store)
-            limit = None if deadline is None else max(0.0, deadline.left() / 2)
+            until = waits_end(None if deadline is None else deadline.left())  # one end for every wait
             order = depths(graph.shape)
-            while claim(claims, missed, order, lambda i: steps[i].label, recall, limit, waited):
+            while claim(claims, missed, order, lambda i: steps[i].label, recall, until, waited):
                 missed.clear()
                 shape = prune(graph.shape, steps, keys, recall)
                 claims.release_all(keep=missed.values())
@@ -448,6 +449,9 @@ class _Walk:
             return
         try:
             self.store.put(_keys.cache_name(key), {"node": step.label, "type": type(value).__name__}, parts)
+        except Blocked as exc:  # a name held by something no store writes: once, not every forward
+            _say_once(("blocked", exc.where), f"what `{step.label}` produced could not be kept: {exc}")
+            return
         except (OSError, SomatizeError) as exc:
             _say(f"what `{step.label}` produced could not be kept: the store refused it: {type(exc).__name__}: {exc}")
             return

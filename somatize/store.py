@@ -24,12 +24,11 @@ a name prefix, and a put's durability is the file system's (data and rename are 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
-import secrets
 import stat
-import threading
 import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,10 +36,34 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from somatize.errors import BadName, Missing, StoreError
-from somatize.folders import NEW_FILE, Descent, LinkMet, open_file, open_folder, sync, tell_link, tell_once
+from somatize.folders import (
+    Blocked,
+    Descent,
+    held_by,
+    link_new,
+    new_temp,
+    open_folder,
+    open_regular,
+    remove,
+    replace,
+    sync,
+    tell_blocked,
+    tell_once,
+)
 from somatize.store_file import CHUNK, blob_parts, header, read_blob, read_head, record_bytes, scan_record
 
 BytesLike = bytes | bytearray | memoryview
+
+
+def _half_the_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 1 << 34  # 16 GiB where the machine does not say
+
+
+#: The longest entry a store reads back unless told otherwise: half this machine's memory.
+_LARGEST = _half_the_memory()
 Blob = BytesLike | Sequence[BytesLike] | None
 
 
@@ -163,11 +186,20 @@ class FolderStore:
     ``fetch`` returns a ``bytearray`` of exactly the blob's size, filled in place: it is
     bytes-like and writable, so callers can use it without another copy.
 
-    Who may write the folder may write entries others read, and nothing more: every name is
-    opened from the root one component at a time without following a link (see
-    ``somatize.folders``), so a link planted anywhere below the root is left out of a scan
-    and read as nothing stored (with one line on stderr), and refused by a write; an entry
-    that is not a store file is left out of a scan with one line, and refused by a read.
+    Who may write the folder may write entries others read, and nothing more: every name
+    goes through ``somatize.folders`` (opened from the root one component at a time, no link
+    followed, nothing that blocks, a regular file of bounded length, every descriptor
+    closed). A name held by anything a store does not write (a link, a folder where an
+    entry belongs, a file where a folder belongs, a FIFO, a socket, an entry longer than
+    ``largest``, a file or folder this user may not read) is *blocked*: reads treat it as
+    nothing stored (``Missing``, left out of a scan, one line on stderr per name), and
+    ``put`` and ``create`` raise ``Blocked`` (a ``StoreError``) for the caller to count that
+    entry or claim as blocked and move on. An entry that is a regular file but not a store
+    file is left out of a scan with one line, and refused by a read (``StoreError``).
+
+    ``largest`` bounds the length of an entry read back (header, record and blob; by its
+    length, so a sparse file counts in full); the default is half this machine's memory,
+    so a planted entry can never make a read allocate more than that.
 
     Names use ':' (``cache/sha256:...``), which the file systems of Linux and macOS allow
     and Windows does not. On a case-insensitive file system, names differing only in case
@@ -175,7 +207,7 @@ class FolderStore:
     shared by any number of threads.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, largest: int | None = None) -> None:
         root = Path(path)
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -185,6 +217,7 @@ class FolderStore:
                 "give a path to a folder that exists or can be created."
             ) from exc
         self.path = root.resolve()  # the root is the user's to name: links above it are theirs
+        self.largest = _LARGEST if largest is None else int(largest)
 
     def __repr__(self) -> str:
         return f"FolderStore({str(self.path)!r})"
@@ -203,11 +236,11 @@ class FolderStore:
         written straight from its buffer, never joined or copied.
         """
         folders, file, _ = self._where(name)
-        with Descent(self.path) as descent:
+        with Descent(self.path) as descent, self._refusing(name):
             folder = self._folder(descent, folders, name)
             temp = self._written(name, folder, file, record, blob)
             try:
-                os.replace(temp, file, src_dir_fd=folder, dst_dir_fd=folder)  # a link there is replaced, not followed
+                replace(folder, temp, file, "/".join([*folders, file]))  # a link there is replaced, not followed
             except BaseException as exc:
                 self._undo(folder, temp, name, exc)
                 raise
@@ -228,11 +261,14 @@ class FolderStore:
             for name in names:
                 *parts, last = name.split("/")
                 try:
-                    fd = open_file(descent.at(parts), last + _SUFFIX, name + _SUFFIX)
+                    fd = open_regular(descent.at(parts), last + _SUFFIX, name + _SUFFIX, self.largest)[0]
                 except (FileNotFoundError, NotADirectoryError):
-                    continue  # deleted (or replaced by a folder) since it was listed
-                except LinkMet as exc:
-                    tell_link(self.path, str(exc.filename))
+                    continue  # deleted since it was listed
+                except Blocked as exc:
+                    tell_blocked(self.path, exc.where, exc.held)
+                    continue
+                except PermissionError:
+                    tell_blocked(self.path, name + _SUFFIX, "a file this user may not read")
                     continue
                 except OSError as exc:
                     raise StoreError(
@@ -268,8 +304,11 @@ class FolderStore:
             start = descent.at(folders)
         except (FileNotFoundError, NotADirectoryError):
             return names
-        except LinkMet as exc:
-            tell_link(self.path, str(exc.filename))
+        except Blocked as exc:
+            tell_blocked(self.path, exc.where, exc.held)
+            return names
+        except PermissionError:
+            tell_blocked(self.path, "/".join(folders), "a folder this user may not open")
             return names
         except OSError as exc:
             raise StoreError(f"Cannot list the store at {self.path} ({exc.strerror or exc}).") from exc
@@ -291,7 +330,9 @@ class FolderStore:
 
         Returns ``True`` when this call made the entry, ``False`` when one already existed
         (which is left untouched). Of any number of processes, on any number of machines,
-        creating one name at once, exactly one gets ``True``.
+        creating one name at once, exactly one gets ``True``. Raises ``Blocked`` when the
+        name, or a folder on its way, is held by something no store writes (a link, a
+        folder, a FIFO): nobody can create it, and the caller counts it as blocked.
 
         The entry is written whole into a temp file, then hard-linked to its name. A link
         never replaces an existing name, so it is atomic and exclusive on a local disk and
@@ -300,25 +341,20 @@ class FolderStore:
         call that made it; the temp file's link count tells the two apart (2: ours).
         """
         folders, file, _ = self._where(name)
-        with Descent(self.path) as descent:
+        with Descent(self.path) as descent, self._refusing(name):
             folder = self._folder(descent, folders, name)
             temp = self._written(name, folder, file, record, blob)
             try:
                 try:
-                    os.link(temp, file, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
-                    made = True
-                except FileExistsError:
-                    made = _linked_twice(folder, temp)
+                    made = link_new(folder, temp, file, "/".join([*folders, file]))
                 except OSError as exc:
-                    if not _linked_twice(folder, temp):
-                        raise StoreError(
-                            f"Cannot create {name!r} in the store at {self.path} "
-                            f"({exc.strerror or exc}); a claiming store needs a file system with "
-                            "hard links (a local disk or NFS; not FAT or some FUSE mounts)."
-                        ) from exc
-                    made = True
+                    raise StoreError(
+                        f"Cannot create {name!r} in the store at {self.path} "
+                        f"({exc.strerror or exc}); a claiming store needs a file system with "
+                        "hard links (a local disk or NFS; not FAT or some FUSE mounts)."
+                    ) from exc
             finally:
-                _unlink_quietly(folder, temp)
+                remove(folder, temp)
             if made:
                 sync(folder)
             return made
@@ -332,15 +368,24 @@ class FolderStore:
         come from the file server's clock, since the server sets a file's time when the
         data arrives; the file is opened, not just looked up, so the client asks the server
         (close-to-open) rather than answering from its attribute cache. Raises ``Missing``
-        when nothing is stored under ``name``.
+        when nothing is stored under ``name``, or when the name is blocked.
         """
         with self._open(name)[0] as file:
             return os.fstat(file.fileno()).st_mtime_ns
 
+    @contextlib.contextmanager
+    def _refusing(self, name: str) -> Iterator[None]:
+        """A write met a blocked name: ``Blocked``, saying which entry it refuses (the
+        primitive's own ``Blocked``, or ``LinkMet``, is its ``__cause__``)."""
+        try:
+            yield
+        except Blocked as exc:
+            raise Blocked(exc.where, exc.held, f"{name!r} cannot be written into the store at {self.path}") from exc
+
     def _undo(self, folder: int, temp: str, name: str, exc: BaseException) -> None:
         """A write that failed leaves nothing behind: its temp file goes, and an OS error
         becomes a ``StoreError`` that says the old entry is unchanged."""
-        _unlink_quietly(folder, temp)
+        remove(folder, temp)
         if isinstance(exc, OSError):
             raise StoreError(
                 f"Writing {name!r} into the store at {self.path} failed "
@@ -354,9 +399,8 @@ class FolderStore:
         blob_len = None if parts is None else sum(part.nbytes for part in parts)
         head = header(len(data), blob_len)
         head += b"%08x\n" % zlib.crc32(data, zlib.crc32(head))
-        temp = f".{file}.{os.getpid()}.{threading.get_native_id()}.{secrets.token_hex(4)}.tmp"
         try:
-            fd = os.open(temp, NEW_FILE, 0o666, dir_fd=folder)
+            fd, temp = new_temp(folder, file)
         except OSError as exc:
             raise StoreError(
                 f"Cannot write {name!r} into the store at {self.path} ({exc.strerror or exc}); "
@@ -376,14 +420,23 @@ class FolderStore:
         return temp
 
     def _folder(self, descent: Descent, folders: list[str], name: str) -> int:
-        """The folder ``name`` is written in, made where missing; never through a link."""
+        """The folder ``name`` is written in, made where missing; never through a link.
+        ``Blocked`` when a folder on its way is held by anything else, or is a folder below
+        the root that this user may not write in (someone else made it)."""
         try:
             return descent.at(folders, make=True)
+        except PermissionError as exc:
+            if folders:
+                raise Blocked("/".join(folders), "a folder this user may not write in") from exc
+            raise StoreError(
+                f"Cannot write {name!r} into the store at {self.path} ({exc.strerror or exc}); "
+                "check that the folder is writable."
+            ) from exc
         except OSError as exc:
             raise StoreError(
                 f"Cannot write {name!r} into the store at {self.path}: "
-                f"{exc.filename or 'the folder'} {exc.strerror or exc}"
-                f"{'' if isinstance(exc, LinkMet) else '; check that the folder is writable and nothing else sits at that path'}."
+                f"{exc.filename or 'the folder'} {exc.strerror or exc}; check that the folder is "
+                "writable and nothing else sits at that path."
             ) from exc
 
     # -- extras beyond the protocol
@@ -406,7 +459,7 @@ class FolderStore:
         try:
             with Descent(self.path) as descent:
                 found = os.stat(file, dir_fd=descent.at(folders), follow_symlinks=False)
-        except OSError:
+        except (OSError, Blocked):
             return False
         return stat.S_ISREG(found.st_mode)
 
@@ -419,9 +472,9 @@ class FolderStore:
         try:
             with Descent(self.path) as descent:
                 folder = descent.at(folders)
-                os.unlink(file, dir_fd=folder)  # a link is removed itself, never what it names
-                sync(folder)
-        except (FileNotFoundError, NotADirectoryError, LinkMet):
+                if remove(folder, file):  # a link is removed itself, never what it names
+                    sync(folder)
+        except (FileNotFoundError, NotADirectoryError, Blocked):
             return
         except OSError as exc:
             raise StoreError(
@@ -439,27 +492,34 @@ class FolderStore:
             return _sweep(descent.at([]), time.time() - older_than)
 
     def _open(self, name: str) -> tuple[io.FileIO, Path]:
+        """The entry ``name``, open: a regular file of at most ``largest`` bytes; ``Missing``
+        when nothing is there or the name is blocked (said once), and no descriptor left."""
         folders, file, path = self._where(name)
+        where = "/".join([*folders, file])
         try:
             with Descent(self.path) as descent:
-                fd = open_file(descent.at(folders), file, "/".join([*folders, file]))
-            opened = open(fd, "rb", buffering=0)
+                fd = open_regular(descent.at(folders), file, where, self.largest)[0]
         except (FileNotFoundError, NotADirectoryError):
             raise Missing(
                 f"Nothing is stored under {name!r} in the store at {self.path}; "
                 "scan() lists what is there."
             ) from None
-        except LinkMet as exc:
-            tell_link(self.path, str(exc.filename))
+        except (Blocked, PermissionError) as exc:
+            blocked = exc if isinstance(exc, Blocked) else Blocked(where, "a file this user may not read")
+            tell_blocked(self.path, blocked.where, blocked.held)
             raise Missing(
                 f"Nothing is stored under {name!r} in the store at {self.path}: "
-                f"{exc.filename} {exc.strerror}."
+                f"{blocked.where} {blocked.strerror}, so it counts as blocked."
             ) from None
         except OSError as exc:
             raise StoreError(
                 f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
             ) from exc
-        return opened, path
+        try:
+            return open(fd, "rb", buffering=0), path
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _list(self, folder: int, base: str, partial: str, names: list[str]) -> None:
         """Collect the names under ``folder`` (called ``base``) whose last part starts with
@@ -467,6 +527,9 @@ class FolderStore:
         try:
             with os.scandir(folder) as listing:
                 entries = list(listing)
+        except PermissionError:
+            tell_blocked(self.path, base.rstrip("/"), "a folder this user may not list")
+            return
         except OSError as exc:
             raise StoreError(
                 f"Cannot list the store folder {self.path / base} ({exc.strerror or exc})."
@@ -478,7 +541,7 @@ class FolderStore:
                 continue
             try:
                 if entry.is_symlink():
-                    tell_link(self.path, base + part)
+                    tell_blocked(self.path, base + part, "a symbolic link")
                 elif entry.is_dir(follow_symlinks=False):
                     if part == stem:
                         inner = open_folder(folder, part, base + part)
@@ -486,13 +549,16 @@ class FolderStore:
                             self._list(inner, base + part + "/", "", names)
                         finally:
                             os.close(inner)
+                    else:  # a folder where an entry belongs
+                        tell_blocked(self.path, base + part, "a folder")
                 elif part != stem and entry.is_file(follow_symlinks=False):
                     names.append(base + stem)
                 elif part != stem:  # a FIFO, a socket or a device planted under an entry's name
-                    path = self.path / (base + part)
-                    tell_once(path, f"somatize store: {path} is not a regular file; it is left out.")
-            except LinkMet as exc:  # replaced by a link since it was listed
-                tell_link(self.path, str(exc.filename))
+                    tell_blocked(self.path, base + part, held_by(folder, part) or "something else")
+            except Blocked as exc:  # replaced by something else since it was listed
+                tell_blocked(self.path, exc.where, exc.held)
+            except PermissionError:
+                tell_blocked(self.path, base + part, "a folder this user may not open")
             except OSError:
                 continue  # gone while we looked
 
@@ -504,21 +570,6 @@ def _write_all(fd: int, view: memoryview) -> None:
     done, size = 0, view.nbytes
     while done < size:
         done += os.write(fd, view[done : done + CHUNK])
-
-
-def _unlink_quietly(folder: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=folder)
-    except OSError:
-        pass
-
-
-def _linked_twice(folder: int, temp: str) -> bool:
-    """Whether ``temp`` was linked to its entry's name: its link count is then 2."""
-    try:
-        return os.stat(temp, dir_fd=folder, follow_symlinks=False).st_nlink == 2
-    except OSError:
-        return False
 
 
 def _sweep(folder: int, before: float) -> int:
@@ -541,6 +592,6 @@ def _sweep(folder: int, before: float) -> int:
             elif _TEMP.fullmatch(entry.name) and entry.stat(follow_symlinks=False).st_mtime <= before:
                 os.unlink(entry.name, dir_fd=folder)
                 removed += 1
-        except OSError:
-            continue  # renamed into place, swept by someone else, or a link planted meanwhile
+        except (OSError, Blocked):
+            continue  # renamed into place, swept by someone else, or something planted meanwhile
     return removed

@@ -5,6 +5,10 @@ on each ``trial.say`` and, from a thread of its own, at least every ``patience /
 the entry's stamp keeps moving while the attempt is alive. Before every write it looks for
 the next attempt of the same trial: if another runner has created it, this one was judged
 abandoned (it was paused, or cut off), and from then on it writes nothing that counts.
+Where something else holds the next attempt's name (a folder, a link, a FIFO: see
+``names``), the attempt after it is the fence, as it is for the runner that takes it over.
+An attempt whose own name something else comes to hold can no longer be written: it stops
+as an overtaken one does, and nothing it did counts.
 
 What an objective sees is a :class:`Trial`.
 """
@@ -19,9 +23,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import Missing, Superseded
+from ..errors import Superseded
 from ..facts import ENGINE, fact
 from ..store import ClaimingStore
+from . import names
 from .history import attempt_name
 
 
@@ -91,6 +96,7 @@ class Running:
         otrial: Any = None,
         storage: Any = None,
         pulse: Pulse | None = None,
+        attempts: int = 0,
     ) -> None:
         self.store = store
         self.study = study
@@ -98,7 +104,9 @@ class Running:
         self.attempt = attempt
         self.config = dict(config)
         self.name = attempt_name(study, number, attempt)
-        self._fence = attempt_name(study, number, attempt + 1)
+        # the fences: the next attempt's name, and while something else holds it the next,
+        # up to the study's give-up record (written as attempt ``attempts``)
+        self._fences = [attempt_name(study, number, k) for k in range(attempt + 1, max(attempts, attempt + 1) + 1)]
         self._runner = runner
         self.interval = patience / 3  # how often the pulse writes the record, at least
         self._sampler_attrs = dict(sampler_attrs or {})
@@ -119,6 +127,7 @@ class Running:
         self._started = time.perf_counter_ns()
         self._closed = False
         self.superseded = False
+        self.blocked = False  # its own name came to be held by something else: it stopped
         self.claimed: dict[str, str] | None = None  # the record this runner created, once it has
         self.finished: dict[str, str] | None = None  # the result it wrote, once it has
         self._pulse = pulse
@@ -127,14 +136,15 @@ class Running:
 
     # -- claiming and the pulse
 
-    def claim(self) -> bool:
-        """Create the attempt's entry if nobody has; ``True`` when this runner holds it now
-        (and ``claimed`` is the record it created)."""
+    def claim(self) -> names.Made:
+        """Create the attempt's entry if nothing holds its name: ``names.MADE`` when this
+        runner holds it now (and ``claimed`` is the record it created), ``names.TAKEN`` when
+        another runner's entry is there, ``names.BLOCKED`` when anything else is."""
         record = self._record()
-        if not self.store.create(self.name, record):
-            return False
-        self.claimed = record
-        return True
+        got = names.create(self.store, self.name, record)
+        if got == names.MADE:
+            self.claimed = record
+        return got
 
     def let_go(self) -> None:
         """Told to stop before the objective ran (between claiming and starting): if this
@@ -144,7 +154,7 @@ class Running:
         with self._lock:
             if self._closed:
                 return
-        held = next((r for n, r in self.store.scan(self.name) if n == self.name), None)
+        held = names.read(self.store, self.name)
         if held is not None and held.get("runner") == self._runner and held.get("state") == "running":
             self.finish("abandoned")
 
@@ -190,6 +200,13 @@ class Running:
             self._otrial.report(point[1], point[0])
             pruned = self._otrial.should_prune()
         if not self.rewrite():
+            if self.blocked:
+                raise Superseded(
+                    f"Attempt {self.attempt} of trial {self.number} of the study {self.study!r} "
+                    f"can no longer be written: something other than its entry holds its name "
+                    f"now (someone who may write the study's folder put it there); it stops here "
+                    f"and its result would not count."
+                )
             raise Superseded(
                 f"Trial {self.number} of the study {self.study!r} was taken over by another "
                 f"runner (attempt {self.attempt + 1}) while this runner was not writing; "
@@ -219,8 +236,7 @@ class Running:
                 return not self.superseded
             if self._overtaken():
                 return False
-            self.store.put(self.name, self._record(), self._blob())
-            return True
+            return self._put(self._record())
 
     def finish(self, state: str, score: str = "", error: str = "") -> bool:
         """Write the attempt's result; ``False`` (and nothing that counts) when superseded."""
@@ -233,21 +249,35 @@ class Running:
             self._state, self._score, self._error = state, score, error
             self._closed = True
             record = self._record()
-            self.store.put(self.name, record, self._blob())
+            if not self._put(record):
+                return False
             self.finished = record
             return True
 
+    def _put(self, record: dict[str, str]) -> bool:
+        """Write this attempt's entry; when something else holds its name, the attempt is
+        over (``blocked``): ``False``, and nothing is written again. Called with the lock held."""
+        if names.put(self.store, self.name, record, self._blob()):
+            return True
+        self.superseded = self.blocked = self._closed = True
+        return False
+
     def _overtaken(self) -> bool:
-        """Whether the next attempt exists; if so, say so in this attempt's own record
+        """Whether a later attempt exists (the next one, or while something else holds its
+        name the one after: see ``names.look``); if so, say so in this attempt's own record
         (which no longer counts) and close it. Called with the lock held."""
-        try:
-            self.store.stamp(self._fence)
-        except Missing:
-            return False
+        for fence in self._fences:
+            held = names.look(self.store, fence)
+            if held == names.FREE:
+                return False
+            if held == names.TAKEN:
+                break
+        else:
+            return False  # every later name is blocked: nobody can take this attempt over
         self.superseded = True
         self._closed = True
         self._state = "abandoned"
-        self.store.put(self.name, self._record(), self._blob())
+        names.put(self.store, self.name, self._record(), self._blob())
         return True
 
     def _record(self) -> dict[str, str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..errors import SomatizeError
 from ..record.drawings import printable
 from .history import History
+from .names import blocked_trials
 from .study import Study
 from .watching import watch
 
@@ -98,23 +99,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 def table(study: Study) -> str:
     """The study's trials as text: one row per trial, from its highest attempt (one scan),
     as a runner sees them (a record it cannot read is a failed trial, with the reason), with
-    who ran that attempt, and ``took over`` where an earlier one was given up."""
+    who ran that attempt, and ``took over`` where an earlier one was given up; a trial whose
+    names something else holds is ``blocked``, with why (``names.blocked_trials``)."""
     history = History.scan(study.store, study.name)
+    blocked = blocked_trials(study.store, study.name, study.trials, study.attempts, history)
     rows = [("trial", "state", "attempts", "score", "took", "runner", "config", "error")]
     states: dict[str, int] = {}
     best: tuple[float, int] | None = None
     sign = 1.0 if study.direction == "minimize" else -1.0
-    for trial in history:
+    read = {trial.number for trial in history}
+    unread = [(number, None) for number in blocked if number not in read]
+    for number, trial in sorted([*unread, *((t.number, t) for t in history)], key=lambda pair: pair[0]):
+        if trial is None:
+            rows.append((str(number), "blocked", "0", "", "", "", "", blocked[number]))
+            continue
         last = trial.last.record
-        state = trial.state
-        states[state] = states.get(state, 0) + 1
+        state = "blocked" if trial.number in blocked else trial.state
+        if state != "blocked":
+            states[state] = states.get(state, 0) + 1
         score = last.get("score", "")
         if state == "done" and score:
             value = float(score)
             if best is None or sign * value < sign * best[0]:
                 best = (value, trial.number)
         took = last.get("took_us", "")
-        error = (trial.last.problem or last.get("error") or "").strip().splitlines()
+        error = (blocked.get(trial.number) or trial.last.problem or last.get("error") or "").strip().splitlines()
         runner = printable(str(last.get("runner", "")), 40)
         rows.append(
             (
@@ -122,7 +131,7 @@ def table(study: Study) -> str:
                 state,
                 str(len(trial.attempts)),
                 score,
-                _took(int(took)) if took.isdigit() else "",
+                _took(int(took)) if took.isascii() and took.isdigit() else "",
                 runner + (", took over" if len(trial.attempts) > 1 and runner else ""),
                 json.dumps(trial.last.config(), sort_keys=True),
                 printable(error[-1], 60) if error else "",
@@ -130,6 +139,8 @@ def table(study: Study) -> str:
         )
     counted = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none claimed yet"
     head = f"study {study.name!r}: {study.trials} trials ({counted})"
+    if blocked:
+        head += f", {len(blocked)} blocked"
     if best is not None:
         head += f"; best {best[0]!r} (trial {best[1]})"
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

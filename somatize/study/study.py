@@ -15,6 +15,10 @@ its own (``<study>/judge/<runner>``) and compares that entry's stamp with the at
 Two machines' clocks are never compared, so a runner whose clock is off judges as well as
 any other. The attempt number is the fence: a runner that wakes up after its attempt was
 taken over finds the next attempt and writes nothing that counts.
+
+Any name may be held by something a writer of the folder put there (``names``): then the
+runner takes the next name (the judge a fresh one, a take-over the next attempt's) or counts
+the trial as blocked and goes on (``view``). No planted name stops, or keeps waiting, a runner.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import Missing, SomatizeError, StoreError, StudyMismatch, Superseded
-from ..folders import LinkMet
+from ..errors import Missing, SomatizeError, StudyMismatch, Superseded
 from ..store import ClaimingStore
+from . import names
 from .attempt import Pulse, Running, Trial
 from .definition import Definition, check_name, check_runner, load, optuna
 from .history import History, TrialHistory, attempt_name
@@ -201,11 +205,12 @@ class Study:
     # -- running
 
     def run(self, *, runner: str | None = None, progress: Progress | None = None) -> dict[str, int]:
-        """Run trials on this machine until every trial of the study has finished.
+        """Run trials on this machine until every trial of the study has finished (or is blocked).
 
         Returns how the attempts run here ended: ``done``, ``failed``, ``pruned``, and
-        ``superseded`` (taken over by another runner while this one was not writing).
-        ``runner`` names this runner in the records (default: host, process id and a few
+        ``superseded`` (taken over by another runner while this one was not writing, or its
+        entry's name taken by something else, so it could not be written). Trials something
+        else blocks (see ``view``) are left alone, and do not keep it running. ``runner`` names this runner in the records (default: host, process id and a few
         random characters); ``progress``, when given, is called with one line of text per
         event worth telling (``print`` will do).
         """
@@ -216,7 +221,11 @@ class Study:
         # looks while they run: this runner's own timer says when to look, never what it sees.
         self._poll = min(max(self.patience / 4, 0.05), 5.0)
         self._judged: float | None = None  # when this runner last judged (its monotonic clock)
-        view = View(self._store, self._name, self.trials)
+        view = View(
+            self._store, self._name, self.trials,
+            blocked=lambda number, why: tell(f"trial {number}: blocked ({why}); this runner leaves it alone"),
+        )
+        self._judge = names.Judge(self._store, self._name, me)
         view.rescan()  # the whole study, once; from here on only what may have changed
         self._mirror: Mirror | None = None
         self._notes = True
@@ -237,7 +246,12 @@ class Study:
                 view.rescan()  # before saying so, the whole study once more: see ``view``
                 self._mirror = None
                 if view.finished():
-                    tell(f"study {self._name!r}: all {self.trials} trials have finished")
+                    blocked = sorted(n for n in view.blocked if n < self.trials)
+                    tell(f"study {self._name!r}: all {self.trials} trials have finished"
+                         if not blocked else
+                         f"study {self._name!r}: all {self.trials} trials have finished or are blocked "
+                         f"({len(blocked)} blocked: trial {', '.join(map(str, blocked[:10]))}"
+                         f"{', ...' if len(blocked) > 10 else ''})")
                     return counts
             self._in_hand = None
             try:
@@ -249,8 +263,7 @@ class Study:
                         wait = min(2 * wait, self._poll)
                         continue
                     running = self._claim(view, number, me)
-                    if running is None:  # another runner claimed it first: read it, and go on
-                        view.lost(number)
+                    if running is None:  # another runner claimed it first (or it is blocked): go on
                         self._skip = self._random.random() < 0.5
                         continue
             except BaseException:
@@ -273,15 +286,11 @@ class Study:
         for every number, and the loser's write is wasted), unless the one passed over last
         time is still free (nobody else took it: so this runner does)."""
 
-        def blocked(number: int) -> None:
-            tell(f"trial {number}: its entry is there but cannot be read (see the line above); "
-                 f"this runner leaves it alone")
-
-        number = view.next_free(blocked=blocked)
+        number = view.next_free()
         if number is None or not self._skip or number == self._passed:
             self._skip = False
             return number
-        later = view.next_free(number, blocked=blocked)
+        later = view.next_free(number)
         if later is None:
             return number
         self._passed = number
@@ -328,40 +337,54 @@ class Study:
             otrial=otrial if pruning else None,
             storage=mirror.storage if pruning else None,
             pulse=self._pulse,
+            attempts=self.attempts,
         )
-        return self._claimed(view, mirror, otrial, running)
+        got = self._claimed(view, mirror, otrial, running)
+        if got == names.TAKEN:  # another runner claimed it first: the next read shows it
+            view.lost(number)
+        elif got == names.BLOCKED:
+            view.block(number, "something else holds its first attempt's name")
+        return running if got == names.MADE else None
 
-    def _claimed(self, view: View, mirror: Mirror | None, otrial: Any, running: Running) -> Running | None:
-        """Create ``running``'s attempt; on success it is this runner's, in the view and the
+    def _claimed(self, view: View, mirror: Mirror | None, otrial: Any, running: Running) -> names.Made:
+        """Create ``running``'s attempt; once made it is this runner's, in the view and the
         mirror, and otherwise ``otrial`` (asked for it) is dropped from the mirror."""
         self._in_hand = running
         try:
             got = running.claim()
-        except StoreError as exc:
-            got = False
-            if not isinstance(exc.__cause__, LinkMet):
-                raise
-            # the trial's folder is a link (said above): lost, as if claimed; the next read
-            # shows nothing, so it is blocked
         finally:
             if otrial is not None and mirror is not None and not running.claimed:
                 mirror.drop(otrial)
-        if not got:
-            return None
+        if got != names.MADE:
+            return got
         kept = otrial is not None and mirror is not None
         if kept:
             mirror.keep(running.number, otrial)
-        view.wrote(running.number, running.attempt, running.claimed, mirrored=kept)
-        return running
+        view.wrote(running.number, running.attempt, running.claimed, mirrored=kept)  # type: ignore[arg-type]
+        return got
 
     def _take_over(self, view: View, me: str, tell: Progress) -> Running | None:
         """Claim the next attempt of a trial whose attempt stopped being written, if any."""
         for trial in self._abandoned(view, me):
-            last = trial.last
-            after = last.attempt + 1
-            if after >= self.attempts:
-                if self._store.create(attempt_name(self._name, trial.number, after), self._gave_up(last, me)):
+            running = self._next_attempt(view, trial, me, tell)
+            if running is not None:
+                return running
+        return None
+
+    def _next_attempt(self, view: View, trial: TrialHistory, me: str, tell: Progress) -> Running | None:
+        """Claim the attempt after ``trial``'s last (or, past the study's ``attempts``,
+        write that it failed); where something else holds that name, the next one; when
+        every name up to the give-up record is held, the trial is blocked."""
+        last = trial.last
+        give_up = max(self.attempts, last.attempt + 1)
+        for after in range(last.attempt + 1, give_up + 1):
+            if after == give_up:
+                got = names.create(self._store, attempt_name(self._name, trial.number, after),
+                                   self._gave_up(last, me, after))
+                if got == names.MADE:
                     tell(f"trial {trial.number}: failed, {_abandoned_times(after)}")
+                if got != names.BLOCKED:
+                    return None  # written here, or by another runner first: the next read shows it
                 continue
             mirror = otrial = None
             if self._definition.pruner:  # the pruner judges the new attempt too
@@ -379,13 +402,19 @@ class Study:
                 otrial=otrial,
                 storage=None if mirror is None else mirror.storage,
                 pulse=self._pulse,
+                attempts=self.attempts,
             )
-            if self._claimed(view, mirror, otrial, running) is not None:
+            got = self._claimed(view, mirror, otrial, running)
+            if got == names.MADE:
                 tell(
                     f"trial {trial.number}: attempt {last.attempt} (runner "
                     f"{last.record.get('runner', '?')}) stopped writing; taking it over as attempt {after}"
                 )
                 return running
+            if got == names.TAKEN:
+                return None  # another runner took it over first: the next read shows it
+            # blocked: the next attempt's name stands in for it
+        view.block(trial.number, f"something else holds every attempt's name after attempt {last.attempt}")
         return None
 
     def _abandoned(self, view: View, me: str) -> list[TrialHistory]:
@@ -399,21 +428,17 @@ class Study:
         due = self._judged is None or time.monotonic() - self._judged >= self._poll
         if live and due:
             self._judged = time.monotonic()
-            judge_name = f"{self._name}/judge/{me}"
-            self._store.put(judge_name, {"runner": me})
-            now = self._store.stamp(judge_name)
+            now = self._judge.now()  # None: no judge's name could be written this time
             patience_ns = int(self.patience * 1e9)
-            for trial in live:
-                try:
-                    written = self._store.stamp(trial.last.name)
-                except Missing:
-                    continue
+            for trial in live if now is not None else ():
+                written = names.stamp(self._store, trial.last.name)
+                if written is None:
+                    continue  # gone, or held by something else: the next read says which
                 if now - written > patience_ns:
                     stopped.append(trial)
         return sorted(stopped, key=lambda t: t.number)
 
-    def _gave_up(self, last: Any, me: str) -> dict[str, str]:
-        after = last.attempt + 1
+    def _gave_up(self, last: Any, me: str, after: int) -> dict[str, str]:
         return {
             "trial": str(last.number),
             "attempt": str(after),
@@ -459,7 +484,10 @@ def _execute(running: Running, objective: Callable[..., Any], tell: Progress) ->
             outcome = "done" if running.finish("done", score=score) else "superseded"
     finally:
         running.stop()
-    if outcome == "superseded":
+    if outcome == "superseded" and running.blocked:
+        tell(f"{where}: something else holds its name now, so it cannot be written; what it did "
+             f"here does not count")
+    elif outcome == "superseded":
         tell(f"{where}: taken over by another runner; what it did here does not count")
     elif outcome == "done":
         tell(f"{where}: done, score {score} ({running.config})")

@@ -17,6 +17,12 @@ it says the study is over, the runner reads the whole study once more, so that a
 its looks could have missed (a trial taken over while its old attempt was finishing) is
 found there.
 
+A trial is *blocked* when something other than an entry holds the names it needs (a writer
+of the folder put a folder, a file, a link or a FIFO there; see ``names``): its first
+attempt's name, when no attempt of it reads; every later attempt's name, when its last one
+stopped; or its records no longer read at all. A blocked trial is over for this runner, as
+a finished one is, and is not read again: it never keeps a runner waiting.
+
 Nothing here writes or judges; ``study`` claims, writes and judges by the store's stamps.
 """
 
@@ -38,12 +44,15 @@ class View:
     runner's Optuna mirror. ``tests/test_study_claims.py`` counts what this costs the store.
     """
 
-    def __init__(self, store: Store, study: str, trials: int) -> None:
+    def __init__(
+        self, store: Store, study: str, trials: int, *, blocked: Callable[[int, str], Any] | None = None
+    ) -> None:
         self._store = store
         self._study = study
         self._count = trials
+        self._tell = blocked or (lambda number, why: None)
         self.trials: dict[int, TrialHistory] = {}
-        self.blocked: set[int] = set()  # numbers whose entry is there but no read shows it
+        self.blocked: set[int] = set()  # numbers over for this runner: see ``block``
         self.changed: list[TrialHistory] = []
         self._open: set[int] = set()  # numbers last read unfinished
         self._frontier = 0  # every number below it was read claimed, or is blocked
@@ -53,7 +62,7 @@ class View:
         """Read the whole study again (one scan); what was read before is forgotten."""
         history = History.scan(self._store, self._study)
         self.trials = dict(history.trials)
-        self._open = {n for n, trial in self.trials.items() if not trial.finished}
+        self._open = {n for n, trial in self.trials.items() if not trial.finished and n not in self.blocked}
         self._frontier = 0
         self.changed = []
 
@@ -62,18 +71,19 @@ class View:
         changed = False
         for number in sorted(self._open):
             found = self._read(number)
-            if found is None or _same(found, self.trials[number]):
-                continue  # (None: its entries are gone or unreadable now; keep what was read)
-            self._take(found)
-            changed = True
+            if found is None:  # its records were read before and no read shows them now
+                self.block(number, "its records no longer read (something else holds their names)")
+                changed = True
+            elif not _same(found, self.trials[number]):
+                self._take(found)
+                changed = True
         return changed
 
-    def next_free(self, after: int = -1, *, blocked: Callable[[int], Any]) -> int | None:
+    def next_free(self, after: int = -1) -> int | None:
         """The lowest number below ``trials`` (and above ``after``) that no read shows
         claimed, reading on from the frontier (each trial claimed meanwhile is read once);
         ``None`` when there is none. A number this runner failed to create that a read still
-        shows empty is blocked (an entry is there, says the store, that no read can show:
-        a link, say) and handed to ``blocked``."""
+        shows empty is blocked (an entry is there, says the store, that no read can show)."""
         self._advance()
         number = max(self._frontier, after + 1)
         while number < self._count:
@@ -82,8 +92,7 @@ class View:
                 if found is not None:
                     self._take(found)
                 elif number in self._lost:
-                    self.blocked.add(number)
-                    blocked(number)
+                    self.block(number, "its first attempt's name is held by something no read shows")
                 else:
                     return number
             number += 1
@@ -93,8 +102,17 @@ class View:
         """This runner tried to create trial ``number`` and could not: someone holds it."""
         self._lost.add(number)
 
+    def block(self, number: int, why: str) -> None:
+        """Trial ``number`` is blocked (``why`` says how): over for this runner, never read
+        again, never waited for."""
+        if number in self.blocked:
+            return
+        self.blocked.add(number)
+        self._open.discard(number)
+        self._tell(number, why)
+
     def open(self) -> list[TrialHistory]:
-        """The trials last read unfinished, by number."""
+        """The trials last read unfinished (and not blocked), by number."""
         return [self.trials[n] for n in sorted(self._open)]
 
     def finished(self) -> bool:
@@ -133,7 +151,7 @@ class View:
         self.trials[trial.number] = trial
         if changed:
             self.changed.append(trial)
-        if trial.finished:
+        if trial.finished or trial.number in self.blocked:
             self._open.discard(trial.number)
         else:
             self._open.add(trial.number)

@@ -5,7 +5,9 @@ it), said as one line: how many trials have finished of how many, how many are d
 failed, pruned and running, the best score so far, the pace since the watch began, and
 about how long is left at that pace. On a terminal it is one line drawn again in place
 (a tqdm bar, where tqdm is installed); elsewhere (a log, a pipe) a line each time it
-changes. It ends when every trial has finished, and only looks: it writes nothing.
+changes. It ends when every trial has finished or is blocked (something a writer of the
+folder put there holds the names it needs, as the runners find: ``names.blocked_trials``),
+and only looks: it writes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .history import FINISHED, History
+from .names import blocked_trials
 
 
 @dataclass(frozen=True)
@@ -31,16 +34,31 @@ class Seen:
     def finished(self) -> int:
         return sum(n for state, n in self.states.items() if state in FINISHED)
 
+    @property
+    def blocked(self) -> int:
+        """Trials no runner can finish: their names are held by something else."""
+        return self.states.get("blocked", 0)
+
+    @property
+    def over(self) -> bool:
+        return self.finished + self.blocked >= self.trials
+
 
 def look(study: Any) -> Seen:
-    """One scan of ``study``'s trials, counted by state, with the best done score."""
+    """One scan of ``study``'s trials, counted by state (``blocked`` among them), with the
+    best done score."""
     states: dict[str, int] = {}
     best: tuple[float, int] | None = None
     sign = 1.0 if study.direction == "minimize" else -1.0
-    for trial in History.scan(study.store, study.name):
+    history = History.scan(study.store, study.name)
+    blocked = blocked_trials(study.store, study.name, study.trials, study.attempts, history)
+    read = {trial.number for trial in history}
+    if any(number not in read for number in blocked):
+        states["blocked"] = sum(1 for number in blocked if number not in read)
+    for trial in history:
         if trial.number >= study.trials:
             continue  # a record past the study's end (a writer of the folder's): not counted
-        state = trial.state
+        state = "blocked" if trial.number in blocked else trial.state
         states[state] = states.get(state, 0) + 1
         score = trial.last.record.get("score", "")
         if state == "done" and score:
@@ -61,9 +79,11 @@ def line(name: str, seen: Seen, pace: float | None) -> str:
     running = seen.states.get("running", 0)
     if running:
         text += f", {running} running"
+    if seen.blocked:
+        text += f", {seen.blocked} blocked"
     if seen.best is not None:
         text += f"; best {seen.best[0]:.6g} (trial {seen.best[1]})"
-    left = seen.trials - seen.finished
+    left = seen.trials - seen.finished - seen.blocked
     if left <= 0:
         return text
     if pace:
@@ -74,8 +94,8 @@ def line(name: str, seen: Seen, pace: float | None) -> str:
 
 
 def watch(study: Any, *, every: float = 2.0, out: TextIO | None = None) -> Seen:
-    """Say ``study``'s progress every ``every`` seconds until every trial has finished;
-    return the last look. Ctrl-C stops it (``KeyboardInterrupt``)."""
+    """Say ``study``'s progress every ``every`` seconds until every trial has finished (or
+    is blocked); return the last look. Ctrl-C stops it (``KeyboardInterrupt``)."""
     out = out or sys.stdout
     bar = _bar(study, out)
     started, first = time.monotonic(), None
@@ -93,7 +113,7 @@ def watch(study: Any, *, every: float = 2.0, out: TextIO | None = None) -> Seen:
             elif text != said:
                 print(text, file=out, flush=True)
             said = text
-            if seen.finished >= seen.trials:
+            if seen.over:
                 return seen
             time.sleep(every)
     finally:
