@@ -357,7 +357,19 @@ class FolderStore:
                 remove(folder, temp)
             if made:
                 sync(folder)
+            else:
+                self._not_too_long(folder, file, "/".join([*folders, file]))
             return made
+
+    def _not_too_long(self, folder: int, file: str, where: str) -> None:
+        """``Blocked`` when the file another wrote at ``file`` is longer than a read takes:
+        it is no entry (every read says missing), so nobody holds the name."""
+        try:
+            size = os.stat(file, dir_fd=folder, follow_symlinks=False).st_size
+        except OSError:
+            return
+        if size > self.largest:
+            raise Blocked(where, f"a file of {size} bytes", f"an entry holds at most {self.largest}")
 
     def stamp(self, name: str) -> int:
         """When ``name`` was last written, in the store's own clock: its modification time
@@ -461,7 +473,7 @@ class FolderStore:
                 found = os.stat(file, dir_fd=descent.at(folders), follow_symlinks=False)
         except (OSError, Blocked):
             return False
-        return stat.S_ISREG(found.st_mode)
+        return stat.S_ISREG(found.st_mode) and found.st_size <= self.largest
 
     def delete(self, name: str) -> None:
         """Remove the entry under ``name``; nothing happens when there is none.
