@@ -50,20 +50,10 @@ from somatize.folders import (
     tell_blocked,
     tell_once,
 )
-from somatize.store_file import CHUNK, blob_parts, header, read_blob, read_head, record_bytes, scan_record
+from somatize.store_file import LARGEST, blob_parts, header, read_blob, read_head, record_bytes, scan_record, write_all
 
 BytesLike = bytes | bytearray | memoryview
 
-
-def _half_the_memory() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    except (ValueError, OSError, AttributeError):
-        return 1 << 34  # 16 GiB where the machine does not say
-
-
-#: The longest entry a store reads back unless told otherwise: half this machine's memory.
-_LARGEST = _half_the_memory()
 Blob = BytesLike | Sequence[BytesLike] | None
 
 
@@ -217,7 +207,7 @@ class FolderStore:
                 "give a path to a folder that exists or can be created."
             ) from exc
         self.path = root.resolve()  # the root is the user's to name: links above it are theirs
-        self.largest = _LARGEST if largest is None else int(largest)
+        self.largest = LARGEST if largest is None else int(largest)
 
     def __repr__(self) -> str:
         return f"FolderStore({str(self.path)!r})"
@@ -357,7 +347,19 @@ class FolderStore:
                 remove(folder, temp)
             if made:
                 sync(folder)
+            else:
+                self._not_too_long(folder, file, "/".join([*folders, file]))
             return made
+
+    def _not_too_long(self, folder: int, file: str, where: str) -> None:
+        """``Blocked`` when the file another wrote at ``file`` is longer than a read takes:
+        it is no entry (every read says missing), so nobody holds the name."""
+        try:
+            size = os.stat(file, dir_fd=folder, follow_symlinks=False).st_size
+        except OSError:
+            return
+        if size > self.largest:
+            raise Blocked(where, f"a file of {size} bytes", f"an entry holds at most {self.largest}")
 
     def stamp(self, name: str) -> int:
         """When ``name`` was last written, in the store's own clock: its modification time
@@ -408,9 +410,9 @@ class FolderStore:
             ) from exc
         try:
             try:
-                _write_all(fd, memoryview(head + data))
+                write_all(fd, memoryview(head + data))
                 for part in parts or ():
-                    _write_all(fd, part)
+                    write_all(fd, part)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -461,7 +463,7 @@ class FolderStore:
                 found = os.stat(file, dir_fd=descent.at(folders), follow_symlinks=False)
         except (OSError, Blocked):
             return False
-        return stat.S_ISREG(found.st_mode)
+        return stat.S_ISREG(found.st_mode) and found.st_size <= self.largest
 
     def delete(self, name: str) -> None:
         """Remove the entry under ``name``; nothing happens when there is none.
@@ -564,12 +566,6 @@ class FolderStore:
 
 
 # -- file system helpers ----------------------------------------------------------------
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    done, size = 0, view.nbytes
-    while done < size:
-        done += os.write(fd, view[done : done + CHUNK])
 
 
 def _sweep(folder: int, before: float) -> int:

@@ -28,6 +28,18 @@ from somatize.errors import StoreError
 _RECORD_MAX = 64 << 20  # a record is small; bulk data belongs in the blob
 
 
+def _half_the_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 1 << 34  # 16 GiB where the machine does not say
+
+
+#: The longest entry file a store reads (by its length, a sparse one too), unless told
+#: otherwise: half this machine's memory, so a planted entry never makes a read take more.
+LARGEST = _half_the_memory()
+
+
 def record_bytes(name: str, record: object) -> bytes:
     if not isinstance(record, Mapping):
         raise TypeError(
@@ -105,6 +117,12 @@ CHUNK = 1 << 30  # one write() at most; some systems refuse more than 2 GiB at o
 def header(record_len: int, blob_len: int | None) -> bytes:
     blob_field = _NO_BLOB if blob_len is None else b"%016x" % blob_len
     return _MAGIC + b"%08x " % record_len + blob_field + b" "
+
+
+def write_all(fd: int, view: memoryview) -> None:
+    done, size = 0, view.nbytes
+    while done < size:
+        done += os.write(fd, view[done : done + CHUNK])
 
 
 def read_exact(file: io.FileIO, size: int, path: Path) -> bytearray:
