@@ -710,7 +710,7 @@ def test_the_record_is_a_package_whose_modules_no_function_shadows():
     for name in record.__all__:
         assert getattr(record, name).__module__.startswith("somatize.record."), name
     modules = {info.name for info in pkgutil.iter_modules(record.__path__)}
-    assert modules == {"drawings", "readers", "recorder", "reports", "studies"}
+    assert modules == {"drawings", "readers", "recorder", "reports", "shapes", "studies"}
     for name in modules:
         assert isinstance(getattr(record, name), types.ModuleType), name  # `import somatize.record.x` is the module
         assert importlib.import_module(f"somatize.record.{name}") is getattr(record, name)

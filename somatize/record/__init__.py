@@ -8,6 +8,9 @@
   about itself, under ``machine/<name>``.
 - :mod:`.studies`: ``trials`` and ``best``, a study's trials from one scan of its folder.
 - :mod:`.drawings`: ``machines`` (the fleet) and ``scores`` (a study), as a figure or text.
+- :mod:`.shapes`: what a blob or record read back must look like, checked before any of
+  them uses it (a blob bounded by its file's length, a fact's line, JSON of bounded depth,
+  numbers read strictly); one that fails is left out with one line.
 
 This package does not judge the numbers; it writes them down and adds them up.
 """

@@ -4,20 +4,22 @@
 price of a ``curve`` before it is paid; ``facts`` is one fetch; ``nodes`` and ``fleet`` a
 fetch per forward they read (``fleet`` one more scan, of the machines' reports).
 
-These functions add up what the facts say; they never judge it, and never write.
+These functions add up what the facts say; they never judge it, and never write. Whoever
+may write the store's folder may write what they read, so each blob and record is checked
+against its shape first (:mod:`.shapes`): one that fails is left out with one line naming it.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import Missing, StoreError
 from ..facts import Fact
-from ..errors import Missing
 from ..store import FolderStore, Store
 from .recorder import NUMBER, RUNS, check_run, entry_name, forward_numbers, records_of
 from .reports import latest
+from .shapes import Malformed, left_out, maybe_float, number, read_facts, small_record, whole
 
 
 def runs(store: Store) -> list[str]:
@@ -96,10 +98,12 @@ def curve_costs(store: Store, run: str, kind: str = "loss", field: str = "value"
 
 
 def facts(store: Store, run: str, forward: int) -> list[Fact]:
-    """Everything one forward did, in the order it arrived. One fetch."""
+    """Everything one forward did, in the order it arrived. One fetch.
+
+    ``Missing`` when the run has no such forward. A line of its blob that is not a fact, or
+    a blob too long to be a recorder's (:data:`.shapes.BLOB_MOST`), is left out with one line."""
     check_run(run, "facts(run=...)")
-    number = _index(forward, "forward")
-    return _read(store, run, number)
+    return read_facts(store, entry_name(run, _index(forward, "forward")))
 
 
 def nodes(store: Store, run: str, last: int | None = None) -> list[dict[str, Any]]:
@@ -218,12 +222,11 @@ def fleet(store: Store, run: str, last: int | None = None) -> dict[str, dict[str
 
 
 def _read(store: Store, run: str, number: int) -> list[Fact]:
-    blob = store.fetch(entry_name(run, number))
-    if blob is None:
+    """The facts of one forward a reader adds up: none where it is gone since it was listed."""
+    try:
+        return read_facts(store, entry_name(run, number))
+    except Missing:
         return []
-    text = bytes(blob).decode("utf-8")
-    # split on '\n' only: JSON escapes it inside strings, but not U+2028 and its kin
-    return [json.loads(line) for line in text.split("\n") if line]
 
 
 def _chosen(store: Store, run: str, last: int | None) -> list[tuple[int, dict[str, str]]]:
@@ -235,10 +238,13 @@ def _chosen(store: Store, run: str, last: int | None) -> list[tuple[int, dict[st
     if isinstance(store, FolderStore):  # the last forwards from a listing, then their records alone
         chosen = []
         for number in forward_numbers(store, run)[-count:]:
+            name = entry_name(run, number)
             try:
-                chosen.append((number, store.record(entry_name(run, number))))
+                chosen.append((number, small_record(store.record(name))))
             except Missing:
                 continue  # removed since it was listed
+            except (StoreError, Malformed) as exc:  # listed, but not an entry a recorder writes
+                left_out(store, name, exc)
         return chosen
     records = records_of(store, run)
     return records[len(records) - count :]
@@ -252,31 +258,15 @@ def _rate(items: int, microseconds: int) -> float | None:
     return items * 1e6 / microseconds if microseconds > 0 else None
 
 
-def whole(value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        return None
-
-
-def maybe_float(value: str) -> float | str:
-    try:
-        return float(value)
-    except ValueError:
-        return value
-
-
-def _float(value: str, run: str, number: int, key: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
+def _float(value: str, run: str, at: int, key: str) -> float:
+    found = number(value)
+    if found is None:
         raise ValueError(
-            f"forward {number} of run {run!r} says {key} = {value!r}, which is not a number; "
+            f"forward {at} of run {run!r} says {key} = {value[:80]!r}, which is not a number; "
             f"a curve is drawn from numbers. Read it with `facts(store, run={run!r}, "
-            f"forward={number})`."
-        ) from None
+            f"forward={at})`."
+        )
+    return found
 
 
 def _index(value: object, what: str) -> int:

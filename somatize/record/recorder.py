@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import BadName, Missing, StoreError
 from ..facts import CLOSING, ENGINE, Fact
 from ..store import FolderStore, Store, check_name
+from .shapes import Malformed, left_out, plain_json, read_blob, small_record
 
 RUNS = "run/"
 NUMBER = re.compile(r"[0-9]+")
@@ -36,6 +37,8 @@ NUMBER = re.compile(r"[0-9]+")
 #: wrote: a forward put again afterwards is newer than its chunk, and read on its own.
 CHUNK = 1000
 CHUNKS = "chunk"
+#: The longest chunk file read back (bytes): a recorder's thousand records are a few hundred KiB.
+CHUNK_MOST = 32 << 20
 _KIND = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -301,9 +304,9 @@ def chunk_records(store: Store, run: str, k: int) -> dict[int, dict[str, str]] |
     process: each item is checked, and one that is not a forward of that chunk with a
     record of text spoils the chunk, whose forwards are then read one by one)."""
     try:
-        blob = store.fetch(chunk_name(run, k))
-        items = json.loads(bytes(blob)) if blob is not None else None
-    except (Missing, StoreError, ValueError, RecursionError):
+        blob = read_blob(store, chunk_name(run, k), CHUNK_MOST)
+        items = plain_json(bytes(blob).decode("utf-8"), 3) if blob is not None else None
+    except (Missing, StoreError, ValueError):  # (Malformed and UnicodeDecodeError are ValueErrors)
         return None
     if not isinstance(items, list) or len(items) > CHUNK:
         return None
@@ -318,8 +321,14 @@ def chunk_records(store: Store, run: str, k: int) -> dict[int, dict[str, str]] |
 
 
 def records_of(store: Store, run: str) -> list[tuple[int, dict[str, str]]]:
-    """The records of one run, by forward number: one scan."""
-    found = list(numbered(store.scan(f"{RUNS}{run}/"), run))
+    """The records of one run, by forward number: one scan. A record too big to be a
+    recorder's (:data:`.shapes.RECORD_MOST`) is left out with one line."""
+    found = []
+    for number, record in numbered(store.scan(f"{RUNS}{run}/"), run):
+        try:
+            found.append((number, small_record(record)))
+        except Malformed as exc:
+            left_out(store, entry_name(run, number), exc)
     found.sort(key=lambda item: item[0])
     return found
 

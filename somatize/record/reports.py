@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from ..errors import BadName
 from ..store import Store, check_name
+from .shapes import Malformed, left_out, small_record
 
 _MACHINES = "machine/"
 
@@ -38,12 +39,16 @@ def report(store: Store, machine: str, said: Mapping[str, str]) -> None:
 
 
 def latest(store: Store) -> dict[str, dict[str, str]]:
-    """What each machine said about itself last, by machine. One scan."""
+    """What each machine said about itself last, by machine. One scan. A note too big to be
+    a worker's (:data:`.shapes.RECORD_MOST`) is left out with one line."""
     out = {}
     for name, record in store.scan(_MACHINES):
         rest = name[len(_MACHINES) :]
         if "/" not in rest:
-            out[rest] = record
+            try:
+                out[rest] = small_record(record)
+            except Malformed as exc:
+                left_out(store, name, exc)
     return out
 
 

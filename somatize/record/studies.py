@@ -18,7 +18,6 @@ it, and never stops a reader, ``--show`` or a runner.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 from ..errors import BadName, Missing
 from ..folders import tell_once
 from ..store import Store, check_name
-from .readers import maybe_float, whole
+from .shapes import maybe_float, number, plain_json, whole
 
 #: The states an attempt's record may hold (none at all: just claimed, so ``running``).
 STATES = frozenset({"running", "done", "failed", "pruned", "abandoned"})
@@ -56,31 +55,28 @@ def checked_attempt(record: dict[str, str]) -> Checked:
     if state not in STATES:
         raise ValueError(f"its state {state[:40]!r} is none of {', '.join(sorted(STATES))}")
     text = record.get("score", "")
-    try:
-        score = None if text == "" else float(text)
-    except ValueError:
-        raise ValueError(f"its score {text[:40]!r} is not a number") from None
-    config = _json(record, "config", "{}")
+    score = None if text == "" else number(text)
+    if text != "" and score is None:
+        raise ValueError(f"its score {text[:40]!r} is not a number")
+    config = _json(record, "config", "{}", 1)
     if not isinstance(config, dict):
         raise ValueError("its config is not a JSON object")
     for key, value in config.items():
         if not (value is None or isinstance(value, (str, bool, int)) or _finite(value)):
             raise ValueError(f"its config gives {key[:40]!r} a value that is not a plain finite value")
     intermediate = []
-    points = _json(record, "intermediate", "[]")
+    points = _json(record, "intermediate", "[]", 2, finite=False)  # a diverged value is NaN
     if not isinstance(points, list):
         raise ValueError("its intermediate values are not a JSON list")
     for point in points:
         if not (isinstance(point, list) and len(point) == 2 and _step(point[0]) and _number(point[1])):
             raise ValueError("its intermediate values are not [whole step, number] pairs")
         intermediate.append((point[0], float(point[1])))
-    attrs = _json(record, "sampler_attrs", "{}")
+    attrs = _json(record, "sampler_attrs", "{}", _DEPTH_MAX, finite=False)
     if not isinstance(attrs, dict) or not all(
         isinstance(attrs.get(side, {}), dict) for side in ("trial", "study")
     ):
         raise ValueError("its sampler_attrs are not a JSON object of 'trial' and 'study' objects")
-    if _depth(attrs) > _DEPTH_MAX:
-        raise ValueError(f"its sampler_attrs nest more than {_DEPTH_MAX} deep")
     sides = {side: dict(attrs.get(side, {})) for side in ("trial", "study")}
     return Checked(state, score, config, intermediate, sides)
 
@@ -95,16 +91,12 @@ def left_out(store: Store, name: str, why: object) -> None:
     )
 
 
-def _json(record: dict[str, str], key: str, empty: str) -> Any:
+def _json(record: dict[str, str], key: str, empty: str, most: int, *, finite: bool = True) -> Any:
+    """A field of JSON text, bounded in size, then in depth before it is parsed (``plain_json``)."""
     text = record.get(key) or empty
     if len(text) > _FIELD_MAX:
         raise ValueError(f"its {key} is {len(text)} characters long, more than {_FIELD_MAX}")
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError(f"its {key} nests too deep to read") from None
-    except ValueError as exc:
-        raise ValueError(f"its {key} is not JSON ({exc})") from None
+    return plain_json(text, most, finite=finite, what=f"its {key}")
 
 
 def _finite(value: object) -> bool:
@@ -118,15 +110,6 @@ def _number(value: object) -> bool:
 def _step(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
-
-def _depth(value: object, deep: int = 0) -> int:
-    if deep > _DEPTH_MAX:
-        return deep
-    if isinstance(value, dict):
-        return max((_depth(v, deep + 1) for v in value.values()), default=deep + 1)
-    if isinstance(value, list):
-        return max((_depth(v, deep + 1) for v in value), default=deep + 1)
-    return deep
 
 _DIRECTIONS = ("minimize", "maximize")
 

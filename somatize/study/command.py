@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..errors import SomatizeError
 from ..record.drawings import printable
+from ..record.shapes import whole
 from .history import History
 from .names import blocked_trials
 from .study import Study
@@ -131,7 +132,7 @@ def table(study: Study) -> str:
                 state,
                 str(len(trial.attempts)),
                 score,
-                _took(int(took)) if took.isascii() and took.isdigit() else "",
+                _took(us) if (us := whole(took)) is not None else "",  # ASCII digits only: "²".isdigit()
                 runner + (", took over" if len(trial.attempts) > 1 and runner else ""),
                 json.dumps(trial.last.config(), sort_keys=True),
                 printable(error[-1], 60) if error else "",
