@@ -277,8 +277,12 @@ for line in sys.stdin:
             os.mkfifo(path)
         elif kind == "socket":
             held = socket.socket(socket.AF_UNIX)
-            held.bind(path)
-            held.close()
+            os.chdir(os.path.dirname(path))  # a socket's path is short: bound by its name, from its folder
+            try:
+                held.bind(os.path.basename(path))
+            finally:
+                os.chdir("/")
+                held.close()
         elif kind == "empty":
             open(path, "wb").close()
         elif kind == "sparse":
@@ -408,7 +412,7 @@ def content(kind: str, record: dict[str, str], blob: bytes | None, chunk: bool =
         plain = [5, [1], None, True, {"a": 1}, 1.5]
         return _text({k: plain[i % len(plain)] for i, k in enumerate(record)}).encode() + b"\n", blob
     if kind == "nonfinite":
-        text = _text({k: _nonfinite(v, i) for i, k in enumerate(record)})
+        text = _text({k: _nonfinite(v, i) for i, (k, v) in enumerate(record.items())})
 
         def nonfinite_line(item: Any, i: int) -> str:
             if isinstance(item, dict):
@@ -498,6 +502,7 @@ def plant_at(planter: Planter, store: Path, site: Site, kind: str, targets: Path
         op["length"], op["entry"] = SPARSE_BYTES, site.entry
         op["record"] = (_text(record) + "\n").encode().hex()
     _open_folders(store, site.path)
+    open_all(store)  # what the piece wrote before the plant too: the writer may replace any of it
     planter.plant(**op)
 
 
@@ -533,7 +538,7 @@ def make_targets(base: Path, planter: Planter) -> Path:
 
 # -- the prober: checks forked from one warm process -------------------------------------------
 
-PARALLEL = 3  # checks at once: the machine is shared, and hung checks overlap their waits
+PARALLEL = 8  # checks at once: hung checks (asleep, mostly) overlap their waits; the machine is shared
 
 
 @dataclass
@@ -718,16 +723,17 @@ def prober_main() -> None:
     print("ready", flush=True)
     waiting: list[dict[str, Any]] = []
     running: dict[int, tuple[dict[str, Any], float, int, int]] = {}
-    reading = True
+    reading, pending = True, b""
     while reading or waiting or running:
-        if reading and len(waiting) < PARALLEL:
-            ready, _, _ = select.select([sys.stdin], [], [], 0.02 if running or waiting else None)
+        if reading:  # the commands as they come, read from the descriptor (no buffer select cannot see)
+            ready, _, _ = select.select([0], [], [], 0.02 if running or waiting else None)
             if ready:
-                line = sys.stdin.readline()
-                if not line:
+                chunk = os.read(0, 1 << 20)
+                if not chunk:
                     reading = False
-                else:
-                    waiting.append(json.loads(line))
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                waiting += [json.loads(line) for line in lines if line.strip()]
         while waiting and len(running) < PARALLEL:
             command = waiting.pop(0)
             folder = Path(command["folder"])
@@ -765,16 +771,21 @@ def prober_main() -> None:
                 if progress.exists() and progress.read_text():
                     measured.result["hung_in"] = progress.read_text()
             print(json.dumps(measured.__dict__), flush=True)
-        if running and not waiting:
+        if running and not reading:
             time.sleep(0.02)
 
 
 def _tail(path: Path, most: int = 20_000) -> str:
+    """What a child printed: its beginning and its end, each line cut to 2,000 characters
+    (a line that quotes a planted nesting whole is 200 KB)."""
     try:
         data = path.read_bytes()
     except OSError:
         return ""
-    return data[-most:].decode("utf-8", "replace")
+    text = data.decode("utf-8", "replace")
+    lines = [line if len(line) <= 2000 else line[:2000] + f"... ({len(line)} characters)" for line in text.splitlines()]
+    text = "\n".join(lines)
+    return text if len(text) <= 2 * most else text[:most] + "\n...\n" + text[-most:]
 
 
 class Prober:
@@ -784,12 +795,24 @@ class Prober:
         self.process = subprocess.Popen([sys.executable, "-c", "import hostile_folders; hostile_folders.prober_main()"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                         start_new_session=True)
+        self._pending = b""
         assert self._line(120) == "ready", "the prober did not start"
 
     def _line(self, seconds: float) -> str:
+        """The next line the prober says, read from its descriptor (so that select sees
+        every byte not yet taken: a buffered reader would hide the lines it read ahead)."""
         assert self.process.stdout
-        ready, _, _ = select.select([self.process.stdout], [], [], seconds)
-        return self.process.stdout.readline().strip() if ready else ""
+        until = time.monotonic() + seconds
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([self.process.stdout.fileno()], [], [], max(0.0, until - time.monotonic()))
+            if not ready:
+                return ""
+            chunk = os.read(self.process.stdout.fileno(), 1 << 20)
+            if not chunk:
+                return ""
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode().strip()
 
     def run(self, commands: list[dict[str, Any]], longest: float) -> dict[str, Measured]:
         assert self.process.stdin
@@ -820,8 +843,13 @@ class Prober:
 
 
 def naming(stderr: str, site: Site) -> list[str]:
-    """The lines of ``stderr`` that name the planted name."""
-    return [line for line in stderr.splitlines() if site.name in line]
+    """The lines of ``stderr`` that name the planted name (or its last part, where that
+    alone names it: a cache key)."""
+    last = site.name.rsplit("/", 1)[-1]
+    needles = [site.name] + ([last] if len(last) >= 16 else [])
+    # the name itself, not a longer name it begins ("run" in "run/r/1" names the run, not `run`)
+    found = re.compile("|".join(r"(?<![\w.-])" + re.escape(needle) + r"(?![\w/-])" for needle in needles))
+    return [line for line in stderr.splitlines() if found.search(line)]
 
 
 def verdict(measured: Measured | None, site: Site, kind: str, *, line_needed: bool = True) -> list[str]:
