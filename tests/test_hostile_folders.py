@@ -171,8 +171,6 @@ def test_each_name_of_the_table_is_made_by_the_code_s_own_function():
 
 # -- the planting ---------------------------------------------------------------------------------
 
-FINDINGS: dict[str, str] = {}  # case id -> the fault, one line (a strict xfail until mended)
-
 TEMPLATE = r'''
 import os, sys, time
 from pathlib import Path
@@ -268,12 +266,14 @@ CONTENT = ("nested", "nested-record", "types", "types-record", "nonfinite")
 BLOB_READ = ("cache entry", "forward record", "chunk")
 
 
-def needs_line(site: Site, kind: str) -> bool:
+def needs_line(site: Site, kind: str, piece: str = "") -> bool:
     """Whether a piece that met ``kind`` at ``site`` owes a line naming it."""
     if site.what == "claim" and kind in CONTENT:  # a claim's record is never read: nothing to say
         return False
     if site.what in REPLACED:
         return False
+    if piece == "readers" and site.what == "chunk" and kind in (*CONTENT, "sparse"):
+        return False  # the readers list a chunk's name and never read what it holds (the view does)
     return not (kind == "sparse" and site.entry and site.what not in BLOB_READ)
 
 
@@ -431,7 +431,7 @@ def readers_batch(h: Harness, slow: bool) -> dict[str, list[str]]:
     out = {}
     for id_, (site, kind, readers) in checks.items():
         m = measured.get(id_)
-        out[id_] = hf.verdict(m, site, kind, line_needed=needs_line(site, kind))  # hang, spin, memory, lines
+        out[id_] = hf.verdict(m, site, kind, line_needed=needs_line(site, kind, "readers"))  # hang, spin, memory, lines
         said = {} if m is None else m.result
         for reader in readers:
             one = said.get(reader)
@@ -661,6 +661,228 @@ def hostile(python_for_nobody, tmp_path_factory, worker_id):
         return memo[(batch, slow)]
 
     return get
+
+
+# -- what today's code does: each a strict xfail, naming the module at fault, until mended --------
+#
+# Found by these tests on main at 004c2b5. A case here that passes fails its test (strict), so a
+# fix shows itself: take its kinds (or the whole fault) out of the table.
+
+FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site -> the kinds planted there
+    "best": {
+        "record/studies.py: best() raises ValueError (quoting it whole) on a study definition whose direction is nested, of the wrong type or non-finite, instead of leaving it out with a line": {
+            "study definition": "nested nonfinite types",
+        },
+    },
+    "curve": {
+        "record/readers.py: curve() raises ValueError on a forward record whose loss.value is nested or '²', instead of skipping that forward with a line": {
+            "forward record": "nested types",
+        },
+    },
+    "facts": {
+        "record/readers.py + store.py: facts() raises StoreError for a forward entry held by a folder, FIFO, socket or a file that is no entry, not Missing (a blocked name reads as missing)": {
+            "forward record": "empty fifo folder nested-record not-utf8 socket types-record",
+        },
+        "record/readers.py: facts() parses a sparse 384 MiB blob of zeros and raises JSONDecodeError": {
+            "forward record": "sparse",
+        },
+        "record/readers.py: facts() raises RecursionError on a blob line nested 100,000 deep": {
+            "forward record": "nested",
+        },
+    },
+    "fleet": {
+        "record/readers.py: fleet() raises AttributeError on a blob line that is a JSON list ([1])": {
+            "forward record": "types",
+        },
+        "record/readers.py: fleet() raises JSONDecodeError on a sparse blob of zeros": {
+            "forward record": "sparse",
+        },
+        "record/readers.py: fleet() raises RecursionError on a blob line nested 100,000 deep": {
+            "forward record": "nested",
+        },
+    },
+    "forward": {
+        "computing.py Claims._now: a file, link or FIFO at computing/judge makes the waiting forward raise StoreError (it should compute or recall)": {
+            "folder computing/judge": "empty fifo link-file link-folder link-nothing not-utf8 socket sparse",
+        },
+        "computing.py Claims.wait: a link at computing/<key> reads as missing but cannot be taken, so the waiter loops create/stamp with no pause (spins, bounded only by MAX_WAIT)": {
+            "claim": "link-file link-folder link-nothing",
+        },
+        "computing.py: a claim name (or computing/) held by a folder, FIFO, socket or non-entry is passed over in silence": {
+            "claim": "empty fifo folder not-utf8 socket",
+            "folder computing": "empty fifo link-file link-folder link-nothing not-utf8 socket sparse",
+        },
+        "engine.py: a file, link or FIFO at cache/ is said once per forward (not once a process)": {
+            "folder cache": "empty fifo link-file link-folder link-nothing not-utf8 socket sparse",
+        },
+        "store.py FolderStore._open leaks the descriptor when open(fd) raises on a folder at a cache entry (one per recall); engine.py says a line per forward": {
+            "cache entry": "folder",
+        },
+        "store.py/engine.py _recall: a cache entry declaring a 384 MiB sparse blob is read whole before the codec refuses it, and silently": {
+            "cache entry": "sparse",
+        },
+    },
+    "machines": {
+        "record/readers.py (via drawings.machines): raises AttributeError on a blob line that is a JSON list ([1])": {
+            "forward record": "types",
+        },
+        "record/readers.py (via drawings.machines): raises JSONDecodeError on a sparse blob of zeros": {
+            "forward record": "sparse",
+        },
+        "record/readers.py (via drawings.machines): raises RecursionError on a blob line nested 100,000 deep": {
+            "forward record": "nested",
+        },
+    },
+    "nodes": {
+        "record/readers.py: nodes() raises AttributeError on a blob line that is a JSON list ([1])": {
+            "forward record": "types",
+        },
+        "record/readers.py: nodes() raises JSONDecodeError on a sparse blob of zeros": {
+            "forward record": "sparse",
+        },
+        "record/readers.py: nodes() raises RecursionError on a blob line nested 100,000 deep": {
+            "forward record": "nested",
+        },
+    },
+    "readers": {
+        "store.py _list / record/studies.py: a file, FIFO or socket at a folder's name, a folder at an entry's name, or a trial record that fails its checks is left out in silence": {
+            "attempt": "folder",
+            "chunk": "folder nested nonfinite sparse types",
+            "folder <study>": "empty fifo not-utf8 socket sparse",
+            "folder <study>/trial": "empty fifo not-utf8 socket sparse",
+            "folder <study>/trial/<n>": "empty fifo not-utf8 socket sparse",
+            "folder machine": "empty fifo not-utf8 socket sparse",
+            "folder run": "empty fifo not-utf8 socket sparse",
+            "folder run/<run>": "empty fifo not-utf8 socket sparse",
+            "folder run/<run>/chunk": "empty fifo not-utf8 socket sparse",
+            "forward record": "folder nested nonfinite types",
+            "machine report": "folder nested nonfinite types",
+            "study definition": "folder nested nonfinite types",
+        },
+        "store.py fetch / record/readers.py _read: a forward entry declaring a 384 MiB sparse blob is read whole on every read (GiB of memory, seconds of CPU)": {
+            "forward record": "sparse",
+        },
+    },
+    "runner": {
+        "study/definition.py Definition.from_record raises AttributeError on a definition whose space is a list: a traceback out of the runner": {
+            "study definition": "types",
+        },
+        "study/definition.py Definition.from_record raises RecursionError on a definition nested 100,000 deep: a traceback out of the runner": {
+            "study definition": "nested",
+        },
+        "study/study.py + store.py: a blocked or malformed attempt, trial folder or definition is passed over (or called 'no study') without naming it": {
+            "attempt": "folder nested nonfinite types",
+            "fence": "nested nonfinite types",
+            "folder <study>/trial": "empty fifo not-utf8 socket sparse",
+            "study definition": "folder nonfinite",
+        },
+        "study/study.py _abandoned: a link at <study>/judge, or a folder at <study>/judge/<runner>, makes the runner's judge put raise: the runner exits 2": {
+            "folder <study>/judge": "link-file link-folder link-nothing",
+            "study judge": "folder",
+        },
+        "study/study.py _take_over: an abandoned attempt whose next attempt is held by a folder, link, FIFO, socket or non-entry is retried for ever": {
+            "fence": "empty fifo folder link-file link-folder link-nothing nested-record not-utf8 socket types-record",
+        },
+        "study/study.py: a file, FIFO or socket at <study>/judge or <study>/trial/<n> makes the runner exit 2 ('Not a directory'), stopping every runner": {
+            "folder <study>/judge": "empty fifo not-utf8 socket sparse",
+            "folder <study>/trial/<n>": "empty fifo not-utf8 socket sparse",
+        },
+    },
+    "scores": {
+        "record/studies.py: scores() raises ValueError (quoting it whole) on a study definition whose direction is nested, of the wrong type or non-finite, instead of leaving it out with a line": {
+            "study definition": "nested nonfinite types",
+        },
+    },
+    "show": {
+        "study/command.py table + store.py: a blocked or malformed attempt, trial folder or definition is shown (or called 'no study') without naming it": {
+            "attempt": "folder",
+            "fence": "folder nested nonfinite types",
+            "folder <study>/trial": "empty fifo not-utf8 socket sparse",
+            "folder <study>/trial/<n>": "empty fifo not-utf8 socket sparse",
+            "study definition": "folder nonfinite",
+        },
+        "study/definition.py Definition.from_record raises AttributeError on a definition whose space is a list: --show ends in a traceback": {
+            "study definition": "types",
+        },
+        "study/definition.py Definition.from_record raises RecursionError on a definition nested 100,000 deep: --show ends in a traceback": {
+            "study definition": "nested",
+        },
+    },
+    "view": {
+        "record/readers.py via view/app.py: a blob line nested 100,000 deep prints a RecursionError traceback in the view": {
+            "forward record": "nested",
+        },
+        "record/readers.py via view/app.py: a blob line that is a list ([1]) prints an AttributeError traceback in the view": {
+            "forward record": "types",
+        },
+        "record/readers.py via view/app.py: a forward entry declaring a 384 MiB sparse blob is read whole per request (GiB of memory)": {
+            "forward record": "sparse",
+        },
+        "store.py FolderStore._open: a folder at a forward's or a study definition's entry leaks a descriptor per read of the view's page": {
+            "forward record": "folder",
+            "study definition": "folder",
+        },
+        "view/changes.py, view/runs.py and the readers: a blocked folder or entry, or a record or chunk that fails its checks, is passed over in silence": {
+            "attempt": "folder",
+            "chunk": "folder nested nonfinite sparse types",
+            "fence": "folder nested nonfinite types",
+            "folder <study>": "empty fifo not-utf8 socket sparse",
+            "folder <study>/trial": "empty fifo not-utf8 socket sparse",
+            "folder <study>/trial/<n>": "empty fifo not-utf8 socket sparse",
+            "folder machine": "empty fifo link-folder link-nothing not-utf8 socket sparse",
+            "folder run": "empty fifo link-folder link-nothing not-utf8 socket sparse",
+            "folder run/<run>": "empty fifo not-utf8 socket sparse",
+            "folder run/<run>/chunk": "empty fifo not-utf8 socket sparse",
+            "forward record": "empty nested-record nonfinite not-utf8 types-record",
+            "machine report": "empty fifo folder link-folder link-nothing nested nested-record nonfinite not-utf8 socket types types-record",
+            "study definition": "empty fifo nested nested-record nonfinite not-utf8 socket types types-record",
+        },
+    },
+    "view facts": {
+        "view/app.py + record/readers.py: /api/run/<r>/facts answers 500 on a blob line nested 100,000 deep or that is a list": {
+            "forward record": "nested types",
+        },
+        "view/app.py + record/readers.py: /api/run/<r>/facts on a sparse blob of zeros answers 400 with the JSON error (should leave it out)": {
+            "forward record": "sparse",
+        },
+    },
+    "view fleet": {
+        "view/app.py + record/readers.py: /api/machines?run=<r> answers 500 on a blob line nested 100,000 deep or that is a list": {
+            "forward record": "nested types",
+        },
+        "view/app.py + record/readers.py: /api/machines?run=<r> on a sparse blob of zeros answers 400": {
+            "forward record": "sparse",
+        },
+    },
+    "view nodes": {
+        "view/app.py + record/readers.py: /api/run/<r>/nodes answers 500 on a blob line nested 100,000 deep or that is a list": {
+            "forward record": "nested types",
+        },
+        "view/app.py + record/readers.py: /api/run/<r>/nodes on a sparse blob of zeros answers 400": {
+            "forward record": "sparse",
+        },
+    },
+    "watch": {
+        "study/definition.py Definition.from_record raises AttributeError on a definition whose space is a list: --watch ends in a traceback": {
+            "study definition": "types",
+        },
+        "study/definition.py Definition.from_record raises RecursionError on a definition nested 100,000 deep: --watch ends in a traceback": {
+            "study definition": "nested",
+        },
+        "study/study.py Study.open: a blocked or non-finite definition is called 'no study' (or its error) without naming <study>/study": {
+            "study definition": "folder nonfinite",
+        },
+        "study/watching.py look: a trial whose attempt (or next attempt) is blocked is never counted finished, so --watch never ends": {
+            "attempt": "empty fifo folder link-file link-folder link-nothing nested-record not-utf8 socket types-record",
+            "fence": "empty fifo folder link-file link-folder link-nothing nested nested-record nonfinite not-utf8 socket sparse types types-record",
+            "folder <study>/trial": "empty fifo link-file link-folder link-nothing not-utf8 socket sparse",
+            "folder <study>/trial/<n>": "empty fifo link-file link-folder link-nothing not-utf8 socket sparse",
+        },
+    },
+}
+
+FINDINGS = {f"{piece}|{site}|{kind}": reason for piece, faults in FOUND.items() for reason, where in faults.items()
+            for site, kinds in where.items() for kind in kinds.split()}
 
 
 def _params(slow: bool) -> list[Any]:
