@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..errors import Missing, StoreError
-from ..folders import Descent, LinkMet, open_file, tell_link, tell_once
+from ..folders import Blocked as Held
+from ..folders import Descent, LinkMet, open_file, tell_blocked, tell_link, tell_once
 from ..record.recorder import CHUNKS, NUMBER, RUNS
 from ..store import FolderStore
 from ..store_file import scan_record
@@ -92,6 +93,9 @@ class ViewStore(FolderStore):
                 except LinkMet as exc:
                     tell_link(self.path, str(exc.filename))
                     continue
+                except Held as exc:  # a FIFO, a socket, a folder where an entry or a file where a folder belongs
+                    tell_blocked(self.path, exc.where, exc.held)
+                    continue
                 except OSError as exc:
                     tell_once(path, f"somatize view: {path} cannot be opened ({exc.strerror or exc}); it is left out")
                     continue
@@ -129,6 +133,9 @@ class ViewStore(FolderStore):
         except LinkMet as exc:
             tell_link(self.path, str(exc.filename))
             raise Blocked(f"{path} is a link; the view never follows one.") from None
+        except Held as exc:
+            tell_blocked(self.path, exc.where, exc.held)
+            raise Blocked(f"{path}: {exc.where} is {exc.held}, which no store writes.") from None
         except OSError as exc:  # a socket (ENXIO), a file closed to this user, ...
             self._blocked(path, f"cannot be opened ({exc.strerror or exc})")
 

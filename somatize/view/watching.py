@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from ..folders import Descent, tell_once
+from ..folders import Blocked, Descent, tell_once
 from ..record.recorder import check_run
 from ..store import check_name
 
@@ -80,7 +80,7 @@ class Folder:
                         self._list(fd)
                     changed = self._sweep(fd, whole) or changed
                 return changed
-        except OSError:  # missing, a link, not a folder: absent
+        except (OSError, Blocked):  # missing, a link, not a folder: absent
             changed = self.own is not None
             self.own, self.names, self.seen, self.fresh, self.cursor = None, [], {}, [], 0
             self.hot.clear()
