@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BROKER, WORKER
-from reliability_support import Proc, child_env
+from reliability_support import Proc, child_env, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")]
 
@@ -241,7 +241,11 @@ def test_a_broker_s_spawned_hosts_are_reached_from_another_machine_with_keys(hos
     # the allow folder changed and the broker reloaded: its running child reads it again
     (ring["allow"] / "alice.key").unlink()
     (ring["allow"] / "mallory.key").write_bytes(ring["mallory"].read_bytes())
+    reloads = hub.stderr().count("reloaded the allow-list")
     os.kill(hub.pid, signal.SIGHUP)
+    # the broker's word that it read the folder again, before mallory knocks (CI once had her
+    # knock first, and the broker, not yet reloaded, rightly refused her)
+    wait_until(lambda: hub.stderr().count("reloaded the allow-list") > reloads, 20, "the broker's reload")
     later = client("look", "mallory", "alice")
     assert later["where"] == seen["where"]  # the same child, still running
     assert later["with_my_key"] and not later["with_another_key"]
