@@ -1172,7 +1172,7 @@ def test_the_package_exports_every_public_name_from_one_place():
     import somatize.wire as package
 
     public = {name for name in dir(package) if not name.startswith("_")}
-    modules = {"checks", "counting", "items", "limits", "messages", "reading", "short", "writing", "annotations"}
+    modules = {"checks", "counting", "fields", "items", "limits", "messages", "reading", "short", "writing", "annotations"}
     assert set(package.__all__) == public - modules
     for name in package.__all__:
         obj = getattr(package, name)

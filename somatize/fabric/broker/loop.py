@@ -42,26 +42,23 @@ from .probes import Probes
 from .quiet import Quiet
 from .outbox import DROPPED, GONE, LARGEST, PIPED, Outbox
 from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
-from ..curve import Guard, Keys, as_server, peer_name, user_of
+from ..curve import Guard, Keys, as_server, peer_name
 from .spawn import Child, Reach
 from .view import IDLE_SILENCE
+from .admitting import Admitting, size_of
 from .ending import Ending
 from ..hosts import Worker
 
 #: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
 #: worker key may serve at once (a SLURM job of that many nodes on one key; `--max-hosts-per-key`).
 MAX_DIALED, MAX_HOSTS_PER_KEY = 10_000, 4096
-#: Per tenant: connections of one key (`children.MAX_PENDING`: questions waiting for a start); answers
-#: waiting for one connection to read them (past it, its questions are dropped unanswered).
-MAX_CONNECTIONS, MAX_UNREAD = 64, 64
+#: Per tenant: connections of one key (`children.MAX_PENDING`: questions waiting for a start;
+#: `admitting.MAX_UNREAD`: answers waiting for one connection to read them).
+MAX_CONNECTIONS = 64
 #: A connection not heard from for this long no longer counts against its key (seconds).
 CONNECTION_IDLE = 60.0
 _EVERYONE = frozenset((CLIENT, WORKER))
 log = logging.getLogger("somatize.broker")
-
-
-def _size(frames: list) -> int:
-    return sum(map(len, frames))  # a zmq.Frame's length is its bytes'
 
 
 def _some(names: Any, most: int = 20) -> str:
@@ -70,7 +67,7 @@ def _some(names: Any, most: int = 20) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-class BrokerLoop(Ending):
+class BrokerLoop(Admitting, Ending):
     """Answers ``Where`` and ``Hosts``, spawns, and relays. ``bind()`` then ``serve()``.
 
     Who may reach it: with keys, only peers whose CURVE key is in an allow folder (clients
@@ -274,105 +271,12 @@ class BrokerLoop(Ending):
         self._keepalives.pop(route, None)
         self._tell_ended()
 
-    # -- receiving --------------------------------------------------------------------
-    def _take(self, most: int = 1024) -> None:
-        """Read up to ``most`` messages, each through the admission step (`_admit`, or
-        `_unread` for a peer that does not read its answers) before anything else is done
-        with it. Never left queued in ZeroMQ: see `bind`."""
-        front, severed, waiting, offers = self._front, self._admission.severed, self._outbox.waiting, self.view.offers_index
-        receive, noblock = sockets.receive_part, sockets.NOBLOCK
-        for _ in range(most):
-            try:  # raised once a turn, not asked of every message: a flood is read at the least cost
-                part = receive(front, noblock)
-            except zmq.Again:
-                self._admission.caught_up()
-                return
-            if not part.more:
-                continue
-            route = part.bytes
-            frames = sockets.receive_frames(front)
-            if severed(route):  # what a cut connection queued before it was cut
-                continue
-            if waiting(route) >= MAX_UNREAD and route not in offers:
-                self._unread(route, frames)
-                continue
-            self._handle(route, frames)
-        self._admission.fell_behind(time.monotonic())
-
-    def _unread(self, route: bytes, frames: list) -> None:
-        """A message from a peer that does not read its answers: counted as a question at the
-        admission step (past its share, its connection is cut), and dropped unanswered, never
-        decoded, at the least cost this loop can pay (a flood of them costs a read and a count)."""
-        admission = self._admission
-        now = time.monotonic()
-        cut = admission.behind(now) and admission.admit(route, self._user(frames[0]) or None, _size(frames), True,
-                                                        False, now)
-        if cut:
-            self._cut(route, frames[0], cut)
-        else:
-            self._outbox.dropped += 1
-
-    def _cut(self, route: bytes, frame: zmq.Frame, why: str) -> None:
-        """Close the connection of a peer that floods (`sockets.cut`): read and dropped, its
-        messages would still pile up in ZeroMQ faster than this loop reads them (nothing
-        bounds that queue, see `bind`); cut, it must dial again, and what it queued goes with
-        the connection. Only while ZeroMQ still has its route (the refusal that says why is
-        sent, or finds its queue full), so the connection cut is the one ``frame`` came from."""
-        try:
-            self._front.send_multipart([route, *encode(Refusal(
-                f"the broker closed this connection: {why}; send less often, and read its answers"))], zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-        except zmq.ZMQError:
-            return  # gone already
-        self._admission.sever(route)
-        self._outbox.dropped += 1
-        user = self._user(frame)
-        if user:  # closed here: it no longer counts against its key's connections
-            self._connections.get(user, {}).pop(route, None)
-        if sockets.cut(frame, self.endpoint):
-            self._outbox.forget(route)
-            more = self._losses.more()
-            if more is not None:
-                log.info("closed the connection of %s: %s%s", peer_name(route, user), why, more)
-
-    def _user(self, frame: zmq.Frame) -> str:
-        return user_of(frame) if self._guard is not None else ""
-
-    def _admit(self, route: bytes, user: str, frames: list, question: bool, now: float) -> bool:
-        """The one admission step (`floods.Admission`): every message from every connection
-        is counted, per connection and per key, before anything else is done with it.
-        False when it is not to be served: its connection was cut, or it is too big (refused).
-        A peer that does not read what it is sent is counted by `_unread` instead."""
-        worker = route in self.view.offers_index
-        size = _size(frames)
-        cut = self._admission.admit(route, user or None, size, question, worker, now)
-        if cut:
-            self._cut(route, frames[0], cut)
-            return False
-        if size > LARGEST:
-            if not self._refusal(route, user, frames[0], now):
-                why = self._admission.too_big(size)
-                self._refused(route, user, why)
-                self._answer(route, Refusal(why))
-            return False
-        return True
-
-    def _refusal(self, route: bytes, user: str, frame: zmq.Frame, now: float) -> bool:
-        """Count a message refused, or one that opened or ended nothing: True when its
-        connection was cut for it (past its share, `floods`)."""
-        cut = self._admission.refused(route, user or None, route in self.view.offers_index, now)
-        if not cut:
-            return False
-        self._cut(route, frame, cut)
-        return True
-
     def _handle(self, route: bytes, frames: list) -> None:
         now = time.monotonic()
         offering = route in self.view.offers_index
         if offering:
             kept = self._keepalives.get(route)
-            if kept is not None and now - kept[2] >= self.patience / 10 and kept[1] == _size(frames) \
+            if kept is not None and now - kept[2] >= self.patience / 10 and kept[1] == size_of(frames) \
                     and kept[0] == hash(b"".join(f.bytes for f in frames)):
                 # the very Hello it said before, at a keepalive's pace: nothing to count or decode
                 self._keepalives[route] = (kept[0], kept[1], now)
@@ -440,7 +344,7 @@ class BrokerLoop(Ending):
             if route in self.view.offers_index:
                 if not self._probes.knows(route):
                     self._probes.know(route, frames[0])
-                self._keepalives[route] = (hash(b"".join(f.bytes for f in frames)), _size(frames), now)
+                self._keepalives[route] = (hash(b"".join(f.bytes for f in frames)), size_of(frames), now)
         elif isinstance(message, Where):
             answer = self._where(message, route, self.view.identity(route, user))
             if answer is not None:
