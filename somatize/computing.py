@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .errors import Missing, SomatizeError
-from .folders import Blocked, tell_blocked
+from .folders import Blocked, tell_blocked, tell_once
 
 #: A claim not written again for this long (by the store's stamps) is a dead claimer's.
 PATIENCE = 10.0
@@ -138,8 +138,9 @@ class Claims:
             self.store.record(_PREFIX + key)  # a claim is a store entry; anything else is nobody's
         except Missing:
             pass  # given back meanwhile (or blocked, and said): the loop takes it
-        except (OSError, SomatizeError):
-            return "late"  # not a claim (a damaged or foreign file): compute now, leave it alone
+        except (OSError, SomatizeError) as exc:  # not a claim (a damaged or foreign file)
+            self._said_unusable(key, node, exc)
+            return "late"  # compute now, and leave it alone
         seen: int | None = None  # the claim's stamp last seen, and when (for a judge-less look)
         seen_at = time.monotonic()
         while True:
@@ -155,7 +156,8 @@ class Claims:
                 if self.take(key, node):
                     return "taken"
                 written = None  # another took it meanwhile: wait for that one, after a pause
-            except (OSError, SomatizeError):
+            except (OSError, SomatizeError) as exc:
+                self._said_unusable(key, node, exc)
                 return "late"
             if written is not None and written != seen:
                 seen, seen_at = written, time.monotonic()
@@ -165,7 +167,8 @@ class Claims:
                     # its claimer stopped writing it: dead, or cut off. Take it over.
                     try:
                         self.store.delete(_PREFIX + key)
-                    except (OSError, SomatizeError):
+                    except (OSError, SomatizeError) as exc:
+                        self._said_unusable(key, node, exc)
                         return "late"
                     if self.take(key, node):
                         return "taken"
@@ -196,6 +199,15 @@ class Claims:
                 self.store.delete(name)
             except (OSError, SomatizeError):
                 pass
+
+    def _said_unusable(self, key: str, node: str, exc: BaseException) -> None:
+        """One line (once per name, rate-limited) for a claim that cannot be read or
+        taken over: the forward computes ``node`` unclaimed and leaves the name alone."""
+        root = getattr(self.store, "path", None)
+        name = f"{root}/{_PREFIX}{key}" if root is not None else _PREFIX + key
+        tell_once(name, f"somatize computing: the claim {name} cannot be used "
+                        f"({type(exc).__name__}: {exc}); `{node}` is computed here, unclaimed, and "
+                        "the name is left alone. Remove it if nobody is computing that entry.")
 
     def _said_blocked(self, exc: Blocked) -> None:
         root = getattr(self.store, "path", None)

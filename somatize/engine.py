@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import keys as _keys
-from .codec import loads, written_parts
+from .codec import check_start, loads, written_parts
 from .computing import Claims, claim, claiming, depths, waits_end
 from .errors import CodecError, Missing, NodeFailed, Overdue, SomatizeError
 from .facts import Watchers, elsewhere, fact, microseconds
@@ -60,6 +60,7 @@ from .planned import memo_of as _memo_of
 from .planned import trip_of as _trip_of
 from .planned import plan_of as _plan_of
 from .planned import steps_of as _steps_of
+from .store import FolderStore
 from .wiring import inputs_of, piece_plan, wiring_of
 
 # -- the pool ----------------------------------------------------------------------------
@@ -474,28 +475,29 @@ def _recall(store: Any, key: str, step: Step) -> Any:
     name = _keys.cache_name(key)
     record: Any = None
     try:
-        entry = getattr(store, "entry", None)
-        if entry is not None:  # the record and the blob from one read, so they belong together
+        if isinstance(store, FolderStore):  # the codec looks at the blob's start before it is read
+            record, blob = store.entry(name, admit=check_start)
+        elif (entry := getattr(store, "entry", None)) is not None:  # record and blob from one read
             record, blob = entry(name)
         else:
             blob = store.fetch(name)
+        if blob is not None:
+            found = loads(blob)
     except Missing:
         return _NOTHING
+    except CodecError as exc:
+        _say(f"what was kept for `{step.label}` as {name} cannot be read back, so it runs: {type(exc).__name__}: {exc}")
+        return _NOTHING
     except (OSError, SomatizeError) as exc:
-        _say(f"`{step.label}` could not be recalled, so it runs: {type(exc).__name__}: {exc}")
+        _say(f"`{step.label}` could not be recalled from {name}, so it runs: {type(exc).__name__}: {exc}")
         return _NOTHING
     if blob is None:
-        return _NOTHING
-    try:
-        found = loads(blob)
-    except CodecError as exc:
-        _say(f"what was kept for `{step.label}` cannot be read back, so it runs: {type(exc).__name__}: {exc}")
         return _NOTHING
     if record is not None:
         expected, kind = record.get("type"), type(found).__name__
         if _READ_BACK_AS.get(expected, expected) != kind:
             _say(
-                f"what was kept for `{step.label}` under {key} is a `{kind}` and its record says "
+                f"what was kept for `{step.label}` as {name} is a `{kind}` and its record says "
                 f"a `{expected}` was kept, so it is not used and `{step.label}` runs again"
             )
             return _NOTHING

@@ -31,7 +31,7 @@ import re
 import stat
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -443,12 +443,18 @@ class FolderStore:
 
     # -- extras beyond the protocol
 
-    def entry(self, name: str) -> tuple[dict[str, str], bytearray | None]:
-        """Return the record and the blob of ``name`` read from one file, so they belong together."""
+    def entry(
+        self, name: str, admit: Callable[[bytearray, int], object] | None = None
+    ) -> tuple[dict[str, str], bytearray | None]:
+        """Return the record and the blob of ``name`` read from one file, so they belong
+        together. ``admit(start, length)``, when given, sees the blob's first 64 KiB and its
+        declared length before room is made for the rest, and may raise to refuse it (the
+        engine passes ``codec.check_start``: a planted file declaring gigabytes is refused
+        before they are read)."""
         opened, path = self._open(name)
         with opened as file:
             record, room, blob_len = read_head(file, path)
-            return record, read_blob(file, path, room, blob_len)
+            return record, read_blob(file, path, room, blob_len, admit)
 
     def record(self, name: str) -> dict[str, str]:
         """Return the record stored under ``name`` without reading its blob."""

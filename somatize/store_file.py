@@ -18,7 +18,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from somatize.errors import StoreError
@@ -127,8 +127,13 @@ def write_all(fd: int, view: memoryview) -> None:
 
 def read_exact(file: io.FileIO, size: int, path: Path) -> bytearray:
     buffer = bytearray(size)
-    view = memoryview(buffer)
-    done = 0
+    _fill(file, memoryview(buffer), 0, path)
+    return buffer
+
+
+def _fill(file: io.FileIO, view: memoryview, done: int, path: Path) -> None:
+    """Read into ``view`` from byte ``done`` to its end."""
+    size = view.nbytes
     while done < size:
         got = file.readinto(view[done:])
         if not got:
@@ -137,7 +142,6 @@ def read_exact(file: io.FileIO, size: int, path: Path) -> bytearray:
                 "short or altered outside somatize. Delete it and put the entry again."
             )
         done += got
-    return buffer
 
 
 def read_head(file: io.FileIO, path: Path) -> tuple[dict[str, str], int, int | None]:
@@ -218,9 +222,22 @@ def _check_record(head: bytes, body: bytes, crc: int, path: str | Path) -> dict[
     return record
 
 
+#: What ``read_blob`` reads of a blob before its ``admit`` looks (and before room is made
+#: for the rest).
+BLOB_START = 64 * 1024
+
+
 def read_blob(
-    file: io.FileIO, path: Path, room: int, blob_len: int | None
+    file: io.FileIO,
+    path: Path,
+    room: int,
+    blob_len: int | None,
+    admit: Callable[[bytearray, int], object] | None = None,
 ) -> bytearray | None:
+    """The blob that follows the record, read whole into one buffer of its exact size.
+    ``admit(start, length)``, when given, sees its first ``BLOB_START`` bytes and its
+    declared length first and may raise to refuse it: a file that declares gigabytes of
+    nothing (a sparse file) is refused before they are allocated or read."""
     if blob_len is None and room == 0:
         return None
     if blob_len is None or room != blob_len:
@@ -229,4 +246,15 @@ def read_blob(
             f"declares {'no blob' if blob_len is None else f'{blob_len} bytes'}; it was cut "
             "short or altered. Delete it and put the entry again."
         )
-    return read_exact(file, blob_len, path)  # exact size, filled in place: no second copy
+    if admit is None or blob_len <= BLOB_START:
+        blob = read_exact(file, blob_len, path)  # exact size, filled in place: no second copy
+        if admit is not None:
+            admit(blob, blob_len)
+        return blob
+    start = read_exact(file, BLOB_START, path)
+    admit(start, blob_len)
+    blob = bytearray(blob_len)
+    blob[:BLOB_START] = start
+    del start
+    _fill(file, memoryview(blob), BLOB_START, path)
+    return blob

@@ -23,7 +23,9 @@ from somatize.codec import (
     MAX_DEPTH,
     MAX_NDIM,
     MAX_NODES,
+    START_BYTES,
     Opaque,
+    check_start,
     codec,
     codecs_registered,
     decode,
@@ -793,6 +795,32 @@ def test_cut_or_padded_written_forms_are_unreadable(value):
             loads(data[:n])
     with pytest.raises(Unreadable, match="more than its header"):
         loads(data + b"\x00")
+
+
+@pytest.mark.parametrize("value", [None, [1, "two", 3.0], np.arange(5), {"a": np.zeros((2, 2))}, b"x" * 100_000])
+def test_the_start_of_a_written_form_is_judged_against_its_length(value):
+    """``check_start`` passes the first bytes of every good written form at its true length
+    and refuses it at any other (a sparse file declaring more than it holds), and refuses
+    zeros, so a store refuses a planted blob before making room for it."""
+    data = dumps(value)
+    start = data[:START_BYTES]
+    check_start(start, len(data))
+    for wrong in (len(data) - 1, len(data) + 1, len(data) + 384 * 2**20):
+        with pytest.raises(Unreadable):
+            check_start(start, wrong)
+    with pytest.raises(Unreadable, match="SMZ1"):
+        check_start(bytes(START_BYTES), 384 * 2**20)
+    with pytest.raises(Unreadable, match="header needs"):
+        check_start(b"SMZ1" + (2**31).to_bytes(4, "little"), 4096)
+
+
+def test_a_header_longer_than_the_start_is_left_to_loads():
+    value = ["x" * 60_000, "y" * 60_000]  # inline strings: a header longer than START_BYTES
+    data = dumps(value)
+    check_start(data[:START_BYTES], len(data) + 1)  # cannot be judged from the start alone
+    with pytest.raises(Unreadable):
+        loads(data + b"\x00")
+    assert loads(data) == value
 
 
 def test_loads_refuses_what_is_not_bytes():

@@ -688,14 +688,6 @@ FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site ->
             "forward record": "types",
         },
     },
-    "forward": {
-        "computing.py: a claim name (or computing/) held by a folder, FIFO, socket or non-entry is passed over in silence": {
-            "claim": "empty not-utf8",
-        },
-        "store.py/engine.py _recall: a cache entry declaring a 384 MiB sparse blob is read whole before the codec refuses it, and silently": {
-            "cache entry": "sparse",
-        },
-    },
     "readers": {
         "store.py _list / record/studies.py: a file, FIFO or socket at a folder's name, a folder at an entry's name, or a trial record that fails its checks is left out in silence": {
             "folder <study>/trial/<n>": "empty fifo not-utf8 socket sparse",

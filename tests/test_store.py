@@ -129,6 +129,38 @@ def test_big_blob_round_trips(tmp_path: Path) -> None:
     assert store.fetch("big") == big
 
 
+def test_entry_lets_admit_refuse_a_blob_before_room_is_made_for_it(tmp_path: Path) -> None:
+    """``admit`` sees the blob's first 64 KiB and its declared length; what it raises comes
+    out of ``entry`` before a buffer of the blob's size exists, and what it passes reads whole."""
+    import tracemalloc
+
+    from somatize.store_file import BLOB_START
+
+    store = FolderStore(tmp_path)
+    blob = random.Random(2).randbytes(8 << 20)  # 8 MiB
+    store.put("big", {"n": "1"}, blob)
+    seen: list[tuple[int, int]] = []
+
+    def refuse(start: bytearray, length: int) -> None:
+        seen.append((len(start), length))
+        raise StoreError("refused by its start")
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(StoreError, match="refused by its start"):
+            store.entry("big", admit=refuse)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == [(BLOB_START, len(blob))]
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse an 8 MiB blob"
+    record, back = store.entry("big", admit=lambda start, length: seen.append((len(start), length)))
+    assert record == {"n": "1"} and back == blob and seen[-1] == (BLOB_START, len(blob))
+    store.put("small", {}, b"abc")
+    assert store.entry("small", admit=lambda start, length: seen.append((len(start), length)))[1] == b"abc"
+    assert seen[-1] == (3, 3)
+
+
 def test_missing(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     store.put("run/a", {})

@@ -52,7 +52,7 @@ import types
 from typing import Any
 
 from .layout import MAX_DEPTH, MAX_NDIM, MAX_NODES
-from .reading import Checked, build, check, decode, kinds_in, loads
+from .reading import START_BYTES, Checked, build, check, check_start, decode, kinds_in, loads
 from .registered import Opaque, codec, codecs_registered, forget, readable_kinds, registry
 from .writing import dumps, encode, written_parts
 
@@ -60,10 +60,12 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NDIM",
     "MAX_NODES",
+    "START_BYTES",
     "Checked",
     "Opaque",
     "build",
     "check",
+    "check_start",
     "codec",
     "codecs_registered",
     "decode",

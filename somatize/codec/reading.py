@@ -404,15 +404,42 @@ def loads(data: bytes | bytearray | memoryview, *, views: bool = False) -> Any:
     tensors are views of ``data`` when it is writable (a ``bytearray``, a private mapping),
     copies otherwise, or read-only views with ``views=True`` (see :func:`build`)."""
     mv = bytes_of(data, "what loads was given")
-    total = mv.nbytes
-    if total < FIXED.size or mv[:4] != MAGIC:
+    descriptor, spans = _layout(mv, mv.nbytes)
+    return decode(descriptor, [mv[start:end] for start, end in spans], views=views)
+
+
+#: How much of a written form ``check_start`` needs to see its header whole, usually.
+START_BYTES = 64 * 1024
+
+
+def check_start(start: bytes | bytearray | memoryview, total: int) -> None:
+    """Refuse a written form of ``total`` bytes from its first bytes alone, before the rest
+    is read or room is made for it: the magic, a header that fits, and (when ``start``
+    holds the whole header, as it does for all but huge descriptors) frame lengths that
+    account for exactly ``total`` bytes. Raises ``Unreadable``; what passes may still be
+    refused by ``loads``. Reading ``START_BYTES`` first is enough for the usual header."""
+    mv = bytes_of(start, "the start of a written form")
+    _magic(mv, total)
+    if FIXED.size + FIXED.unpack_from(mv)[1] <= mv.nbytes:
+        _layout(mv, total)
+
+
+def _magic(mv: memoryview, total: int) -> int:
+    """Where the header ends, once the magic and the header's length are found good."""
+    if total < FIXED.size or mv.nbytes < FIXED.size or mv[:4] != MAGIC:
         raise Unreadable("these bytes are not somatize's written form: they do not start with SMZ1")
-    header_len = FIXED.unpack_from(mv)[1]
-    end = FIXED.size + header_len
+    end = FIXED.size + FIXED.unpack_from(mv)[1]
     if end > total:
         raise Unreadable(
             f"the written form is cut short: its header needs {end} bytes and there are {total}"
         )
+    return end
+
+
+def _layout(mv: memoryview, total: int) -> tuple[Any, list[tuple[int, int]]]:
+    """The descriptor and the frames' spans of a written form ``total`` bytes long, from
+    ``mv``, which holds at least its header."""
+    end = _magic(mv, total)
     try:
         header = msgpack.unpackb(
             mv[FIXED.size : end],
@@ -429,7 +456,7 @@ def loads(data: bytes | bytearray | memoryview, *, views: bool = False) -> Any:
     if type(header) is not list or len(header) != 2 or type(header[1]) is not list:
         raise Unreadable("the written form's header is not [descriptor, [frame lengths]]")
     descriptor, lengths = header
-    frames = []
+    spans = []
     for i, n in enumerate(lengths):
         if type(n) is not int or n < 0:
             raise Unreadable(
@@ -441,12 +468,12 @@ def loads(data: bytes | bytearray | memoryview, *, views: bool = False) -> Any:
             raise Unreadable(
                 f"the written form is cut short: frame {i} ends at byte {end} and there are {total}"
             )
-        frames.append(mv[start:end])
+        spans.append((start, end))
     if end != total:
         raise Unreadable(
             f"the written form holds {total - end} bytes more than its header accounts for"
         )
-    return decode(descriptor, frames, views=views)
+    return descriptor, spans
 
 
 def _no_ext(code: int, data: bytes) -> Any:
