@@ -47,6 +47,7 @@ from reliability_support import key_ring, rss_kib, wait_until
 from somatize import Broker, Worker
 from somatize.errors import Busy, ProtocolError
 from somatize.fabric.curve import Keys, make_pair, read_public, read_secret
+from somatize.fabric.worker.pacing import WAITING_BYTES
 from somatize.packing import Packer
 from somatize.wire import Hello, Recipe, Refusal, Relay, Runtime, Where, Work, decode, encode, messages
 
@@ -550,6 +551,12 @@ ROLES: dict[str, dict[str, str]] = {
 #: harness sends, which is never more than a few MiB a case. Anything past it is a leak or a
 #: queue no bound holds.
 RSS_MIB = 128
+#: A dialed worker's own bound is larger: the answers it holds for a broker that does not
+#: read, across a lost connection too, are bounded by all of them together (``WAITING_BYTES``,
+#: docs/conversation.md), and what was freed of them need not go back to the system.
+DIALED_RSS_MIB = (WAITING_BYTES >> 20) + 64
+#: The sides that are dialed workers (the broker's own w1, the fake broker's fb1).
+DIALED = frozenset({"w1", "fb1"})
 #: Descriptors a side may hold past its start: one a connection the harness has open at once
 #: (a case uses at most three), ZeroMQ's own (its I/O thread's pipes, the monitor socket),
 #: and the ones of connections closed but not yet seen closed. A leak grows without end.
@@ -562,8 +569,8 @@ THREADS = 12
 class Watched:
     """One real process's memory, descriptors and threads, read from /proc."""
 
-    def __init__(self, name: str, process: Process) -> None:
-        self.name, self.process = name, process
+    def __init__(self, name: str, process: Process, rss_mib: int = RSS_MIB) -> None:
+        self.name, self.process, self.rss_mib = name, process, rss_mib
         self.rss, self.fds, self.threads = self.now()
 
     def now(self) -> tuple[int, int, int]:
@@ -576,7 +583,7 @@ class Watched:
             return f"{self.name} died (exit {self.process.popen.returncode}): {self.process.stderr()[-800:]}"
         rss, fds, threads = self.now()
         over = [f"{what} {now} (started with {was}, bound +{bound})" for what, now, was, bound in (
-            ("RSS MiB", rss, self.rss, RSS_MIB), ("descriptors", fds, self.fds, FDS),
+            ("RSS MiB", rss, self.rss, self.rss_mib), ("descriptors", fds, self.fds, FDS),
             ("threads", threads, self.threads, THREADS)) if now > was + bound]
         return f"{self.name}: " + ", ".join(over) if over else ""
 
@@ -587,7 +594,8 @@ class Bounds:
 
     def __init__(self, sides: Sides) -> None:
         self.sides = sides
-        self.watched = [Watched(name, process) for name, process in sides.processes.items()]
+        self.watched = [Watched(name, process, DIALED_RSS_MIB if name in DIALED else RSS_MIB)
+                        for name, process in sides.processes.items()]
 
     def hold(self, seconds: float = 10.0) -> None:
         """Assert the bounds; a descriptor or a thread let go a moment late is waited for."""
