@@ -697,16 +697,9 @@ FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site ->
         },
     },
     "runner": {
-        "study/definition.py Definition.from_record raises AttributeError on a definition whose space is a list: a traceback out of the runner": {
-            "study definition": "types",
-        },
-        "study/definition.py Definition.from_record raises RecursionError on a definition nested 100,000 deep: a traceback out of the runner": {
-            "study definition": "nested",
-        },
         "study/study.py + store.py: a blocked or malformed attempt, trial folder or definition is passed over (or called 'no study') without naming it": {
             "attempt": "nested nonfinite types",
             "fence": "nested nonfinite types",
-            "study definition": "nonfinite",
         },
     },
     "scores": {
@@ -717,13 +710,6 @@ FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site ->
     "show": {
         "study/command.py table + store.py: a blocked or malformed attempt, trial folder or definition is shown (or called 'no study') without naming it": {
             "fence": "nested nonfinite types",
-            "study definition": "nonfinite",
-        },
-        "study/definition.py Definition.from_record raises AttributeError on a definition whose space is a list: --show ends in a traceback": {
-            "study definition": "types",
-        },
-        "study/definition.py Definition.from_record raises RecursionError on a definition nested 100,000 deep: --show ends in a traceback": {
-            "study definition": "nested",
         },
     },
     "view": {
@@ -742,15 +728,6 @@ FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site ->
         },
     },
     "watch": {
-        "study/definition.py Definition.from_record raises AttributeError on a definition whose space is a list: --watch ends in a traceback": {
-            "study definition": "types",
-        },
-        "study/definition.py Definition.from_record raises RecursionError on a definition nested 100,000 deep: --watch ends in a traceback": {
-            "study definition": "nested",
-        },
-        "study/study.py Study.open: a blocked or non-finite definition is called 'no study' (or its error) without naming <study>/study": {
-            "study definition": "nonfinite",
-        },
         "study/watching.py look: a trial whose attempt (or next attempt) is blocked is never counted finished, so --watch never ends": {
             "fence": "empty fifo folder link-file link-folder link-nothing nested nested-record nonfinite not-utf8 socket sparse types types-record",
         },

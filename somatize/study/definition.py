@@ -112,9 +112,10 @@ class Definition:
     def from_record(cls, study: str, record: Mapping[str, str]) -> Definition:
         to_distribution = optuna().distributions.json_to_distribution
         try:
-            space = {
-                name: to_distribution(json.dumps(d)) for name, d in json.loads(record["space"]).items()
-            }
+            written = json.loads(record["space"])
+            if not isinstance(written, dict):
+                raise TypeError(f"its space is a JSON {type(written).__name__}, not an object of names")
+            space = {name: to_distribution(json.dumps(d)) for name, d in written.items()}
             return cls.checked(
                 objective=record["objective"],
                 space=space,
@@ -126,9 +127,10 @@ class Definition:
                 patience=float(record["patience"]),
                 pruner=record.get("pruner", ""),
             )
-        except (KeyError, ValueError, TypeError) as exc:
+        # a writer of the folder's: any shape, nested past the recursion limit
+        except (KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
             raise SomatizeError(
-                f"The definition of the study {study!r} cannot be read ({type(exc).__name__}: "
+                f"The definition of the study {study!r} (its entry `{study}/study`) cannot be read ({type(exc).__name__}: "
                 f"{exc}); it was written by another version or altered by hand. Define the "
                 f"study again under a new name."
             ) from exc
