@@ -33,6 +33,16 @@ _FIELD_MAX = 1 << 20  # config, intermediate values and sampler notes: each at m
 _DEPTH_MAX = 32  # how deep the sampler's notes may nest
 
 
+def definition_name(study: str) -> str:
+    """The entry that holds ``study``'s definition."""
+    return f"{study}/study"
+
+
+def trial_prefix(study: str) -> str:
+    """What the names of ``study``'s attempts start with."""
+    return f"{study}/trial/"
+
+
 @dataclasses.dataclass(frozen=True)
 class Checked:
     """The fields of an attempt's record that readers and runners use, checked."""
@@ -125,7 +135,8 @@ def trials(store: Store, study: str) -> list[dict[str, Any]]:
     as one), ``runner`` (who ran its last attempt), and ``error`` for one that failed.
     """
     name = _check_study(study, "trials(study=...)")
-    return _rows(store, name, store.scan(f"{name}/trial/"), f"{name}/trial/")
+    prefix = trial_prefix(name)
+    return _rows(store, name, store.scan(prefix), prefix)
 
 
 def best(store: Store, study: str) -> dict[str, Any] | None:
@@ -169,11 +180,11 @@ def _study(store: Store, study: str, where: str) -> tuple[str, list[dict[str, An
     name = _check_study(study, where)
     definition: dict[str, str] | None = None
     found: list[tuple[str, dict[str, str]]] = []
-    trial_prefix = f"{name}/trial/"
+    prefix = trial_prefix(name)
     for key, record in store.scan(f"{name}/"):
-        if key == f"{name}/study":
+        if key == definition_name(name):
             definition = record
-        elif key.startswith(trial_prefix):
+        elif key.startswith(prefix):
             found.append((key, record))
     if definition is None:
         raise Missing(
@@ -187,7 +198,7 @@ def _study(store: Store, study: str, where: str) -> tuple[str, list[dict[str, An
             f"{where}: study {name!r} says its direction is {direction!r}; a study minimizes "
             f"or maximizes its score ('minimize' or 'maximize')."
         )
-    return direction, _rows(store, name, found, trial_prefix)
+    return direction, _rows(store, name, found, prefix)
 
 
 def _rows(
@@ -240,7 +251,7 @@ def _check_study(study: object, where: str) -> str:
     if not isinstance(study, str):
         raise BadName(f"{where}: a study's name is a str, not a `{type(study).__name__}`.")
     try:
-        check_name(f"{study}/study")
+        check_name(definition_name(study))
     except BadName as exc:
         raise BadName(f"{where}: {study!r} cannot name a study. {exc}") from None
     return study

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import SomatizeError
+from ..record.studies import definition_name
 from ..store import valid_part
 
 #: Optuna's samplers, by the name a definition keeps. A sampler is seeded per trial number
@@ -130,8 +131,8 @@ class Definition:
         # a writer of the folder's: any shape, nested past the recursion limit
         except (KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
             raise SomatizeError(
-                f"The definition of the study {study!r} (its entry `{study}/study`) cannot be read ({type(exc).__name__}: "
-                f"{exc}); it was written by another version or altered by hand. Define the "
+                f"The definition of the study {study!r} (its entry `{definition_name(study)}`) cannot be read "
+                f"({type(exc).__name__}: {exc}); it was written by another version or altered by hand. Define the "
                 f"study again under a new name."
             ) from exc
 

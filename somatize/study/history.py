@@ -25,7 +25,7 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..record.studies import Checked, checked_attempt, left_out
+from ..record.studies import Checked, checked_attempt, left_out, trial_prefix
 from ..store import Store
 from .definition import Definition
 
@@ -34,12 +34,8 @@ from .definition import Definition
 FINISHED = frozenset({"done", "failed", "pruned"})
 
 
-def trial_prefix(study: str) -> str:
-    return f"{study}/trial/"
-
-
 def attempt_name(study: str, number: int, attempt: int) -> str:
-    return f"{study}/trial/{number:06d}/{attempt:03d}"
+    return f"{trial_prefix(study)}{number:06d}/{attempt:03d}"
 
 
 @dataclasses.dataclass

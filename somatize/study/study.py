@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Missing, SomatizeError, StudyMismatch, Superseded
+from ..record.studies import definition_name
 from ..store import ClaimingStore
 from . import names
 from .attempt import Pulse, Running, Trial
@@ -524,7 +525,7 @@ def _claiming(store: object) -> ClaimingStore:
 
 
 def _definition_record(store: ClaimingStore, name: str) -> dict[str, str] | None:
-    wanted = f"{name}/study"
+    wanted = definition_name(name)
     for found, record in store.scan(wanted):
         if found == wanted:
             return record
@@ -533,7 +534,7 @@ def _definition_record(store: ClaimingStore, name: str) -> dict[str, str] | None
 
 def _settle(store: ClaimingStore, name: str, wanted: Definition) -> Definition:
     """Write ``wanted`` if the study is new; otherwise check it against the one there."""
-    if store.create(f"{name}/study", wanted.record()):
+    if store.create(definition_name(name), wanted.record()):
         return wanted
     record = _definition_record(store, name)
     if record is None:

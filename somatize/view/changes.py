@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import BadName, Missing, SomatizeError
 from ..record.recorder import RUNS, check_run
+from ..record.studies import definition_name
 from ..store import check_name
 
 
@@ -97,8 +98,8 @@ def studies(store: Any, only: str | None = None) -> Any:
     out: dict[str, dict[str, str]] = {}
     for name in names:
         try:
-            check_name(f"{name}/study")
-            record = store.record(f"{name}/study")
+            check_name(definition_name(name))
+            record = store.record(definition_name(name))
         except (BadName, Missing, OSError, SomatizeError):
             continue
         if isinstance(record, dict):

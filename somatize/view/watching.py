@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..folders import Blocked, Descent, tell_once
 from ..record.recorder import check_run
+from ..record.studies import definition_name
 from ..store import check_name
 
 #: How often the watcher looks (seconds).
@@ -145,7 +146,7 @@ def folders_of(subject: str) -> list[Folder]:
     if kind == "studies" and not name:
         return [Folder([], sweep=True, skip=_NOT_STUDIES)]
     if kind == "study":
-        check_name(f"{name}/study")
+        check_name(definition_name(name))
         return [Folder([name]), Folder([name, "trial"], sweep=True)]
     raise ValueError(f"the view shows runs, run:NAME, machines, studies or study:NAME; not {subject[:40]!r}")
 
