@@ -678,33 +678,17 @@ def hostile(python_for_nobody, tmp_path_factory, worker_id):
 # fix shows itself: take its kinds (or the whole fault) out of the table.
 
 FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site -> the kinds planted there
-    "best": {
-        "record/studies.py: best() raises ValueError (quoting it whole) on a study definition whose direction is nested, of the wrong type or non-finite, instead of leaving it out with a line": {
-            "study definition": "nested nonfinite types",
-        },
-    },
-    "curve": {
-        "record/readers.py: curve() raises ValueError on a forward record whose loss.value is nested or '²', instead of skipping that forward with a line": {
-            "forward record": "types",
-        },
-    },
     "readers": {
         "store.py _list / record/studies.py: a file, FIFO or socket at a folder's name, a folder at an entry's name, or a trial record that fails its checks is left out in silence": {
             "folder <study>/trial/<n>": "empty fifo not-utf8 socket sparse",
             "folder run/<run>/chunk": "empty fifo not-utf8 socket sparse",
             "machine report": "nonfinite types",
-            "study definition": "nested nonfinite types",
         },
     },
     "runner": {
         "study/study.py + store.py: a blocked or malformed attempt, trial folder or definition is passed over (or called 'no study') without naming it": {
             "attempt": "nested nonfinite types",
             "fence": "nested nonfinite types",
-        },
-    },
-    "scores": {
-        "record/studies.py: scores() raises ValueError (quoting it whole) on a study definition whose direction is nested, of the wrong type or non-finite, instead of leaving it out with a line": {
-            "study definition": "nested nonfinite types",
         },
     },
     "show": {
@@ -721,7 +705,6 @@ FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site ->
             "folder run": "empty fifo link-folder link-nothing not-utf8 socket",
             "folder run/<run>/chunk": "empty fifo not-utf8 socket sparse",
             "machine report": "empty fifo link-folder link-nothing nested nested-record nonfinite not-utf8 socket types types-record",
-            "study definition": "nonfinite types",
         },
         "folders.py tell_once: a long-lived view names a path once per process, so a second plant at the same name (machine/box, planted kind after kind) gets no line of its own": {
             "machine report": "link-file",

@@ -123,12 +123,12 @@ def _fleet_figure(Figure: Any, run: str, hosts: dict[str, dict[str, Any]]) -> An
 # -- a study ------------------------------------------------------------------------------
 
 
-def _scores_text(study: str, direction: str, rows: list[dict[str, Any]]) -> Chart:
+def _scores_text(study: str, direction: str | None, rows: list[dict[str, Any]]) -> Chart:
     if not rows:
         return Chart(f"study {study!r} has no trials yet")
     low, high = _scale([row["score"] for row in rows if _finite(row["score"])])
     wide = max(5, len(str(rows[-1]["trial"])))
-    lines = [f"study {study!r} ({direction}): score per trial, the best so far, * a new best"]
+    lines = [f"study {study!r} ({direction or 'direction unknown'}): score per trial, the best so far, * a new best"]
     if any(_finite(row["score"]) and not low <= row["score"] <= high for row in rows):
         lines[0] += f"; bars span {low:.6g} to {high:.6g}, < and > mark scores beyond"
     for row in rows:
@@ -169,7 +169,7 @@ def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-def _scores_figure(Figure: Any, study: str, direction: str, rows: list[dict[str, Any]]) -> Any:
+def _scores_figure(Figure: Any, study: str, direction: str | None, rows: list[dict[str, Any]]) -> Any:
     figure = Figure(figsize=(7, 3.5), layout="constrained")
     axes = figure.subplots()
     done = [row for row in rows if row["state"] == "done" and _finite(row["score"])]
@@ -184,7 +184,7 @@ def _scores_figure(Figure: Any, study: str, direction: str, rows: list[dict[str,
                   label="best so far")
     axes.set_xlabel("trial")
     axes.set_ylabel("score")
-    axes.set_title(f"study {study!r} ({direction})" if rows else f"study {study!r} has no trials yet")
+    axes.set_title(f"study {study!r} ({direction or 'direction unknown'})" if rows else f"study {study!r} has no trials yet")
     if done or others:
         axes.legend(frameon=False)
     return figure

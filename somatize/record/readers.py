@@ -66,7 +66,8 @@ def curve(store: Store, run: str, kind: str = "loss", field: str = "value") -> l
 
     From the records alone (one scan) for the forwards whose recorder summarised ``kind``;
     for any other forward, its blob is fetched and the last ``kind`` fact with ``field`` is
-    used. :func:`curve_costs` tells which, before paying for it.
+    used. :func:`curve_costs` tells which, before paying for it. A forward whose value is
+    not a number (text, say) is left off, with one line naming it.
     """
     check_run(run, "curve(run=...)")
     key = f"{kind}.{field}"
@@ -79,8 +80,9 @@ def curve(store: Store, run: str, kind: str = "loss", field: str = "value") -> l
             for f in _read(store, run, number):
                 if f.get("fact") == kind and field in f:
                     value = f[field]
-        if value is not None:
-            out.append((number, _float(value, run, number, key)))
+        found = None if value is None else _float(store, value, run, number, key)
+        if found is not None:
+            out.append((number, found))
     return out
 
 
@@ -258,14 +260,14 @@ def _rate(items: int, microseconds: int) -> float | None:
     return items * 1e6 / microseconds if microseconds > 0 else None
 
 
-def _float(value: str, run: str, at: int, key: str) -> float:
+def _float(store: Store, value: str, run: str, at: int, key: str) -> float | None:
+    """``value`` as a number, or ``None`` (said once, naming the forward) when it is none:
+    that forward is left off the curve, the others are drawn."""
     found = number(value)
     if found is None:
-        raise ValueError(
-            f"forward {at} of run {run!r} says {key} = {value[:80]!r}, which is not a number; "
-            f"a curve is drawn from numbers. Read it with `facts(store, run={run!r}, "
-            f"forward={at})`."
-        )
+        left_out(store, entry_name(run, at),
+                 f"its {key} {value[:80]!r} is not a number, so forward {at} is left off the curve "
+                 f"(read it with `facts(store, run={run!r}, forward={at})`)")
     return found
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import BadName, Missing
@@ -150,12 +150,15 @@ def best(store: Store, study: str) -> dict[str, Any] | None:
     return best_of(rows, direction)
 
 
-def best_of(rows: list[dict[str, Any]], direction: str) -> dict[str, Any] | None:
-    """`best`, from rows :func:`trials` already read (the view's study page has them)."""
+def best_of(rows: list[dict[str, Any]], direction: str | None) -> dict[str, Any] | None:
+    """`best`, from rows :func:`trials` already read (the view's study page has them);
+    ``None`` too when the direction is unknown."""
+    if direction is None:
+        return None
     return min(_scored(rows), key=lambda row: (_sign(direction) * row["score"], row["trial"]), default=None)
 
 
-def scored(store: Store, study: str, where: str) -> tuple[str, list[dict[str, Any]]]:
+def scored(store: Store, study: str, where: str) -> tuple[str | None, list[dict[str, Any]]]:
     """The study's direction, and its trials each with ``best``: the best score of the done
     trials up to it (``None`` before the first), and ``improved`` when it set that best.
     One scan of ``<study>/``, no fetch; what the drawing of a study is made from."""
@@ -164,7 +167,7 @@ def scored(store: Store, study: str, where: str) -> tuple[str, list[dict[str, An
     so_far: float | None = None
     for row in rows:
         score = row["score"] if _counts(row) else None
-        improved = score is not None and (so_far is None or sign * score < sign * so_far)
+        improved = score is not None and direction is not None and (so_far is None or sign * score < sign * so_far)
         if improved:
             so_far = score
         row["best"] = so_far
@@ -175,7 +178,7 @@ def scored(store: Store, study: str, where: str) -> tuple[str, list[dict[str, An
 # -- the scan -------------------------------------------------------------------------------
 
 
-def _study(store: Store, study: str, where: str) -> tuple[str, list[dict[str, Any]]]:
+def _study(store: Store, study: str, where: str) -> tuple[str | None, list[dict[str, Any]]]:
     """The direction and the trials of ``study``, from one scan of ``<study>/``."""
     name = _check_study(study, where)
     definition: dict[str, str] | None = None
@@ -192,13 +195,20 @@ def _study(store: Store, study: str, where: str) -> tuple[str, list[dict[str, An
             f"direction is unknown). Check the name, and the store: the one `Study(store, "
             f"{name!r}, ...)` was given."
         )
+    return direction_of(store, name, definition), _rows(store, name, found, prefix)
+
+
+def direction_of(store: Store, study: str, definition: Mapping[str, str]) -> str | None:
+    """The direction ``study``'s definition says, or ``None`` (said once, naming the
+    definition) when it says neither ``minimize`` nor ``maximize``: then no trial is ranked,
+    rather than the worst called best by a guess."""
     direction = definition.get("direction", "minimize")
-    if direction not in _DIRECTIONS:
-        raise ValueError(
-            f"{where}: study {name!r} says its direction is {direction!r}; a study minimizes "
-            f"or maximizes its score ('minimize' or 'maximize')."
-        )
-    return direction, _rows(store, name, found, prefix)
+    if direction in _DIRECTIONS:
+        return direction
+    left_out(store, definition_name(study),
+             f"its direction {direction[:40]!r} is neither 'minimize' nor 'maximize', so no trial is "
+             f"called best until it says one")
+    return None
 
 
 def _rows(
@@ -243,7 +253,7 @@ def _counts(row: dict[str, Any]) -> bool:
     return row["state"] == "done" and row["score"] is not None and not math.isnan(row["score"])
 
 
-def _sign(direction: str) -> int:
+def _sign(direction: str | None) -> int:
     return -1 if direction == "maximize" else 1
 
 

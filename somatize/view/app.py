@@ -32,7 +32,7 @@ from ..errors import BadName, SomatizeError
 from ..record import fleet, latest, nodes, trials
 from ..record.readers import facts as facts_of
 from ..record.readers import whole
-from ..record.studies import best_of
+from ..record.studies import best_of, direction_of
 from .answers import by_parameter, report_ages, running, runs_by_last_write
 from .changes import Changes, studies
 from .guard import refused as _refused
@@ -137,11 +137,11 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         rows = trials(store, name)  # one scan; the best is found in it (`best_of`)
         start = _whole(request.query_params.get("from"), 0)
         definition = studies(store, only=name)
-        direction = definition.get("direction", "minimize")
+        direction = direction_of(store, name, definition)  # None, said once, when it is neither
         scores = [(row["trial"], row["score"]) for row in rows
                   if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])]
         return {"study": name, "count": len(rows), "from": start, "trials": rows[start:start + PAGE],
-                "best": best_of(rows, direction), "direction": direction, "scores": scores,
+                "best": best_of(rows, direction), "direction": direction or "direction unknown", "scores": scores,
                 # from the same rows: the score against each parameter, and what runs now
                 "parameters": by_parameter(rows, definition.get("space"), _thinned),
                 "running": running(store, name, rows), "patience": _number(definition.get("patience"))}

@@ -280,9 +280,10 @@ async function studyPage(name, from) {
   const best = body.best ? `; best ${show(body.best.score)} (trial ${body.best.trial})` : "";
   clear(`Study ${body.study}`, `${body.direction}; ${body.count} trials claimed: ` +
     Object.entries(states).map(([s, n]) => `${n} ${s}`).join(", ") + best);
-  const sign = body.direction === "maximize" ? -1 : 1;
+  const sign = { maximize: -1, minimize: 1 }[body.direction];  // none: no best is drawn
   let so = null;
-  const bestSoFar = body.scores.map(([, s]) => (so = so === null || sign * s < sign * so ? s : so));
+  const bestSoFar = body.scores.map(([, s]) => (sign === undefined ? null
+    : (so = so === null || sign * s < sign * so ? s : so)));
   chart("scores", "score per trial, and the best so far", ["trial", "score", "best so far"],
     body.scores.map((p) => p[0]), body.scores.map((p) => p[1]), bestSoFar);
   parametersOf(body.parameters);
