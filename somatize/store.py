@@ -563,6 +563,10 @@ class FolderStore:
                     names.append(base + stem)
                 elif part != stem:  # a FIFO, a socket or a device planted under an entry's name
                     tell_blocked(self.path, base + part, held_by(folder, part) or "something else")
+                elif entry.is_file(follow_symlinks=False):  # a file at a folder's name: no entry has it
+                    tell_blocked(self.path, base + part, "a file where only a folder belongs")
+                else:
+                    tell_blocked(self.path, base + part, held_by(folder, part) or "something else")
             except Blocked as exc:  # replaced by something else since it was listed
                 tell_blocked(self.path, exc.where, exc.held)
             except PermissionError:

@@ -680,8 +680,6 @@ def hostile(python_for_nobody, tmp_path_factory, worker_id):
 FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site -> the kinds planted there
     "readers": {
         "store.py _list / record/studies.py: a file, FIFO or socket at a folder's name, a folder at an entry's name, or a trial record that fails its checks is left out in silence": {
-            "folder <study>/trial/<n>": "empty fifo not-utf8 socket sparse",
-            "folder run/<run>/chunk": "empty fifo not-utf8 socket sparse",
             "machine report": "nonfinite types",
         },
     },
@@ -700,10 +698,8 @@ FOUND: dict[str, dict[str, dict[str, str]]] = {  # piece -> the fault -> site ->
         "view/changes.py, view/runs.py and the readers: a blocked folder or entry, or a record or chunk that fails its checks, is passed over in silence": {
             "chunk": "nested nonfinite sparse types",
             "fence": "nested nonfinite types",
-            "folder <study>/trial/<n>": "empty fifo not-utf8 socket sparse",
             "folder machine": "empty fifo link-folder link-nothing not-utf8 socket",
             "folder run": "empty fifo link-folder link-nothing not-utf8 socket",
-            "folder run/<run>/chunk": "empty fifo not-utf8 socket sparse",
             "machine report": "empty fifo link-folder link-nothing nested nested-record nonfinite not-utf8 socket types types-record",
         },
         "folders.py tell_once: a long-lived view names a path once per process, so a second plant at the same name (machine/box, planted kind after kind) gets no line of its own": {

@@ -685,3 +685,19 @@ def test_names_lists_what_a_scan_finds_without_opening_an_entry(tmp_path):
     (tmp_path / "s" / "run" / "a" / "2.rec").write_bytes(b"not an entry")
     assert "run/a/2" in store.names("run/a/") and "run/a/2" not in dict(store.scan("run/a/"))
     assert store.names("nothing/") == []
+
+
+def test_what_sits_at_a_folders_name_is_named_once_and_read_as_nothing(tmp_path: Path, capfd) -> None:
+    """Attack: a writer puts a file, or a FIFO, where a folder belongs (``run/r`` of a run's
+    forwards); a scan and a listing read it as nothing there and say so once, naming it."""
+    store = FolderStore(tmp_path)
+    store.put("run/q/0", {"x": "1"})
+    (tmp_path / "run" / "r").write_bytes(b"not a folder")
+    os.mkfifo(tmp_path / "run" / "s")
+    folders.forget_told()
+    for _ in range(3):
+        assert [name for name, _ in store.scan("run/")] == ["run/q/0"]
+        assert store.names("run/") == ["run/q/0"]
+    err = capfd.readouterr().err
+    assert err.count(f"{tmp_path}/run/r is a file where only a folder belongs") == 1, err
+    assert err.count(f"{tmp_path}/run/s is not a regular file (a FIFO") == 1, err
