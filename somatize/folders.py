@@ -369,18 +369,21 @@ def sync(dir_fd: int) -> None:
 
 # -- telling, once per path, and not too often -----------------------------------------------
 
-_told: set[str] = set()
+_told: set[tuple[str, int]] = set()  # (path, hash of what was said of it)
 _told_lock = threading.Lock()
 _TOLD_MAX = 10_000  # a folder full of planted names costs this much memory, then silence
 _BURST = 20  # lines said at once; after them, one a second
 _bucket = {"tokens": float(_BURST), "at": 0.0, "unsaid": 0}
 
 
-def tell_once(path: str | Path, line: str) -> None:
-    """``line`` on stderr, the first time this process says something about ``path``, and
-    only while the rate allows (``_BURST`` lines at once, then one a second; the next line
-    said counts those left unsaid)."""
-    key = str(path)
+def tell_once(path: str | Path, line: str, planted: object = None) -> None:
+    """``line`` on stderr, the first time this process says it about ``path``, and only
+    while the rate allows (``_BURST`` lines at once, then one a second; the next line said
+    counts those left unsaid). Something else said of the same path (a FIFO planted where a
+    link was, a name read again after it was mended and damaged anew) is a line of its own:
+    a long-lived view names each plant, not only the first at a name. So is the same
+    thing said of another ``planted`` (what was found there, by identity)."""
+    key = (str(path), hash((line, planted)))
     with _told_lock:
         if key in _told or len(_told) >= _TOLD_MAX:
             return
@@ -400,14 +403,20 @@ def tell_once(path: str | Path, line: str) -> None:
 
 
 def tell_blocked(root: Path, where: str, held: str) -> None:
-    """Say once that ``root/where`` is blocked by ``held``, so it is read as missing."""
+    """Say once that ``root/where`` is blocked by ``held``, so it is read as missing: once
+    per thing planted there (a link put back after it was removed is named again)."""
     path = root / where
+    try:
+        found = os.lstat(path)  # never follows the last part: which thing, not what it names
+        planted: object = (found.st_ino, found.st_ctime_ns)
+    except OSError:
+        planted = None
     if held == "a symbolic link":
-        tell_once(path, f"somatize store: {path} {_LINK_TEXT}; it is left out.")
+        tell_once(path, f"somatize store: {path} {_LINK_TEXT}; it is left out.", planted)
     else:
         what = held if held.startswith("a file") else f"not a regular file ({held})"
         tell_once(path, f"somatize store: {path} is {what}, which no store writes; it is left out "
-                        "(read as nothing there). Remove it, and check who else may write there.")
+                        "(read as nothing there). Remove it, and check who else may write there.", planted)
 
 
 def tell_link(root: Path, where: str) -> None:

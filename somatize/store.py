@@ -268,11 +268,13 @@ class FolderStore:
                 try:
                     try:
                         record = scan_record(fd, path)
+                    except StoreError as exc:
+                        found = os.fstat(fd)  # which file: another planted later is named again
+                        tell_once(path, f"somatize store: a scan leaves out {name!r}: {exc}",
+                                  (found.st_ino, found.st_ctime_ns))
+                        continue
                     finally:
                         os.close(fd)
-                except StoreError as exc:
-                    tell_once(path, f"somatize store: a scan leaves out {name!r}: {exc}")
-                    continue
                 except OSError as exc:
                     raise StoreError(
                         f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."

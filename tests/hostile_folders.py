@@ -469,6 +469,15 @@ def sites(study: str = STUDY, run: str = RUN, key: str = "sha256:" + _KEY_HEX) -
     return out
 
 
+#: What the code writes at a site, for sites planted before it wrote there: an attempt of
+#: a runner (``study/attempt.py``'s record), claimed and running.
+SHAPES: dict[str, dict[str, str]] = {
+    what: {"trial": str(TRIAL), "attempt": str(attempt), "config": '{"x": 1.0}', "state": "running",
+           "score": "", "took_us": "5", "runner": "a-writer", "error": "", "facts": "0"}
+    for what, attempt in (("attempt", 0), ("fence", 1))
+}
+
+
 def plant_at(planter: Planter, store: Path, site: Site, kind: str, targets: Path, *, old: int | None = None) -> None:
     """Plant ``kind`` at ``site`` in the store folder ``store`` (its folders open to others),
     from the real entry the code wrote there when there is one."""
@@ -476,7 +485,10 @@ def plant_at(planter: Planter, store: Path, site: Site, kind: str, targets: Path
     from somatize.errors import Missing
 
     where = store / site.path
-    record: dict[str, str] = {"by": "a writer of this folder"}
+    # Where the code wrote nothing yet, a record of the shape it writes there, so a damaged
+    # one damages what a reader checks (an attempt's state, score and config), not a field
+    # no reader looks at.
+    record: dict[str, str] = dict(SHAPES.get(site.what, {"by": "a writer of this folder"}))
     blob: bytes | None = None
     if site.entry:
         with contextlib.suppress(Missing, OSError, Exception):

@@ -1105,3 +1105,18 @@ def test_scores_draws_a_figure_when_matplotlib_is_there(store):
     (line,) = axes.get_lines()
     assert list(line.get_ydata()) == [0.8] * 7  # maximizing: 0.8 stays the best
     assert "maximize" in axes.get_title()
+
+
+def test_a_machine_report_that_says_a_load_no_worker_says_is_named_and_left_out(store, capfd):
+    """Attack: a writer files ``machine/box`` with a load of ``nan``, a count of ``²`` or
+    another machine's name; ``latest`` leaves each out with one line, and keeps the rest."""
+    report(store, "w1", {"kind": "load", "load1": "0.50", "slices": "3", "gpu": "A100"})
+    for bad in ({"load1": "nan"}, {"slices": "\u00b2"}, {"pid": "-1"}):
+        store.put("machine/box", {"kind": "load", "machine": "box", **bad})
+        assert set(latest(store)) == {"w1"}
+    store.put("machine/box", {"kind": "load", "machine": "w1"})
+    assert set(latest(store)) == {"w1"}
+    err = capfd.readouterr().err
+    for said in ("its load1 'nan' is not a load", "its slices '\u00b2' is not a whole number",
+                 "its pid '-1' is not a whole number", "it says it is machine 'w1', but is filed under 'box'"):
+        assert err.count(f"machine/box is left out: {said}") == 1, err

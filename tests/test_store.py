@@ -701,3 +701,25 @@ def test_what_sits_at_a_folders_name_is_named_once_and_read_as_nothing(tmp_path:
     err = capfd.readouterr().err
     assert err.count(f"{tmp_path}/run/r is a file where only a folder belongs") == 1, err
     assert err.count(f"{tmp_path}/run/s is not a regular file (a FIFO") == 1, err
+
+
+def test_each_thing_planted_at_a_name_is_named_not_only_the_first(tmp_path: Path, capfd) -> None:
+    """Attack: a long-lived reader (the view) names a planted name once; the writer then
+    swaps what is there, kind after kind. Each new plant gets its line; the same one, none."""
+    store = FolderStore(tmp_path)
+    store.put("run/q/0", {"x": "1"})
+    planted = tmp_path / "run" / "q" / "1.rec"
+    folders.forget_told()
+    os.symlink(tmp_path / "run" / "q" / "0.rec", planted)
+    for _ in range(2):
+        assert [name for name, _ in store.scan("run/q/")] == ["run/q/0"]
+    planted.unlink()
+    os.symlink(tmp_path / "nowhere", planted)  # another link: another thing, another line
+    assert [name for name, _ in store.scan("run/q/")] == ["run/q/0"]
+    planted.unlink()
+    os.mkfifo(planted)
+    for _ in range(2):
+        assert [name for name, _ in store.scan("run/q/")] == ["run/q/0"]
+    err = capfd.readouterr().err
+    assert err.count(f"{planted} is a symbolic link") == 2, err
+    assert err.count(f"{planted} is not a regular file (a FIFO") == 1, err

@@ -303,18 +303,25 @@ def chunk_records(store: Store, run: str, k: int) -> dict[int, dict[str, str]] |
     such chunk or it is not what a recorder writes (it was written by someone else's
     process: each item is checked, and one that is not a forward of that chunk with a
     record of text spoils the chunk, whose forwards are then read one by one)."""
+    name = chunk_name(run, k)
     try:
-        blob = read_blob(store, chunk_name(run, k), CHUNK_MOST)
+        blob = read_blob(store, name, CHUNK_MOST)
         items = plain_json(bytes(blob).decode("utf-8"), 3) if blob is not None else None
-    except (Missing, StoreError, ValueError):  # (Malformed and UnicodeDecodeError are ValueErrors)
+    except (Missing, StoreError):  # not there, or blocked (the store said so)
+        return None
+    except ValueError as exc:  # (Malformed and UnicodeDecodeError are ValueErrors)
+        left_out(store, name, f"{exc}; its forwards are read one by one")
         return None
     if not isinstance(items, list) or len(items) > CHUNK:
+        left_out(store, name, f"its blob is not a list of at most {CHUNK} forwards; they are read one by one")
         return None
     out: dict[int, dict[str, str]] = {}
     for item in items:
         if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
                 and k * CHUNK <= item[0] < (k + 1) * CHUNK and isinstance(item[1], dict)
                 and all(type(v) is str for v in item[1].values())):
+            left_out(store, name, f"an item of it is not [a forward of chunk {k}, a record of text]; "
+                                  "its forwards are read one by one")
             return None
         out[item[0]] = item[1]
     return out

@@ -11,6 +11,7 @@ This module measures this process only; it knows nothing of runs or forwards.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 
 from ..errors import BadName
 from ..store import Store, check_name
-from .shapes import Malformed, left_out, small_record
+from .shapes import Malformed, left_out, number, small_record, whole
 
 _MACHINES = "machine/"
 
@@ -46,10 +47,33 @@ def latest(store: Store) -> dict[str, dict[str, str]]:
         rest = name[len(_MACHINES) :]
         if "/" not in rest:
             try:
-                out[rest] = small_record(record)
+                out[rest] = checked_report(small_record(record), rest)
             except Malformed as exc:
                 left_out(store, name, exc)
     return out
+
+
+_LOADS = ("load1", "load5", "load15")
+_COUNTS = ("rss_bytes", "slices", "pid")
+
+
+def checked_report(record: dict[str, str], machine: str) -> dict[str, str]:
+    """``record`` if what :func:`self_report` says in it reads as it writes it: each load a
+    finite number from 0, ``rss_bytes``, ``slices`` and ``pid`` whole numbers, ``machine``
+    the name it is filed under. Anything else a machine said is text, and passes.
+    ``Malformed`` otherwise: a page would show a load of ``nan`` or ``²`` as if a worker
+    had said it."""
+    for key in _LOADS:
+        if key in record:
+            load = number(record[key])
+            if load is None or not math.isfinite(load) or load < 0:
+                raise Malformed(f"its {key} {record[key][:40]!r} is not a load (a finite number from 0)")
+    for key in _COUNTS:
+        if key in record and whole(record[key]) is None:
+            raise Malformed(f"its {key} {record[key][:40]!r} is not a whole number")
+    if record.get("machine", machine) != machine:
+        raise Malformed(f"it says it is machine {record['machine'][:40]!r}, but is filed under {machine!r}")
+    return record
 
 
 def self_report(served: int, machine: str | None = None) -> dict[str, str]:

@@ -24,7 +24,8 @@ from ..errors import Missing, SomatizeError
 from ..record import forwards
 from ..record.readers import forward_row
 from ..record import recorder
-from ..record.recorder import CHUNKS, check_run, chunk_records, entry_name
+from ..record.recorder import CHUNKS, check_run, chunk_name, chunk_records, entry_name
+from ..record.shapes import left_out
 from .answers import runs_by_last_write
 from .changes import Changes
 
@@ -120,6 +121,9 @@ class Runs:
         if chunks_at and len(chunks_at) * recorder.CHUNK >= len(forwards_at) // 2:
             for k, chunk in chunks_at.items():
                 if chunk.st_size > MOST_CHUNK:  # not what a recorder writes: its forwards are read one by one
+                    left_out(self.store, chunk_name(run, k),
+                             f"its file is {chunk.st_size} bytes long (a sparse file counts by its length), "
+                             f"more than the {MOST_CHUNK} a view reads of a chunk; its forwards are read one by one")
                     continue
                 for number, record in (chunk_records(self.store, run, k) or {}).items():
                     at = forwards_at.get(number)
