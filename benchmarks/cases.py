@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 import fleet
+import mapping
 import admission
 import flooding
 import memory
@@ -506,6 +507,7 @@ CASES: dict[str, Callable[[Settings, Floors], list[Row]]] = {
     "h": fleet.fleet_rows,
     "k": admission.admission_rows,
     "t": threads.threads_rows,
+    "p": mapping.mapping_rows,
     "v": view.view_rows,
     "m": memory.memory_rows,
 }

@@ -13,6 +13,8 @@ One command, one table, every row measured in this run:
     (k) another key's relayed forwards and Hosts, and the broker's memory, while one key
         floods it every way its admission step bounds
     (t) 16 threads of one client forwarding 100 B to 4 spawned workers: forwards/s (and Ray's)
+    (p) Graph.map over a pool of 4 spawned workers: CPU-bound and tiny inputs against
+        multiprocessing.Pool(4).imap, and a member SIGKILLed mid-map
     (v) the live view opening a 100,000-forward run and a 10,000-trial study
     (m) the peak memory of client, worker and broker during (b)'s round trips, per path
 

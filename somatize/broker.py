@@ -19,8 +19,13 @@ The host table names each host and how to reach it:
     deadline = 600                 # seconds one piece of work may run there (on a spawned
                                    # host, one stuck longer is stopped when a client reports it)
 
+    [hosts.cpu]
+    spawn = ["python", "-m", "somatize.worker"]
+    processes = 4                  # a pool: four workers, the hosts cpu#0 .. cpu#3
+
 Workers that dial in (``python -m somatize.worker --broker URL --offer NAME``) need no
-entry: they are served Relayed under the name they offer.
+entry: they are served Relayed under the name they offer; ``--offer gpu#17`` joins the
+pool ``gpu`` (one member per worker, each name bound to the key that offered it).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 from .errors import BadKeys
 from .fabric import Worker, command, sockets
 from .fabric.curve import Keys, read_public
+from .fabric.hosts import expand
 from .fabric.broker.loop import MAX_DIALED, MAX_HOSTS_PER_KEY, BrokerLoop
 
 
@@ -50,11 +56,15 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
     for name, entry in hosts.items():
         if not isinstance(entry, dict):
             raise ValueError(f"{path}: [hosts.{name}] must be a table")
-        unknown = set(entry) - {"address", "spawn", "mode", "mount", "key", "deadline"}
+        unknown = set(entry) - {"address", "spawn", "mode", "mount", "key", "deadline", "processes"}
         if unknown:
             raise ValueError(
-                f"{path}: [hosts.{name}] has unknown keys {sorted(unknown)}; use address, spawn, mode, mount, key, deadline"
+                f"{path}: [hosts.{name}] has unknown keys {sorted(unknown)}; use address, spawn, mode, mount, key, "
+                f"deadline, processes"
             )
+        if "processes" in entry and "spawn" not in entry:
+            raise ValueError(f"{path}: [hosts.{name}] processes = N starts N workers from `spawn`; for workers "
+                             f"that listen, give `address` a list, one address per worker")
         if ("address" in entry) == ("spawn" in entry):
             raise ValueError(f"{path}: [hosts.{name}] needs exactly one of `address` or `spawn`")
         if "address" in entry:
@@ -76,12 +86,18 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
                 except BadKeys as exc:
                     raise ValueError(f"{path}: [hosts.{name}] key: {exc}") from exc
                 keys = Keys(public=b"", secret=b"", server_key=public)
-            out[name] = Worker.at(entry["address"], mode=entry.get("mode", "project"), mount=entry.get("mount"), keys=keys,
+            address = entry["address"]
+            if isinstance(address, list) and not all(isinstance(a, str) for a in address):
+                raise ValueError(f"{path}: [hosts.{name}] address is one \"host:port\" or a list of them (a pool)")
+            out[name] = Worker.at(address, mode=entry.get("mode", "project"), mount=entry.get("mount"), keys=keys,
                                   deadline=entry.get("deadline"))
         else:
-            out[name] = Worker.spawn(entry["spawn"], mode=entry.get("mode", "project"), mount=entry.get("mount"),
-                                     deadline=entry.get("deadline"))
-    return out
+            try:
+                out[name] = Worker.spawn(entry["spawn"], mode=entry.get("mode", "project"), mount=entry.get("mount"),
+                                         deadline=entry.get("deadline"), processes=entry.get("processes"))
+            except TypeError as exc:
+                raise ValueError(f"{path}: [hosts.{name}]: {exc}") from None
+    return expand(out)
 
 
 def _more_descriptors(log: logging.Logger) -> None:

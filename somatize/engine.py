@@ -430,7 +430,7 @@ class _Walk:
         watch = (lambda f: self.watch(elsewhere(f, host))) if self.watching else None
         outcome = self.broker.run(piece, watch)
         if watch is not None:
-            self.watch(fact("left", host=host, took_us=microseconds(time.perf_counter_ns() - started),
+            self.watch(fact("left", host=outcome.member or host, took_us=microseconds(time.perf_counter_ns() - started),
                             worked_us=outcome.took_us))
         for number, produced in outcome.produced.items():
             if number in piece.keys:  # the carrier took only what was asked (`Piece.keys`)

@@ -64,7 +64,10 @@ def elsewhere(f: Fact, host: str) -> Fact:
     """
     out = dict(f)
     inner = out.get("host")
-    out["host"] = f"{host}/{inner}" if inner else host
+    if inner and inner.startswith("#"):  # from member `#2` of the pool `host`: "gpu#2" (see `Graph.map`)
+        out["host"] = host + inner
+    else:
+        out["host"] = f"{host}/{inner}" if inner else host
     return out
 
 

@@ -125,6 +125,54 @@ class Graph:
         """
         return _engine().forward(self, x, broker=broker, store=store, watching=watching, deadline=deadline)
 
+    def submit(
+        self,
+        x: Any,
+        *,
+        broker: Any = None,
+        store: Store | None = None,
+        watching: Watcher | list[Watcher] | None = None,
+        deadline: float | None = None,
+        retries: int = 1,
+    ) -> Any:
+        """:meth:`forward` on a thread of its own: a ``concurrent.futures.Future`` of its
+        output. An input whose worker was lost runs again up to ``retries`` times (see
+        :meth:`map`)."""
+        from . import mapping
+
+        return mapping.submit(self, x, broker=broker, store=store, watching=watching, deadline=deadline,
+                              retries=retries)
+
+    def map(
+        self,
+        inputs: Any,
+        *,
+        broker: Any = None,
+        store: Store | None = None,
+        watching: Watcher | list[Watcher] | None = None,
+        deadline: float | None = None,
+        ordered: bool = True,
+        errors: str = "raise",
+        retries: int = 1,
+        in_flight: int | None = None,
+        progress: Any = False,
+    ) -> Any:
+        """Run the graph once per input, over every member of the pools it names, and
+        yield the outputs in input order (``ordered=False``: ``(index, output)`` as each
+        finishes). ``inputs`` is taken lazily, with ``in_flight`` forwards running at once
+        (by default, the members of the largest pool the graph names). As
+        ``Executor.map``: a forward's exception is raised when its turn comes
+        (``errors="return"``: yielded in its place), and closing the iterator cancels what
+        has not started. An input whose worker is lost (``Broken``, ``Unreachable``) or
+        turned away ``Busy`` runs again, up to ``retries`` times (a lost input may have run
+        in part: ``retries=0`` for work that must never run twice); a ``NodeFailed`` is
+        not retried. ``deadline`` is per input. Each fact carries ``item``, the input's
+        index. ``progress=True``: a tqdm bar."""
+        from . import mapping
+
+        return mapping.map(self, inputs, broker=broker, store=store, watching=watching, deadline=deadline,
+                           ordered=ordered, errors=errors, retries=retries, in_flight=in_flight, progress=progress)
+
     # -- what a running process keeps on a graph ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """What a pickle or a copy of this graph holds: its declaration, without what this

@@ -65,6 +65,8 @@ class Outcome:
     produced: dict[int, Any]
     took_us: int | None = None
     """What the side that ran the piece measured, from taking it to having its answer."""
+    member: str | None = None
+    """The member of a pool that ran it (``gpu#2``), where the piece named the pool."""
 
 
 def piece(host: str, steps: tuple[Step, ...], shape: Shape, value: Any, keys: dict[int, str],

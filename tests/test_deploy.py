@@ -250,8 +250,28 @@ def test_the_sbatch_script_is_valid_bash_and_srun_gets_only_joined_options():
     # each option carries its value after `=`, so one stand-in (and a reader) can tell
     # srun's options from the command
     assert options and all(o.startswith("--") and "=" in o for o in options), options
-    # `hostname -s` must run on each node, not once in the batch script
-    assert '--offer "$(hostname -s)"' in text.split("bash -c '", 1)[1]
+    # `hostname -s` and the task's number must be read on each node, not once in the batch script
+    on_each = text.split("bash -c '", 1)[1]
+    assert 'name="$(hostname -s)"' in on_each and '--offer "$name"' in on_each
+    assert 'name="$SOMATIZE_POOL#${SLURM_PROCID:-0}"' in on_each  # SOMATIZE_POOL=gpu: the members of one pool
+
+
+def test_the_sbatch_script_offers_a_pools_members_with_somatize_pool(tmp_path):
+    """Each task of a job with SOMATIZE_POOL=gpu offers `gpu#<task>`; without, its node's name."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    fake_python = bin_dir / "python"  # says what it was asked to run, instead of a worker
+    fake_python.write_text('#!/bin/bash\n[[ "$1" == -c ]] && exit 0\nprintf "%s\\n" "$@"\n')
+    fake_python.chmod(0o755)
+    for pool, task, offered in (("gpu", "3", "gpu#3"), ("", "3", socket.gethostname().split(".")[0])):
+        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SOMATIZE_PYTHON": str(fake_python),
+               "SOMATIZE_POOL": pool, "SLURM_PROCID": task, "HOME": str(tmp_path)}
+        done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        argv = done.stdout.splitlines()
+        assert argv[argv.index("--offer") + 1] == offered
 
 
 # -- every flag the pages show exists -----------------------------------------------------

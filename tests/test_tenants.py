@@ -236,3 +236,39 @@ def test_a_client_the_broker_does_not_allow_is_told_so_not_that_nobody_is_there(
         with pytest.raises(Refused, match="This client has no keys"):
             b.hosts()
     assert time.monotonic() - started < 8.0  # each within one wait of 2 patiences, not more
+
+
+def test_another_worker_key_cannot_join_a_pool_another_key_serves(ring, processes):
+    """Attack: a pool's name means any member, so an allowed worker key offering a new
+    member's name (`cpu#7`) would receive a share of every input mapped over another key's
+    pool. The members of a pool are one key's: the offer is refused, and none of the inputs
+    reach it."""
+    broker = start_broker(processes, ring)
+    dial(processes, ring, broker, "cpu#0")
+    with client(ring, broker) as alice:
+        wait_for_host(alice, "cpu#0")
+        evil = Raw(ring, broker, "evil")
+        try:
+            answer = evil.ask(Hello(RT, offering="cpu#7"))
+            assert isinstance(answer, Refusal) and "pool `cpu` is served by another worker key" in answer.why
+            assert alice.members("cpu", refresh=True) == ("cpu#0",)
+            assert list(Add(1).named("a").at("cpu").map(range(6), broker=alice)) == [1, 2, 3, 4, 5, 6]
+            assert evil.answer(timeout=0.2) is None  # it never saw an input
+            # a name of a pool of its own is its to offer
+            assert isinstance(evil.ask(Hello(RT, offering="evilpool#0")), Ready)
+        finally:
+            evil.close()
+
+
+def test_no_worker_dials_in_to_a_pool_the_broker_declares(ring, processes, tmp_path):
+    """Attack: the host table declares the pool `cpu` (spawned members `cpu#0`, `cpu#1`); an
+    allowed worker key offering `cpu#2` would be handed a share of its inputs."""
+    table = tmp_path / "hosts.toml"
+    table.write_text('[hosts.cpu]\nspawn = ["python", "-m", "somatize.worker"]\nprocesses = 2\n')
+    broker = start_broker(processes, ring, hosts=table)
+    evil = Raw(ring, broker, "evil")
+    try:
+        answer = evil.ask(Hello(RT, offering="cpu#2"))
+        assert isinstance(answer, Refusal) and "the pool `cpu` declared on this broker's table" in answer.why
+    finally:
+        evil.close()

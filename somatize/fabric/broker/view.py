@@ -18,6 +18,7 @@ from ...wire import (Begin, Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Ref
                      variant_of)
 from ...wire.writing import passed_on
 from ..conversation import KEEPALIVE, Stale, Violation
+from ..hosts import pool_of
 
 
 CLIENT, WORKER = "client", "worker"
@@ -77,6 +78,7 @@ class Bindings(MutableMapping):
     def __init__(self) -> None:
         self._owner: dict[str, str] = {}
         self._held: dict[str, dict[str, None]] = {}  # owner -> its names, oldest first
+        self._pools: dict[str, dict[str, int]] = {}  # pool -> owner -> how many of its members it holds
         self.version = 0
 
     def __getitem__(self, host: str) -> str:
@@ -90,6 +92,10 @@ class Bindings(MutableMapping):
             self._unhold(host, old)
         self._owner[host] = owner
         self._held.setdefault(owner, {})[host] = None
+        member = pool_of(host)
+        if member is not None:
+            owners = self._pools.setdefault(member[0], {})
+            owners[owner] = owners.get(owner, 0) + 1
         self.version += 1
 
     def __delitem__(self, host: str) -> None:
@@ -101,6 +107,18 @@ class Bindings(MutableMapping):
         del names[host]
         if not names:
             del self._held[owner]
+        member = pool_of(host)
+        if member is not None:
+            owners = self._pools[member[0]]
+            owners[owner] -= 1
+            if not owners[owner]:
+                del owners[owner]
+                if not owners:
+                    del self._pools[member[0]]
+
+    def pool_owners(self, pool: str) -> Iterable[str]:
+        """Who holds the members of ``pool`` (``gpu#0``, ``gpu#1``...)."""
+        return self._pools.get(pool, {}).keys()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._owner)
@@ -162,6 +180,7 @@ class BrokerView:
         max_open: int = 100_000,
     ) -> None:
         self.declared = frozenset(declared)
+        self._declared_pools = frozenset(m[0] for m in map(pool_of, self.declared) if m is not None)
         self.patience = patience
         self.max_offers = max_offers
         self.max_bindings = 2 * max_offers if max_bindings is None else max_bindings
@@ -228,6 +247,18 @@ class BrokerView:
         if host in self.declared:
             raise self._refuse(f"host `{host}` is declared on this broker's table; a worker cannot dial in under its name")
         owner = self.identity(route, key)
+        member = pool_of(host)
+        if member is not None:  # a pool's members are one key's: nobody else's worker joins it
+            pool = member[0]
+            if pool in self._declared_pools:
+                raise self._refuse(f"`{host}` would join the pool `{pool}` declared on this broker's table; a worker "
+                                   f"cannot dial in to it")
+            keyed = not owner.startswith("route:")
+            if any(o != owner and (keyed or not o.startswith("route:")) for o in self.bindings.pool_owners(pool)):
+                raise self._refuse(
+                    f"the pool `{pool}` is served by another worker key on this broker, and `{host}` would join "
+                    f"it; offer a name of another pool (each pool's members are one key's)"
+                )
         bound = self.bindings.get(host)
         if bound is not None and bound != owner:
             if bound.startswith("route:"):

@@ -36,6 +36,7 @@ the fix, and no byte of it is sent.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -61,10 +62,24 @@ from .link import Link
 from .refusals import TurnedAway
 from .turns import Turns
 from ..curve import Keys, as_client
-from ..hosts import Worker
+from ..hosts import Pool as WorkerPool
+from ..hosts import Worker, expand, pool_of
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
 START_ALLOWANCE = 30.0
+
+
+def _member_said(watch: Any, suffix: str) -> Any:
+    """``watch``, told each fact as from member ``suffix`` (``#2``) of the pool it was sent
+    to; the engine's ``elsewhere`` makes that ``gpu#2``."""
+    if watch is None:
+        return None
+
+    def said(f: Any) -> None:
+        inner = f.get("host")
+        watch({**f, "host": f"{suffix}/{inner}" if inner else suffix})
+
+    return said
 
 
 def _let_go(packable: dict, key: int, gone: weakref.ref) -> None:
@@ -106,12 +121,14 @@ class Broker(Asking, Pool):
         self._dialed: dict[str, tuple[str, list[str]]] = {}  # the listing's dialed hosts: (mode, folder)
         self._here: tuple[dict[str, str], frozenset[str]] | None = None  # (listing, its in-process hosts)
         self._located: dict[str, Located] = {}
+        self._pools: tuple[dict[str, str], dict[str, tuple[str, ...]]] | None = None  # (listing, pool -> members)
+        self._members_lost: dict[str, float] = {}  # pool member -> when its worker was last lost (monotonic)
         self._idle: dict[str, list[Channel]] = {}
         self._idle_order: OrderedDict[int, Channel] = OrderedDict()  # id -> channel, least recently used first
         self._idle_lanes: OrderedDict[int, Channel] = OrderedDict()  # the same, for relayed channels
         self._turns = Turns()  # this client's forwards running on each host, and those waiting for a turn
         self._link: Link | None = None  # the one connection every relayed channel is a lane of
-        self._packers: dict[str, Packer] = {}
+        self._packers: dict[str, Packer] = {}  # by host, a pool's by "gpu#<mode>" (`Pool._packer`)
         self._provisioned: dict[str, set[str]] = {}
         # steps found packable, by identity (id -> a weak reference, gone with the step): a
         # step's hash is its fields', dearer than this look on every forward
@@ -123,14 +140,17 @@ class Broker(Asking, Pool):
     @classmethod
     def embedded(cls, hosts: dict[str, Worker], *, patience: float = sockets.PATIENCE) -> Broker:
         """A broker in a thread of this process, exchanging real serialized messages over
-        ``inproc://``. Returns once it is bound."""
+        ``inproc://``. Returns once it is bound. A host declared as a pool
+        (``Worker.spawn(..., processes=4)``) is held as its members, ``gpu#0`` ..."""
+        pools = {name: declared.members[0].send for name, declared in hosts.items() if isinstance(declared, WorkerPool)}
+        hosts = expand(hosts)
         server = BrokerLoop(hosts, patience=patience, private=True)
         url = server.bind(sockets.unique_inproc("broker"))
         broker = cls(
             url,
             patience=patience,
             server=server,
-            send={h: w.send for h, w in hosts.items()},
+            send={**pools, **{h: w.send for h, w in hosts.items()}},  # a pool's members send alike
             host_keys={h: w.keys for h, w in hosts.items() if w.keys is not None},
             deadlines={h: getattr(w, "deadline", None) for h, w in hosts.items()},
             views=frozenset(h for h, w in hosts.items() if getattr(w, "views", False)),
@@ -211,14 +231,36 @@ class Broker(Asking, Pool):
 
     def knows(self, host: str) -> bool:
         # a worker may have dialed in since the last listing: ask again before saying no
-        return host in self._hosts() or host in self._hosts(refresh=True)
+        return bool(self.members(host)) or bool(self.members(host, refresh=True))
+
+    def members(self, host: str, *, refresh: bool = False) -> tuple[str, ...]:
+        """The hosts that serve ``host``: itself, when the broker lists it; else the members
+        of the pool ``host`` that it lists (``gpu#0``, ``gpu#1``, ...; see ``Worker.spawn``'s
+        ``processes``), in order; none when it lists neither."""
+        listing = self._hosts(refresh=refresh)
+        if host in listing:
+            return (host,)
+        kept = self._pools
+        if kept is None or kept[0] is not listing:  # worked out once per listing
+            found: dict[str, list[tuple[int, str]]] = {}
+            for name in listing:
+                member = pool_of(name)
+                if member is not None:
+                    found.setdefault(member[0], []).append((member[1], name))
+            kept = self._pools = (listing, {pool: tuple(n for _, n in sorted(m)) for pool, m in found.items()})
+        return kept[1].get(host, ())
 
     def check(self, host: str, step: Any) -> None:
         """Refuse, before anything runs, a node that cannot be packed for ``host``."""
         kept = self._packable.get(id(step))
         if kept is not None and kept() is step:
             return  # declarations never change: once packable, always packable here
-        mode = self._hosts().get(host)
+        listing = self._hosts()
+        mode = listing.get(host)
+        if mode is None:  # a pool: its members are packed for alike (one packer per pool)
+            members = self.members(host)
+            if members:
+                host, mode = members[0], listing.get(members[0])
         if mode in (None, "inprocess"):
             return
         self._packer(host, mode).spec(step)  # packs once; the artifact is kept for the run
@@ -264,6 +306,43 @@ class Broker(Asking, Pool):
         starting a spawned worker, greeting it and handing it the code; the host's counts
         from when the Work is sent, so it bounds the work and not how fast a busy machine
         starts a process or imports what a node needs."""
+        listing = self._listing
+        if listing is None or piece.host not in listing:
+            members = self.members(piece.host)
+            if len(members) > 1 or (members and members[0] != piece.host):
+                return self._run_pooled(piece, watch, members)
+        return self._run(piece, watch)
+
+    def _run_pooled(self, piece: Piece, watch: Any, members: tuple[str, ...]) -> Outcome:
+        """A piece for a pool, run on the member where this client has the least work; a
+        member busy with someone else's work passes it to the next, ``Busy`` only once
+        every member was tried. The facts name the member (``host="gpu#2"``)."""
+        tried: set[str] = set()
+        now = time.monotonic()
+        # a member lost lately (its worker died, or is being started again) is passed over
+        # while another is there: the input map runs again goes elsewhere
+        lost = {m for m in members if now - self._members_lost.get(m, -1e9) < self.patience * 2}
+        while True:
+            member = self._turns.choose(members, tried | lost if len(tried | lost) < len(members) else tried)
+            tried.add(member)
+            ticket = [True]  # still counted as on its way to the member: `take` counts it there
+            said = _member_said(watch, member[len(piece.host):])
+            try:
+                outcome = self._run(dataclasses.replace(piece, host=member), said, ticket)
+            except Busy:
+                if len(tried) >= len(members):
+                    raise
+                continue
+            except (Broken, Unreachable):
+                self._members_lost[member] = time.monotonic()
+                raise
+            finally:
+                if ticket[0]:
+                    self._turns.unchoose(member)
+            self._members_lost.pop(member, None)
+            return dataclasses.replace(outcome, member=member)
+
+    def _run(self, piece: Piece, watch: Any, ticket: list[bool] | None = None) -> Outcome:
         deadline = piece.deadline
         try:
             located = self._locate(piece.host, deadline)
@@ -276,9 +355,12 @@ class Broker(Asking, Pool):
                 cause = exc.__cause__ or exc
                 raise NodeFailed(f"node `{exc.node}` on `{piece.host}` raised {type(cause).__name__}: {cause}",
                                  node=exc.node, error=exc.error, host=piece.host) from cause
+        chosen = ticket is not None
+        if chosen:
+            ticket[0] = False  # `take` counts it from here
         try:  # this client's forwards to one host take turns there (turns.py)
             return self._turns.take(piece.host, lambda: self._send(piece, watch, located, deadline), TurnedAway,
-                                    deadline, lost=(Broken, Unreachable, Closed))
+                                    deadline, lost=(Broken, Unreachable, Closed), chosen=chosen)
         except PastDeadline as late:  # waiting for a turn: nothing of it was run
             raise self._overdue(piece, deadline, late, None) from None
         except TurnedAway as busy:  # someone else's work fills the worker

@@ -20,6 +20,7 @@ from ...errors import Broken, Closed, Refused, Unreachable
 from ...packing import Packer
 from ...wire import Located, Where
 from ..curve import Keys
+from ..hosts import pool_of
 from .channel import Channel
 from .link import Link
 
@@ -45,10 +46,15 @@ class Pool:
     _ended: Any
 
     def _packer(self, host: str, mode: str) -> Packer:
+        member = pool_of(host)
+        # a pool's members pack alike: one packer per pool and mode (kept as "gpu#network",
+        # which no host's own name can be: a member's ends in digits)
+        key = host if member is None else f"{member[0]}#{mode}"
         with self._lock:
-            packer = self._packers.get(host)
+            packer = self._packers.get(key)
             if packer is None:
-                packer = self._packers[host] = Packer(mode, self._send_by_host.get(host, ()))
+                send = self._send_by_host.get(host) or (self._send_by_host.get(member[0], ()) if member else ())
+                packer = self._packers[key] = Packer(mode, send)
             return packer
 
     def _borrow(self, located: Located, deadline: Deadline | None = None) -> Channel:

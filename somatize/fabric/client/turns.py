@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import TypeVar
 
 from ...pieces import Deadline
@@ -40,16 +40,20 @@ LOOK_AGAIN = 1.0
 
 
 class _Host:
-    __slots__ = ("ended", "handed", "running", "waiting")
+    __slots__ = ("chosen", "ended", "handed", "running", "waiting")
 
     def __init__(self) -> None:
         self.running = 0  # forwards of this client sent to the host and not answered yet
         self.ended = 0  # how many of them have ended, ever: one ended since this one was sent?
         self.handed = 0  # turns handed to pieces in line that have not been sent again yet
+        self.chosen = 0  # pieces that chose this pool member and are on their way to `take`
         self.waiting: collections.deque[threading.Event] = collections.deque()
 
     def idle(self) -> bool:
-        return not (self.running or self.handed or self.waiting)
+        return not (self.running or self.handed or self.waiting or self.chosen)
+
+    def load(self) -> int:
+        return self.running + self.handed + len(self.waiting) + self.chosen
 
     def hand_on(self, everyone: bool = False) -> None:
         for _ in range(len(self.waiting) if everyone else min(1, len(self.waiting))):
@@ -63,17 +67,58 @@ class Turns:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._hosts: dict[str, _Host] = {}
+        self._turn = 0  # where the next choice among equally loaded members starts
+
+    def choose(self, members: Sequence[str], besides: Collection[str] = ()) -> str:
+        """The member of a pool (not in ``besides``) where this client has the least work
+        (running, in line, or on its way), ties taken in turn; counted as on its way there
+        until :meth:`take` (``chosen=True``) or :meth:`unchoose`."""
+        with self._lock:
+            count = len(members)
+            start = self._turn % count
+            self._turn += 1
+            best, least = "", -1
+            for i in range(count):
+                host = members[(start + i) % count]
+                if host in besides:
+                    continue
+                state = self._hosts.get(host)
+                load = 0 if state is None else state.load()
+                if least < 0 or load < least:
+                    best, least = host, load
+                    if load == 0:
+                        break
+            if least < 0:
+                raise ValueError("every member was tried")
+            state = self._hosts.get(best)
+            if state is None:
+                state = self._hosts[best] = _Host()
+            state.chosen += 1
+            return best
+
+    def unchoose(self, host: str) -> None:
+        """A piece that chose ``host`` will not be sent there after all (it failed before)."""
+        with self._lock:
+            state = self._hosts.get(host)
+            if state is not None and state.chosen:
+                state.chosen -= 1
+                if state.idle():
+                    del self._hosts[host]
 
     def take(self, host: str, attempt: Callable[[], T], turned_away: type[BaseException],
-             deadline: Deadline | None, lost: tuple[type[BaseException], ...] = ()) -> T:
+             deadline: Deadline | None, lost: tuple[type[BaseException], ...] = (), *,
+             chosen: bool = False) -> T:
         """``attempt()`` (one forward to ``host``), sent again each time the worker turns it
         away as busy (``turned_away``) while a forward of this client runs there; raises
         ``turned_away`` when none does (someone else's work fills the worker), and
-        ``PastDeadline`` if the deadline passes while it waits for a turn."""
+        ``PastDeadline`` if the deadline passes while it waits for a turn. ``chosen``: the
+        piece chose ``host`` among a pool's members (:meth:`choose`), and is now here."""
         with self._lock:  # most forwards: nobody in line, so counted as running at once
             state = self._hosts.get(host)
             if state is None:
                 state = self._hosts[host] = _Host()
+            if chosen and state.chosen:
+                state.chosen -= 1
             if state.waiting or state.handed:
                 since = None
             else:
@@ -103,7 +148,7 @@ class Turns:
                 state.ended += 1
                 if state.waiting:
                     state.hand_on()
-                elif not (state.running or state.handed):
+                elif state.idle():
                     del self._hosts[host]  # nothing of ours there: nothing kept
             return result
 
