@@ -223,3 +223,30 @@ def test_progress_counts_what_is_done_and_what_failed():
     assert bar.n == 6 and "failed=2" in shown.getvalue()
     with pytest.raises(TypeError, match="progress="):
         graph.map([1], progress="yes")
+
+
+def test_store_and_a_deadline_per_input_work_as_in_forward(tmp_path):
+    from somatize import Overdue
+
+    log = tmp_path / "runs"
+    store = FolderStore(tmp_path / "store")
+    cached = mapping_nodes.Who(0.0, str(log)).named("who").at("cpu").cached().frozen()
+    with Broker.embedded({"cpu": pool(2)}) as broker:
+        first = list(cached.map(range(6), broker=broker, store=store))
+        again = list(cached.map(range(6), broker=broker, store=store))
+        assert again == first and len(runs(log)) == 6  # the second map recalls each input
+        started, until = tmp_path / "started", tmp_path / "until"
+        held = mapping_nodes.Hold(str(started), str(until)).named("hold").at("cpu")
+        try:
+            [late] = list(held.map([1], broker=broker, deadline=0.5, errors="return"))
+        finally:
+            until.touch()
+        assert isinstance(late, Overdue)  # a deadline is the input's own: never run again
+
+
+def test_a_pool_of_ten_thousand_members_is_listed_without_starting_them():
+    declared = pool(10_000)
+    with Broker.embedded({"cpu": declared}) as broker:
+        members = broker.members("cpu")
+        assert len(members) == 10_000 and members[:2] == ("cpu#0", "cpu#1") and members[-1] == "cpu#9999"
+        assert broker.knows("cpu") and not broker.knows("cpu#10000")
