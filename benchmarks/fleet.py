@@ -26,10 +26,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PER_PROCESS = 125  # worker loops in one process
+IN_FLIGHT = 16  # the pool case's forwards in flight (100 B each: the broker's Python is the bound)
 
 
-def serve_workers(url: str, prefix: str, count: int, patience: float = 5.0, mode: str = "project") -> None:
-    """Run ``count`` dialed worker loops on threads of this process until stdin closes."""
+def serve_workers(url: str, prefix: str, count: int, patience: float = 5.0, mode: str = "project",
+                  start: int | None = None) -> None:
+    """Run ``count`` dialed worker loops on threads of this process until stdin closes;
+    named PREFIX00000..., or, given ``start``, members PREFIX<start>, PREFIX<start + 1>...
+    of a pool (PREFIX ending in '#')."""
     import zmq
 
     from somatize.fabric.worker.loop import WorkerLoop
@@ -40,7 +44,7 @@ def serve_workers(url: str, prefix: str, count: int, patience: float = 5.0, mode
     loops = []
     for n in range(count):
         loop = WorkerLoop(mode=mode, patience=patience)
-        loop.dial(url, f"{prefix}{n:05d}")
+        loop.dial(url, f"{prefix}{n:05d}" if start is None else f"{prefix}{start + n}")
         threading.Thread(target=loop.serve, daemon=True, name=f"worker-{n}").start()
         loops.append(loop)
     print(f"dialing {count}", flush=True)
@@ -55,17 +59,23 @@ def serve_workers(url: str, prefix: str, count: int, patience: float = 5.0, mode
 class Fleet:
     """``count`` dialed workers in processes of `PER_PROCESS`, started and stopped together."""
 
-    def __init__(self, url: str, count: int, *, prefix: str = "node", patience: float = 5.0, env=None) -> None:
+    def __init__(self, url: str, count: int, *, prefix: str = "node", patience: float = 5.0, env=None,
+                 pool: str | None = None) -> None:
         self.procs = []
         for first in range(0, count, PER_PROCESS):
             size = min(PER_PROCESS, count - first)
-            # each process numbers its own loops from 0: give each its own prefix
-            part = f"{prefix}{first // PER_PROCESS:02d}x"
+            # each process numbers its own loops from 0: give each its own prefix (a pool's
+            # members are numbered across the processes instead)
+            part = f"{prefix}{first // PER_PROCESS:02d}x" if pool is None else f"{pool}#"
+            extra = [] if pool is None else [str(first)]
             self.procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--workers", url, part, str(size), str(patience)],
+                [sys.executable, __file__, "--workers", url, part, str(size), str(patience), *extra],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, env=env))
-        self.hosts = [f"{prefix}{first // PER_PROCESS:02d}x{n:05d}"
-                      for first in range(0, count, PER_PROCESS) for n in range(min(PER_PROCESS, count - first))]
+        if pool is None:
+            self.hosts = [f"{prefix}{first // PER_PROCESS:02d}x{n:05d}"
+                          for first in range(0, count, PER_PROCESS) for n in range(min(PER_PROCESS, count - first))]
+        else:
+            self.hosts = [f"{pool}#{n}" for n in range(count)]
         for proc in self.procs:
             proc.stdout.readline()
 
@@ -161,6 +171,45 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
         broker.stop()
 
 
+def pool_map(count: int = 1000, inputs: int = 20_000) -> dict:
+    """``count`` dialed workers as one pool (``fleet#0`` ...), and one client mapping
+    ``inputs`` tiny inputs over it: inputs a second, and how many members answered."""
+    from nodes import Echo
+
+    from children import BROKER, BROKER_READY, Child
+    from somatize import Broker
+
+    broker = Child(BROKER, announce=BROKER_READY)
+    fleet = None
+    try:
+        fleet = Fleet(broker.endpoint, count, pool="fleet")
+        with Broker.at(broker.endpoint) as client:
+            until = time.monotonic() + 120 + count / 10
+            while len(client.members("fleet", refresh=True)) < count and time.monotonic() < until:
+                time.sleep(0.2)
+            members = len(client.members("fleet"))
+            seen: set[str] = set()
+            lock = threading.Lock()
+
+            def told(fact) -> None:  # noqa: ANN001
+                if fact["fact"] == "left":
+                    with lock:
+                        seen.add(fact["host"])
+
+            echo = Echo().named("echo").at("fleet")
+            started = time.perf_counter()
+            # tiny inputs: a few in flight keep the broker busy, a thread per member would not
+            answered = sum(1 for _ in echo.map(range(inputs), broker=client, watching=told, errors="return",
+                                               in_flight=IN_FLIGHT))
+            took = time.perf_counter() - started
+        return {"members": members, "inputs": inputs, "answered": answered, "per_s": inputs / took,
+                "members_used": len(seen)}
+    finally:
+        if fleet is not None:
+            fleet.close()
+        broker.stop()
+
+
 def first_and_again(count: int = 250, rounds: int = 2) -> dict:
     """What a client's first forward to a host costs against a repeated one: a new client
     forwards once to each of ``count`` dialed hosts, then once more, ``rounds`` times. Per
@@ -224,12 +273,23 @@ def fleet_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, case
         Row("h", "broker memory after the clients left", f"{got['rss_after_clients_mib']:.0f} MiB "
             f"({got['rss_registered_mib']:.0f} MiB registered)", target="within 10%",
             verdict=at_most(got["rss_after_clients_mib"], 1.1 * got["rss_registered_mib"])),
-    ]
+    ] + _pool_rows(n, 20_000 if n >= 1000 else 1000)
+
+
+def _pool_rows(n: int, inputs: int) -> list:
+    from table import Row, at_least
+
+    got = pool_map(n, inputs)
+    every = got["members_used"] == got["members"] == n and got["answered"] == inputs
+    return [Row("h", f"map of {inputs:,} inputs of 100 B over {n:,} dialed workers as one pool, in_flight={IN_FLIGHT}",
+                f"{got['per_s']:,.0f} inputs/s, {got['members_used']:,} members used, {got['answered']:,} answered",
+                target=">= 1,000/s, every member", verdict=at_least(got["per_s"], 1000.0) if every else "MISS")]
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--workers":
-        serve_workers(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 5.0)
+        serve_workers(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 5.0,
+                      start=int(sys.argv[6]) if len(sys.argv) > 6 else None)
     elif len(sys.argv) > 1 and sys.argv[1] == "--first-contact":
         print(json.dumps(first_and_again(int(sys.argv[2]) if len(sys.argv) > 2 else 250), indent=1))
     else:

@@ -41,6 +41,9 @@ from .errors import Broken, Busy, Unreachable
 LOST = (Broken, Unreachable, Busy)
 #: How many forwards ``submit`` runs at once, per process, before the next waits for a thread.
 SUBMITTING = 64
+#: The most forwards ``map`` keeps in flight unless told (``in_flight=``): a thread and a
+#: channel each, so a pool of 1,000 dialed members is not 1,000 threads of this process.
+IN_FLIGHT_MOST = 256
 
 _submitting: concurrent.futures.ThreadPoolExecutor | None = None
 _submitting_lock = threading.Lock()
@@ -64,7 +67,7 @@ def map(graph: Any, inputs: Iterable[Any], *, broker: Any = None, store: Any = N
         in_flight: int | None = None, progress: Any = False) -> Iterator[Any]:
     """The outputs of ``graph`` for each of ``inputs``; see the module. ``deadline`` is per
     input. ``in_flight`` bounds how many forwards run at once (by default: the members of
-    the largest pool the graph names, or the number of hosts of one it names, at least 1).
+    the largest pool the graph names, at most :data:`IN_FLIGHT_MOST`; 1 without a pool).
     ``progress=True`` shows a tqdm bar (done, failed, rate); a tqdm bar may be passed instead."""
     if errors not in ("raise", "return"):
         raise ValueError(f"`errors=` is 'raise' (the first failure is raised in its turn) or 'return' "
@@ -206,7 +209,7 @@ def _in_flight(graph: Any, broker: Any) -> int:
     hosts = {step.host for step in as_graph(graph).steps if step.host is not None}
     if broker is None or not hosts or not hasattr(broker, "members"):
         return 1
-    return max([1, *(len(broker.members(host)) for host in hosts)])
+    return min(IN_FLIGHT_MOST, max([1, *(len(broker.members(host)) for host in hosts)]))
 
 
 def _width(in_flight: object) -> int:
