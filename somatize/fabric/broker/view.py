@@ -248,6 +248,11 @@ class BrokerView:
             raise self._refuse(f"host `{host}` is declared on this broker's table; a worker cannot dial in under its name")
         owner = self.identity(route, key)
         member = pool_of(host)
+        if member is None and (host in self._declared_pools or any(
+                o != owner and (not owner.startswith("route:") or not o.startswith("route:"))
+                for o in self.bindings.pool_owners(host))):
+            raise self._refuse(f"`{host}` is the name of a pool served on this broker (`{host}#0`...); a worker "
+                               f"cannot dial in under it: offer another name")
         if member is not None:  # a pool's members are one key's: nobody else's worker joins it
             pool = member[0]
             if pool in self._declared_pools:
