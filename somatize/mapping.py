@@ -30,7 +30,6 @@ import concurrent.futures
 import itertools
 import sys
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -95,7 +94,7 @@ class _Mapping:
         self._exhausted = False
         self._closed = False
         self._failed = 0
-        self._started = time.monotonic()
+        self._broke: BaseException | None = None  # what `inputs` raised: raised after what came before it
         self._fill()
 
     def __iter__(self) -> _Mapping:
@@ -107,14 +106,14 @@ class _Mapping:
         try:
             if self._ordered:
                 if not self._window:
-                    raise StopIteration
+                    self._end()
                 index, future = self._window.popleft()
                 self._pending.discard(future)
                 exc = future.exception()
                 value = future.result() if exc is None else exc
             else:
                 if not self._pending:
-                    raise StopIteration
+                    self._end()
                 done, _ = concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 future = min(done, key=lambda f: f.index)  # type: ignore[attr-defined]
                 self._pending.discard(future)
@@ -130,6 +129,13 @@ class _Mapping:
             self.close()
             raise exc
         return value if self._ordered else (index, value)
+
+    def _end(self) -> None:
+        """Every output is given: stop, or raise what the inputs raised while they were taken."""
+        broke, self._broke = self._broke, None
+        if broke is not None:
+            raise broke
+        raise StopIteration
 
     def close(self) -> None:
         """Hand out nothing more; what has not started is cancelled (what runs, runs out)."""
@@ -153,6 +159,10 @@ class _Mapping:
                 x = next(self._inputs)
             except StopIteration:
                 self._exhausted = True
+                return
+            except Exception as exc:  # the inputs broke: what was handed out is answered first
+                self._exhausted = True
+                self._broke = exc
                 return
             index = next(self._count)
             future = self._pool.submit(_forward, self._graph, x, index, *self._args)

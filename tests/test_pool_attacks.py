@@ -212,11 +212,6 @@ def test_a_keyed_member_name_of_another_pool_with_hashes_is_its_own(ring, proces
 # -- (2)/(3) a client and a careless user ---------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fabric/client/pool.py Pool._packer: a pool's packer is kept under '<pool>#<mode>' "
-    "('gpu#network'), which is also a legal host name of its own (pool_of('gpu#network') is "
-    "None): that host is packed with the pool's `send=` modules, so its own node, sent by "
-    "reference, fails to import on its worker"))
 def test_a_host_named_like_a_pools_packer_key_packs_with_its_own_modules(tmp_path):
     """Careless naming: the pool `gpu` and a host called `gpu#network` in one table, each
     sending modules of its own by value."""
@@ -238,10 +233,6 @@ def test_a_host_named_like_a_pools_packer_key_packs_with_its_own_modules(tmp_pat
         sys.modules.pop("lonely_nodes", None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mapping.py _Mapping.__next__: the refill (`_fill`) pulls the next input after the output "
-    "being returned is already in hand; when the input generator raises there, that output is "
-    "dropped (its input ran) and the generator's error is raised in its place"))
 def test_an_input_generator_that_raises_loses_no_finished_output():
     """Careless user: the inputs come from a generator that fails part way. What ran before
     the failure is handed out, then the failure (as the builtin `map` does)."""

@@ -1,4 +1,5 @@
-"""Which worker key owns which dialed-in host name, kept in a file across a broker's restarts.
+"""Which worker key owns which dialed-in host name: the map the broker asks on every offer
+(``Bindings``), and the file that keeps it across a broker's restarts.
 
 A restarted broker must not hand a name to whichever key says Hello first, so the names
 bound to keys are written to ``--bindings FILE`` (a JSON map of host to Z85 public key).
@@ -17,9 +18,11 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterable, Iterator, MutableMapping
 from pathlib import Path
 
 from ...wire import MAX_NAME
+from ..hosts import pool_of
 from ...wire.limits import Z85
 
 
@@ -84,3 +87,67 @@ def write(path: Path, table: dict[str, str]) -> None:
         except OSError:
             pass
         raise
+
+
+class Bindings(MutableMapping):
+    """Host name -> the owner it is bound to, with each owner's names in the order they were
+    bound and a count of changes (``version``): what is asked of every offer (how many names a
+    key holds, which it holds longest) costs the same whatever the size of the fleet."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, str] = {}
+        self._held: dict[str, dict[str, None]] = {}  # owner -> its names, oldest first
+        self._pools: dict[str, dict[str, int]] = {}  # pool -> owner -> how many of its members it holds
+        self.version = 0
+
+    def __getitem__(self, host: str) -> str:
+        return self._owner[host]
+
+    def __setitem__(self, host: str, owner: str) -> None:
+        old = self._owner.get(host)
+        if old == owner:
+            return
+        if old is not None:
+            self._unhold(host, old)
+        self._owner[host] = owner
+        self._held.setdefault(owner, {})[host] = None
+        member = pool_of(host)
+        if member is not None:
+            owners = self._pools.setdefault(member[0], {})
+            owners[owner] = owners.get(owner, 0) + 1
+        self.version += 1
+
+    def __delitem__(self, host: str) -> None:
+        self._unhold(host, self._owner.pop(host))
+        self.version += 1
+
+    def _unhold(self, host: str, owner: str) -> None:
+        names = self._held[owner]
+        del names[host]
+        if not names:
+            del self._held[owner]
+        member = pool_of(host)
+        if member is not None:
+            owners = self._pools[member[0]]
+            owners[owner] -= 1
+            if not owners[owner]:
+                del owners[owner]
+                if not owners:
+                    del self._pools[member[0]]
+
+    def pool_owners(self, pool: str) -> Iterable[str]:
+        """Who holds the members of ``pool`` (``gpu#0``, ``gpu#1``...)."""
+        return self._pools.get(pool, {}).keys()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def held(self, owner: str) -> list[str]:
+        """The names ``owner`` holds, the longest held first."""
+        return list(self._held.get(owner, ()))
+
+    def count(self, owner: str) -> int:
+        return len(self._held.get(owner, ()))

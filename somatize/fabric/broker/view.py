@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...errors import ProtocolError
@@ -19,6 +19,7 @@ from ...wire import (Begin, Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Ref
 from ...wire.writing import passed_on
 from ..conversation import KEEPALIVE, Stale, Violation
 from ..hosts import pool_of
+from .bindings import Bindings
 
 
 CLIENT, WORKER = "client", "worker"
@@ -68,70 +69,6 @@ class Exchange:
     def held(self) -> bool:
         """Its host is held to the working limit: work open there, or a word unanswered."""
         return self.waiting or self.work_open
-
-
-class Bindings(MutableMapping):
-    """Host name -> the owner it is bound to, with each owner's names in the order they were
-    bound and a count of changes (``version``): what is asked of every offer (how many names a
-    key holds, which it holds longest) costs the same whatever the size of the fleet."""
-
-    def __init__(self) -> None:
-        self._owner: dict[str, str] = {}
-        self._held: dict[str, dict[str, None]] = {}  # owner -> its names, oldest first
-        self._pools: dict[str, dict[str, int]] = {}  # pool -> owner -> how many of its members it holds
-        self.version = 0
-
-    def __getitem__(self, host: str) -> str:
-        return self._owner[host]
-
-    def __setitem__(self, host: str, owner: str) -> None:
-        old = self._owner.get(host)
-        if old == owner:
-            return
-        if old is not None:
-            self._unhold(host, old)
-        self._owner[host] = owner
-        self._held.setdefault(owner, {})[host] = None
-        member = pool_of(host)
-        if member is not None:
-            owners = self._pools.setdefault(member[0], {})
-            owners[owner] = owners.get(owner, 0) + 1
-        self.version += 1
-
-    def __delitem__(self, host: str) -> None:
-        self._unhold(host, self._owner.pop(host))
-        self.version += 1
-
-    def _unhold(self, host: str, owner: str) -> None:
-        names = self._held[owner]
-        del names[host]
-        if not names:
-            del self._held[owner]
-        member = pool_of(host)
-        if member is not None:
-            owners = self._pools[member[0]]
-            owners[owner] -= 1
-            if not owners[owner]:
-                del owners[owner]
-                if not owners:
-                    del self._pools[member[0]]
-
-    def pool_owners(self, pool: str) -> Iterable[str]:
-        """Who holds the members of ``pool`` (``gpu#0``, ``gpu#1``...)."""
-        return self._pools.get(pool, {}).keys()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._owner)
-
-    def __len__(self) -> int:
-        return len(self._owner)
-
-    def held(self, owner: str) -> list[str]:
-        """The names ``owner`` holds, the longest held first."""
-        return list(self._held.get(owner, ()))
-
-    def count(self, owner: str) -> int:
-        return len(self._held.get(owner, ()))
 
 
 @dataclass(frozen=True)

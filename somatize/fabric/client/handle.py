@@ -128,7 +128,7 @@ class Broker(Asking, Pool):
         self._idle_lanes: OrderedDict[int, Channel] = OrderedDict()  # the same, for relayed channels
         self._turns = Turns()  # this client's forwards running on each host, and those waiting for a turn
         self._link: Link | None = None  # the one connection every relayed channel is a lane of
-        self._packers: dict[str, Packer] = {}  # by host, a pool's by "gpu#<mode>" (`Pool._packer`)
+        self._packers: dict[str | tuple[str, str], Packer] = {}  # by host; a pool's by (pool, mode) (`Pool._packer`)
         self._provisioned: dict[str, set[str]] = {}
         # steps found packable, by identity (id -> a weak reference, gone with the step): a
         # step's hash is its fields', dearer than this look on every forward

@@ -47,9 +47,9 @@ class Pool:
 
     def _packer(self, host: str, mode: str) -> Packer:
         member = pool_of(host)
-        # a pool's members pack alike: one packer per pool and mode (kept as "gpu#network",
-        # which no host's own name can be: a member's ends in digits)
-        key = host if member is None else f"{member[0]}#{mode}"
+        # a pool's members pack alike: one packer per pool and mode, kept under a tuple,
+        # which no host's own name (a str) can be
+        key: str | tuple[str, str] = host if member is None else (member[0], mode)
         with self._lock:
             packer = self._packers.get(key)
             if packer is None:
