@@ -14,7 +14,8 @@ An input whose worker was lost (``Broken``, ``Unreachable``) or turned away by s
 else's work (``Busy``) runs again, up to ``retries`` times (1 by default: a lost input may
 have run in part, so ``retries=0`` is for work that must never run twice). A ``NodeFailed``
 is the node's own answer, and an ``Overdue`` its deadline: neither is run again. A spawned
-member that died is started again by the next forward sent to it.
+member that died is started again by the next forward sent to it. An input that cannot be
+written down is ``Unwritable``, naming its index.
 
 Each fact of a mapped forward carries ``item`` (its input's index, as text), so a watcher
 tells interleaved forwards apart; a ``Recorder`` keeps one record per input's forward.
@@ -33,7 +34,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .errors import Broken, Busy, Unreachable
+from .errors import Broken, Busy, Unreachable, Unwritable
 
 #: What a lost input is run again for: the work may not have run, or ran where its answer
 #: was lost. Everything else (the node's exception, a deadline, a closed client) is final.
@@ -188,6 +189,10 @@ def _forward(graph: Any, x: Any, index: int | None, broker: Any, store: Any, wat
         except LOST:
             if attempt == retries:
                 raise
+        except Unwritable as exc:  # nothing left: the input (or what it became) cannot be sent
+            if index is None:
+                raise
+            raise Unwritable(f"input {index} of the map: {exc}") from exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 

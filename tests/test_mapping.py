@@ -209,6 +209,47 @@ def test_dialed_workers_offering_members_are_one_pool_and_busy_members_are_passe
     assert len(runs(log)) == 10
 
 
+def test_a_dialed_member_stopped_mid_map_loses_no_input(tmp_path, processes):
+    """A member's worker told to stop (SIGTERM, as systemd or SLURM stop one) while the map
+    runs: the broker lets its name go, and what it held runs again on the other member."""
+    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"], env=env_with_tests())
+    members = [processes([*WORKER, "--broker", hub.endpoint, "--offer", f"cpu#{k}", "--mode", "network"],
+                         announce=None, env=env_with_tests()) for k in range(2)]
+    log = tmp_path / "runs"
+    graph = mapping_nodes.Who(0.02, str(log)).named("who").at("cpu")
+    with Broker.at(hub.endpoint, send={"cpu": [mapping_nodes]}, patience=1.0) as broker:
+        wait_for(lambda: broker.members("cpu", refresh=True) == ("cpu#0", "cpu#1"))
+        answers, stopped = [], None
+        for x, pid in graph.map(range(80), broker=broker, in_flight=2, deadline=30):
+            answers.append((x, pid))
+            if len(answers) == 20:
+                stopped = pid
+                os.kill(pid, signal.SIGTERM)
+        assert [x for x, _ in answers] == list(range(80))
+    assert stopped in {m.pid for m in members}
+    wait_for(lambda: not next(m for m in members if m.pid == stopped).alive)
+    late = [pid for _, pid in answers[25:]]
+    assert late and stopped not in late[-10:]  # the last inputs all ran on the member left
+    counted = {x: sum(1 for y, _ in runs(log) if y == x) for x in range(80)}
+    assert set(counted.values()) <= {1, 2} and all(counted[x] >= 1 for x in range(80))
+
+
+def test_an_input_that_cannot_be_written_down_is_refused_naming_its_index():
+    from somatize import Unwritable
+
+    class Opaque:
+        """No codec knows it: it cannot leave this process."""
+
+    graph = mapping_nodes.FailsOn(()).named("picky").at("cpu")
+    with Broker.embedded({"cpu": pool(2)}) as broker:
+        out = list(graph.map([1, Opaque(), 3], broker=broker, errors="return"))
+        assert out[0] == 10 and out[2] == 30
+        assert isinstance(out[1], Unwritable) and str(out[1]).startswith("input 1 of the map: ")
+        assert "`Opaque`" in str(out[1]) and "codec(" in str(out[1])
+        with pytest.raises(Unwritable, match="input 2 of the map"):
+            list(graph.map([1, 2, Opaque()], broker=broker))
+
+
 def test_progress_counts_what_is_done_and_what_failed():
     import io
 

@@ -249,3 +249,52 @@ def test_a_broker_s_spawned_hosts_are_reached_from_another_machine_with_keys(hos
     later = client("look", "mallory", "alice")
     assert later["where"] == seen["where"]  # the same child, still running
     assert later["with_my_key"] and not later["with_another_key"]
+
+
+POOL_CLIENT = """if True:
+    import json, os, signal, sys, time
+    import mapping_nodes
+    from somatize import Broker
+    from somatize.record import fleet
+    url, pids = sys.argv[1], json.loads(sys.argv[2])
+    out = {"facts": []}
+    graph = mapping_nodes.Who(0.01).named("who").at("gpu")
+    with Broker.at(url, patience=2.0) as broker:
+        until = time.monotonic() + 30
+        while broker.members("gpu", refresh=True) != ("gpu#0", "gpu#1"):
+            assert time.monotonic() < until, "the two members never dialed in"
+            time.sleep(0.1)
+        answers = []
+        for x, pid in graph.map(range(120), broker=broker, in_flight=4, deadline=30,
+                                watching=lambda f: out["facts"].append(f)):
+            answers.append([x, pid])
+            if len(answers) == 40:  # the member in the far namespace is stopped mid-map
+                os.kill(pids["gpu#1"], signal.SIGTERM)
+    out["answers"] = answers
+    out["left"] = sorted({f["host"] for f in out.pop("facts") if f["fact"] == "left"})
+    print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_pool_across_two_namespaces_maps_and_survives_a_member_stopped(hosts):
+    """One name, two machines: `gpu#0` on the head node and `gpu#1` on a machine the client
+    cannot reach, both dialing in to the broker. The client's map spreads over both, through
+    the broker; the far member is stopped a third of the way and every input is answered."""
+    hub = hosts.run("b", [*BROKER, "--listen", "tcp://10.200.1.2:0", "--announce", "--insecure"])
+    near = hosts.run("b", [*WORKER, "--broker", hub.endpoint, "--offer", "gpu#0", "--insecure"], announce=None)
+    far = hosts.run("w2", [*WORKER, "--broker", hub.endpoint, "--offer", "gpu#1", "--insecure"], announce=None)
+    # `ip netns exec` enters the namespace and execs the worker: its pid is the one that answers
+    pids = {"gpu#0": near.pid, "gpu#1": far.pid}
+    client = hosts.run("c", [sys.executable, "-c", POOL_CLIENT, hub.endpoint, json.dumps(pids)], announce=None)
+    line = client.line(120.0)
+    assert line, f"the client said nothing:\n{client.stderr()[-3000:]}\n{hub.stderr()[-2000:]}"
+    seen = json.loads(line)
+    print(f"\n[netns pool] answers by pid: { {p: sum(1 for _, q in seen['answers'] if q == p) for p in pids.values()} }")
+    answers = seen["answers"]
+    assert [x for x, _ in answers] == list(range(120))  # every input answered, in order
+    assert {pid for _, pid in answers[:40]} == set(pids.values())  # both machines worked
+    assert {pid for _, pid in answers[-40:]} == {near.pid}  # the stopped one took no more
+    assert seen["left"] == ["gpu#0", "gpu#1"]  # facts name the member
+    wait_until(lambda: not far.alive, 20, "the far member to stop")
+    assert hub.alive and near.alive, hub.stderr()[-2000:]

@@ -396,11 +396,6 @@ def test_closing_a_map_early_returns_at_once_and_the_broker_leaves_no_thread_or_
     wait_for(lambda: not [t for t in left if t.is_alive()], 15, f"somatize threads to end: {left}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fabric/client/handle.py Broker._run_pooled and mapping.LOST: a member whose worker cannot "
-    "start answers `Refused` ('the worker for `cpu#0` did not start: ... exited with code 3'), "
-    "which is neither passed over for another member nor run again: every input chosen for the "
-    "dead member comes out as Refused while the other member is free"))
 def test_a_member_that_never_starts_leaks_no_turn_and_loses_no_input(tmp_path):
     """A pool with one member whose command exits at once: inputs sent there are lost and run
     again on the other member (each within `retries`); afterwards this client counts no work

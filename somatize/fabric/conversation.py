@@ -51,6 +51,9 @@ _CLOSING = (Send, *TERMINAL)  # the answers that close the work they answer
 #: every patience (the broker drops a connection silent past their time to live); the
 #: keepalive is the net beneath, rare, so a fleet's keepalives do not keep waking its broker.
 KEEPALIVE = 10
+#: How a broker's refusal starts when the relayed host has no worker connected (it left,
+#: or never dialed in): the work reached nobody, so a pool's client may ask another member.
+LEFT = "left: "
 
 
 class Violation(ProtocolError):

@@ -17,7 +17,7 @@ from ...errors import ProtocolError
 from ...wire import (Begin, Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Refusal, Relay, Runtime, Send, Where, Work,
                      variant_of)
 from ...wire.writing import passed_on
-from ..conversation import KEEPALIVE, Stale, Violation
+from ..conversation import KEEPALIVE, LEFT, Stale, Violation
 from ..hosts import pool_of
 from .bindings import Bindings
 
@@ -421,7 +421,7 @@ class BrokerView:
         offer = self.offers.get(relay.host)
         if offer is None:
             raise self._refuse(
-                f"no worker serving `{relay.host}` is connected to this broker: it left, or has not "
+                f"{LEFT}no worker serving `{relay.host}` is connected to this broker: it left, or has not "
                 f"dialed in yet; forward again once it has (`Broker.knows` says when)"
             )
         tenant = self.tenant(route, key)

@@ -61,7 +61,7 @@ from .. import mount as _mount
 from .. import proofs as _proofs
 from .. import sockets
 from .carriage import LOOK_EVERY_MS, Carriage
-from .refusals import TurnedAway, unreadable
+from .refusals import TurnedAway, refusal, unreadable
 from .link import Lane
 from .. import streams as _streams
 from ..conversation import ClientExchange
@@ -223,7 +223,7 @@ class Channel(Carriage):
         if isinstance(answer, Refusal):
             if answer.why.startswith("busy:"):
                 raise TurnedAway(f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}")
-            raise Refused(f"{self._refuser()} refused this client a channel to `{self.host}`: {answer.why}")
+            raise refusal(answer.why, f"{self._refuser()} refused this client a channel to `{self.host}`")
         self.reads = frozenset(answer.runtime.kinds)
         why = compatible(mine, answer.runtime, needs_pickle=self.packer.mode == "network")
         if why is None and self.packer.mode == "network" and answer.runtime.mode != "network":
@@ -511,7 +511,7 @@ class Channel(Carriage):
         # the conversation let through only Done, Failed or Refusal here
         if answer.why.startswith("busy:"):
             raise TurnedAway(f"the worker for `{self.host}` is busy and took no new work: {answer.why[5:].strip()}")
-        raise Refused(f"{self._refuser()} refused the work for `{self.host}`: {answer.why}")
+        raise refusal(answer.why, f"{self._refuser()} refused the work for `{self.host}`")
 
     def _refuser(self) -> str:
         """Who a refusal came from: a relayed one may be the broker's (its worker left)."""

@@ -59,7 +59,7 @@ from .channel import Channel
 from .asking import Asking
 from .pool import Pool
 from .link import Link
-from .refusals import TurnedAway
+from .refusals import NobodyThere, TurnedAway
 from .turns import Turns
 from ..curve import Keys, as_client
 from ..hosts import Pool as WorkerPool
@@ -315,8 +315,9 @@ class Broker(Asking, Pool):
 
     def _run_pooled(self, piece: Piece, watch: Any, members: tuple[str, ...]) -> Outcome:
         """A piece for a pool, run on the member where this client has the least work; a
-        member busy with someone else's work passes it to the next, ``Busy`` only once
-        every member was tried. The facts name the member (``host="gpu#2"``)."""
+        member busy with someone else's work, or whose worker would not start, passes it to
+        the next; ``Busy`` (or that ``Refused``) only once every member was tried. The facts
+        name the member (``host="gpu#2"``)."""
         tried: set[str] = set()
         now = time.monotonic()
         # a member lost lately (its worker died, or is being started again) is passed over
@@ -328,7 +329,21 @@ class Broker(Asking, Pool):
             ticket = [True]  # still counted as on its way to the member: `take` counts it there
             said = _member_said(watch, member[len(piece.host):])
             try:
+                try:  # a member whose worker cannot be had (it would not start) is passed over
+                    self._locate(member, piece.deadline)
+                except Refused:
+                    self._members_lost[member] = time.monotonic()
+                    if len(tried) >= len(members):
+                        raise
+                    continue
+                except PastDeadline:
+                    pass  # `_run` says it as `Overdue`, naming the member
                 outcome = self._run(dataclasses.replace(piece, host=member), said, ticket)
+            except NobodyThere:  # a dialed member that left: nothing reached it, ask another
+                self._members_lost[member] = time.monotonic()
+                if len(tried) >= len(members):
+                    raise
+                continue
             except Busy:
                 if len(tried) >= len(members):
                     raise

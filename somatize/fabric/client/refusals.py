@@ -12,12 +12,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...errors import Busy, Refused
+from ..conversation import LEFT
 from ..curve import Keys, handshake_refusal
 
 
 class TurnedAway(Busy):
     """``Busy`` as the worker said it: it took nothing of the work (or of the channel), so
     the work may be sent again as it is (``turns.Turns`` does, for a client's own forwards)."""
+
+
+class NobodyThere(Refused):
+    """``Refused`` as a broker said it of a relayed host with no worker connected: nothing
+    of the work reached a worker, so another member of a pool may be asked instead."""
+
+
+def refusal(why: str, said: str) -> Refused:
+    """The error for a refusal whose reason is ``why``, as ``said`` (who refused what)."""
+    if why.startswith(LEFT):
+        return NobodyThere(f"{said}: {why[len(LEFT):]}")
+    return Refused(f"{said}: {why}")
 
 
 def unreadable(missing: Sequence[str], host: str) -> Refused:
