@@ -90,6 +90,7 @@ class Floors:
     arrays: dict[int, float] = dataclasses.field(default_factory=dict)  # (b) GB/s by size
     same_host: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)  # (b) Mount views, GB/s
     threads: float | None = None  # (t) somatize's forwards a second from 16 threads
+    mapped: dict[str, float] = dataclasses.field(default_factory=dict)  # (p) inputs a second: "heavy", "tiny"
 
 
 @contextlib.contextmanager

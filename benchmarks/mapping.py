@@ -9,7 +9,8 @@ against ``multiprocessing.Pool(4).imap`` in the same run:
   inputs ran twice (at most the one the member was running, as ``retries=1`` allows), and
   how long the job took against one without the kill.
 
-Ray and Dask rows for this case are not written yet (``others.py`` covers a, b, d, t).
+Ray (tasks over 4 CPUs) and Dask (``client.map`` on 4 one-thread workers) do the same two
+maps in ``others.py``, compared there with these figures.
 """
 
 from __future__ import annotations
@@ -29,12 +30,36 @@ WORKERS = 4
 WORKER = [sys.executable, "-m", "somatize.worker"]
 
 
+#: The inputs of the two maps, for Ray's and Dask's rows too.
+HEAVY, TINY = 2000, 20_000
+#: The same in a quick run.
+HEAVY_QUICK, TINY_QUICK = 100, 500
+
+
+def counts(settings) -> tuple[int, int]:
+    """How many CPU-bound and tiny inputs this run maps."""
+    return (HEAVY, TINY) if settings.calls >= 1000 else (HEAVY_QUICK, TINY_QUICK)
+
+
 def burn(x: int) -> int:
     """About 5 ms of pure-Python work on one core (no sleep: the cores are what is measured)."""
     total = 0
     for i in range(60_000):
         total += (i * x) % 7
     return total
+
+
+def burn_by_value():
+    """``burn`` as a function defined where it is made, so that Ray and Dask ship it by value
+    (their workers cannot import this folder): the same loop, the same answers."""
+
+    def burn(x: int) -> int:
+        total = 0
+        for i in range(60_000):
+            total += (i * x) % 7
+        return total
+
+    return burn
 
 
 class Burn(Node):
@@ -45,8 +70,7 @@ class Burn(Node):
 def mapping_rows(settings, floors) -> list[Row]:
     from cases import SMALL
 
-    heavy = 2000 if settings.calls >= 1000 else 100
-    tiny = 20_000 if settings.calls >= 1000 else 500
+    heavy, tiny = counts(settings)
     cpus = Worker.spawn(WORKER, mode="network", send=[nodes, sys.modules[__name__]], mount=False, processes=WORKERS)
     burn_graph = Burn().named("burn").at("cpu")
     echo = nodes.Echo().named("echo").at("cpu")
@@ -72,6 +96,7 @@ def mapping_rows(settings, floors) -> list[Row]:
         assert echoed == tiny
         killed_rows = _killed(burn_graph, broker, heavy, mine)
     assert theirs == out
+    floors.mapped.update(heavy=mine, tiny=tiny_rate)
     rows.append(Row("p", f"somatize map, {heavy:,} CPU-bound inputs (~5 ms) over a pool of {WORKERS}",
                     f"{mine:,.0f} inputs/s", f"multiprocessing.Pool({WORKERS}).imap {pool_rate:,.0f}/s",
                     ratio(mine / pool_rate), ">= 0.9x", at_least(mine / pool_rate, 0.9)))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -44,6 +43,9 @@ SUBMITTING = 64
 #: The most forwards ``map`` keeps in flight unless told (``in_flight=``): a thread and a
 #: channel each, so a pool of 1,000 dialed members is not 1,000 threads of this process.
 IN_FLIGHT_MOST = 256
+#: How long a map's runner thread waits for its next input before it ends (a map whose
+#: consumer went away lets go of its threads; a busy one hands each runner the next at once).
+IDLE = 0.5
 
 _submitting: concurrent.futures.ThreadPoolExecutor | None = None
 _submitting_lock = threading.Lock()
@@ -67,7 +69,8 @@ def map(graph: Any, inputs: Iterable[Any], *, broker: Any = None, store: Any = N
         in_flight: int | None = None, progress: Any = False) -> Iterator[Any]:
     """The outputs of ``graph`` for each of ``inputs``; see the module. ``deadline`` is per
     input. ``in_flight`` bounds how many forwards run at once (by default: the members of
-    the largest pool the graph names, at most :data:`IN_FLIGHT_MOST`; 1 without a pool).
+    the largest pool the graph names, at most :data:`IN_FLIGHT_MOST`; 1 without a pool);
+    at most twice that many inputs are taken and not yet handed out.
     ``progress=True`` shows a tqdm bar (done, failed, rate); a tqdm bar may be passed instead."""
     if errors not in ("raise", "return"):
         raise ValueError(f"`errors=` is 'raise' (the first failure is raised in its turn) or 'return' "
@@ -81,17 +84,32 @@ def map(graph: Any, inputs: Iterable[Any], *, broker: Any = None, store: Any = N
 
 
 class _Mapping:
-    """The iterator ``map`` returns: a window of ``width`` forwards, refilled as they end."""
+    """The iterator ``map`` returns. Up to ``width`` runner threads each take the next input
+    this iterator took, run its forward and file the answer, until none is waiting; the
+    iterator takes inputs (in the thread that iterates, as ``Executor.map`` does) while
+    fewer than ``2 * width`` are taken and not handed out, so a runner finds the next input
+    waiting when it ends one, and memory stays bounded whatever the consumer's pace. The
+    iterating thread is woken only when the answer it waits for is filed; a map dropped
+    unfinished runs out what it took, and its runners end :data:`IDLE` later."""
 
     def __init__(self, graph: Any, inputs: Iterator[Any], width: int, broker: Any, store: Any, watching: Any,
                  deadline: float | None, ordered: bool, errors: str, retries: int, bar: Any) -> None:
         self._graph, self._inputs, self._width = graph, inputs, width
         self._args = (broker, store, watching, deadline, retries)
         self._ordered, self._errors, self._bar = ordered, errors, bar
-        self._pool = concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="somatize-map")
-        self._window: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
-        self._pending: set[concurrent.futures.Future] = set()
-        self._count = itertools.count()
+        self._window = 2 * width  # inputs taken and not yet handed out, at most
+        lock = threading.Lock()
+        self._work = threading.Condition(lock)  # guards the state below
+        self._filed = threading.Condition(lock)  # the iterating thread waits here for an answer
+        self._todo: collections.deque[tuple[int, Any]] = collections.deque()
+        self._answers: dict[int, tuple[BaseException | None, Any]] = {}  # index -> (error, value)
+        self._finished: collections.deque[int] = collections.deque()  # indexes, as they finish
+        self._runners = 0  # runner threads alive
+        self._idle = 0  # of them, those waiting for an input
+        self._running = 0
+        self._taken = 0  # inputs taken from `inputs`
+        self._given = 0  # answers handed out
+        self._waiting = False  # the iterating thread waits on `_filed`
         self._exhausted = False
         self._closed = False
         self._failed = 0
@@ -105,31 +123,39 @@ class _Mapping:
         if self._closed:
             raise StopIteration
         try:
-            if self._ordered:
-                if not self._window:
-                    self._end()
-                index, future = self._window.popleft()
-                self._pending.discard(future)
-                exc = future.exception()
-                value = future.result() if exc is None else exc
-            else:
-                if not self._pending:
-                    self._end()
-                done, _ = concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                future = min(done, key=lambda f: f.index)  # type: ignore[attr-defined]
-                self._pending.discard(future)
-                index = future.index  # type: ignore[attr-defined]
-                exc = future.exception()
-                value = future.result() if exc is None else exc
+            index, exc, value = self._next_answer()
             self._tick(exc is not None)
             self._fill()
         except BaseException:
             self.close()
             raise
-        if exc is not None and self._errors == "raise":
-            self.close()
-            raise exc
+        if exc is not None:
+            if self._errors == "raise":
+                self.close()
+                raise exc
+            value = exc
         return value if self._ordered else (index, value)
+
+    def _next_answer(self) -> tuple[int, BaseException | None, Any]:
+        with self._filed:
+            while True:
+                if self._ordered:
+                    index = self._given
+                    if index in self._answers:
+                        break
+                elif self._finished:
+                    index = self._finished.popleft()
+                    break
+                if self._given == self._taken:  # nothing out: every answer was given
+                    self._end()
+                self._waiting = True
+                try:
+                    self._filed.wait()
+                finally:
+                    self._waiting = False
+            exc, value = self._answers.pop(index)
+            self._given += 1
+            return index, exc, value
 
     def _end(self) -> None:
         """Every output is given: stop, or raise what the inputs raised while they were taken."""
@@ -139,45 +165,87 @@ class _Mapping:
         raise StopIteration
 
     def close(self) -> None:
-        """Hand out nothing more; what has not started is cancelled (what runs, runs out)."""
-        if self._closed:
-            return
-        self._closed = True
-        for future in self._pending:
-            future.cancel()
-        self._pending.clear()
-        self._window.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Hand out nothing more; what has not started is dropped (what runs, runs out)."""
+        with self._work:
+            if self._closed:
+                return
+            self._closed = True
+            self._todo.clear()
+            self._answers.clear()
+            self._work.notify_all()
         if self._bar is not None:
             self._bar.close()
 
     def __del__(self) -> None:
-        self.close()
+        if hasattr(self, "_closed"):
+            self.close()
 
     def _fill(self) -> None:
-        while not self._exhausted and not self._closed and len(self._pending) < self._width:
+        """Take inputs (in this thread) while the window has room, and hand them to runners."""
+        while not self._exhausted and not self._closed and self._taken - self._given < self._window:
             try:
                 x = next(self._inputs)
             except StopIteration:
-                self._exhausted = True
+                self._dry()
                 return
             except Exception as exc:  # the inputs broke: what was handed out is answered first
-                self._exhausted = True
                 self._broke = exc
+                self._dry()
                 return
-            index = next(self._count)
-            future = self._pool.submit(_forward, self._graph, x, index, *self._args)
-            future.index = index  # type: ignore[attr-defined]
-            self._pending.add(future)
-            if self._ordered:
-                self._window.append((index, future))
+            with self._work:
+                if self._closed:
+                    return
+                self._todo.append((self._taken, x))
+                self._taken += 1
+                start = not self._idle and self._runners < self._width
+                if start:
+                    self._runners += 1
+                elif self._idle:
+                    self._work.notify()
+            if start:  # a runner of its own for each input up to `width`; they end when none is left
+                threading.Thread(target=self._run, daemon=True, name="somatize-map").start()
+
+    def _dry(self) -> None:
+        """No input is left: the runners waiting for one end now."""
+        with self._work:
+            self._exhausted = True
+            self._work.notify_all()
+
+    def _run(self) -> None:
+        """A runner: the next input's forward, its answer filed, until the map closes or runs dry."""
+        graph, args = self._graph, self._args
+        while True:
+            with self._work:
+                if not self._todo and not self._closed and not self._exhausted:
+                    self._idle += 1
+                    self._work.wait(IDLE)
+                    self._idle -= 1
+                if self._closed or not self._todo:  # nothing came: this runner ends (`_fill` starts another)
+                    self._runners -= 1
+                    return
+                index, x = self._todo.popleft()
+                self._running += 1
+            try:
+                answer: tuple[BaseException | None, Any] = (None, _forward(graph, x, index, *args))
+            except BaseException as exc:
+                answer = (exc, None)
+            with self._work:
+                self._running -= 1
+                if self._closed:
+                    self._runners -= 1
+                    return
+                self._answers[index] = answer
+                if not self._ordered:
+                    self._finished.append(index)
+                if self._waiting and (not self._ordered or index == self._given):
+                    self._filed.notify()
 
     def _tick(self, failed: bool) -> None:
         if self._bar is None:
             return
         self._failed += failed
         self._bar.update(1)
-        self._bar.set_postfix(running=len(self._pending), failed=self._failed, refresh=False)
+        self._bar.set_postfix(running=self._taken - self._given, failed=self._failed, refresh=False)
 
 
 def _forward(graph: Any, x: Any, index: int | None, broker: Any, store: Any, watching: Any,

@@ -85,3 +85,12 @@ def outcome(output: Any, produced: dict[int, Any], took_us: int | None = None) -
     made = object.__new__(Outcome)
     object.__setattr__(made, "__dict__", {"output": output, "produced": produced, "took_us": took_us})
     return made
+
+
+def changed(made: Any, **fields: Any) -> Any:
+    """``dataclasses.replace(made, **fields)`` for a :class:`Piece` or an :class:`Outcome`,
+    without the frozen dataclass's ``__init__`` (see :func:`piece`): a pool's piece is sent
+    to its member as a copy naming the member, on every forward."""
+    new = object.__new__(type(made))
+    object.__setattr__(new, "__dict__", {**made.__dict__, **fields})
+    return new

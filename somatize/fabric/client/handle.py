@@ -36,7 +36,6 @@ the fix, and no byte of it is sent.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import time
@@ -48,6 +47,7 @@ from typing import Any
 import zmq
 
 from ...engine import Deadline, Outcome, Piece, run_piece
+from ...pieces import changed
 from ...errors import Broken, Busy, Closed, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
 from ...packing import Packer
 from ...wire import Hosts, Listed, Located, Refusal, Where, encode
@@ -319,10 +319,9 @@ class Broker(Asking, Pool):
         the next; ``Busy`` (or that ``Refused``) only once every member was tried. The facts
         name the member (``host="gpu#2"``)."""
         tried: set[str] = set()
-        now = time.monotonic()
         # a member lost lately (its worker died, or is being started again) is passed over
         # while another is there: the input map runs again goes elsewhere
-        lost = {m for m in members if now - self._members_lost.get(m, -1e9) < self.patience * 2}
+        lost = self._lately_lost(members) if self._members_lost else set()
         while True:
             member = self._turns.choose(members, tried | lost if len(tried | lost) < len(members) else tried)
             tried.add(member)
@@ -338,7 +337,7 @@ class Broker(Asking, Pool):
                     continue
                 except PastDeadline:
                     pass  # `_run` says it as `Overdue`, naming the member
-                outcome = self._run(dataclasses.replace(piece, host=member), said, ticket)
+                outcome = self._run(changed(piece, host=member), said, ticket)
             except NobodyThere:  # a dialed member that left: nothing reached it, ask another
                 self._members_lost[member] = time.monotonic()
                 if len(tried) >= len(members):
@@ -355,7 +354,17 @@ class Broker(Asking, Pool):
                 if ticket[0]:
                     self._turns.unchoose(member)
             self._members_lost.pop(member, None)
-            return dataclasses.replace(outcome, member=member)
+            return changed(outcome, member=member)
+
+    def _lately_lost(self, members: tuple[str, ...]) -> set[str]:
+        """The members of ``members`` lost in the last two patiences; older losses are forgotten."""
+        now = time.monotonic()
+        with self._lock:
+            for member, when in list(self._members_lost.items()):
+                if now - when >= self.patience * 2:
+                    del self._members_lost[member]
+            pool = set(members) if len(self._members_lost) > 8 else members
+            return {m for m in self._members_lost if m in pool}
 
     def _run(self, piece: Piece, watch: Any, ticket: list[bool] | None = None) -> Outcome:
         deadline = piece.deadline
