@@ -282,7 +282,7 @@ def test_the_machines_page_shows_the_fleet_of_the_run_written_last(processes, br
     page.goto(base(address) + "/#/machines")
     expect(page.locator("#note")).to_have_text("run tuesday, the run written last")
     row = page.locator("#fleet tr").nth(1)
-    expect(row.locator("td")).to_have_text([hostile, "gpu-box", "1", "0.300 ms", "0.100 ms", "60", "200000"])
+    expect(row.locator("td")).to_have_text([hostile, "gpu-box", "", "1", "0.300 ms", "0.100 ms", "60", "200000"])
     expect(page.locator("#fleet")).not_to_contain_text("old-worker")
     said = page.locator("#machines tr", has_text="gpu-box")
     expect(said.locator("td").nth(1)).to_have_text(re.compile(r"^\d+\.\d s ago$"))
@@ -298,3 +298,35 @@ def test_the_machines_page_shows_the_fleet_of_the_run_written_last(processes, br
     expect(page.locator("#note")).to_have_text("run wednesday, the run written last", timeout=10_000)
     expect(page.locator("#fleet")).to_contain_text("new-worker")
     assert page.locator("main img").count() == 0 and page.title() == "somatize view"
+
+
+def test_the_machines_page_shows_each_member_of_a_pool_a_map_ran_on(processes, browser, tmp_path):
+    """A real map over a pool of two spawned workers, recorded: the machines page has a row
+    per member (`cpu#0`, `cpu#1`), each with its worker's own pid and the slices it served."""
+    from somatize import Broker, Worker
+    from somatize.record import Recorder, fleet
+
+    import mapping_nodes
+
+    folder = tmp_path / "store"
+    store = FolderStore(folder)
+    worker = [sys.executable, "-m", "somatize.worker", "--reporting", "0.01"]
+    graph = mapping_nodes.Who().named("who").at("cpu")
+    with Broker.embedded({"cpu": Worker.spawn(worker, mode="network", send=[mapping_nodes], mount=False,
+                                              processes=2)}) as broker:
+        out = list(graph.map(range(40), broker=broker, in_flight=2, watching=Recorder(store, run="mapped"),
+                             deadline=30))
+    pids = {pid for _, pid in out}
+    rows = fleet(store, run="mapped")
+    assert set(rows) == {"cpu#0", "cpu#1"} and {rows[h]["pid"] for h in rows} == pids, rows
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)
+    page.goto(base(address) + "/#/machines")
+    expect(page.locator("#note")).to_have_text("run mapped, the run written last")
+    for n, host in enumerate(("cpu#0", "cpu#1")):
+        cells = page.locator("#fleet tr").nth(n + 1).locator("td")
+        expect(cells.nth(0)).to_have_text(host)
+        expect(cells.nth(2)).to_have_text(str(rows[host]["pid"]))
+        expect(cells.nth(3)).to_have_text(str(rows[host]["slices"]))
+    assert sum(rows[h]["slices"] for h in rows) == 40

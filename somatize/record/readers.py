@@ -160,7 +160,8 @@ def fleet(store: Store, run: str, last: int | None = None) -> dict[str, dict[str
 
     A host whose nodes' outputs were batches has ``items`` (per trip, the largest batch a
     node of it handled) and ``items_per_s``. A host whose worker said who it is (a ``said``
-    fact: the name ``--machine`` gives) has ``machine``; and ``said``, that machine's latest
+    fact: the name ``--machine`` gives) has ``machine`` and ``pid`` (its worker's process, so
+    the members of a pool on one machine are told apart); and ``said``, that machine's latest
     report (:func:`report`, found under its name, or else under the host's), or else the
     last it said down the connection. One scan and a fetch per forward, and one more scan
     for the reports.
@@ -213,6 +214,9 @@ def fleet(store: Store, run: str, last: int | None = None) -> dict[str, dict[str
             machine = machine_of.get(host)
             if machine is not None:
                 row["machine"] = machine
+            pid = whole(told.get(host, {}).get("pid"))
+            if pid is not None:  # what this host's worker said down its connection: its own, not its machine's
+                row["pid"] = pid
             said = reports.get(machine) if machine is not None else None
             said = said or reports.get(host) or told.get(host)
             if said:

@@ -239,7 +239,7 @@ async function machinesPage(asked) {
   tables.appendChild(choosing);
   if (hosts.length) {
     tables.appendChild(table("fleet", [
-      ["host", (h) => h], ["machine", (h) => body.fleet[h].machine || ""],
+      ["host", (h) => h], ["machine", (h) => body.fleet[h].machine || ""], ["pid", (h) => body.fleet[h].pid || "", "num"],
       ["slices", (h) => body.fleet[h].slices, "num"], ["ran there", (h) => took(body.fleet[h].took_us), "num"],
       ["waiting", (h) => took(body.fleet[h].waiting_us), "num"], ["items", (h) => body.fleet[h].items, "num"],
       ["items/s", (h) => body.fleet[h].items_per_s, "num"],
