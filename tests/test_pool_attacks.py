@@ -473,3 +473,24 @@ def test_a_nodes_failure_on_a_member_is_never_run_again_nor_counted_twice(tmp_pa
     assert [isinstance(v, NodeFailed) for v in out] == [i in (2, 5) for i in range(8)]
     failed = sorted(f["item"] for f in facts if f["fact"] == "failed")
     assert failed == ["2", "5"]
+
+
+def test_a_worker_cannot_have_its_facts_read_as_from_a_pool_member():
+    """An allowed worker serving the plain host `w1` says facts whose own `host` is `#7`:
+    the client reads a leading `#` as a pool member's mark, so they would be filed as from
+    `w1#7`, a member that does not exist (and in `fleet`, a machine of its own)."""
+    from peers import FakeWorker
+    from somatize.wire import Done, Saw
+
+    fake = FakeWorker(lambda work: (Saw(work.ref, {"fact": "ran", "node": "a", "host": "#7", "took_us": "1"}),
+                                    Done(work.ref, work.input + 1, {}, 7)))
+    try:
+        seen: list[dict] = []
+        with Broker.embedded({"w1": Worker.at(fake.endpoint, mode="project")}) as broker:
+            assert pool_attack_nodes.Add(1).named("a").at("w1").forward(1, broker=broker, watching=seen.append,
+                                                                         deadline=10) == 2
+        hosts = {f["host"] for f in seen if f["fact"] == "ran"}
+        assert hosts and not any("#" in h for h in hosts), hosts
+        assert hosts == {"w1/7"}
+    finally:
+        fake.close()

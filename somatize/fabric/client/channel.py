@@ -482,10 +482,10 @@ class Channel(Carriage):
             answer = self._next(None, "for the work's answer", deadline)
             if not isinstance(answer, Saw):
                 for fact in answer.saw if watch is not None and type(answer) is Done else ():
-                    watch(fact)  # what a work that finished at once said (`worker.held`)
+                    watch(_as_said(fact))  # what a work that finished at once said (`worker.held`)
                 return answer
             if watch is not None:
-                watch(answer.fact)
+                watch(_as_said(answer.fact))
 
     def _outcome(self, done: Done, piece: Piece) -> Outcome:
         """The outcome ``done`` says. One that says it produced the output of a step this
@@ -517,3 +517,12 @@ class Channel(Carriage):
         """Who a refusal came from: a relayed one may be the broker's (its worker left)."""
         return f"the broker at {self.address} (or the worker behind it)" if self.relayed else "the worker"
 
+
+def _as_said(fact: dict[str, str]) -> dict[str, str]:
+    """A worker's fact as its worker may say it: a ``host`` of its own that starts with ``#``
+    (which the client reads as a pool member's mark, ``gpu#2``) loses the mark, so a worker
+    serving ``w1`` cannot have its facts read as from ``w1#7``."""
+    host = fact.get("host")
+    if host is None or not host.startswith("#"):
+        return fact
+    return {**fact, "host": host.lstrip("#") or "?"}
