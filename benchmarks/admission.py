@@ -39,8 +39,13 @@ def _ring(folder: Path) -> dict:
     allow.mkdir(mode=0o755)
     workers.mkdir(mode=0o755)
     ring = {"dir": str(folder), "allow": str(allow), "workers": str(workers)}
-    for name, into in (("broker", None), ("alice", allow), ("honest", workers), ("mallory", allow),
-                       ("mallory_worker", workers)):
+    for name, into in (
+        ("broker", None),
+        ("alice", allow),
+        ("honest", workers),
+        ("mallory", allow),
+        ("mallory_worker", workers),
+    ):
         public, secret = make_pair(folder / "keys", name)
         ring[name], ring[name + "_secret"] = str(public), str(secret)
         if into is not None:
@@ -145,7 +150,7 @@ def measure(seconds: float = 10.0) -> dict:
     from somatize import Broker
     from somatize.fabric.broker import outbox
     from somatize.fabric.curve import Keys
-    from somatize.wire import Hosts, Listed, encode, decode
+    from somatize.wire import Hosts, Listed, decode, encode
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(ROOT), env.get("PYTHONPATH", "")]))
@@ -154,10 +159,26 @@ def measure(seconds: float = 10.0) -> dict:
         argv = [*BROKER, "--key", ring["broker_secret"], "--allow", ring["allow"], "--allow-workers", ring["workers"]]
         with Child(argv, announce=BROKER_READY) as broker:
             url = broker.endpoint
-            worker = subprocess.Popen([sys.executable, "-m", "somatize.worker", "--broker", url, "--offer", "honest",
-                                       "--key", ring["honest_secret"], "--broker-key", ring["broker"]],
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      cwd=ROOT, env=env)
+            worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "somatize.worker",
+                    "--broker",
+                    url,
+                    "--offer",
+                    "honest",
+                    "--key",
+                    ring["honest_secret"],
+                    "--broker-key",
+                    ring["broker"],
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd=ROOT,
+                env=env,
+            )
             flooder = None
             client = Broker.at(url, keys=Keys.client(ring["alice_secret"], server=ring["broker"]))
             asker = _dealer(url, ring, "alice")
@@ -169,8 +190,13 @@ def measure(seconds: float = 10.0) -> dict:
                 for n in range(20):  # warm: the channel, the worker's imports
                     echo.forward(n, broker=client)
                 rss_before = status(broker.pid, "VmRSS")
-                flooder = subprocess.Popen([sys.executable, __file__, "--flood", url, json.dumps(ring)],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env)
+                flooder = subprocess.Popen(
+                    [sys.executable, __file__, "--flood", url, json.dumps(ring)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    cwd=ROOT,
+                    env=env,
+                )
                 time.sleep(1.0)  # the floods under way
                 forwards, hosts, failed, unanswered = [], [], 0, 0
                 until = time.monotonic() + seconds
@@ -209,10 +235,19 @@ def measure(seconds: float = 10.0) -> dict:
     forward_ms, forward_p99 = _median_p99(forwards)
     hosts_ms, hosts_p99 = _median_p99(hosts)
     return {
-        "sent": said, "forwards": len(forwards), "failed": failed, "hosts_asked": len(hosts) + unanswered,
-        "unanswered": unanswered, "forward_median_ms": forward_ms, "forward_p99_ms": forward_p99,
-        "hosts_median_ms": hosts_ms, "hosts_p99_ms": hosts_p99, "rss_before_mib": rss_before / 2**20,
-        "rss_mib": rss / 2**20, "peak_mib": peak / 2**20, "bound_mib": outbox.ALL_BYTES / 2**20,
+        "sent": said,
+        "forwards": len(forwards),
+        "failed": failed,
+        "hosts_asked": len(hosts) + unanswered,
+        "unanswered": unanswered,
+        "forward_median_ms": forward_ms,
+        "forward_p99_ms": forward_p99,
+        "hosts_median_ms": hosts_ms,
+        "hosts_p99_ms": hosts_p99,
+        "rss_before_mib": rss_before / 2**20,
+        "rss_mib": rss / 2**20,
+        "peak_mib": peak / 2**20,
+        "bound_mib": outbox.ALL_BYTES / 2**20,
         "survived": bool(survived),
     }
 
@@ -222,21 +257,37 @@ def admission_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, 
 
     got = measure(10.0 if settings.calls >= 1000 else 3.0)  # a quick run makes few calls
     sent = got["sent"]
-    flood = (f"{sent.get('byes', 0):,} Byes ending nothing, {sent.get('questions', 0):,} unread questions, "
-             f"{sent.get('answers', 0):,} 4 MiB answers nobody reads")
+    flood = (
+        f"{sent.get('byes', 0):,} Byes ending nothing, {sent.get('questions', 0):,} unread questions, "
+        f"{sent.get('answers', 0):,} 4 MiB answers nobody reads"
+    )
     rows = []
     for what, key in (("forward", "forward"), ("Hosts", "hosts")):
         median, p99 = got[key + "_median_ms"], got[key + "_p99_ms"]
         lost = got["failed"] if key == "forward" else got["unanswered"]
         asked = got["forwards"] + got["failed"] if key == "forward" else got["hosts_asked"]
-        rows.append(Row("k", f"another key's relayed {what} while one key floods ({flood})" if key == "forward"
-                        else f"another key's {what} meanwhile",
-                        f"median {median:.1f} ms, p99 {p99:.1f} ms, {lost} of {asked} lost"
-                        if median is not None else "never answered",
-                        target="median <= 100 ms", verdict=at_most(median, 100.0) if median is not None else "MISS"))
-    rows.append(Row("k", "the broker's memory meanwhile", f"peak {got['peak_mib']:.0f} MiB (RSS {got['rss_mib']:.0f} "
-                    f"MiB, {got['rss_before_mib']:.0f} MiB before)", target=f"<= {got['bound_mib']:.0f} MiB",
-                    verdict=at_most(got["peak_mib"], got["bound_mib"]) if got["survived"] else "MISS"))
+        rows.append(
+            Row(
+                "k",
+                f"another key's relayed {what} while one key floods ({flood})"
+                if key == "forward"
+                else f"another key's {what} meanwhile",
+                f"median {median:.1f} ms, p99 {p99:.1f} ms, {lost} of {asked} lost"
+                if median is not None
+                else "never answered",
+                target="median <= 100 ms",
+                verdict=at_most(median, 100.0) if median is not None else "MISS",
+            )
+        )
+    rows.append(
+        Row(
+            "k",
+            "the broker's memory meanwhile",
+            f"peak {got['peak_mib']:.0f} MiB (RSS {got['rss_mib']:.0f} MiB, {got['rss_before_mib']:.0f} MiB before)",
+            target=f"<= {got['bound_mib']:.0f} MiB",
+            verdict=at_most(got["peak_mib"], got["bound_mib"]) if got["survived"] else "MISS",
+        )
+    )
     return rows
 
 

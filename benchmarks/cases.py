@@ -21,21 +21,18 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
-
-import fleet
-import mapping
 import admission
+import fleet
 import flooding
+import mapping
 import memory
+import numpy as np
 import paths
 import threads
 import view
 from children import Child
 from floor import ANNOUNCE, Floor
 from nodes import Echo, Inc
-from somatize import Broker, FolderStore, Recorder, Study, Worker
-from somatize.record import curve, forwards, trials
 from table import (
     Row,
     at_least,
@@ -51,6 +48,9 @@ from table import (
     size,
     us,
 )
+
+from somatize import Broker, FolderStore, Recorder, Study, Worker
+from somatize.record import curve, forwards, trials
 
 FLOOR = [sys.executable, str(Path(__file__).with_name("floor.py"))]
 SMALL = b"x" * 100
@@ -78,8 +78,21 @@ class Settings:
 
     @classmethod
     def quick(cls) -> Settings:
-        return cls(calls=50, sizes=(1 << 20,), reps=3, graphs=200, chains=10, records=200, trials=40, history=50,
-                   blocks=2, fleet=50, fleet_forwards=100, view_forwards=2000, view_trials=300)
+        return cls(
+            calls=50,
+            sizes=(1 << 20,),
+            reps=3,
+            graphs=200,
+            chains=10,
+            records=200,
+            trials=40,
+            history=50,
+            blocks=2,
+            fleet=50,
+            fleet_forwards=100,
+            view_forwards=2000,
+            view_trials=300,
+        )
 
 
 @dataclasses.dataclass
@@ -123,9 +136,12 @@ def small_forward(settings: Settings, floors: Floors) -> list[Row]:
             ran[0] += fact["fact"] == "ran"
 
         samples = interleaved(
-            {"raw": lambda: raw.small(SMALL), "tcp": lambda: tcp.small(SMALL),
-             "somatize": lambda: echo.forward(SMALL, broker=broker),
-             "watched": lambda: echo.forward(SMALL, broker=broker, watching=told)},
+            {
+                "raw": lambda: raw.small(SMALL),
+                "tcp": lambda: tcp.small(SMALL),
+                "somatize": lambda: echo.forward(SMALL, broker=broker),
+                "watched": lambda: echo.forward(SMALL, broker=broker, watching=told),
+            },
             settings.calls,
             settings.blocks,
         )
@@ -137,19 +153,51 @@ def small_forward(settings: Settings, floors: Floors) -> list[Row]:
     mine = median(samples["somatize"])
     quiet_floor, quiet_mine = (best_block(samples[name], settings.blocks) for name in ("raw", "somatize"))
     return [
-        Row("a", "raw pyzmq DEALER->ROUTER, 100 B, over a Unix socket (ipc://, as the spawned worker)",
-            f"{us(floor_median)} median, {us(p99(samples['raw']))} p99", verdict="floor"),
-        Row("a", "the same over TCP loopback (not the floor: the worker is not reached so)",
-            f"{us(median(samples['tcp']))} median, {us(p99(samples['tcp']))} p99", f"ipc {us(floor_median)}",
-            ratio(median(samples["tcp"]) / floor_median)),
-        Row("a", "somatize Direct, 1 node, 100 B", f"{us(mine)} median, {us(p99(samples['somatize']))} p99",
-            f"raw {us(floor_median)}", ratio(mine / floor_median), "<= 2x", at_most(mine / floor_median, 2.0)),
-        Row("a", "the same, least disturbed block of each", f"{us(quiet_mine)} median",
-            f"raw {us(quiet_floor)}", ratio(quiet_mine / quiet_floor), "<= 2x", at_most(quiet_mine / quiet_floor, 2.0)),
-        Row("a", "the same, watched (its facts told to a watcher)", f"{us(median(samples['watched']))} median",
-            f"unwatched {us(mine)}", ratio(median(samples["watched"]) / mine)),
-        Row("a", f"artifact pickles after {calls} calls", str(made), target="= 1",
-            verdict="PASS" if made == 1 else "MISS"),
+        Row(
+            "a",
+            "raw pyzmq DEALER->ROUTER, 100 B, over a Unix socket (ipc://, as the spawned worker)",
+            f"{us(floor_median)} median, {us(p99(samples['raw']))} p99",
+            verdict="floor",
+        ),
+        Row(
+            "a",
+            "the same over TCP loopback (not the floor: the worker is not reached so)",
+            f"{us(median(samples['tcp']))} median, {us(p99(samples['tcp']))} p99",
+            f"ipc {us(floor_median)}",
+            ratio(median(samples["tcp"]) / floor_median),
+        ),
+        Row(
+            "a",
+            "somatize Direct, 1 node, 100 B",
+            f"{us(mine)} median, {us(p99(samples['somatize']))} p99",
+            f"raw {us(floor_median)}",
+            ratio(mine / floor_median),
+            "<= 2x",
+            at_most(mine / floor_median, 2.0),
+        ),
+        Row(
+            "a",
+            "the same, least disturbed block of each",
+            f"{us(quiet_mine)} median",
+            f"raw {us(quiet_floor)}",
+            ratio(quiet_mine / quiet_floor),
+            "<= 2x",
+            at_most(quiet_mine / quiet_floor, 2.0),
+        ),
+        Row(
+            "a",
+            "the same, watched (its facts told to a watcher)",
+            f"{us(median(samples['watched']))} median",
+            f"unwatched {us(mine)}",
+            ratio(median(samples["watched"]) / mine),
+        ),
+        Row(
+            "a",
+            f"artifact pickles after {calls} calls",
+            str(made),
+            target="= 1",
+            verdict="PASS" if made == 1 else "MISS",
+        ),
     ]
 
 
@@ -160,8 +208,9 @@ def _values(nbytes: int) -> dict[str, Callable[[], object]]:
     """Makers of the values to send, by kind: NumPy always, torch when somatize.torch loads."""
     kinds: dict[str, Callable[[], object]] = {"numpy": lambda: np.ones(nbytes // 4, np.float32)}
     try:
-        import somatize.torch  # noqa: F401  (registers the tensor codec)
         import torch
+
+        import somatize.torch  # noqa: F401  (registers the tensor codec)
     except Exception:  # not installed, or in progress: the rows say so
         return kinds
     kinds["torch"] = lambda: torch.ones(nbytes // 4, dtype=torch.float32)
@@ -198,28 +247,63 @@ def big_arrays(settings: Settings, floors: Floors) -> list[Row]:
             samples = interleaved(contenders, settings.reps, settings.reps)
             speed = {name: gbps(nbytes, median(s)) for name, s in samples.items()}
             floors.arrays[nbytes] = speed["raw"]
-            rows.append(Row("b", f"raw pyzmq zero-copy echo, {size(nbytes)}", f"{speed['raw']:.2f} GB/s",
-                            verdict="floor"))
+            rows.append(
+                Row("b", f"raw pyzmq zero-copy echo, {size(nbytes)}", f"{speed['raw']:.2f} GB/s", verdict="floor")
+            )
             for kind in made:
                 direct, mounted, views, relay = (speed[f"{p} {kind}"] for p in brokers)
                 floors.same_host[kind, nbytes] = views
                 raw_text = f"raw {speed['raw']:.2f} GB/s"
                 rows += [
-                    Row("b", f"Direct, {kind} {size(nbytes)}", f"{direct:.2f} GB/s", raw_text,
-                        ratio(direct / speed["raw"]), ">= 0.8x", at_least(direct / speed["raw"], 0.8)),
-                    Row("b", f"Mount (/dev/shm), {kind} {size(nbytes)}", f"{mounted:.2f} GB/s", raw_text,
-                        ratio(mounted / speed["raw"]), ">= 3x", at_least(mounted / speed["raw"], 3.0)),
-                    Row("b", f"Mount (/dev/shm), views=True, {kind} {size(nbytes)}", f"{views:.2f} GB/s", raw_text,
-                        ratio(views / speed["raw"]), ">= 3x", at_least(views / speed["raw"], 3.0)),
-                    Row("b", f"Relayed, {kind} {size(nbytes)}", f"{relay:.2f} GB/s", f"Direct {direct:.2f} GB/s",
-                        ratio(relay / direct), ">= 0.5x Direct", at_least(relay / direct, 0.5)),
+                    Row(
+                        "b",
+                        f"Direct, {kind} {size(nbytes)}",
+                        f"{direct:.2f} GB/s",
+                        raw_text,
+                        ratio(direct / speed["raw"]),
+                        ">= 0.8x",
+                        at_least(direct / speed["raw"], 0.8),
+                    ),
+                    Row(
+                        "b",
+                        f"Mount (/dev/shm), {kind} {size(nbytes)}",
+                        f"{mounted:.2f} GB/s",
+                        raw_text,
+                        ratio(mounted / speed["raw"]),
+                        ">= 3x",
+                        at_least(mounted / speed["raw"], 3.0),
+                    ),
+                    Row(
+                        "b",
+                        f"Mount (/dev/shm), views=True, {kind} {size(nbytes)}",
+                        f"{views:.2f} GB/s",
+                        raw_text,
+                        ratio(views / speed["raw"]),
+                        ">= 3x",
+                        at_least(views / speed["raw"], 3.0),
+                    ),
+                    Row(
+                        "b",
+                        f"Relayed, {kind} {size(nbytes)}",
+                        f"{relay:.2f} GB/s",
+                        f"Direct {direct:.2f} GB/s",
+                        ratio(relay / direct),
+                        ">= 0.5x Direct",
+                        at_least(relay / direct, 0.5),
+                    ),
                 ]
             if "torch" not in made:
                 rows.append(Row("b", f"torch {size(nbytes)}", "skipped", verdict=f"somatize.torch: {torch_missing()}"))
             del made, x, contenders
-        rows.append(Row("b", "artifact pickles (Direct, Mount, Mount views, Relayed)",
-                        ", ".join(str(paths.pickles(b)) for b in brokers.values()), target="= 1 each",
-                        verdict="PASS" if all(paths.pickles(b) == 1 for b in brokers.values()) else "MISS"))
+        rows.append(
+            Row(
+                "b",
+                "artifact pickles (Direct, Mount, Mount views, Relayed)",
+                ", ".join(str(paths.pickles(b)) for b in brokers.values()),
+                target="= 1 each",
+                verdict="PASS" if all(paths.pickles(b) == 1 for b in brokers.values()) else "MISS",
+            )
+        )
     return rows
 
 
@@ -242,8 +326,15 @@ def inprocess(settings: Settings, floors: Floors) -> list[Row]:
     plain, there = median(samples["bare"]), median(samples["hosted"])
     return [
         Row("c", "no host, 3-node chain", f"{us(plain)} per forward", verdict=""),
-        Row("c", "InProcess host, same chain", f"{us(there)} per forward", f"no host {us(plain)}",
-            ratio(there / plain), "<= 1.1x", at_most(there / plain, 1.1)),
+        Row(
+            "c",
+            "InProcess host, same chain",
+            f"{us(there)} per forward",
+            f"no host {us(plain)}",
+            ratio(there / plain),
+            "<= 1.1x",
+            at_most(there / plain, 1.1),
+        ),
     ]
 
 
@@ -268,8 +359,13 @@ def engine_overhead(settings: Settings, floors: Floors) -> list[Row]:
     engine, plain = median(samples["engine"]) / CHAIN, median(samples["loop"]) / CHAIN
     return [
         Row("d", f"Python loop over {CHAIN} forwards", f"{us(plain)} per node"),
-        Row("d", f"engine, {CHAIN}-node local chain", f"{us(engine)} per node", f"loop {us(plain)}",
-            f"+{us(engine - plain)}/node"),
+        Row(
+            "d",
+            f"engine, {CHAIN}-node local chain",
+            f"{us(engine)} per node",
+            f"loop {us(plain)}",
+            f"+{us(engine - plain)}/node",
+        ),
     ]
 
 
@@ -347,10 +443,18 @@ def record_readers(settings: Settings, floors: Floors) -> list[Row]:
             verdict = ""
             if target:
                 verdict = "PASS" if (scans, fetches) == (1, 0) else "MISS"
-            rows.append(Row("e", f"{what}, {n:,} forwards", f"{ms(median(times))}; {scans} scan, {fetches:,} fetches",
-                            target=target, verdict=verdict))
-        rows.append(Row("e", "writing both runs (setup, not measured)",
-                        f"{wrote:.1f} s: {2 * n:,} forwards, {puts:,} puts"))
+            rows.append(
+                Row(
+                    "e",
+                    f"{what}, {n:,} forwards",
+                    f"{ms(median(times))}; {scans} scan, {fetches:,} fetches",
+                    target=target,
+                    verdict=verdict,
+                )
+            )
+        rows.append(
+            Row("e", "writing both runs (setup, not measured)", f"{wrote:.1f} s: {2 * n:,} forwards, {puts:,} puts")
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return rows
@@ -361,14 +465,28 @@ def _history(folder: str, name: str, trials: int) -> None:
     from optuna.distributions import FloatDistribution
 
     store = FolderStore(folder)
-    Study(store, name, objective="objectives:instant", space={"x": FloatDistribution(-5, 5)}, trials=trials,
-          sampler="random")
+    Study(
+        store,
+        name,
+        objective="objectives:instant",
+        space={"x": FloatDistribution(-5, 5)},
+        trials=trials,
+        sampler="random",
+    )
     for n in range(trials):
         x = -5 + 10 * n / max(1, trials - 1)
-        store.put(f"{name}/trial/{n:06d}/000", {
-            "trial": str(n), "attempt": "0", "config": json.dumps({"x": x}), "state": "done",
-            "score": repr((x - 1.0) ** 2), "took_us": "10", "runner": "bench",
-        })
+        store.put(
+            f"{name}/trial/{n:06d}/000",
+            {
+                "trial": str(n),
+                "attempt": "0",
+                "config": json.dumps({"x": x}),
+                "state": "done",
+                "score": repr((x - 1.0) ** 2),
+                "took_us": "10",
+                "runner": "bench",
+            },
+        )
 
 
 def _somatize_runners(folder: str, n: int, env: dict[str, str]) -> tuple[float, list[int]]:
@@ -377,8 +495,15 @@ def _somatize_runners(folder: str, n: int, env: dict[str, str]) -> tuple[float, 
     from optuna.distributions import FloatDistribution
 
     store = FolderStore(folder)
-    Study(store, "speed", objective="objectives:instant", space={"x": FloatDistribution(-5, 5)}, trials=n,
-          sampler="random", patience=30.0)
+    Study(
+        store,
+        "speed",
+        objective="objectives:instant",
+        space={"x": FloatDistribution(-5, 5)},
+        trials=n,
+        sampler="random",
+        patience=30.0,
+    )
     command = [sys.executable, "-m", "somatize", "study", "--store", folder, "speed"]
     took, codes = _both(command, env)
     done = [t for t in trials(store, study="speed") if t["state"] == "done"]
@@ -399,8 +524,11 @@ def _optuna_journal(folder: str, n: int, env: dict[str, str]) -> tuple[float, li
     storage = JournalStorage(JournalFileBackend(path))
     optuna.create_study(study_name="speed", storage=storage)
     took, codes = _both([sys.executable, str(Path(__file__).with_name("optuna_journal.py")), path, str(n)], env)
-    done = [t for t in optuna.load_study(study_name="speed", storage=storage).trials
-            if t.state == optuna.trial.TrialState.COMPLETE]
+    done = [
+        t
+        for t in optuna.load_study(study_name="speed", storage=storage).trials
+        if t.state == optuna.trial.TrialState.COMPLETE
+    ]
     if codes != [0, 0] or len(done) < n:
         raise AssertionError(f"Optuna's processes ended with {codes}, {len(done)} of {n} trials complete")
     return took, sorted(t.datetime_complete.timestamp() for t in done), len(done)
@@ -409,8 +537,9 @@ def _optuna_journal(folder: str, n: int, env: dict[str, str]) -> tuple[float, li
 def _both(command: list[str], env: dict[str, str]) -> tuple[float, list[int]]:
     """Start ``command`` twice at once; seconds until both ended, and their exit codes."""
     started = time.perf_counter()
-    processes = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for _ in range(2)]
+    processes = [
+        subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)
+    ]
     try:
         codes = [p.wait(900) for p in processes]
     finally:
@@ -429,7 +558,7 @@ def _first_and_last(finished: list[float], window: int) -> tuple[str, float]:
     with its timer tick, a few ms)."""
     first, last = finished[:window], finished[-window:]
     k = max(1, window // 10)
-    per = [median([b - a for a, b in zip(part, part[k:])]) / k for part in (first, last)]
+    per = [median([b - a for a, b in zip(part, part[k:], strict=False)]) / k for part in (first, last)]
     spans = [part[-1] - part[0] for part in (first, last)]
     text = f"{us(per[1])} against {us(per[0])} a trial ({ms(spans[1])} against {ms(spans[0])} in all)"
     return text, per[1] / per[0] if per[0] else float("inf")
@@ -459,18 +588,43 @@ def studies(settings: Settings, floors: Floors) -> list[Row]:
         took, stamps = min(ours, key=lambda run: run[0])  # each side's least disturbed of two
         their_took, their_finished, their_n = min(theirs, key=lambda run: run[0] / run[2])
         mine, optuna_rate = n / took, their_n / their_took
-        rows.append(Row("f", f"Optuna JournalFileBackend, 2 processes, {n:,} trials of an instant objective",
-                        f"{optuna_rate:,.1f} trials/s"))
-        rows.append(Row("f", f"2 runners, {n:,} trials of an instant objective", f"{mine:,.1f} trials/s",
-                        f"Optuna journal {optuna_rate:,.1f}/s", ratio(mine / optuna_rate), ">= 1x Optuna",
-                        at_least(mine / optuna_rate, 1.0)))
+        rows.append(
+            Row(
+                "f",
+                f"Optuna JournalFileBackend, 2 processes, {n:,} trials of an instant objective",
+                f"{optuna_rate:,.1f} trials/s",
+            )
+        )
+        rows.append(
+            Row(
+                "f",
+                f"2 runners, {n:,} trials of an instant objective",
+                f"{mine:,.1f} trials/s",
+                f"Optuna journal {optuna_rate:,.1f}/s",
+                ratio(mine / optuna_rate),
+                ">= 1x Optuna",
+                at_least(mine / optuna_rate, 1.0),
+            )
+        )
         rows.append(Row("f", "  the same, per trial (both processes' start included)", ms(took / n)))
         text, slower = _first_and_last([ns / 1e9 for ns in stamps], window)
-        rows.append(Row("f", f"  the last {window} trials against the first {window} (the store's stamps)", text,
-                        "", ratio(slower), "<= 1.5x", at_most(slower, 1.5)))
+        rows.append(
+            Row(
+                "f",
+                f"  the last {window} trials against the first {window} (the store's stamps)",
+                text,
+                "",
+                ratio(slower),
+                "<= 1.5x",
+                at_most(slower, 1.5),
+            )
+        )
         text, slower = _first_and_last(their_finished, window)
-        rows.append(Row("f", f"  Optuna's journal: the last {window} trials against the first {window}", text,
-                        "", ratio(slower)))
+        rows.append(
+            Row(
+                "f", f"  Optuna's journal: the last {window} trials against the first {window}", text, "", ratio(slower)
+            )
+        )
 
         _history(folder, "past", settings.history)
         counting = Counting(FolderStore(folder))
@@ -482,16 +636,28 @@ def studies(settings: Settings, floors: Floors) -> list[Row]:
         if len(rebuilt.trials) != settings.history:
             raise AssertionError(f"the rebuilt history holds {len(rebuilt.trials)} trials")
         scans, fetches = counting.scans, counting.fetches
-        rows.append(Row("f", f"rebuilding a {settings.history:,}-trial history for the sampler",
-                        f"{ms(median(times))}; {scans} scan, {fetches:,} fetches", target="1 scan, 0 fetches",
-                        verdict="PASS" if (scans, fetches) == (1, 0) else "MISS"))
+        rows.append(
+            Row(
+                "f",
+                f"rebuilding a {settings.history:,}-trial history for the sampler",
+                f"{ms(median(times))}; {scans} scan, {fetches:,} fetches",
+                target="1 scan, 0 fetches",
+                verdict="PASS" if (scans, fetches) == (1, 0) else "MISS",
+            )
+        )
         counting.reset()
         times = repeated(lambda: trials(counting.store, study="past"), 3)
         counting.reset()
         trials(counting, study="past")
-        rows.append(Row("f", f"trials(), {settings.history:,} trials", f"{ms(median(times))}; {counting.scans} scan, "
-                        f"{counting.fetches:,} fetches", target="1 scan, 0 fetches",
-                        verdict="PASS" if (counting.scans, counting.fetches) == (1, 0) else "MISS"))
+        rows.append(
+            Row(
+                "f",
+                f"trials(), {settings.history:,} trials",
+                f"{ms(median(times))}; {counting.scans} scan, {counting.fetches:,} fetches",
+                target="1 scan, 0 fetches",
+                verdict="PASS" if (counting.scans, counting.fetches) == (1, 0) else "MISS",
+            )
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return rows

@@ -71,7 +71,16 @@ class Child:
 
 
 #: A standalone broker on a port of its choosing, announcing itself; quiet but for warnings.
-BROKER = [sys.executable, "-m", "somatize.broker", "--listen", "tcp://127.0.0.1:0", "--announce", "--log-level", "warning"]
+BROKER = [
+    sys.executable,
+    "-m",
+    "somatize.broker",
+    "--listen",
+    "tcp://127.0.0.1:0",
+    "--announce",
+    "--log-level",
+    "warning",
+]
 BROKER_READY = "somatize-broker ready "
 
 

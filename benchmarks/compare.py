@@ -68,8 +68,9 @@ def main(argv: list[str]) -> int:
     for round_ in range(1, args.rounds + 1):
         for tree in trees:
             env = dict(os.environ, PYTHONPATH=str(tree))
-            done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True,
-                                  timeout=600)
+            done = subprocess.run(
+                [sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True, timeout=600
+            )
             said = done.stdout.strip() if done.returncode == 0 else f"failed: {done.stderr.strip()[-400:]}"
             print(f"round {round_}, {tree}: {said}", flush=True)
     return 0

@@ -29,8 +29,9 @@ PER_PROCESS = 125  # worker loops in one process
 IN_FLIGHT = 16  # the pool case's forwards in flight (100 B each: the broker's Python is the bound)
 
 
-def serve_workers(url: str, prefix: str, count: int, patience: float = 5.0, mode: str = "project",
-                  start: int | None = None) -> None:
+def serve_workers(
+    url: str, prefix: str, count: int, patience: float = 5.0, mode: str = "project", start: int | None = None
+) -> None:
     """Run ``count`` dialed worker loops on threads of this process until stdin closes;
     named PREFIX00000..., or, given ``start``, members PREFIX<start>, PREFIX<start + 1>...
     of a pool (PREFIX ending in '#')."""
@@ -59,8 +60,9 @@ def serve_workers(url: str, prefix: str, count: int, patience: float = 5.0, mode
 class Fleet:
     """``count`` dialed workers in processes of `PER_PROCESS`, started and stopped together."""
 
-    def __init__(self, url: str, count: int, *, prefix: str = "node", patience: float = 5.0, env=None,
-                 pool: str | None = None) -> None:
+    def __init__(
+        self, url: str, count: int, *, prefix: str = "node", patience: float = 5.0, env=None, pool: str | None = None
+    ) -> None:
         self.procs = []
         for first in range(0, count, PER_PROCESS):
             size = min(PER_PROCESS, count - first)
@@ -68,12 +70,22 @@ class Fleet:
             # members are numbered across the processes instead)
             part = f"{prefix}{first // PER_PROCESS:02d}x" if pool is None else f"{pool}#"
             extra = [] if pool is None else [str(first)]
-            self.procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--workers", url, part, str(size), str(patience), *extra],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, env=env))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--workers", url, part, str(size), str(patience), *extra],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    cwd=ROOT,
+                    env=env,
+                )
+            )
         if pool is None:
-            self.hosts = [f"{prefix}{first // PER_PROCESS:02d}x{n:05d}"
-                          for first in range(0, count, PER_PROCESS) for n in range(min(PER_PROCESS, count - first))]
+            self.hosts = [
+                f"{prefix}{first // PER_PROCESS:02d}x{n:05d}"
+                for first in range(0, count, PER_PROCESS)
+                for n in range(min(PER_PROCESS, count - first))
+            ]
         else:
             self.hosts = [f"{pool}#{n}" for n in range(count)]
         for proc in self.procs:
@@ -101,9 +113,9 @@ class Fleet:
 
 
 def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dict:
+    from children import BROKER, BROKER_READY, Child, cpu_seconds, status
     from nodes import Echo  # benchmarks/nodes.py: the workers import it by name (project mode)
 
-    from children import BROKER, BROKER_READY, Child, cpu_seconds, status
     from somatize import Broker
 
     broker = Child(BROKER, announce=BROKER_READY)
@@ -155,15 +167,24 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
             for t in threads:
                 t.join()
             took = time.perf_counter() - t0
-            rates[clients] = {"per_s": done[0] / took, "failed": failed[0],
-                              "cpu_ms_per_forward": 1000 * (cpu_seconds(broker.pid) - cpu0) / max(1, done[0])}
+            rates[clients] = {
+                "per_s": done[0] / took,
+                "failed": failed[0],
+                "cpu_ms_per_forward": 1000 * (cpu_seconds(broker.pid) - cpu0) / max(1, done[0]),
+            }
         time.sleep(2.0)
         rss_after = status(broker.pid, "VmRSS")
         return {
-            "workers": count, "registered": registered_count, "registered_s": registered,
-            "rss_per_worker_kib": (rss - rss_empty) / count / 1024, "fds_per_worker": (fds - fds_empty) / count,
-            "idle_cpu_percent": 100 * idle, "rss_after_clients_mib": rss_after / 2**20, "rss_registered_mib": rss / 2**20,
-            "one_client": rates[1], "four_clients": rates[4],
+            "workers": count,
+            "registered": registered_count,
+            "registered_s": registered,
+            "rss_per_worker_kib": (rss - rss_empty) / count / 1024,
+            "fds_per_worker": (fds - fds_empty) / count,
+            "idle_cpu_percent": 100 * idle,
+            "rss_after_clients_mib": rss_after / 2**20,
+            "rss_registered_mib": rss / 2**20,
+            "one_client": rates[1],
+            "four_clients": rates[4],
         }
     finally:
         if fleet is not None:
@@ -174,9 +195,9 @@ def measure(count: int = 1000, forwards: int = 2000, idle_s: float = 5.0) -> dic
 def pool_map(count: int = 1000, inputs: int = 20_000) -> dict:
     """``count`` dialed workers as one pool (``fleet#0`` ...), and one client mapping
     ``inputs`` tiny inputs over it: inputs a second, and how many members answered."""
+    from children import BROKER, BROKER_READY, Child
     from nodes import Echo
 
-    from children import BROKER, BROKER_READY, Child
     from somatize import Broker
 
     broker = Child(BROKER, announce=BROKER_READY)
@@ -199,11 +220,17 @@ def pool_map(count: int = 1000, inputs: int = 20_000) -> dict:
             echo = Echo().named("echo").at("fleet")
             started = time.perf_counter()
             # tiny inputs: a few in flight keep the broker busy, a thread per member would not
-            answered = sum(1 for _ in echo.map(range(inputs), broker=client, watching=told, errors="return",
-                                               in_flight=IN_FLIGHT))
+            answered = sum(
+                1 for _ in echo.map(range(inputs), broker=client, watching=told, errors="return", in_flight=IN_FLIGHT)
+            )
             took = time.perf_counter() - started
-        return {"members": members, "inputs": inputs, "answered": answered, "per_s": inputs / took,
-                "members_used": len(seen)}
+        return {
+            "members": members,
+            "inputs": inputs,
+            "answered": answered,
+            "per_s": inputs / took,
+            "members_used": len(seen),
+        }
     finally:
         if fleet is not None:
             fleet.close()
@@ -216,9 +243,9 @@ def first_and_again(count: int = 250, rounds: int = 2) -> dict:
     forward: wall time, and the CPU time of the client (this process), the broker and the
     workers' processes (from ``/proc``). Not a row of the table: the breakdown behind case
     h, whose clients meet half their hosts for the first time."""
+    from children import BROKER, BROKER_READY, Child, cpu_seconds
     from nodes import Echo
 
-    from children import BROKER, BROKER_READY, Child, cpu_seconds
     from somatize import Broker
 
     broker = Child(BROKER, announce=BROKER_READY)
@@ -239,11 +266,14 @@ def first_and_again(count: int = 250, rounds: int = 2) -> dict:
                     for host in fleet.hosts:
                         echo.at(host).forward(1, broker=client)
                     per = 1000 / len(fleet.hosts)  # ms per forward
-                    got[what].append({
-                        "wall_ms": (time.perf_counter() - wall) * per, "client_ms": (time.process_time() - mine) * per,
-                        "broker_ms": (cpu_seconds(broker.pid) - theirs) * per,
-                        "workers_ms": (sum(cpu_seconds(pid) for pid in workers) - others) * per,
-                    })
+                    got[what].append(
+                        {
+                            "wall_ms": (time.perf_counter() - wall) * per,
+                            "client_ms": (time.process_time() - mine) * per,
+                            "broker_ms": (cpu_seconds(broker.pid) - theirs) * per,
+                            "workers_ms": (sum(cpu_seconds(pid) for pid in workers) - others) * per,
+                        }
+                    )
         return got
     finally:
         if fleet is not None:
@@ -258,21 +288,46 @@ def fleet_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, case
     got = measure(n, settings.fleet_forwards, idle_s=10.0 if n >= 1000 else 3.0)
     one, four = got["one_client"], got["four_clients"]
     return [
-        Row("h", f"{n:,} dialed workers registered", f"{got['registered']:,} in {got['registered_s']:.1f} s", target="all",
-            verdict="PASS" if got["registered"] == n else "MISS"),
-        Row("h", "broker memory and descriptors a worker", f"{got['rss_per_worker_kib']:.1f} KiB, "
-            f"{got['fds_per_worker']:.2f} fds", target="<= 40 KiB", verdict=at_most(got["rss_per_worker_kib"], 40.0)),
-        Row("h", f"idle broker CPU with {n:,} workers", f"{got['idle_cpu_percent']:.1f}%", target="<= 2%",
-            verdict=at_most(got["idle_cpu_percent"], 2.0)),
-        Row("h", "relayed forwards a second, 1 client, a new host each",
-            f"{one['per_s']:,.0f}/s, {one['failed']} failed, {one['cpu_ms_per_forward']:.2f} ms broker CPU each"),
-        Row("h", "relayed forwards a second, 4 clients at once",
+        Row(
+            "h",
+            f"{n:,} dialed workers registered",
+            f"{got['registered']:,} in {got['registered_s']:.1f} s",
+            target="all",
+            verdict="PASS" if got["registered"] == n else "MISS",
+        ),
+        Row(
+            "h",
+            "broker memory and descriptors a worker",
+            f"{got['rss_per_worker_kib']:.1f} KiB, {got['fds_per_worker']:.2f} fds",
+            target="<= 40 KiB",
+            verdict=at_most(got["rss_per_worker_kib"], 40.0),
+        ),
+        Row(
+            "h",
+            f"idle broker CPU with {n:,} workers",
+            f"{got['idle_cpu_percent']:.1f}%",
+            target="<= 2%",
+            verdict=at_most(got["idle_cpu_percent"], 2.0),
+        ),
+        Row(
+            "h",
+            "relayed forwards a second, 1 client, a new host each",
+            f"{one['per_s']:,.0f}/s, {one['failed']} failed, {one['cpu_ms_per_forward']:.2f} ms broker CPU each",
+        ),
+        Row(
+            "h",
+            "relayed forwards a second, 4 clients at once",
             f"{four['per_s']:,.0f}/s, {four['failed']} failed, {four['cpu_ms_per_forward']:.2f} ms broker CPU each",
             target=">= 1,000/s, none failed",
-            verdict=at_least(four["per_s"], 1000.0) if not four["failed"] else "MISS"),
-        Row("h", "broker memory after the clients left", f"{got['rss_after_clients_mib']:.0f} MiB "
-            f"({got['rss_registered_mib']:.0f} MiB registered)", target="within 10%",
-            verdict=at_most(got["rss_after_clients_mib"], 1.1 * got["rss_registered_mib"])),
+            verdict=at_least(four["per_s"], 1000.0) if not four["failed"] else "MISS",
+        ),
+        Row(
+            "h",
+            "broker memory after the clients left",
+            f"{got['rss_after_clients_mib']:.0f} MiB ({got['rss_registered_mib']:.0f} MiB registered)",
+            target="within 10%",
+            verdict=at_most(got["rss_after_clients_mib"], 1.1 * got["rss_registered_mib"]),
+        ),
     ] + _pool_rows(n, 20_000 if n >= 1000 else 1000)
 
 
@@ -281,15 +336,26 @@ def _pool_rows(n: int, inputs: int) -> list:
 
     got = pool_map(n, inputs)
     every = got["members_used"] == got["members"] == n and got["answered"] == inputs
-    return [Row("h", f"map of {inputs:,} inputs of 100 B over {n:,} dialed workers as one pool, in_flight={IN_FLIGHT}",
-                f"{got['per_s']:,.0f} inputs/s, {got['members_used']:,} members used, {got['answered']:,} answered",
-                target=">= 1,000/s, every member", verdict=at_least(got["per_s"], 1000.0) if every else "MISS")]
+    return [
+        Row(
+            "h",
+            f"map of {inputs:,} inputs of 100 B over {n:,} dialed workers as one pool, in_flight={IN_FLIGHT}",
+            f"{got['per_s']:,.0f} inputs/s, {got['members_used']:,} members used, {got['answered']:,} answered",
+            target=">= 1,000/s, every member",
+            verdict=at_least(got["per_s"], 1000.0) if every else "MISS",
+        )
+    ]
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--workers":
-        serve_workers(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 5.0,
-                      start=int(sys.argv[6]) if len(sys.argv) > 6 else None)
+        serve_workers(
+            sys.argv[2],
+            sys.argv[3],
+            int(sys.argv[4]),
+            float(sys.argv[5]) if len(sys.argv) > 5 else 5.0,
+            start=int(sys.argv[6]) if len(sys.argv) > 6 else None,
+        )
     elif len(sys.argv) > 1 and sys.argv[1] == "--first-contact":
         print(json.dumps(first_and_again(int(sys.argv[2]) if len(sys.argv) > 2 else 250), indent=1))
     else:

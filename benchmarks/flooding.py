@@ -23,9 +23,9 @@ FLOODERS = 8  # connections of the flooding client
 
 
 def measure(seconds: float = 10.0) -> dict:
-    from somatize.wire import Hosts, Where, encode
-
     from children import BROKER, BROKER_READY, Child, status
+
+    from somatize.wire import Hosts, Where, encode
 
     with Child(BROKER, announce=BROKER_READY) as broker:
         url = broker.endpoint
@@ -81,10 +81,14 @@ def measure(seconds: float = 10.0) -> dict:
         other.close(0)
         latencies.sort()
         return {
-            "flood_messages": sent[0], "asked": len(latencies) + unanswered, "unanswered": unanswered,
+            "flood_messages": sent[0],
+            "asked": len(latencies) + unanswered,
+            "unanswered": unanswered,
             "median_ms": 1000 * latencies[len(latencies) // 2] if latencies else None,
             "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else None,
-            "rss_before_mib": rss_before / 2**20, "rss_mib": rss / 2**20, "peak_mib": peak / 2**20,
+            "rss_before_mib": rss_before / 2**20,
+            "rss_mib": rss / 2**20,
+            "peak_mib": peak / 2**20,
             "survived": bool(survived),
         }
 
@@ -94,15 +98,31 @@ def flood_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, case
 
     got = measure()
     median, p99 = got["median_ms"], got["p99_ms"]
-    rows = [Row("g", f"another tenant's Hosts while one floods ({got['flood_messages']:,} unread requests)",
-                f"median {median:.1f} ms, p99 {p99:.1f} ms, {got['unanswered']} of {got['asked']} unanswered"
-                if median is not None else "never answered",
-                target="median <= 100 ms", verdict=at_most(median, 100.0) if median is not None else "MISS"),
-            Row("g", "the broker's memory while flooded", f"peak {got['peak_mib']:.0f} MiB (RSS {got['rss_mib']:.0f} MiB, "
-                f"{got['rss_before_mib']:.0f} MiB before)", target="bounded (<= 512 MiB)",
-                verdict=at_most(got["peak_mib"], 512.0)),
-            Row("g", "the broker after the flooder left with its queues full", "serving" if got["survived"] else "gone",
-                target="serving", verdict="PASS" if got["survived"] else "MISS")]
+    rows = [
+        Row(
+            "g",
+            f"another tenant's Hosts while one floods ({got['flood_messages']:,} unread requests)",
+            f"median {median:.1f} ms, p99 {p99:.1f} ms, {got['unanswered']} of {got['asked']} unanswered"
+            if median is not None
+            else "never answered",
+            target="median <= 100 ms",
+            verdict=at_most(median, 100.0) if median is not None else "MISS",
+        ),
+        Row(
+            "g",
+            "the broker's memory while flooded",
+            f"peak {got['peak_mib']:.0f} MiB (RSS {got['rss_mib']:.0f} MiB, {got['rss_before_mib']:.0f} MiB before)",
+            target="bounded (<= 512 MiB)",
+            verdict=at_most(got["peak_mib"], 512.0),
+        ),
+        Row(
+            "g",
+            "the broker after the flooder left with its queues full",
+            "serving" if got["survived"] else "gone",
+            target="serving",
+            verdict="PASS" if got["survived"] else "MISS",
+        ),
+    ]
     return rows
 
 

@@ -23,8 +23,9 @@ import threading
 import time
 
 import nodes
-from somatize import Broker, Node, Worker
 from table import Row, at_least, at_most, ratio
+
+from somatize import Broker, Node, Worker
 
 WORKERS = 4
 WORKER = [sys.executable, "-m", "somatize.worker"]
@@ -97,14 +98,30 @@ def mapping_rows(settings, floors) -> list[Row]:
         killed_rows = _killed(burn_graph, broker, heavy, mine)
     assert theirs == out
     floors.mapped.update(heavy=mine, tiny=tiny_rate)
-    rows.append(Row("p", f"somatize map, {heavy:,} CPU-bound inputs (~5 ms) over a pool of {WORKERS}",
-                    f"{mine:,.0f} inputs/s", f"multiprocessing.Pool({WORKERS}).imap {pool_rate:,.0f}/s",
-                    ratio(mine / pool_rate), ">= 0.9x", at_least(mine / pool_rate, 0.9)))
+    rows.append(
+        Row(
+            "p",
+            f"somatize map, {heavy:,} CPU-bound inputs (~5 ms) over a pool of {WORKERS}",
+            f"{mine:,.0f} inputs/s",
+            f"multiprocessing.Pool({WORKERS}).imap {pool_rate:,.0f}/s",
+            ratio(mine / pool_rate),
+            ">= 0.9x",
+            at_least(mine / pool_rate, 0.9),
+        )
+    )
     against = f"(t) 16 threads {floors.threads:,.0f}/s" if floors.threads else f"Pool.imap {pool_tiny:,.0f}/s"
     base = floors.threads or pool_tiny
-    rows.append(Row("p", f"somatize map, {tiny:,} inputs of 100 B over a pool of {WORKERS}", f"{tiny_rate:,.0f} inputs/s",
-                    against, ratio(tiny_rate / base), ">= 1x" if floors.threads else "",
-                    at_least(tiny_rate / base, 1.0) if floors.threads else ""))
+    rows.append(
+        Row(
+            "p",
+            f"somatize map, {tiny:,} inputs of 100 B over a pool of {WORKERS}",
+            f"{tiny_rate:,.0f} inputs/s",
+            against,
+            ratio(tiny_rate / base),
+            ">= 1x" if floors.threads else "",
+            at_least(tiny_rate / base, 1.0) if floors.threads else "",
+        )
+    )
     return rows + killed_rows
 
 
@@ -129,9 +146,17 @@ def _killed(graph, broker, count: int, clean_rate: float) -> list[Row]:
     if killer is not None:
         killer.join()
     clean = count / clean_rate
-    return [Row("p", f"somatize map, {count:,} inputs, a member SIGKILLed a third of the way",
-                f"{answers:,} answers in {took:.2f} s", f"unkilled {clean:.2f} s",
-                f"{took / clean:.2f}x", f"{count:,} answers", at_most(abs(answers - count), 0))]
+    return [
+        Row(
+            "p",
+            f"somatize map, {count:,} inputs, a member SIGKILLed a third of the way",
+            f"{answers:,} answers in {took:.2f} s",
+            f"unkilled {clean:.2f} s",
+            f"{took / clean:.2f}x",
+            f"{count:,} answers",
+            at_most(abs(answers - count), 0),
+        )
+    ]
 
 
 def _pids(broker) -> list[int]:

@@ -89,8 +89,12 @@ def probe(path: str, kind: str, nbytes: int) -> dict[str, dict[str, int]]:
     if path == "raw":
         setup = cases.floor()
     else:
-        setup = {"Direct": paths.direct, "Mount": paths.mount, "Relayed": paths.relayed,
-                 "Mount views": getattr(paths, "mount_views", None)}[path]()
+        setup = {
+            "Direct": paths.direct,
+            "Mount": paths.mount,
+            "Relayed": paths.relayed,
+            "Mount views": getattr(paths, "mount_views", None),
+        }[path]()
     with setup as through:
         if path == "raw":
             if kind != "numpy":
@@ -123,8 +127,9 @@ def memory_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, cas
     nbytes = max(settings.sizes)
     kinds = ["numpy"]
     try:
-        import somatize.torch  # noqa: F401
         import torch  # noqa: F401
+
+        import somatize.torch  # noqa: F401
 
         kinds.append("torch")
     except Exception:
@@ -139,8 +144,9 @@ def memory_rows(settings, floors) -> list:  # noqa: ANN001  (cases.Settings, cas
         for kind in kinds:
             if path == "raw" and kind != "numpy":
                 continue
-            done = subprocess.run([sys.executable, __file__, path, kind, str(nbytes)], capture_output=True,
-                                  text=True, timeout=600)
+            done = subprocess.run(
+                [sys.executable, __file__, path, kind, str(nbytes)], capture_output=True, text=True, timeout=600
+            )
             if done.returncode != 0:
                 tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:80]
                 rows.append(Row("m", f"{path}, {kind} {nbytes >> 20} MiB", "-", verdict=f"FAILED: {tail}"))

@@ -23,8 +23,9 @@ def instant(trial: optuna.Trial) -> float:
 def main(argv: list[str]) -> int:
     path, trials = argv[0], int(argv[1])
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name="speed", storage=JournalStorage(JournalFileBackend(path)),
-                              sampler=optuna.samplers.RandomSampler())
+    study = optuna.load_study(
+        study_name="speed", storage=JournalStorage(JournalFileBackend(path)), sampler=optuna.samplers.RandomSampler()
+    )
     study.optimize(instant, callbacks=[MaxTrialsCallback(trials, states=None)])
     return 0
 

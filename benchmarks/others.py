@@ -29,32 +29,54 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-
 from cases import CHAIN, SMALL, Floors, Settings
-from table import Row, at_least, gbps, interleaved, median, p99, ratio, repeated, size, us
 from mapping import burn_by_value, counts
+from table import Row, at_least, gbps, interleaved, median, p99, ratio, repeated, size, us
 from threads import THREADS, WORKERS, rate
 
 
 def _small_rows(system: str, samples: list[float], floors: Floors) -> list[Row]:
     mine = median(samples)
     against = ratio(mine / floors.small) if floors.small else ""
-    return [Row("a", f"{system}, 100 B round trip", f"{us(mine)} median, {us(p99(samples))} p99",
-                f"raw {us(floors.small)}" if floors.small else "", against)]
+    return [
+        Row(
+            "a",
+            f"{system}, 100 B round trip",
+            f"{us(mine)} median, {us(p99(samples))} p99",
+            f"raw {us(floors.small)}" if floors.small else "",
+            against,
+        )
+    ]
 
 
 def _array_rows(system: str, speeds: dict[int, float], floors: Floors, how: str) -> list[Row]:
     rows = []
     for nbytes, speed in speeds.items():
         raw = floors.arrays.get(nbytes)
-        rows.append(Row("b", f"{system} {how}, numpy {size(nbytes)}", f"{speed:.2f} GB/s",
-                        f"raw {raw:.2f} GB/s" if raw else "", ratio(speed / raw) if raw else ""))
+        rows.append(
+            Row(
+                "b",
+                f"{system} {how}, numpy {size(nbytes)}",
+                f"{speed:.2f} GB/s",
+                f"raw {raw:.2f} GB/s" if raw else "",
+                ratio(speed / raw) if raw else "",
+            )
+        )
         if system == "Ray":  # the same-host target: somatize's Mount with views against Ray's object store
             for kind in ("numpy", "torch"):
                 mine = floors.same_host.get((kind, nbytes))
                 if mine is not None:
-                    rows.append(Row("b", f"somatize Mount views, {kind} {size(nbytes)}, against Ray", f"{mine:.2f} GB/s",
-                                    f"Ray {speed:.2f} GB/s", ratio(mine / speed), ">= 1x", at_least(mine / speed, 1.0)))
+                    rows.append(
+                        Row(
+                            "b",
+                            f"somatize Mount views, {kind} {size(nbytes)}, against Ray",
+                            f"{mine:.2f} GB/s",
+                            f"Ray {speed:.2f} GB/s",
+                            ratio(mine / speed),
+                            ">= 1x",
+                            at_least(mine / speed, 1.0),
+                        )
+                    )
     return rows
 
 
@@ -72,12 +94,18 @@ def ray(settings: Settings, floors: Floors, cases: str) -> list[Row]:
         return _missing("Ray", wanted, "not installed")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
-        _ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
-                  configure_logging=False)
+        _ray.init(
+            num_cpus=WORKERS,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            configure_logging=False,
+        )
     except Exception as exc:
         return _missing("Ray", wanted, f"did not start: {type(exc).__name__}")
     rows: list[Row] = []
     try:
+
         class Echo:  # defined here, so it travels by value: Ray's workers cannot import this file
             def forward(self, x):
                 return x
@@ -94,8 +122,9 @@ def ray(settings: Settings, floors: Floors, cases: str) -> list[Row]:
         if "b" in wanted:
             rows += _array_rows("Ray", _speeds(call, settings), floors, "actor call")
         if "t" in wanted:  # 4 more actors, a quarter of a CPU each: they fit beside the first
-            rows += _many_at_once(_ray, [_ray.remote(num_cpus=0.25)(Echo).remote() for _ in range(WORKERS)],
-                                  settings, floors)
+            rows += _many_at_once(
+                _ray, [_ray.remote(num_cpus=0.25)(Echo).remote() for _ in range(WORKERS)], settings, floors
+            )
         if "p" in wanted:
             rows += _ray_map(_ray, Echo, settings, floors)
     finally:
@@ -126,9 +155,11 @@ def _ray_map(ray, Echo: type, settings: Settings, floors: Floors) -> list[Row]:
     if sum(1 for _ in actors.map(lambda actor, x: actor.forward.remote(x), [SMALL] * tiny)) != tiny:
         raise AssertionError("answers went missing")
     pooled = tiny / (time.perf_counter() - began)
-    rows = [Row("p", f"Ray tasks over {WORKERS} CPUs, {heavy:,} CPU-bound inputs", f"{heavy_rate:,.0f} inputs/s"),
-            Row("p", f"Ray tasks, {tiny:,} inputs of 100 B, one ray.get", f"{tasks:,.0f} inputs/s"),
-            Row("p", f"Ray ActorPool.map over {WORKERS} actors, {tiny:,} inputs of 100 B", f"{pooled:,.0f} inputs/s")]
+    rows = [
+        Row("p", f"Ray tasks over {WORKERS} CPUs, {heavy:,} CPU-bound inputs", f"{heavy_rate:,.0f} inputs/s"),
+        Row("p", f"Ray tasks, {tiny:,} inputs of 100 B, one ray.get", f"{tasks:,.0f} inputs/s"),
+        Row("p", f"Ray ActorPool.map over {WORKERS} actors, {tiny:,} inputs of 100 B", f"{pooled:,.0f} inputs/s"),
+    ]
     return rows + _against("Ray", heavy_rate, max(tasks, pooled), floors)
 
 
@@ -137,12 +168,30 @@ def _against(system: str, heavy: float, tiny: float, floors: Floors) -> list[Row
     rows = []
     mine = floors.mapped.get("heavy")
     if mine:
-        rows.append(Row("p", f"somatize map, CPU-bound inputs, against {system}", f"{mine:,.0f}/s",
-                        f"{system} {heavy:,.0f}/s", ratio(mine / heavy), ">= 1x", at_least(mine / heavy, 1.0)))
+        rows.append(
+            Row(
+                "p",
+                f"somatize map, CPU-bound inputs, against {system}",
+                f"{mine:,.0f}/s",
+                f"{system} {heavy:,.0f}/s",
+                ratio(mine / heavy),
+                ">= 1x",
+                at_least(mine / heavy, 1.0),
+            )
+        )
     mine = floors.mapped.get("tiny")
     if mine:
-        rows.append(Row("p", f"somatize map, inputs of 100 B, against {system}'s best", f"{mine:,.0f}/s",
-                        f"{system} {tiny:,.0f}/s", ratio(mine / tiny), ">= 1x", at_least(mine / tiny, 1.0)))
+        rows.append(
+            Row(
+                "p",
+                f"somatize map, inputs of 100 B, against {system}'s best",
+                f"{mine:,.0f}/s",
+                f"{system} {tiny:,.0f}/s",
+                ratio(mine / tiny),
+                ">= 1x",
+                at_least(mine / tiny, 1.0),
+            )
+        )
     return rows
 
 
@@ -165,12 +214,23 @@ def _many_at_once(ray, actors: list, settings: Settings, floors: Floors) -> list
             raise AssertionError("the value came back changed")
 
     in_flight = rate(lambda i: submitted, 1, 1) * THREADS * calls
-    rows = [Row("t", f"Ray, {THREADS} threads to {len(actors)} actors, each waiting", f"{waiting:,.0f} calls/s"),
-            Row("t", f"Ray, {THREADS * calls:,} calls in flight at once, one ray.get", f"{in_flight:,.0f} calls/s")]
+    rows = [
+        Row("t", f"Ray, {THREADS} threads to {len(actors)} actors, each waiting", f"{waiting:,.0f} calls/s"),
+        Row("t", f"Ray, {THREADS * calls:,} calls in flight at once, one ray.get", f"{in_flight:,.0f} calls/s"),
+    ]
     if floors.threads:
         best = max(waiting, in_flight)
-        rows.append(Row("t", f"somatize {THREADS} threads, against Ray's better", f"{floors.threads:,.0f}/s",
-                        f"Ray {best:,.0f}/s", ratio(floors.threads / best), ">= 1x", at_least(floors.threads / best, 1.0)))
+        rows.append(
+            Row(
+                "t",
+                f"somatize {THREADS} threads, against Ray's better",
+                f"{floors.threads:,.0f}/s",
+                f"Ray {best:,.0f}/s",
+                ratio(floors.threads / best),
+                ">= 1x",
+                at_least(floors.threads / best, 1.0),
+            )
+        )
     return rows
 
 
@@ -183,6 +243,7 @@ def dask(settings: Settings, floors: Floors, cases: str) -> list[Row]:
         from distributed import Client, LocalCluster
     except ImportError:
         return _missing("Dask", wanted, "not installed")
+
     def echo(x):  # local functions travel by value: Dask's worker cannot import this file
         return x
 
@@ -192,8 +253,9 @@ def dask(settings: Settings, floors: Floors, cases: str) -> list[Row]:
     rows: list[Row] = []
     if "a" in wanted or "b" in wanted:
         try:
-            cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
-                                   silence_logs=logging.ERROR)
+            cluster = LocalCluster(
+                n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=logging.ERROR
+            )
         except Exception as exc:
             rows += _missing("Dask", wanted.replace("d", ""), f"did not start: {type(exc).__name__}")
         else:
@@ -217,8 +279,13 @@ def dask(settings: Settings, floors: Floors, cases: str) -> list[Row]:
                 cluster.close()
     if "p" in wanted:
         try:
-            cluster = LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True, dashboard_address=None,
-                                   silence_logs=logging.ERROR)
+            cluster = LocalCluster(
+                n_workers=WORKERS,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=None,
+                silence_logs=logging.ERROR,
+            )
         except Exception as exc:
             rows += _missing("Dask", "p", f"did not start: {type(exc).__name__}")
         else:
@@ -250,8 +317,10 @@ def _dask_map(client, echo: Callable[[object], object], settings: Settings, floo
     if client.gather(client.map(echo, [SMALL] * tiny, pure=False))[-1] != SMALL:
         raise AssertionError("the value came back changed")
     tiny_rate = tiny / (time.perf_counter() - began)
-    rows = [Row("p", f"Dask client.map on {WORKERS} workers, {heavy:,} CPU-bound inputs", f"{heavy_rate:,.0f} inputs/s"),
-            Row("p", f"Dask client.map on {WORKERS} workers, {tiny:,} inputs of 100 B", f"{tiny_rate:,.0f} inputs/s")]
+    rows = [
+        Row("p", f"Dask client.map on {WORKERS} workers, {heavy:,} CPU-bound inputs", f"{heavy_rate:,.0f} inputs/s"),
+        Row("p", f"Dask client.map on {WORKERS} workers, {tiny:,} inputs of 100 B", f"{tiny_rate:,.0f} inputs/s"),
+    ]
     return rows + _against("Dask", heavy_rate, tiny_rate, floors)
 
 

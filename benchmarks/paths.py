@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import nodes
 from children import Child
+
 from somatize import Broker, Worker
 
 WORKER = [sys.executable, "-m", "somatize.worker"]

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -54,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few calls: a smoke run")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    parser.add_argument("--only", metavar="a,b,...", default=",".join(cases.CASES),
-                        help=f"the cases to run (default: all of {','.join(cases.CASES)})")
+    parser.add_argument(
+        "--only",
+        metavar="a,b,...",
+        default=",".join(cases.CASES),
+        help=f"the cases to run (default: all of {','.join(cases.CASES)})",
+    )
     args = parser.parse_args(argv)
     chosen = [c.strip() for c in args.only.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in cases.CASES]
@@ -89,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda row: order[row.case])  # stable: each case's rows keep their order
 
     took = time.monotonic() - started
-    print(f"somatize benchmarks, {'quick' if args.quick else 'full'} run of {_version()}, finished "
-          f"{time.strftime('%Y-%m-%d %H:%M %Z')} after {took:.0f} s; {os.cpu_count()} cores, "
-          f"Python {platform.python_version()}")
+    print(
+        f"somatize benchmarks, {'quick' if args.quick else 'full'} run of {_version()}, finished "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')} after {took:.0f} s; {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}"
+    )
     print()
     print(as_markdown(rows) if args.markdown else as_text(rows))
     return 1 if failed else 0
@@ -100,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
 def _version() -> str:
     """The commit measured, and whether somatize/ had changes not committed yet."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "somatize"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "somatize"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "somatize (no git)"
     if not commit:

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 
 import nodes
 from nodes import Echo
-from somatize import Broker, Worker
 from table import Row, median
+
+from somatize import Broker, Worker
 
 THREADS = 16
 WORKERS = 4
@@ -87,6 +88,11 @@ def threads_rows(settings, floors) -> list[Row]:
         one = rate(call_for, 1, settings.calls // 2)
     floors.threads = mine
     return [
-        Row("t", f"somatize, {THREADS} threads to {WORKERS} workers, 100 B", f"{mine:,.0f} forwards/s",
-            f"1 thread {one:,.0f}/s", f"{mine / one:.2f}x"),
+        Row(
+            "t",
+            f"somatize, {THREADS} threads to {WORKERS} workers, 100 B",
+            f"{mine:,.0f} forwards/s",
+            f"1 thread {one:,.0f}/s",
+            f"{mine / one:.2f}x",
+        ),
     ]

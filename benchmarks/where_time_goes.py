@@ -61,9 +61,9 @@ def measured(call, times: int) -> None:
 
 def run(which: str) -> None:
     import numpy as np
-
     import paths
     from nodes import Echo, Inc
+
     from somatize import Broker, Worker
 
     echo = Echo().named("echo").at("w1")
@@ -86,12 +86,13 @@ def run(which: str) -> None:
         measured(lambda: chain.forward(0), 1000)
     elif which in ("mount", "relayed"):
         x = np.ones(16 << 20, np.float32)
-        with (paths.mount() if which == "mount" else paths.relayed()) as broker:
+        with paths.mount() if which == "mount" else paths.relayed() as broker:
             echo.forward(x, broker=broker)
             measured(lambda: echo.forward(x, broker=broker), 20 if which == "mount" else 10)
     elif which == "torch":
-        import somatize.torch  # noqa: F401
         import torch
+
+        import somatize.torch  # noqa: F401
 
         x = torch.ones(16 << 20)
         with paths.direct() as broker:
@@ -126,7 +127,7 @@ def cpu(calls: int = 3000) -> str:
                 stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
             except OSError:  # it ended meanwhile
                 continue
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
             fields = stat.rsplit(")", 1)[1].split()
             role = "main" if tid == str(pid) else "I/O" if name.startswith("ZMQbg/IO") else "other threads"
             user, system = found.get(role, (0, 0))
@@ -157,8 +158,10 @@ def cpu(calls: int = 3000) -> str:
             for _ in range(calls):
                 call()
             wall = 1e6 * (time.perf_counter() - wall) / calls
-            lines.append(f"{name:16} {wall:6.0f} µs per call; CPU per call: client {said(mine, threads(os.getpid()))}; "
-                         f"other side {said(theirs, threads(pid))}")
+            lines.append(
+                f"{name:16} {wall:6.0f} µs per call; CPU per call: client {said(mine, threads(os.getpid()))}; "
+                f"other side {said(theirs, threads(pid))}"
+            )
     return "\n".join(lines)
 
 
@@ -189,16 +192,17 @@ def placement(calls: int = 2000, blocks: int = 5) -> str:
 
     everywhere = os.sched_getaffinity(0)
     first, second = sorted(everywhere)[:2]
-    placements = (("free", everywhere, everywhere), ("one CPU", {first}, {first}),
-                  ("a CPU each", {first}, {second}))
+    placements = (("free", everywhere, everywhere), ("one CPU", {first}, {first}), ("a CPU each", {first}, {second}))
     echo = Echo().named("echo").at("w1")
     lines = [f"case (a), {blocks} blocks of {calls} calls each: median of the blocks (least), µs per call"]
     with paths.direct() as broker, floor() as raw:
         echo.forward(SMALL, broker=broker)
         worker = broker._server.children["w1"].process.pid
         try:
-            for name, call, pid in (("raw pyzmq", lambda: raw.small(SMALL), raw.server_pid),
-                                    ("somatize Direct", lambda: echo.forward(SMALL, broker=broker), worker)):
+            for name, call, pid in (
+                ("raw pyzmq", lambda: raw.small(SMALL), raw.server_pid),
+                ("somatize Direct", lambda: echo.forward(SMALL, broker=broker), worker),
+            ):
                 said = []
                 for where, mine, theirs in placements:
                     pin(os.getpid(), mine)
@@ -222,13 +226,24 @@ def placement(calls: int = 2000, blocks: int = 5) -> str:
 # counted from, where it is called from elsewhere too): their inclusive time in a
 # deterministic profile of each side. What no stage names is "the rest".
 CLIENT_STAGES = (
-    ("plan: the graph's checks and its walk",
-     (("plan.py", "check"), ("engine.py", "prepare"), ("planned.py", "trip_of"))),
-    ("locate, borrow, give back the channel",
-     (("handle.py", "_locate"), ("handle.py", "_borrow"), ("handle.py", "_give_back"))),
-    ("pack: specs, Work, recipe digest, kinds",
-     (("pieces.py", "specs_of"), ("pieces.py", "work_of"), ("channel.py", "_digest_of"),
-      ("channel.py", "_check_kinds"), ("channel.py", "_provision"))),
+    (
+        "plan: the graph's checks and its walk",
+        (("plan.py", "check"), ("engine.py", "prepare"), ("planned.py", "trip_of")),
+    ),
+    (
+        "locate, borrow, give back the channel",
+        (("handle.py", "_locate"), ("handle.py", "_borrow"), ("handle.py", "_give_back")),
+    ),
+    (
+        "pack: specs, Work, recipe digest, kinds",
+        (
+            ("pieces.py", "specs_of"),
+            ("pieces.py", "work_of"),
+            ("channel.py", "_digest_of"),
+            ("channel.py", "_check_kinds"),
+            ("channel.py", "_provision"),
+        ),
+    ),
     # the express way writes a repeated call's Work with `work_frames`; the general way `encode`s it
     ("encode the Work", (("writing.py", "encode"), ("short.py", "work_frames"))),
     ("send", (("channel.py", "_send_work"),)),
@@ -242,8 +257,10 @@ WORKER_STAGES = (
     # general way (`decode`, `receive`) takes the rest (the first call of a recipe, say)
     ("decode the Work", (("reading.py", "decode"), ("short.py", "express", "_expressed"))),
     ("check it against the conversation", (("conversation.py", "receive"), ("conversation.py", "recall"))),
-    ("look up and build the nodes",
-     (("catalog.py", "missing"), ("catalog.py", "build"), ("prepared.py", "prepare"), ("pieces.py", "piece_of"))),
+    (
+        "look up and build the nodes",
+        (("catalog.py", "missing"), ("catalog.py", "build"), ("prepared.py", "prepare"), ("pieces.py", "piece_of")),
+    ),
     # a lone node runs directly (`run_lone`); any other piece is walked (`run_piece`)
     ("run the piece (the node's forward inside)", (("engine.py", "run_piece"), ("engine.py", "run_lone"))),
     ("encode the answer", (("writing.py", "encode"),)),
@@ -267,6 +284,7 @@ def stages(calls: int = 2000) -> str:
 
     import nodes
     from nodes import Echo
+
     from somatize import Broker, Worker
 
     def cpu_of(pid: int) -> float:
@@ -276,8 +294,10 @@ def stages(calls: int = 2000) -> str:
     echo = Echo().named("echo").at("w1")
     folder = tempfile.mkdtemp(prefix="somatize-stages-")
     profiled = os.path.join(folder, "worker.prof")
-    out = [f"case (a), {calls} calls a run: stage, share of the side's Python (cProfile), "
-           f"that share of its CPU per call (measured without a profiler)"]
+    out = [
+        f"case (a), {calls} calls a run: stage, share of the side's Python (cProfile), "
+        f"that share of its CPU per call (measured without a profiler)"
+    ]
     # first unprofiled, for the CPU per call; then both sides profiled
     for profile in (False, True):
         command = [sys.executable, *(["-m", "cProfile", "-o", profiled] if profile else []), "-m", "somatize.worker"]
@@ -289,17 +309,23 @@ def stages(calls: int = 2000) -> str:
             if not profile:
                 mine, theirs, wall = time.process_time(), cpu_of(pid), time.perf_counter()
                 measured(lambda: echo.forward(SMALL, broker=broker), calls)
-                cpu = {"client": 1e6 * (time.process_time() - mine) / calls,
-                       "worker": 1e6 * (cpu_of(pid) - theirs) / calls}
-                out.append(f"wall {1e6 * (time.perf_counter() - wall) / calls:.0f} µs per call; CPU per call: "
-                           f"client {cpu['client']:.0f} µs, worker {cpu['worker']:.0f} µs")
+                cpu = {
+                    "client": 1e6 * (time.process_time() - mine) / calls,
+                    "worker": 1e6 * (cpu_of(pid) - theirs) / calls,
+                }
+                out.append(
+                    f"wall {1e6 * (time.perf_counter() - wall) / calls:.0f} µs per call; CPU per call: "
+                    f"client {cpu['client']:.0f} µs, worker {cpu['worker']:.0f} µs"
+                )
                 continue
             profiler = cProfile.Profile()
             profiler.runcall(measured, lambda: echo.forward(SMALL, broker=broker), calls)
         client = pstats.Stats(profiler)
     worker_stats = pstats.Stats(profiled)
-    for side, stats, named, root in (("client", client, CLIENT_STAGES, ("where_time_goes.py", "measured")),
-                                      ("worker", worker_stats, WORKER_STAGES, ("loop.py", "_turn"))):
+    for side, stats, named, root in (
+        ("client", client, CLIENT_STAGES, ("where_time_goes.py", "measured")),
+        ("worker", worker_stats, WORKER_STAGES, ("loop.py", "_turn")),
+    ):
         table = stats.stats  # (file, line, function) -> (calls, calls, own time, inclusive time, callers)
 
         def inclusive(file: str, function: str, caller: str | None = None) -> float:
@@ -313,9 +339,13 @@ def stages(calls: int = 2000) -> str:
         # receive, RCVTIMEO) a blocking receive, which cProfile counts as the own time of
         # `receive_frames` (pyzmq's compiled recv is not seen by it): the receive itself is
         # then left out of the client's figures too, a few µs
-        waiting = sum(v[2] for (f, _, fn), v in table.items()
-                      if fn in ("poll", "wait") or "acquire" in fn
-                      or (side == "client" and f.endswith("sockets.py") and fn == "receive_frames"))
+        waiting = sum(
+            v[2]
+            for (f, _, fn), v in table.items()
+            if fn in ("poll", "wait")
+            or "acquire" in fn
+            or (side == "client" and f.endswith("sockets.py") and fn == "receive_frames")
+        )
         total = inclusive(*root) - waiting
         out.append(f"{side}: {1e6 * total / calls:.0f} µs of Python per call under the profiler")
         shown = 0.0
@@ -323,8 +353,10 @@ def stages(calls: int = 2000) -> str:
             share = sum(inclusive(*f) for f in functions) / total
             shown += share
             out.append(f"  {name:44} {100 * share:5.1f}%  {share * cpu[side]:6.0f} µs")
-        out.append(f"  {'the rest (the engine, the loop, the channel)':44} {100 * (1 - shown):5.1f}%  "
-                   f"{(1 - shown) * cpu[side]:6.0f} µs")
+        out.append(
+            f"  {'the rest (the engine, the loop, the channel)':44} {100 * (1 - shown):5.1f}%  "
+            f"{(1 - shown) * cpu[side]:6.0f} µs"
+        )
     return "\n".join(out)
 
 
@@ -337,7 +369,6 @@ def ceilings(nbytes: int = 64 << 20) -> str:
     import time
 
     import numpy as np
-
     from table import median
 
     x = np.ones(nbytes, np.uint8)
@@ -363,9 +394,11 @@ def ceilings(nbytes: int = 64 << 20) -> str:
         return nbytes / median(times) / 1e9
 
     try:
-        rows = [("memcpy into memory already touched", lambda: np.copyto(y, x)),
-                ("memcpy into fresh memory (page faults)", lambda: x.copy()),
-                ("write a new file in /dev/shm", fresh_file)]
+        rows = [
+            ("memcpy into memory already touched", lambda: np.copyto(y, x)),
+            ("memcpy into fresh memory (page faults)", lambda: x.copy()),
+            ("write a new file in /dev/shm", fresh_file),
+        ]
         out = [f"{what:40} {speed(call):5.2f} GB/s" for what, call in rows]
         with open(path, "wb") as first:
             first.write(x)
@@ -381,8 +414,18 @@ _FRAME = re.compile(r"^(?P<name>.+?) \((?P<where>[^()]*)\)$")
 #: Frames that mark a sample as taken inside the part of a process that is measured.
 _INSIDE = ("measured (", "WorkerLoop.serve (", "BrokerLoop.serve (")
 #: Leaves where a thread waits rather than works (py-spy here samples idle threads too).
-_WAITING = ("Poller.poll", "Socket.poll", "select", "EpollSelector.select", "Popen._wait", "Popen.wait",
-            "Event.wait", "Condition.wait", "sleep", "Thread.join")
+_WAITING = (
+    "Poller.poll",
+    "Socket.poll",
+    "select",
+    "EpollSelector.select",
+    "Popen._wait",
+    "Popen.wait",
+    "Event.wait",
+    "Condition.wait",
+    "sleep",
+    "Thread.join",
+)
 
 
 def _frame(text: str) -> str:
@@ -421,8 +464,10 @@ def summarise(folded: str, top: int = 12) -> str:
         leaves[process][_frame(frames[-1])] += n
     out = []
     for process, total in totals.most_common():
-        out.append(f"== {process}: {total} samples working in the measured part, "
-                   f"{waiting[process]} more waiting (in poll, select, wait)")
+        out.append(
+            f"== {process}: {total} samples working in the measured part, "
+            f"{waiting[process]} more waiting (in poll, select, wait)"
+        )
         out.append("   inclusive (share of the working samples):")
         for name, n in _interesting(processes[process], top):
             out.append(f"   {100 * n / total:5.1f}%  {name}")

@@ -75,10 +75,13 @@ def _keys(folder: str, names: list[str]) -> int:
             print(f"somatize keys: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:  # a folder this user may not create or write to
-            print(f"somatize keys: cannot write key files into {folder}: {exc.strerror or exc}"
-                  f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != folder else ''}; "
-                  f"create it first, owned by the user who keeps the keys (`sudo install -d -o USER -m 700 {folder}`), "
-                  f"or run this as that user", file=sys.stderr)
+            print(
+                f"somatize keys: cannot write key files into {folder}: {exc.strerror or exc}"
+                f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != folder else ''}; "
+                f"create it first, owned by the user who keeps the keys (`sudo install -d -o USER -m 700 {folder}`), "
+                f"or run this as that user",
+                file=sys.stderr,
+            )
             return 2
         print(f"{public}  (public: give it to whoever must recognise `{name}`)")
         print(f"{secret}  (secret, mode 0600: keep it on `{name}` only)")

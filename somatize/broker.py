@@ -40,9 +40,9 @@ from pathlib import Path
 
 from .errors import BadKeys
 from .fabric import Worker, command, sockets
+from .fabric.broker.loop import MAX_DIALED, MAX_HOSTS_PER_KEY, BrokerLoop
 from .fabric.curve import Keys, read_public
 from .fabric.hosts import expand
-from .fabric.broker.loop import MAX_DIALED, MAX_HOSTS_PER_KEY, BrokerLoop
 
 
 def read_hosts(path: str | Path) -> dict[str, Worker]:
@@ -63,20 +63,24 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
                 f"deadline, processes"
             )
         if "processes" in entry and "spawn" not in entry:
-            raise ValueError(f"{path}: [hosts.{name}] processes = N starts N workers from `spawn`; for workers "
-                             f"that listen, give `address` a list, one address per worker")
+            raise ValueError(
+                f"{path}: [hosts.{name}] processes = N starts N workers from `spawn`; for workers "
+                f"that listen, give `address` a list, one address per worker"
+            )
         if ("address" in entry) == ("spawn" in entry):
             raise ValueError(f"{path}: [hosts.{name}] needs exactly one of `address` or `spawn`")
         if "address" in entry:
             keys = None
             if "key" in entry:  # the worker's public key: clients check they reached the right one
                 if not isinstance(entry["key"], str) or not entry["key"]:
-                    raise ValueError(f"{path}: [hosts.{name}] key must be the path of the worker's `.key` file, "
-                                     f"like key = \"keys/{name}.key\"")
+                    raise ValueError(
+                        f"{path}: [hosts.{name}] key must be the path of the worker's `.key` file, "
+                        f'like key = "keys/{name}.key"'
+                    )
                 where = Path(path).parent / entry["key"]
                 if not where.exists():
                     raise ValueError(
-                        f"{path}: [hosts.{name}] key = \"{entry['key']}\", and there is no such file "
+                        f'{path}: [hosts.{name}] key = "{entry["key"]}", and there is no such file '
                         f"({where.resolve()}): make the worker's pair on that worker (`python -m somatize "
                         f"keys DIR {name}`) and copy its public `{name}.key` to {where.resolve()}, or take "
                         f"the line out if that worker listens without keys"
@@ -88,13 +92,23 @@ def read_hosts(path: str | Path) -> dict[str, Worker]:
                 keys = Keys(public=b"", secret=b"", server_key=public)
             address = entry["address"]
             if isinstance(address, list) and not all(isinstance(a, str) for a in address):
-                raise ValueError(f"{path}: [hosts.{name}] address is one \"host:port\" or a list of them (a pool)")
-            out[name] = Worker.at(address, mode=entry.get("mode", "project"), mount=entry.get("mount"), keys=keys,
-                                  deadline=entry.get("deadline"))
+                raise ValueError(f'{path}: [hosts.{name}] address is one "host:port" or a list of them (a pool)')
+            out[name] = Worker.at(
+                address,
+                mode=entry.get("mode", "project"),
+                mount=entry.get("mount"),
+                keys=keys,
+                deadline=entry.get("deadline"),
+            )
         else:
             try:
-                out[name] = Worker.spawn(entry["spawn"], mode=entry.get("mode", "project"), mount=entry.get("mount"),
-                                         deadline=entry.get("deadline"), processes=entry.get("processes"))
+                out[name] = Worker.spawn(
+                    entry["spawn"],
+                    mode=entry.get("mode", "project"),
+                    mount=entry.get("mount"),
+                    deadline=entry.get("deadline"),
+                    processes=entry.get("processes"),
+                )
             except TypeError as exc:
                 raise ValueError(f"{path}: [hosts.{name}]: {exc}") from None
     return expand(out)
@@ -111,27 +125,44 @@ def _more_descriptors(log: logging.Logger) -> None:
         except (ValueError, OSError):
             pass
     if soft != resource.RLIM_INFINITY and soft < MAX_DIALED:
-        log.warning("this broker may hold %d descriptors, one a connection: fewer than the %d workers it "
-                    "takes; raise the limit (`ulimit -n`, or LimitNOFILE in its unit)", soft, MAX_DIALED)
+        log.warning(
+            "this broker may hold %d descriptors, one a connection: fewer than the %d workers it "
+            "takes; raise the limit (`ulimit -n`, or LimitNOFILE in its unit)",
+            soft,
+            MAX_DIALED,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=command.prog("somatize.broker"), description=__doc__.split("\n\n")[0])
-    parser.add_argument("--listen", metavar="URL", default="tcp://127.0.0.1:5555",
-                        help="where clients and dialing workers reach this broker (default tcp://127.0.0.1:5555)")
+    parser.add_argument(
+        "--listen",
+        metavar="URL",
+        default="tcp://127.0.0.1:5555",
+        help="where clients and dialing workers reach this broker (default tcp://127.0.0.1:5555)",
+    )
     parser.add_argument("--hosts", metavar="FILE.toml", help="the host table")
     command.key_options(parser, workers=True)
-    parser.add_argument("--bindings", metavar="FILE.json",
-                        help="keep which worker key owns which dialed-in host name in this file, so a "
-                             "restarted broker gives each name back only to its key (written 0600, in a "
-                             "folder of this user's that others may not write in)")
+    parser.add_argument(
+        "--bindings",
+        metavar="FILE.json",
+        help="keep which worker key owns which dialed-in host name in this file, so a "
+        "restarted broker gives each name back only to its key (written 0600, in a "
+        "folder of this user's that others may not write in)",
+    )
     command.patience_option(parser)
     command.log_option(parser)
-    parser.add_argument("--max-hosts-per-key", metavar="N", type=int, default=MAX_HOSTS_PER_KEY,
-                        help=f"hosts one worker key may serve at once (default {MAX_HOSTS_PER_KEY:,}: one SLURM job "
-                             f"of that many nodes on one key)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow listening on an address other machines can reach, with no keys")
+    parser.add_argument(
+        "--max-hosts-per-key",
+        metavar="N",
+        type=int,
+        default=MAX_HOSTS_PER_KEY,
+        help=f"hosts one worker key may serve at once (default {MAX_HOSTS_PER_KEY:,}: one SLURM job "
+        f"of that many nodes on one key)",
+    )
+    parser.add_argument(
+        "--insecure", action="store_true", help="allow listening on an address other machines can reach, with no keys"
+    )
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     log = command.configure_log(args.log_level).getChild("broker")
@@ -149,10 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = command.server_keys(args, "broker")
     if keys is False:
         return 2
-    if not command.may_listen(url, insecure=args.insecure, who="broker", risk="use its workers", keyed=keys is not None):
+    if not command.may_listen(
+        url, insecure=args.insecure, who="broker", risk="use its workers", keyed=keys is not None
+    ):
         return 2
     try:
-        server = BrokerLoop(hosts, patience=args.patience, bindings=args.bindings, max_hosts_per_key=args.max_hosts_per_key)
+        server = BrokerLoop(
+            hosts, patience=args.patience, bindings=args.bindings, max_hosts_per_key=args.max_hosts_per_key
+        )
     except (OSError, ValueError) as exc:
         print(f"somatize broker: cannot use the bindings file: {exc}", file=sys.stderr)
         return 2
@@ -161,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     def ready() -> None:
-        log.info("listening on %s with %s; hosts: %s", endpoint, server.described(), ", ".join(sorted(hosts)) or "none yet")
+        log.info(
+            "listening on %s with %s; hosts: %s", endpoint, server.described(), ", ".join(sorted(hosts)) or "none yet"
+        )
         if args.announce:
             print(f"somatize-broker ready {endpoint}", flush=True)
 

@@ -66,12 +66,21 @@ _SCHEME = b"somatize code 2"
 _FOLLOWED = 1024
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: made by a class statement or type(), not static C
 # Attributes every class has, or that only say where it was written.
-_NOT_CODE = {"__module__", "__qualname__", "__dict__", "__weakref__", "__firstlineno__",
-             "__static_attributes__", "__slotnames__"}
+_NOT_CODE = {
+    "__module__",
+    "__qualname__",
+    "__dict__",
+    "__weakref__",
+    "__firstlineno__",
+    "__static_attributes__",
+    "__slotnames__",
+}
 _MISSING = object()
-_STALE = ("the code it runs is not what its file holds now (Python loaded a .pyc older than an "
-          "edit made within the same second that kept the file's size, or the file was edited "
-          "after it was imported)")
+_STALE = (
+    "the code it runs is not what its file holds now (Python loaded a .pyc older than an "
+    "edit made within the same second that kept the file's size, or the file was edited "
+    "after it was imported)"
+)
 
 _lock = threading.RLock()
 _said: set[str] = set()
@@ -118,7 +127,8 @@ _births: weakref.WeakKeyDictionary[type, _Birth] = weakref.WeakKeyDictionary()
 _digests: weakref.WeakKeyDictionary[type, _Held] = weakref.WeakKeyDictionary()
 _pieces: weakref.WeakKeyDictionary[type, tuple[tuple, bytes]] = weakref.WeakKeyDictionary()
 _function_pieces: weakref.WeakKeyDictionary[types.FunctionType, tuple[types.CodeType, bytes]] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 _loads: weakref.WeakKeyDictionary[types.CodeType, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
@@ -161,8 +171,11 @@ def code_digest(cls: type) -> str:
             walk.all(cls, classes)
             digest = walk.digest.hexdigest()[:32]
         except Exception as exc:  # never an exception: at worst, a key no other process has
-            _say(_name(cls), f"has code that could not be read ({type(exc).__name__}: {exc}), so "
-                             f"its cache key is new in every process")
+            _say(
+                _name(cls),
+                f"has code that could not be read ({type(exc).__name__}: {exc}), so "
+                f"its cache key is new in every process",
+            )
             digest = os.urandom(16).hex()
             walk.names.clear()
             walk.kinds.clear()
@@ -223,8 +236,10 @@ def _in_project(module_name: str, filename: str) -> bool:
     if not os.path.isabs(where):
         return True  # a notebook cell, `python -c`, code made by exec
     path = os.path.realpath(where)
-    return not (any(path.startswith(root) for root in _stdlib_roots())
-                or any(part in ("site-packages", "dist-packages") for part in path.split(os.sep)))
+    return not (
+        any(path.startswith(root) for root in _stdlib_roots())
+        or any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
+    )
 
 
 def _functions(klass: type) -> Iterator[tuple[str, types.FunctionType]]:
@@ -355,7 +370,7 @@ class _Walk:
                 else:
                     self.names.append((names, name, value))
             _feed(self.digest, f"global {name}={seen}".encode("utf-8", "surrogatepass"))
-        for free, cell in zip(code.co_freevars, function.__closure__ or ()):
+        for free, cell in zip(code.co_freevars, function.__closure__ or (), strict=False):
             try:
                 held = cell.cell_contents
             except ValueError:  # a cell not filled yet
@@ -392,8 +407,11 @@ class _Walk:
             if len(self.seen) >= _FOLLOWED:
                 if not self.full:
                     self.full = True
-                    _say(_name(unit), f"is past the {_FOLLOWED} functions and classes a cache key "
-                                      f"follows, so it and what it calls are not part of the key")
+                    _say(
+                        _name(unit),
+                        f"is past the {_FOLLOWED} functions and classes a cache key "
+                        f"follows, so it and what it calls are not part of the key",
+                    )
                 return f"unfollowed:{_name(unit)}"
             self.seen[key] = len(self.seen)
             self.todo.append((unit, lines_of))
@@ -422,8 +440,13 @@ def _piece(klass: type, lines_of: Lines | None) -> bytes:
     if source is not None:
         piece = b"source:" + normalised(source)
     else:
-        why = ("its methods were set after the class was made, as cloudpickle does" if lines_of is None
-               else _STALE if stale else "no file or notebook cell holds its class statement")
+        why = (
+            "its methods were set after the class was made, as cloudpickle does"
+            if lines_of is None
+            else _STALE
+            if stale
+            else "no file or notebook cell holds its class statement"
+        )
         _no_source(_name(klass), why)
         piece = b"bytecode:" + _bytecode(klass)
     if lines_of is not None:
@@ -463,9 +486,12 @@ def _name(thing: Any) -> str:
 
 
 def _no_source(name: str, why: str) -> None:
-    _say(name, f"has no source to read ({why}), so its cache key follows its bytecode, which "
-               f"differs between Python versions. Give the node `.cached(version=\"...\")` to "
-               f"name its code yourself")
+    _say(
+        name,
+        f"has no source to read ({why}), so its cache key follows its bytecode, which "
+        f'differs between Python versions. Give the node `.cached(version="...")` to '
+        f"name its code yourself",
+    )
 
 
 def _say(name: str, line: str) -> None:
@@ -518,16 +544,31 @@ def _written(value: Any, depth: int = 0) -> str:
     if isinstance(value, (frozenset, set)):  # its order follows the hash seed: sort it
         return f"{type(value).__name__}(" + ",".join(sorted(_written(v, depth + 1) for v in value)) + ")"
     if isinstance(value, dict):
-        return "dict(" + ",".join(sorted(f"{_written(k, depth + 1)}:{_written(v, depth + 1)}"
-                                         for k, v in value.items())) + ")"
+        return (
+            "dict("
+            + ",".join(sorted(f"{_written(k, depth + 1)}:{_written(v, depth + 1)}" for k, v in value.items()))
+            + ")"
+        )
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 def _code(code: types.CodeType, depth: int) -> str:
     # not the file, line numbers or qualified name: where code was written is not what it does
-    return "code(" + ",".join((
-        str(code.co_argcount), str(code.co_posonlyargcount), str(code.co_kwonlyargcount),
-        str(code.co_flags), code.co_code.hex(), repr(code.co_names), repr(code.co_varnames),
-        repr(code.co_freevars), repr(code.co_cellvars),
-        _written(code.co_consts, depth + 1),
-    )) + ")"
+    return (
+        "code("
+        + ",".join(
+            (
+                str(code.co_argcount),
+                str(code.co_posonlyargcount),
+                str(code.co_kwonlyargcount),
+                str(code.co_flags),
+                code.co_code.hex(),
+                repr(code.co_names),
+                repr(code.co_varnames),
+                repr(code.co_freevars),
+                repr(code.co_cellvars),
+                _written(code.co_consts, depth + 1),
+            )
+        )
+        + ")"
+    )

@@ -11,8 +11,8 @@ Nothing here touches a store or the wire.
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import dis
 import hashlib
@@ -112,8 +112,9 @@ class _Index:
                 self.functions.setdefault((prefix + name, first), []).append(span)
                 for part in (*decorators, child.args):  # a lambda in a default is the enclosing scope's
                     self._walk(part, prefix)
-                inner = ast.Module(body=child.body if isinstance(child.body, list) else [ast.Expr(child.body)],
-                                   type_ignores=[])
+                inner = ast.Module(
+                    body=child.body if isinstance(child.body, list) else [ast.Expr(child.body)], type_ignores=[]
+                )
                 self._walk(inner, prefix + name + ".<locals>.")
             else:
                 self._walk(child, prefix)
@@ -185,12 +186,33 @@ def compiled_from(function: types.FunctionType, filename: str, lines: list[str])
 
 
 def _same(a: types.CodeType, b: types.CodeType) -> bool:
-    if (a.co_code, a.co_names, a.co_varnames, a.co_freevars, a.co_cellvars, a.co_flags, a.co_argcount,
-            a.co_posonlyargcount, a.co_kwonlyargcount, a.co_name) != (
-            b.co_code, b.co_names, b.co_varnames, b.co_freevars, b.co_cellvars, b.co_flags, b.co_argcount,
-            b.co_posonlyargcount, b.co_kwonlyargcount, b.co_name):
+    if (
+        a.co_code,
+        a.co_names,
+        a.co_varnames,
+        a.co_freevars,
+        a.co_cellvars,
+        a.co_flags,
+        a.co_argcount,
+        a.co_posonlyargcount,
+        a.co_kwonlyargcount,
+        a.co_name,
+    ) != (
+        b.co_code,
+        b.co_names,
+        b.co_varnames,
+        b.co_freevars,
+        b.co_cellvars,
+        b.co_flags,
+        b.co_argcount,
+        b.co_posonlyargcount,
+        b.co_kwonlyargcount,
+        b.co_name,
+    ):
         return False
-    return len(a.co_consts) == len(b.co_consts) and all(_same_constant(x, y) for x, y in zip(a.co_consts, b.co_consts))
+    return len(a.co_consts) == len(b.co_consts) and all(
+        _same_constant(x, y) for x, y in zip(a.co_consts, b.co_consts, strict=False)
+    )
 
 
 def _same_constant(a: Any, b: Any) -> bool:
@@ -199,7 +221,7 @@ def _same_constant(a: Any, b: Any) -> bool:
     if isinstance(a, types.CodeType):
         return _same(a, b)
     if isinstance(a, tuple):
-        return len(a) == len(b) and all(_same_constant(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same_constant(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, float) or isinstance(a, complex):
         return repr(a) == repr(b)  # -0.0 == 0.0, and nan != nan
     return bool(a == b)
@@ -208,8 +230,9 @@ def _same_constant(a: Any, b: Any) -> bool:
 # -- the text of a class statement, or of a function -----------------------------------------
 
 
-def class_source(klass: type, written: Iterable[types.FunctionType], files: Iterable[str],
-                 lines_of: Any) -> tuple[list[str] | None, bool]:
+def class_source(
+    klass: type, written: Iterable[types.FunctionType], files: Iterable[str], lines_of: Any
+) -> tuple[list[str] | None, bool]:
     """The lines of ``klass``'s class statement, decorators included, and whether a file was
     found holding it that does not compile to the code that runs (stale). ``None`` for the
     lines when no file holds exactly one statement that made it, or it is stale.

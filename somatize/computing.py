@@ -205,9 +205,12 @@ class Claims:
         taken over: the forward computes ``node`` unclaimed and leaves the name alone."""
         root = getattr(self.store, "path", None)
         name = f"{root}/{_PREFIX}{key}" if root is not None else _PREFIX + key
-        tell_once(name, f"somatize computing: the claim {name} cannot be used "
-                        f"({type(exc).__name__}: {exc}); `{node}` is computed here, unclaimed, and "
-                        "the name is left alone. Remove it if nobody is computing that entry.")
+        tell_once(
+            name,
+            f"somatize computing: the claim {name} cannot be used "
+            f"({type(exc).__name__}: {exc}); `{node}` is computed here, unclaimed, and "
+            "the name is left alone. Remove it if nobody is computing that entry.",
+        )
 
     def _said_blocked(self, exc: Blocked) -> None:
         root = getattr(self.store, "path", None)

@@ -57,9 +57,9 @@ from .plan import Closes, Join, Plan, Recall, Remote, Run, check, compile, group
 from .planned import caches as _caches
 from .planned import here as _here
 from .planned import memo_of as _memo_of
-from .planned import trip_of as _trip_of
 from .planned import plan_of as _plan_of
 from .planned import steps_of as _steps_of
+from .planned import trip_of as _trip_of
 from .store import FolderStore
 from .wiring import inputs_of, piece_plan, wiring_of
 
@@ -104,7 +104,12 @@ def forward(
         here = _here(broker, graph)
         check(graph, broker=broker, store=store, here=here)
     # (a graph whose hosts all run in this process, as `check` found, is walked here)
-    if until is None and (watch is _NOBODY or not watch) and broker is not None and not graph.__dict__["_somatize_hosts"] <= here:
+    if (
+        until is None
+        and (watch is _NOBODY or not watch)
+        and broker is not None
+        and not graph.__dict__["_somatize_hosts"] <= here
+    ):
         trip = _trip_of(graph, here, store)
         if trip is not None:  # the whole forward is one trip to a host: the piece goes as it is
             host, steps, shape, memo = trip
@@ -141,7 +146,6 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
     return _outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
 
 
-
 def lone_step(steps: tuple[Step, ...], shape: Any) -> Step | None:
     """The one step of a piece whose plan is that step alone, from its input to its output
     (most pieces a worker runs); None for any other. Its plan is compiled once per shape,
@@ -173,10 +177,19 @@ def run_lone(step: Step, value: Any) -> Any:
 def _node_failed(step: Step, exc: Exception, host: str | None) -> NodeFailed:
     """What a walk raises when ``step`` raised ``exc`` (on ``host``, run in this process)."""
     if host is None:
-        return NodeFailed(f"node `{step.label}` raised {type(exc).__name__}: {exc}", node=step.label,
-                          error=type(exc).__name__, remote_traceback=None)
-    return NodeFailed(f"node `{step.label}` on `{host}` raised {type(exc).__name__}: {exc}", node=step.label,
-                      error=type(exc).__name__, host=host)
+        return NodeFailed(
+            f"node `{step.label}` raised {type(exc).__name__}: {exc}",
+            node=step.label,
+            error=type(exc).__name__,
+            remote_traceback=None,
+        )
+    return NodeFailed(
+        f"node `{step.label}` on `{host}` raised {type(exc).__name__}: {exc}",
+        node=step.label,
+        error=type(exc).__name__,
+        host=host,
+    )
+
 
 # -- the walk ----------------------------------------------------------------------------
 
@@ -214,7 +227,14 @@ class _Walk:
 
     @classmethod
     def prepare(
-        cls, graph: Graph, x: Any, *, broker: Any, store: Any, watch: Watchers, deadline: Deadline | None = None,
+        cls,
+        graph: Graph,
+        x: Any,
+        *,
+        broker: Any,
+        store: Any,
+        watch: Watchers,
+        deadline: Deadline | None = None,
         here: frozenset[str] | None = None,
     ) -> _Walk:
         steps = graph.steps
@@ -258,16 +278,30 @@ class _Walk:
                 shape = prune(graph.shape, steps, keys, recall)
                 claims.release_all(keep=missed.values())
         plan = compile(steps, group(shape, steps), recalled_keys=keys, here=here)
-        return cls(plan, watch, keys=keys, store=store, broker=broker, recalled=recalled, deadline=deadline,
-                   claims=claims, waited=waited)
+        return cls(
+            plan,
+            watch,
+            keys=keys,
+            store=store,
+            broker=broker,
+            recalled=recalled,
+            deadline=deadline,
+            claims=claims,
+            waited=waited,
+        )
 
     # -- scheduling --------------------------------------------------------------------
     def run(self, x: Any) -> Any:
         plan = self.plan
         ops = plan.ops
         output = plan.output
-        if (len(ops) == 1 and self.deadline is None and type(ops[0]) in (Run, Remote) and ops[0].source == 0
-                and ops[0].target == output):
+        if (
+            len(ops) == 1
+            and self.deadline is None
+            and type(ops[0]) in (Run, Remote)
+            and ops[0].source == 0
+            and ops[0].target == output
+        ):
             # one node, or one trip to a host (most pieces, most calls): nothing to wire or wait for
             return self._remote(ops[0], x) if type(ops[0]) is Remote else self._run(ops[0], x)
         wiring = wiring_of(plan)
@@ -420,7 +454,8 @@ class _Walk:
             op.local_shape,
             value,
             {new: self.keys[i] for new, i in enumerate(indices) if i in self.keys and steps[i].cache}
-            if self.keys else {},
+            if self.keys
+            else {},
             self.deadline,
             _memo_of(op),
         )
@@ -430,8 +465,14 @@ class _Walk:
         watch = (lambda f: self.watch(elsewhere(f, host))) if self.watching else None
         outcome = self.broker.run(piece, watch)
         if watch is not None:
-            self.watch(fact("left", host=outcome.member or host, took_us=microseconds(time.perf_counter_ns() - started),
-                            worked_us=outcome.took_us))
+            self.watch(
+                fact(
+                    "left",
+                    host=outcome.member or host,
+                    took_us=microseconds(time.perf_counter_ns() - started),
+                    worked_us=outcome.took_us,
+                )
+            )
         for number, produced in outcome.produced.items():
             if number in piece.keys:  # the carrier took only what was asked (`Piece.keys`)
                 self._keep(piece.steps[number], piece.keys[number], produced)
@@ -525,7 +566,9 @@ def _items(output: Any) -> int | None:
 
 def _seconds(deadline: Any) -> float:
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
-        raise TypeError(f"`deadline=` takes seconds as a number, like `deadline=30`; it was given a `{type(deadline).__name__}`")
+        raise TypeError(
+            f"`deadline=` takes seconds as a number, like `deadline=30`; it was given a `{type(deadline).__name__}`"
+        )
     if not 0 < deadline < float("inf"):
         raise ValueError(f"`deadline=` takes a positive, finite number of seconds; it was given {deadline!r}")
     return float(deadline)

@@ -51,9 +51,7 @@ def _text(value: object) -> str:
         return str(value)
     if isinstance(value, float):
         return repr(value)
-    raise TypeError(
-        f"a fact's fields are text, numbers or booleans; got a `{type(value).__name__}`"
-    )
+    raise TypeError(f"a fact's fields are text, numbers or booleans; got a `{type(value).__name__}`")
 
 
 def elsewhere(f: Fact, host: str) -> Fact:
@@ -106,7 +104,7 @@ class Watchers:
         """The watchers of one forward: a watcher that keeps per-forward state (a
         ``Recorder``) gives its own, through its ``for_forward()``."""
         each = tuple(w.for_forward() if hasattr(w, "for_forward") else w for w in self._each)
-        if all(a is b for a, b in zip(each, self._each)):
+        if all(a is b for a, b in zip(each, self._each, strict=False)):
             return self
         fresh = Watchers()
         fresh._each = each

@@ -415,8 +415,12 @@ def tell_blocked(root: Path, where: str, held: str) -> None:
         tell_once(path, f"somatize store: {path} {_LINK_TEXT}; it is left out.", planted)
     else:
         what = held if held.startswith("a file") else f"not a regular file ({held})"
-        tell_once(path, f"somatize store: {path} is {what}, which no store writes; it is left out "
-                        "(read as nothing there). Remove it, and check who else may write there.", planted)
+        tell_once(
+            path,
+            f"somatize store: {path} is {what}, which no store writes; it is left out "
+            "(read as nothing there). Remove it, and check who else may write there.",
+            planted,
+        )
 
 
 def tell_link(root: Path, where: str) -> None:

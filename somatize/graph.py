@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from .code_identity import code_digest, noted
 
@@ -50,9 +50,7 @@ class Node:
         return self
 
     def forward(self, x: Any) -> Any:
-        raise NotImplementedError(
-            f"`{type(self).__name__}` has no `forward(self, x)`: define one in the subclass"
-        )
+        raise NotImplementedError(f"`{type(self).__name__}` has no `forward(self, x)`: define one in the subclass")
 
     # -- suffixes: each returns a declaration about this very node -------------------
     def named(self, name: str) -> Step:
@@ -140,8 +138,9 @@ class Graph:
         :meth:`map`)."""
         from . import mapping
 
-        return mapping.submit(self, x, broker=broker, store=store, watching=watching, deadline=deadline,
-                              retries=retries)
+        return mapping.submit(
+            self, x, broker=broker, store=store, watching=watching, deadline=deadline, retries=retries
+        )
 
     def map(
         self,
@@ -170,8 +169,19 @@ class Graph:
         index. ``progress=True``: a tqdm bar."""
         from . import mapping
 
-        return mapping.map(self, inputs, broker=broker, store=store, watching=watching, deadline=deadline,
-                           ordered=ordered, errors=errors, retries=retries, in_flight=in_flight, progress=progress)
+        return mapping.map(
+            self,
+            inputs,
+            broker=broker,
+            store=store,
+            watching=watching,
+            deadline=deadline,
+            ordered=ordered,
+            errors=errors,
+            retries=retries,
+            in_flight=in_flight,
+            progress=progress,
+        )
 
     # -- what a running process keeps on a graph ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -245,8 +255,8 @@ class Step(Graph):
         """
         if version is not None and (not isinstance(version, str) or not version):
             raise TypeError(
-                f"`.cached(version=...)` takes a non-empty string, such as \"2\" or "
-                f"\"2024-06-01\"; got {type(version).__name__} {version!r}"
+                f'`.cached(version=...)` takes a non-empty string, such as "2" or '
+                f'"2024-06-01"; got {type(version).__name__} {version!r}'
             )
         return dataclasses.replace(self, cache=True, version=version)
 
@@ -338,7 +348,7 @@ class Parallel(_Composite):
     _joiner = " & "
 
 
-Composable = Union[Node, Graph]
+Composable = Node | Graph
 
 
 def _engine() -> Any:

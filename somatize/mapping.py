@@ -51,8 +51,16 @@ _submitting: concurrent.futures.ThreadPoolExecutor | None = None
 _submitting_lock = threading.Lock()
 
 
-def submit(graph: Any, x: Any, *, broker: Any = None, store: Any = None, watching: Any = None,
-           deadline: float | None = None, retries: int = 1) -> concurrent.futures.Future:
+def submit(
+    graph: Any,
+    x: Any,
+    *,
+    broker: Any = None,
+    store: Any = None,
+    watching: Any = None,
+    deadline: float | None = None,
+    retries: int = 1,
+) -> concurrent.futures.Future:
     """``graph.forward(x, ...)`` on a thread of its own; its ``Future``. A lost input runs
     again up to ``retries`` times, as in :func:`map`."""
     retries = _retries(retries)
@@ -64,23 +72,37 @@ def submit(graph: Any, x: Any, *, broker: Any = None, store: Any = None, watchin
     return pool.submit(_forward, graph, x, None, broker, store, watching, deadline, retries)
 
 
-def map(graph: Any, inputs: Iterable[Any], *, broker: Any = None, store: Any = None, watching: Any = None,
-        deadline: float | None = None, ordered: bool = True, errors: str = "raise", retries: int = 1,
-        in_flight: int | None = None, progress: Any = False) -> Iterator[Any]:
+def map(
+    graph: Any,
+    inputs: Iterable[Any],
+    *,
+    broker: Any = None,
+    store: Any = None,
+    watching: Any = None,
+    deadline: float | None = None,
+    ordered: bool = True,
+    errors: str = "raise",
+    retries: int = 1,
+    in_flight: int | None = None,
+    progress: Any = False,
+) -> Iterator[Any]:
     """The outputs of ``graph`` for each of ``inputs``; see the module. ``deadline`` is per
     input. ``in_flight`` bounds how many forwards run at once (by default: the members of
     the largest pool the graph names, at most :data:`IN_FLIGHT_MOST`; 1 without a pool);
     at most twice that many inputs are taken and not yet handed out.
     ``progress=True`` shows a tqdm bar (done, failed, rate); a tqdm bar may be passed instead."""
     if errors not in ("raise", "return"):
-        raise ValueError(f"`errors=` is 'raise' (the first failure is raised in its turn) or 'return' "
-                         f"(each failure is yielded in its place); got {errors!r}")
+        raise ValueError(
+            f"`errors=` is 'raise' (the first failure is raised in its turn) or 'return' "
+            f"(each failure is yielded in its place); got {errors!r}"
+        )
     retries = _retries(retries)
     width = _in_flight(graph, broker) if in_flight is None else _width(in_flight)
     if ordered is not True and ordered is not False:
         raise TypeError(f"`ordered=` is True or False; got {ordered!r}")
-    return _Mapping(graph, iter(inputs), width, broker, store, watching, deadline, ordered, errors, retries,
-                    _bar(progress))
+    return _Mapping(
+        graph, iter(inputs), width, broker, store, watching, deadline, ordered, errors, retries, _bar(progress)
+    )
 
 
 class _Mapping:
@@ -92,8 +114,20 @@ class _Mapping:
     iterating thread is woken only when the answer it waits for is filed; a map dropped
     unfinished runs out what it took, and its runners end :data:`IDLE` later."""
 
-    def __init__(self, graph: Any, inputs: Iterator[Any], width: int, broker: Any, store: Any, watching: Any,
-                 deadline: float | None, ordered: bool, errors: str, retries: int, bar: Any) -> None:
+    def __init__(
+        self,
+        graph: Any,
+        inputs: Iterator[Any],
+        width: int,
+        broker: Any,
+        store: Any,
+        watching: Any,
+        deadline: float | None,
+        ordered: bool,
+        errors: str,
+        retries: int,
+        bar: Any,
+    ) -> None:
         self._graph, self._inputs, self._width = graph, inputs, width
         self._args = (broker, store, watching, deadline, retries)
         self._ordered, self._errors, self._bar = ordered, errors, bar
@@ -248,8 +282,9 @@ class _Mapping:
         self._bar.set_postfix(running=self._taken - self._given, failed=self._failed, refresh=False)
 
 
-def _forward(graph: Any, x: Any, index: int | None, broker: Any, store: Any, watching: Any,
-             deadline: float | None, retries: int) -> Any:
+def _forward(
+    graph: Any, x: Any, index: int | None, broker: Any, store: Any, watching: Any, deadline: float | None, retries: int
+) -> Any:
     watchers = watching if index is None or watching is None else _tagged(watching, str(index))
     for attempt in range(retries + 1):
         try:
@@ -297,14 +332,17 @@ def _in_flight(graph: Any, broker: Any) -> int:
 
 def _width(in_flight: object) -> int:
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
-        raise TypeError(f"`in_flight=` takes how many forwards may run at once, a whole number from 1; got {in_flight!r}")
+        raise TypeError(
+            f"`in_flight=` takes how many forwards may run at once, a whole number from 1; got {in_flight!r}"
+        )
     return in_flight
 
 
 def _retries(retries: object) -> int:
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise TypeError(f"`retries=` takes how many times a lost input may run again, a whole number from 0; "
-                        f"got {retries!r}")
+        raise TypeError(
+            f"`retries=` takes how many times a lost input may run again, a whole number from 0; got {retries!r}"
+        )
     return retries
 
 
@@ -315,8 +353,7 @@ def _bar(progress: Any) -> Any:
         try:
             from tqdm import tqdm
         except ImportError:
-            print("somatize map: progress=True needs tqdm (pip install tqdm); mapping without a bar",
-                  file=sys.stderr)
+            print("somatize map: progress=True needs tqdm (pip install tqdm); mapping without a bar", file=sys.stderr)
             return None
         return tqdm(unit="input")
     if not all(hasattr(progress, name) for name in ("update", "set_postfix", "close")):

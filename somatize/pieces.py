@@ -69,14 +69,32 @@ class Outcome:
     """The member of a pool that ran it (``gpu#2``), where the piece named the pool."""
 
 
-def piece(host: str, steps: tuple[Step, ...], shape: Shape, value: Any, keys: dict[int, str],
-          deadline: Deadline | None = None, memo: dict | None = None) -> Piece:
+def piece(
+    host: str,
+    steps: tuple[Step, ...],
+    shape: Shape,
+    value: Any,
+    keys: dict[int, str],
+    deadline: Deadline | None = None,
+    memo: dict | None = None,
+) -> Piece:
     """``Piece(...)`` without the frozen dataclass's ``__init__``, which sets each field
     through ``object.__setattr__`` (most of what making one costs, on every forward to a
     host): equal to it, and indistinguishable."""
     made = object.__new__(Piece)
-    object.__setattr__(made, "__dict__", {"host": host, "steps": steps, "shape": shape, "value": value,
-                                          "keys": keys, "deadline": deadline, "memo": memo})
+    object.__setattr__(
+        made,
+        "__dict__",
+        {
+            "host": host,
+            "steps": steps,
+            "shape": shape,
+            "value": value,
+            "keys": keys,
+            "deadline": deadline,
+            "memo": memo,
+        },
+    )
     return made
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 from . import keys as _keys
 from .errors import DuplicateName, Nameless, NoStore, UnknownHost, Unsettled
@@ -100,7 +100,7 @@ class Remote:
         return _renumber(self.shape, {old: new for new, old in enumerate(self.step_indices)})
 
 
-Op = Union[Run, Recall, Join, Remote]
+Op = Run | Recall | Join | Remote
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,15 +198,11 @@ def _check_cached(steps: tuple[Step, ...], at: int, prefix: tuple[int, ...], sto
     cached = steps[at]
     for i in prefix:
         if steps[i].name is None:
-            where = (
-                "it has no name"
-                if i == at
-                else f"a `{type(steps[i].node).__name__}` upstream of it has no name"
-            )
+            where = "it has no name" if i == at else f"a `{type(steps[i].node).__name__}` upstream of it has no name"
             raise Nameless(
                 f"a cached `{type(cached.node).__name__}` cannot be keyed: {where}, and a "
                 f"cache key is made of the names of everything that leads to it. Give it "
-                f"one with `.named(\"...\")`."
+                f'one with `.named("...")`.'
             )
     for i in prefix:
         if not steps[i].freeze:
@@ -219,7 +215,7 @@ def _check_cached(steps: tuple[Step, ...], at: int, prefix: tuple[int, ...], sto
     if store is None:
         raise NoStore(
             f"`{cached.label}` is cached, but this forward was given no store to keep it "
-            f"in. Pass `store=FolderStore(\"./.somatize\")`, or drop `.cached()`."
+            f'in. Pass `store=FolderStore("./.somatize")`, or drop `.cached()`.'
         )
 
 
@@ -234,9 +230,9 @@ def _check_hosts(steps: tuple[Step, ...], broker: Any, here: frozenset[str] | No
             continue  # a host the broker runs in this process is known, and takes any node
         if broker is None:
             raise UnknownHost(
-                f"`{step.label}` is placed on `{step.host}` with `.at(\"{step.host}\")`, but "
+                f'`{step.label}` is placed on `{step.host}` with `.at("{step.host}")`, but '
                 f"this forward was given no broker to find `{step.host}`. Pass "
-                f"`broker=Broker.embedded({{\"{step.host}\": Worker.spawn(...)}})`, "
+                f'`broker=Broker.embedded({{"{step.host}": Worker.spawn(...)}})`, '
                 f"or remove the `.at()`."
             )
         if not broker.knows(step.host):

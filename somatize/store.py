@@ -115,20 +115,14 @@ def _shown(name: object) -> str:
 
 
 def valid_part(part: str) -> bool:
-    return (
-        len(part) <= _COMPONENT_MAX
-        and _COMPONENT.fullmatch(part) is not None
-        and not part.endswith(_SUFFIX)
-    )
+    return len(part) <= _COMPONENT_MAX and _COMPONENT.fullmatch(part) is not None and not part.endswith(_SUFFIX)
 
 
 def _check_component(part: str, name: str) -> None:
     if not part:
         raise BadName(f"Store name {_shown(name)} has an empty component; {_ALLOWED}.")
     if len(part) > _COMPONENT_MAX:
-        raise BadName(
-            f"Store name {_shown(name)} has a component of {len(part)} characters; {_ALLOWED}."
-        )
+        raise BadName(f"Store name {_shown(name)} has a component of {len(part)} characters; {_ALLOWED}.")
     if not valid_part(part):
         raise BadName(f"Store name {_shown(name)} cannot be used; {_ALLOWED}.")
 
@@ -159,6 +153,7 @@ def _check_prefix(prefix: object) -> tuple[list[str], str]:
     if not _PARTIAL.fullmatch(partial):
         raise BadName(f"Scan prefix {_shown(prefix)} cannot match any name; {_ALLOWED}.")
     return folders, partial
+
 
 # -- the folder -------------------------------------------------------------------------
 
@@ -270,8 +265,11 @@ class FolderStore:
                         record = scan_record(fd, path)
                     except StoreError as exc:
                         found = os.fstat(fd)  # which file: another planted later is named again
-                        tell_once(path, f"somatize store: a scan leaves out {name!r}: {exc}",
-                                  (found.st_ino, found.st_ctime_ns))
+                        tell_once(
+                            path,
+                            f"somatize store: a scan leaves out {name!r}: {exc}",
+                            (found.st_ino, found.st_ctime_ns),
+                        )
                         continue
                     finally:
                         os.close(fd)
@@ -487,9 +485,7 @@ class FolderStore:
         except (FileNotFoundError, NotADirectoryError, Blocked):
             return
         except OSError as exc:
-            raise StoreError(
-                f"Cannot delete {name!r} from the store at {self.path} ({exc.strerror or exc})."
-            ) from exc
+            raise StoreError(f"Cannot delete {name!r} from the store at {self.path} ({exc.strerror or exc}).") from exc
 
     def sweep(self, older_than: float = 3600.0) -> int:
         """Remove temp files last touched ``older_than`` seconds ago or more; return how many.
@@ -511,8 +507,7 @@ class FolderStore:
                 fd = open_regular(descent.at(folders), file, where, self.largest)[0]
         except (FileNotFoundError, NotADirectoryError):
             raise Missing(
-                f"Nothing is stored under {name!r} in the store at {self.path}; "
-                "scan() lists what is there."
+                f"Nothing is stored under {name!r} in the store at {self.path}; scan() lists what is there."
             ) from None
         except (Blocked, PermissionError) as exc:
             blocked = exc if isinstance(exc, Blocked) else Blocked(where, "a file this user may not read")
@@ -522,9 +517,7 @@ class FolderStore:
                 f"{blocked.where} {blocked.strerror}, so it counts as blocked."
             ) from None
         except OSError as exc:
-            raise StoreError(
-                f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
-            ) from exc
+            raise StoreError(f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc}).") from exc
         try:
             return open(fd, "rb", buffering=0), path
         except BaseException:
@@ -541,9 +534,7 @@ class FolderStore:
             tell_blocked(self.path, base.rstrip("/"), "a folder this user may not list")
             return
         except OSError as exc:
-            raise StoreError(
-                f"Cannot list the store folder {self.path / base} ({exc.strerror or exc})."
-            ) from exc
+            raise StoreError(f"Cannot list the store folder {self.path / base} ({exc.strerror or exc}).") from exc
         for entry in entries:
             part = entry.name
             stem = part[: -len(_SUFFIX)] if part.endswith(_SUFFIX) else part

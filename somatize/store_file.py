@@ -42,17 +42,11 @@ LARGEST = _half_the_memory()
 
 def record_bytes(name: str, record: object) -> bytes:
     if not isinstance(record, Mapping):
-        raise TypeError(
-            f"The record for {name!r} must be a mapping of str to str, "
-            f"not {type(record).__name__}."
-        )
+        raise TypeError(f"The record for {name!r} must be a mapping of str to str, not {type(record).__name__}.")
     plain: dict[str, str] = {}
     for key, value in record.items():
         if not isinstance(key, str):
-            raise TypeError(
-                f"The record for {name!r} has a key of type {type(key).__name__}; "
-                "record keys must be str."
-            )
+            raise TypeError(f"The record for {name!r} has a key of type {type(key).__name__}; record keys must be str.")
         if not isinstance(value, str):
             raise TypeError(
                 f"The record for {name!r} holds a {type(value).__name__} under {key!r}; "
@@ -93,8 +87,7 @@ def blob_parts(name: str, blob: object) -> list[memoryview] | None:
             ) from None
         if not view.c_contiguous:
             raise TypeError(
-                f"The blob for {name!r} holds a non-contiguous {type(item).__name__}; "
-                "pass a contiguous copy of it."
+                f"The blob for {name!r} holds a non-contiguous {type(item).__name__}; pass a contiguous copy of it."
             )
         parts.append(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
     return parts

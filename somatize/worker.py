@@ -21,12 +21,11 @@ from collections.abc import Sequence
 import zmq
 
 from .errors import BadKeys, SomatizeError
-from .fabric import command
-from .fabric import sockets
+from .fabric import command, sockets
+from .fabric.broker.spawn import ANNOUNCE
 from .fabric.curve import Keys
 from .fabric.worker.loop import WorkerLoop
 from .packing import kinds
-from .fabric.broker.spawn import ANNOUNCE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,27 +34,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     where.add_argument("--listen", metavar="[HOST:]PORT", help="listen here (host defaults to 127.0.0.1)")
     where.add_argument("--broker", metavar="URL", help="dial in to this broker instead (needs --offer)")
     parser.add_argument("--offer", metavar="NAME", help="the host name to serve when dialing in to a broker")
-    parser.add_argument("--mode", choices=("project", "network"), default="project",
-                        help="project: nodes arrive by import name (default); network: also accept code by value")
+    parser.add_argument(
+        "--mode",
+        choices=("project", "network"),
+        default="project",
+        help="project: nodes arrive by import name (default); network: also accept code by value",
+    )
     parser.add_argument("--mount", metavar="DIR", help="a directory shared with the clients, for cargo")
-    parser.add_argument("--jobs", type=command.count, default=1, metavar="N",
-                        help="pieces of work run at once (default 1: on the serving thread, the "
-                             "fastest; N > 1: on N threads); work past them is answered `busy` at "
-                             "once, never queued")
+    parser.add_argument(
+        "--jobs",
+        type=command.count,
+        default=1,
+        metavar="N",
+        help="pieces of work run at once (default 1: on the serving thread, the "
+        "fastest; N > 1: on N threads); work past them is answered `busy` at "
+        "once, never queued",
+    )
     parser.add_argument("--store", metavar="DIR", help="a store to report to (with --reporting)")
-    parser.add_argument("--reporting", type=command.seconds, metavar="SECONDS",
-                        help="say what this worker does (load, memory, slices) on this clock: "
-                             "into --store under machine/NAME, and down open connections as `said`")
+    parser.add_argument(
+        "--reporting",
+        type=command.seconds,
+        metavar="SECONDS",
+        help="say what this worker does (load, memory, slices) on this clock: "
+        "into --store under machine/NAME, and down open connections as `said`",
+    )
     parser.add_argument("--machine", metavar="NAME", help="the name to report under (default: this machine's)")
     command.key_options(parser)
     command.patience_option(parser)
     command.log_option(parser)
     parser.add_argument("--broker-key", metavar="FILE.key", help="the broker's public key, when dialing in with --key")
-    parser.add_argument("--project", metavar="DIR", action="append", default=[],
-                        help="a folder to import nodes from (may repeat); the working directory "
-                             "is not on the import path otherwise")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow listening on, or dialing, an address other machines can reach, with no keys")
+    parser.add_argument(
+        "--project",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="a folder to import nodes from (may repeat); the working directory is not on the import path otherwise",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening on, or dialing, an address other machines can reach, with no keys",
+    )
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -75,8 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"somatize worker: {exc}", file=sys.stderr)
                 return 2
             if keys is None:
-                print("somatize worker: dialing in with keys needs --key (this worker's pair) and "
-                      "--broker-key (the broker's public key)", file=sys.stderr)
+                print(
+                    "somatize worker: dialing in with keys needs --key (this worker's pair) and "
+                    "--broker-key (the broker's public key)",
+                    file=sys.stderr,
+                )
                 return 2
         url = sockets.tcp_url(args.broker)
         if keys is None and not _may_dial(url, insecure=args.insecure, mode=args.mode):
@@ -87,8 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             server.dial(url, args.offer, keys=keys)
         except zmq.ZMQError as exc:
-            print(f"somatize worker: cannot dial {args.broker}: {exc}; give --broker as tcp://HOST:PORT",
-                  file=sys.stderr)
+            print(
+                f"somatize worker: cannot dial {args.broker}: {exc}; give --broker as tcp://HOST:PORT", file=sys.stderr
+            )
             server.close()
             return 2
         where_text = f"dialed {args.broker} offering `{args.offer}`"
@@ -109,9 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         where_text = f"listening on {endpoint}"
 
     def ready() -> None:
-        log.info("%s mode, %s, with %s%s", args.mode, where_text,
-                 "no keys" if keys is None else server.described(),
-                 f"; cargo through {args.mount}" if args.mount else "")
+        log.info(
+            "%s mode, %s, with %s%s",
+            args.mode,
+            where_text,
+            "no keys" if keys is None else server.described(),
+            f"; cargo through {args.mount}" if args.mount else "",
+        )
         if args.announce and not args.broker:
             print(ANNOUNCE + endpoint, flush=True)
 
@@ -129,8 +156,17 @@ def _loop(args: argparse.Namespace) -> WorkerLoop | None:
     store folder that cannot be created, say)."""
     kinds.always()  # a worker's tenants share its codec registry: no import of one changes another's formats
     try:
-        return WorkerLoop(mode=args.mode, mount=args.mount, jobs=args.jobs, parent=args.parent, patience=args.patience,
-                          store=args.store, reporting=args.reporting, machine=args.machine, exit_when_stuck=True)
+        return WorkerLoop(
+            mode=args.mode,
+            mount=args.mount,
+            jobs=args.jobs,
+            parent=args.parent,
+            patience=args.patience,
+            store=args.store,
+            reporting=args.reporting,
+            machine=args.machine,
+            exit_when_stuck=True,
+        )
     except (SomatizeError, OSError, ValueError) as exc:
         print(f"somatize worker: cannot start: {exc}", file=sys.stderr)
         return None
@@ -146,8 +182,11 @@ def _import_path(projects: list[str]) -> bool:
     for project in projects:
         folder = os.path.abspath(os.path.expanduser(project))
         if not os.path.isdir(folder):
-            print(f"somatize worker: --project {project}: no such folder; give the folder your "
-                  f"nodes' modules are imported from", file=sys.stderr)
+            print(
+                f"somatize worker: --project {project}: no such folder; give the folder your "
+                f"nodes' modules are imported from",
+                file=sys.stderr,
+            )
             return False
         folders.append(folder)
     sys.path[:0] = folders
@@ -169,8 +208,11 @@ def _may_dial(url: str, *, insecure: bool, mode: str) -> bool:
             file=sys.stderr,
         )
         return False
-    print(f"somatize worker: WARNING: dialing {url} with no keys (--insecure): anyone who can reach "
-          f"the connection could {risk}", file=sys.stderr)
+    print(
+        f"somatize worker: WARNING: dialing {url} with no keys (--insecure): anyone who can reach "
+        f"the connection could {risk}",
+        file=sys.stderr,
+    )
     return True
 
 

@@ -144,8 +144,11 @@ def python_for_nobody():
     if shutil.which("setpriv") is None:
         pytest.skip("playing another local user needs `setpriv` (util-linux)")
     for candidate in dict.fromkeys([sys.executable, shutil.which("python3"), "/usr/bin/python3"]):
-        if candidate and subprocess.run([*SETPRIV, candidate, "-c", "pass"], cwd="/",
-                                         capture_output=True, timeout=30).returncode == 0:
+        if (
+            candidate
+            and subprocess.run([*SETPRIV, candidate, "-c", "pass"], cwd="/", capture_output=True, timeout=30).returncode
+            == 0
+        ):
             return candidate
     pytest.skip("no Python interpreter that `nobody` may run (ours lies in a folder closed to it)")
 
@@ -202,8 +205,14 @@ def pytest_collection_modifyitems(session, config, items):
     out = tempfile.TemporaryFile("w+")
     err = tempfile.TemporaryFile("w+")
     root = TESTS.parent
-    proc = subprocess.Popen([sys.executable, str(root / "benchmarks" / "run.py"), "--quick", "--markdown"],
-                            cwd=root, stdout=out, stderr=err, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "benchmarks" / "run.py"), "--quick", "--markdown"],
+        cwd=root,
+        stdout=out,
+        stderr=err,
+        text=True,
+        start_new_session=True,
+    )
     config._quick_run = (proc, out, err)
 
 

@@ -68,4 +68,3 @@ class FolderSeen(Node):
         from somatize.fabric.mount import NAME
 
         return [int(np.asarray(x).nbytes), sum(1 for n in os.listdir(self.folder) if NAME.fullmatch(n))]
-

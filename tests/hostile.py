@@ -38,12 +38,12 @@ from pathlib import Path
 
 import msgpack
 import zmq
-
 from conftest import BROKER, WORKER, Process, env_with_tests
-from holds_nodes import Hold
 from fabric_nodes import Add
+from holds_nodes import Hold
 from peers import Raw
 from reliability_support import key_ring, rss_kib, wait_until
+
 from somatize import Broker, Worker
 from somatize.errors import Busy, ProtocolError
 from somatize.fabric.curve import Keys, make_pair, read_public, read_secret
@@ -128,8 +128,9 @@ def sample(kind: str, **given):
             fields[f.name] = given[f.name]
             continue
         made = FIELDS.get((kind, f.name), FIELDS.get(f.name, dataclasses.MISSING))
-        if made is dataclasses.MISSING and (f.default is not dataclasses.MISSING
-                                            or f.default_factory is not dataclasses.MISSING):
+        if made is dataclasses.MISSING and (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        ):
             continue
         if made is dataclasses.MISSING:
             made = _of_type(hints[f.name], f"{kind}.{f.name}")
@@ -212,16 +213,54 @@ class Sides:
     def _start(self, broker_args: tuple, worker_args: tuple) -> None:
         k, env = self.keys, env_with_tests()
         self.processes["broker"] = broker = Process(
-            [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(k["broker_secret"]),
-             "--allow", str(k["allow"]), "--allow-workers", str(k["workers"]), "--patience", PATIENCE, *broker_args],
-            logs=self.logs, env=env)
+            [
+                *BROKER,
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--announce",
+                "--key",
+                str(k["broker_secret"]),
+                "--allow",
+                str(k["allow"]),
+                "--allow-workers",
+                str(k["workers"]),
+                "--patience",
+                PATIENCE,
+                *broker_args,
+            ],
+            logs=self.logs,
+            env=env,
+        )
         dialed = ["--key", str(k["good_secret"]), "--patience", PATIENCE, "--jobs", "4", *worker_args]
-        self.processes["w1"] = Process([*WORKER, "--broker", broker.endpoint, "--offer", "w1",
-                                        "--broker-key", str(k["broker"]), *dialed], logs=self.logs, env=env, announce=None)
-        self.processes["lw"] = Process([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--key", str(k["lw_secret"]),
-                                        "--allow", str(k["allow"]), "--jobs", "4", *worker_args], logs=self.logs, env=env)
-        self.processes["fb1"] = Process([*WORKER, "--broker", self.fake.endpoint, "--offer", "fb1",
-                                         "--broker-key", str(k["fake"]), *dialed], logs=self.logs, env=env, announce=None)
+        self.processes["w1"] = Process(
+            [*WORKER, "--broker", broker.endpoint, "--offer", "w1", "--broker-key", str(k["broker"]), *dialed],
+            logs=self.logs,
+            env=env,
+            announce=None,
+        )
+        self.processes["lw"] = Process(
+            [
+                *WORKER,
+                "--listen",
+                "127.0.0.1:0",
+                "--announce",
+                "--key",
+                str(k["lw_secret"]),
+                "--allow",
+                str(k["allow"]),
+                "--jobs",
+                "4",
+                *worker_args,
+            ],
+            logs=self.logs,
+            env=env,
+        )
+        self.processes["fb1"] = Process(
+            [*WORKER, "--broker", self.fake.endpoint, "--offer", "fb1", "--broker-key", str(k["fake"]), *dialed],
+            logs=self.logs,
+            env=env,
+            announce=None,
+        )
         self.fake.accept()
         self.honest = Honest(self)
         wait_until(lambda: self.honest.via_broker.knows("w1"), 30, "w1 dialing in to the broker")
@@ -298,11 +337,15 @@ class Honest:
     def __init__(self, sides: Sides) -> None:
         self.sides = sides
         k = sides.keys
-        self.via_broker = Broker.at(sides.processes["broker"].endpoint, patience=float(PATIENCE),
-                                    keys=Keys.client(k["bob_secret"], server=k["broker"]))
+        self.via_broker = Broker.at(
+            sides.processes["broker"].endpoint,
+            patience=float(PATIENCE),
+            keys=Keys.client(k["bob_secret"], server=k["broker"]),
+        )
         lw_keys = Keys.client(k["bob_secret"], server=k["lw"])
-        self.to_lw = Broker.embedded({"lw": Worker.at(sides.processes["lw"].endpoint, mode="project", keys=lw_keys)},
-                                     patience=float(PATIENCE))
+        self.to_lw = Broker.embedded(
+            {"lw": Worker.at(sides.processes["lw"].endpoint, mode="project", keys=lw_keys)}, patience=float(PATIENCE)
+        )
         self.exchange = next(sides.fake.numbers)
         self.graph = Add(1).named("a")
         self.busy = 0  # the forwards answered Busy, where that counts as an answer
@@ -457,8 +500,9 @@ class Played:
         elif how == "bare":  # a listening worker's peer
             got = self._until_work_probe(self.raw.send_frames, lambda t: _next(self.raw, t), timeout)
         elif how == "relay to w1":
-            got = self._until_work_probe(lambda f: self.raw.send_frames(relay_to("w1", f)),
-                                         lambda t: _next(self.raw, t), timeout)
+            got = self._until_work_probe(
+                lambda f: self.raw.send_frames(relay_to("w1", f)), lambda t: _next(self.raw, t), timeout
+            )
         else:
             got = self._until_work_probe(lambda f: self.sides.fake.relay(self.exchange, f), self._from_fake, timeout)
         if until is not None and not any(until(a) for a in got):
@@ -582,9 +626,15 @@ class Watched:
         if not self.process.alive:
             return f"{self.name} died (exit {self.process.popen.returncode}): {self.process.stderr()[-800:]}"
         rss, fds, threads = self.now()
-        over = [f"{what} {now} (started with {was}, bound +{bound})" for what, now, was, bound in (
-            ("RSS MiB", rss, self.rss, self.rss_mib), ("descriptors", fds, self.fds, FDS),
-            ("threads", threads, self.threads, THREADS)) if now > was + bound]
+        over = [
+            f"{what} {now} (started with {was}, bound +{bound})"
+            for what, now, was, bound in (
+                ("RSS MiB", rss, self.rss, self.rss_mib),
+                ("descriptors", fds, self.fds, FDS),
+                ("threads", threads, self.threads, THREADS),
+            )
+            if now > was + bound
+        ]
         return f"{self.name}: " + ", ".join(over) if over else ""
 
 
@@ -594,8 +644,10 @@ class Bounds:
 
     def __init__(self, sides: Sides) -> None:
         self.sides = sides
-        self.watched = [Watched(name, process, DIALED_RSS_MIB if name in DIALED else RSS_MIB)
-                        for name, process in sides.processes.items()]
+        self.watched = [
+            Watched(name, process, DIALED_RSS_MIB if name in DIALED else RSS_MIB)
+            for name, process in sides.processes.items()
+        ]
 
     def hold(self, seconds: float = 10.0) -> None:
         """Assert the bounds; a descriptor or a thread let go a moment late is waited for."""

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,16 +128,27 @@ def names() -> list[Name]:
         Name("cache entry", keys.cache_name(key), _pattern(keys.cache_name(key), hexes)),
         Name("claim", computing._PREFIX + key, _pattern(computing._PREFIX + key, hexes)),
         # the judge's fresh entry (computing.Claims._now): named by each claimer anew
-        Name("claim judge", f"{computing._PREFIX}judge/{me}",
-             _pattern(f"{computing._PREFIX}judge/{me}", {me: r"[A-Za-z0-9._-]+-[0-9]+-[0-9a-f]{8}"}),  # Claims._now
-             plantable=False),
+        Name(
+            "claim judge",
+            f"{computing._PREFIX}judge/{me}",
+            _pattern(f"{computing._PREFIX}judge/{me}", {me: r"[A-Za-z0-9._-]+-[0-9]+-[0-9a-f]{8}"}),  # Claims._now
+            plantable=False,
+        ),
         Name("study definition", f"{STUDY}/study", re.escape(f"{STUDY}/study")),  # study._settle
         Name("attempt", attempt, _pattern(attempt, numbers)),
-        Name("study judge", f"{STUDY}/judge/{RUNNER}", re.escape(f"{STUDY}/judge/") + r"[A-Za-z0-9._-]+"),  # study._abandoned
-        Name("forward record", recorder.entry_name(RUN, _NUMBER_A),
-             _pattern(recorder.entry_name(RUN, _NUMBER_A), {str(_NUMBER_A): "[0-9]+"})),
-        Name("chunk", recorder.chunk_name(RUN, _NUMBER_A),
-             _pattern(recorder.chunk_name(RUN, _NUMBER_A), {str(_NUMBER_A): "[0-9]+"})),
+        Name(
+            "study judge", f"{STUDY}/judge/{RUNNER}", re.escape(f"{STUDY}/judge/") + r"[A-Za-z0-9._-]+"
+        ),  # study._abandoned
+        Name(
+            "forward record",
+            recorder.entry_name(RUN, _NUMBER_A),
+            _pattern(recorder.entry_name(RUN, _NUMBER_A), {str(_NUMBER_A): "[0-9]+"}),
+        ),
+        Name(
+            "chunk",
+            recorder.chunk_name(RUN, _NUMBER_A),
+            _pattern(recorder.chunk_name(RUN, _NUMBER_A), {str(_NUMBER_A): "[0-9]+"}),
+        ),
         Name("machine report", reports._MACHINES + MACHINE, re.escape(reports._MACHINES + MACHINE)),
     ]
 
@@ -167,7 +177,7 @@ def unknown_paths(touched: set[str]) -> list[str]:
 
 # -- the tracer: every path a piece touches under its store ----------------------------------
 
-TRACER = r'''
+TRACER = r"""
 import builtins, os, sys
 _root = os.path.realpath(os.environ["HOSTILE_ROOT"])
 _log = open(os.environ["HOSTILE_TRACE"], "a", buffering=1)
@@ -225,7 +235,7 @@ def _open(file, *args, **kwargs):
         _note(file)
     return _real_open(file, *args, **kwargs)
 builtins.open = _open
-'''
+"""
 
 
 def read_trace(path: Path) -> set[str]:
@@ -237,15 +247,28 @@ def read_trace(path: Path) -> set[str]:
 # -- the plants ---------------------------------------------------------------------------------
 
 #: What may be planted where a store entry (a file) belongs.
-ENTRY_PLANTS = ("folder", "link-file", "link-folder", "link-nothing", "fifo", "socket", "empty", "not-utf8",
-                "nested", "nested-record", "types", "types-record", "nonfinite")
+ENTRY_PLANTS = (
+    "folder",
+    "link-file",
+    "link-folder",
+    "link-nothing",
+    "fifo",
+    "socket",
+    "empty",
+    "not-utf8",
+    "nested",
+    "nested-record",
+    "types",
+    "types-record",
+    "nonfinite",
+)
 #: What may be planted where a folder belongs.
 FOLDER_PLANTS = ("link-file", "link-folder", "link-nothing", "fifo", "socket", "empty", "not-utf8")
 #: The big one, everywhere: slow (its reading is what is measured).
 SLOW_PLANTS = ("sparse",)
 
 # The writer: the store's file format by hand (header, CRC, record), as `nobody` writes it.
-PLANTER = r'''
+PLANTER = r"""
 import json, os, shutil, socket, sys, zlib
 
 def clear(path):
@@ -302,15 +325,16 @@ for line in sys.stdin:
         print("planted", flush=True)
     except Exception as exc:
         print(f"failed {type(exc).__name__}: {exc}", flush=True)
-'''
+"""
 
 
 class Planter:
     """`nobody`, planting: one process for many plants, one line asked and answered each."""
 
     def __init__(self, python: str) -> None:
-        self.process = subprocess.Popen([*SETPRIV, python, "-c", PLANTER], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, cwd="/")
+        self.process = subprocess.Popen(
+            [*SETPRIV, python, "-c", PLANTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/"
+        )
 
     def plant(self, **op: Any) -> None:
         assert self.process.stdin and self.process.stdout
@@ -406,8 +430,12 @@ def content(kind: str, record: dict[str, str], blob: bytes | None, chunk: bool =
         return ('{"a": ' + _deep() + "}\n").encode(), blob
     if kind == "types":  # each value text of the wrong type; each line of the blob a list
         text = _text({k: _wrong(v) for k, v in record.items()})
-        return text.encode() + b"\n", lines(blob, lambda item, i: _text([1]) if i % 2 == 0 else
-                                            _text({k: [1] for k in item} if isinstance(item, dict) else {"fact": 5}))
+        return text.encode() + b"\n", lines(
+            blob,
+            lambda item, i: (
+                _text([1]) if i % 2 == 0 else _text({k: [1] for k in item} if isinstance(item, dict) else {"fact": 5})
+            ),
+        )
     if kind == "types-record":  # values that are not text at all
         plain = [5, [1], None, True, {"a": 1}, 1.5]
         return _text({k: plain[i % len(plain)] for i, k in enumerate(record)}).encode() + b"\n", blob
@@ -418,6 +446,7 @@ def content(kind: str, record: dict[str, str], blob: bytes | None, chunk: bool =
             if isinstance(item, dict):
                 return _text({k: (float("nan") if k not in ("fact", "node", "host") else v) for k, v in item.items()})
             return _text([[float("inf"), {"x": "nan"}]] if chunk else float("nan"))
+
         return text.encode() + b"\n", lines(blob, nonfinite_line)
     if kind == "not-utf8":  # a whole, checksummed file whose record is not UTF-8
         text = _text(record).encode()
@@ -472,8 +501,17 @@ def sites(study: str = STUDY, run: str = RUN, key: str = "sha256:" + _KEY_HEX) -
 #: What the code writes at a site, for sites planted before it wrote there: an attempt of
 #: a runner (``study/attempt.py``'s record), claimed and running.
 SHAPES: dict[str, dict[str, str]] = {
-    what: {"trial": str(TRIAL), "attempt": str(attempt), "config": '{"x": 1.0}', "state": "running",
-           "score": "", "took_us": "5", "runner": "a-writer", "error": "", "facts": "0"}
+    what: {
+        "trial": str(TRIAL),
+        "attempt": str(attempt),
+        "config": '{"x": 1.0}',
+        "state": "running",
+        "score": "",
+        "took_us": "5",
+        "runner": "a-writer",
+        "error": "",
+        "facts": "0",
+    }
     for what, attempt in (("attempt", 0), ("fence", 1))
 }
 
@@ -542,9 +580,14 @@ def make_targets(base: Path, planter: Planter) -> Path:
     targets = base / "targets"
     targets.mkdir()
     targets.chmod(0o777)
-    planter.plant(path=str(targets / "file.rec"), kind="store", record=(_text({"by": "link target"}) + "\n").encode().hex())
-    planter.plant(path=str(targets / "folder" / "0.rec"), kind="store",
-                  record=(_text({"by": "link target"}) + "\n").encode().hex())
+    planter.plant(
+        path=str(targets / "file.rec"), kind="store", record=(_text({"by": "link target"}) + "\n").encode().hex()
+    )
+    planter.plant(
+        path=str(targets / "folder" / "0.rec"),
+        kind="store",
+        record=(_text({"by": "link target"}) + "\n").encode().hex(),
+    )
     return targets
 
 
@@ -615,8 +658,10 @@ def _op(op: str, spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("patience"):
             computing.PATIENCE = spec["patience"]
         graph = node()
-        answers = [graph.forward(spec["x"], store=FolderStore(spec["store"]), deadline=spec.get("deadline"))
-                   for _ in range(spec.get("times", REPEAT))]
+        answers = [
+            graph.forward(spec["x"], store=FolderStore(spec["store"]), deadline=spec.get("deadline"))
+            for _ in range(spec.get("times", REPEAT))
+        ]
         return {"answers": answers}
     if op == "command":
         from somatize.__main__ import main
@@ -635,8 +680,10 @@ def _summary(value: Any) -> Any:
     if isinstance(value, list):
         return {"len": len(value), "items": [_summary(v) for v in value[:8]]}
     if isinstance(value, dict):
-        return {str(k)[:40]: (v if isinstance(v, (int, str, type(None))) and len(str(v)) < 80 else type(v).__name__)
-                for k, v in list(value.items())[:12]}
+        return {
+            str(k)[:40]: (v if isinstance(v, (int, str, type(None))) and len(str(v)) < 80 else type(v).__name__)
+            for k, v in list(value.items())[:12]
+        }
     if isinstance(value, tuple):
         return [_summary(v) for v in value]
     if isinstance(value, float):
@@ -644,8 +691,20 @@ def _summary(value: Any) -> Any:
     return value if isinstance(value, (int, str, type(None))) else type(value).__name__
 
 
-READERS = ("runs", "forwards", "curve", "curve_costs", "facts", "nodes", "fleet", "latest", "trials", "best",
-           "machines", "scores")
+READERS = (
+    "runs",
+    "forwards",
+    "curve",
+    "curve_costs",
+    "facts",
+    "nodes",
+    "fleet",
+    "latest",
+    "trials",
+    "best",
+    "machines",
+    "scores",
+)
 
 
 def _readers(spec: dict[str, Any]) -> dict[str, Any]:
@@ -679,8 +738,11 @@ def _readers(spec: dict[str, Any]) -> dict[str, Any]:
             answers = [calls[name]() for _ in range(REPEAT)]
             out[name] = {"answer": _summary(answers[-1]), "fds": _fds() - before}
         except BaseException as exc:  # noqa: BLE001 - what a reader raised is what is measured
-            out[name] = {"raised": f"{type(exc).__name__}: {str(exc)[:300]}",
-                         "traceback": "".join(traceback.format_exception(exc))[-1500:], "fds": _fds() - before}
+            out[name] = {
+                "raised": f"{type(exc).__name__}: {str(exc)[:300]}",
+                "traceback": "".join(traceback.format_exception(exc))[-1500:],
+                "fds": _fds() - before,
+            }
     progress.write_text("")
     return out
 
@@ -702,8 +764,10 @@ def _child(command: dict[str, Any], folder: Path) -> None:
         try:
             result = _op(command["op"], command["spec"])
         except BaseException as exc:  # noqa: BLE001 - a crash is what is measured
-            result = {"raised": f"{type(exc).__name__}: {str(exc)[:300]}",
-                      "traceback": "".join(traceback.format_exception(exc))[-3000:]}
+            result = {
+                "raised": f"{type(exc).__name__}: {str(exc)[:300]}",
+                "traceback": "".join(traceback.format_exception(exc))[-3000:],
+            }
         import gc
 
         gc.collect()
@@ -728,6 +792,7 @@ def prober_main() -> None:
         import somatize.__main__  # noqa: F401
         import somatize.record  # noqa: F401
         import somatize.study.command  # noqa: F401
+
         node().forward(1, store=FolderStore(warm))
         _readers({"store": str(warm), "readers": READERS, "progress": str(warm / "progress")})
     finally:
@@ -771,12 +836,18 @@ def prober_main() -> None:
             result_file = folder / "result.json"
             said = json.loads(result_file.read_text()) if result_file.exists() else {}
             measured = Measured(
-                id=command["id"], rc=None if late else os.waitstatus_to_exitcode(status), hung=late,
+                id=command["id"],
+                rc=None if late else os.waitstatus_to_exitcode(status),
+                hung=late,
                 wall=time.monotonic() - started,
                 cpu=cpu if late else usage.ru_utime + usage.ru_stime,
                 memory=max(0, usage.ru_maxrss * 1024 - base_rss),
-                fds_before=said.pop("fds_before", 0), fds_after=said.pop("fds_after", 0), fds_most=most,
-                stdout=_tail(folder / "stdout"), stderr=_tail(folder / "stderr"), result=said,
+                fds_before=said.pop("fds_before", 0),
+                fds_after=said.pop("fds_after", 0),
+                fds_most=most,
+                stdout=_tail(folder / "stdout"),
+                stderr=_tail(folder / "stderr"),
+                result=said,
             )
             if late:
                 progress = folder / "progress"
@@ -804,9 +875,14 @@ class Prober:
     """The prober process, from the test's side: ``run(commands)`` answers each one."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", "import hostile_folders; hostile_folders.prober_main()"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "import hostile_folders; hostile_folders.prober_main()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self._pending = b""
         assert self._line(120) == "ready", "the prober did not start"
 
@@ -893,5 +969,3 @@ def verdict(measured: Measured | None, site: Site, kind: str, *, line_needed: bo
         elif len(said) > LINES_MAX:
             faults.append(f"said {len(said)} lines naming {site.name!r} (at most {LINES_MAX})")
     return faults
-
-

@@ -14,14 +14,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import hostile
 import numpy as np
 import zmq
-
-import hostile
 from holds_nodes import Big, Hold
 from hostile import KINDS, RSS_MIB, Played, Sides, Watched, frames_of, sample
 from peers import within
 from reliability_support import rss_kib
+
 from somatize import Broker
 from somatize.fabric.curve import Keys
 from somatize.packing import Packer
@@ -46,8 +46,13 @@ UNREAD_MIB = 64 + 4 * 2 * (UNREAD_SIZE >> 20)
 STOPPED_NOTICED = 2 * float(hostile.PATIENCE) + 6.0
 
 #: The process whose memory each role's flood is watched on: the side it attacks.
-WATCHED = {"client": ("broker",), "relayed client": ("broker", "w1"), "peer": ("lw",),
-           "dialed worker, in an exchange": ("broker",), "broker, in an exchange": ("fb1",)}
+WATCHED = {
+    "client": ("broker",),
+    "relayed client": ("broker", "w1"),
+    "peer": ("lw",),
+    "dialed worker, in an exchange": ("broker",),
+    "broker, in an exchange": ("fb1",),
+}
 
 
 @dataclass
@@ -68,7 +73,9 @@ class Load:
 
 def _honest(sides: Sides, side: str, load: Load) -> None:
     started = time.monotonic()
-    assert within(ANSWERED_WITHIN, lambda: sides.honest.answers(side, busy=True)), f"the honest forward through {side} was wrong"
+    assert within(ANSWERED_WITHIN, lambda: sides.honest.answers(side, busy=True)), (
+        f"the honest forward through {side} was wrong"
+    )
     load.slowest = max(load.slowest, time.monotonic() - started)
 
 
@@ -164,8 +171,11 @@ def stopped_under_work(sides: Sides, folder) -> float:
     piece = Hold(str(started), str(release), str(folder / "finished")).named("held").at("w1")
     box: dict = {}
     k = sides.keys  # a client new to w1: its Work goes right behind its Hello, as a first call does
-    client = Broker.at(sides.processes["broker"].endpoint, patience=float(hostile.PATIENCE),
-                       keys=Keys.client(k["bob_secret"], server=k["broker"]))
+    client = Broker.at(
+        sides.processes["broker"].endpoint,
+        patience=float(hostile.PATIENCE),
+        keys=Keys.client(k["bob_secret"], server=k["broker"]),
+    )
 
     def run() -> None:
         try:

@@ -24,7 +24,6 @@ from typing import Any
 
 import msgpack
 import numpy as np
-
 from conftest import Process
 
 TESTS = Path(__file__).resolve().parent
@@ -83,7 +82,6 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
 Proc = Process
 
 
-
 def crashed(returncode: int | None) -> bool:
     """Whether an exit code says the process crashed (anything but 0, or our own SIGTERM)."""
     return returncode not in (None, 0, -signal.SIGTERM)
@@ -98,11 +96,48 @@ SAFE_STREAM = 1 << 20
 FUZZ_SID = 77
 
 _EDGE_VALUES: list[Any] = [
-    None, True, False, 0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -(2**63), 2**64 - 1,
-    0.5, float("nan"), float("inf"), "", "x", "sha256:" + "0" * 64, "a" * 5000, "\u00e9\u4e2d",
-    b"", b"\x00" * 40, [], [1], [[[[]]]], {}, {"t": "Work"}, ["step", 0], ["seq", []],
-    ["par", [["step", 0], ["step", 99]]], ["T"], ["N", "<f8", [2, 2], 0], ["B", 0], ["B", 7],
-    "Relay", "Begin", "Chunk", "Credit", "Mounted", [1 << 40], [0, 1 << 33], FUZZ_SID,
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+    0.5,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "sha256:" + "0" * 64,
+    "a" * 5000,
+    "\u00e9\u4e2d",
+    b"",
+    b"\x00" * 40,
+    [],
+    [1],
+    [[[[]]]],
+    {},
+    {"t": "Work"},
+    ["step", 0],
+    ["seq", []],
+    ["par", [["step", 0], ["step", 99]]],
+    ["T"],
+    ["N", "<f8", [2, 2], 0],
+    ["B", 0],
+    ["B", 7],
+    "Relay",
+    "Begin",
+    "Chunk",
+    "Credit",
+    "Mounted",
+    [1 << 40],
+    [0, 1 << 33],
+    FUZZ_SID,
 ]
 
 
@@ -160,7 +195,9 @@ class Fuzzer:
                 frames = [b""]
             i = rng.randrange(len(frames))
             frame = bytearray(frames[i])
-            how = rng.choice(["flip", "flip", "truncate", "drop", "duplicate", "extend", "insert", "swap", "splice", "empty"])
+            how = rng.choice(
+                ["flip", "flip", "truncate", "drop", "duplicate", "extend", "insert", "swap", "splice", "empty"]
+            )
             if how == "flip" and frame:
                 for _ in range(rng.choice([1, 1, 2, 8])):
                     frame[rng.randrange(len(frame))] ^= 1 << rng.randrange(8)
@@ -250,7 +287,7 @@ class Fuzzer:
                 return frames  # refused before anything is allocated
             if sum(begin.sizes) > SAFE_STREAM or len(begin.sizes) > 1000:
                 tamed = bytes(memoryview(encode(Begin(begin.sid, (SAFE_STREAM // 2,)))[0]))
-                frames = [*frames[:at], tamed, *frames[at + 1:]]
+                frames = [*frames[:at], tamed, *frames[at + 1 :]]
             return frames
         return frames
 
@@ -304,13 +341,26 @@ def corpus(packers: dict, *, host: str = "w1") -> list[list[bytes]]:
         Provision(net_specs[1].target, network.artifact(net_specs[1].target)),
         work,
         Work(2, Recipe(net_specs, ("seq", (("step", 0), ("step", 1)))), np.arange(12.0).reshape(3, 4)),
-        Work(3, Recipe(net_specs, ("par", (("step", 0), ("step", 1)))), {"a": [1, 2, 3], "b": b"x" * 70_000},
-             keys={0: "sha256:" + "a" * 64}, placement={1: "cpu"}),
+        Work(
+            3,
+            Recipe(net_specs, ("par", (("step", 0), ("step", 1)))),
+            {"a": [1, 2, 3], "b": b"x" * 70_000},
+            keys={0: "sha256:" + "a" * 64},
+            placement={1: "cpu"},
+        ),
         Work(4, Recipe(proj_specs, ("seq", (("step", 1), ("step", 0)))), "text"),
-        Where("w1"), Where("nowhere", lost=True), Hosts(), Bye(),
-        Ready(here), Send(5, (digest,)), Refusal("no", ref=3), done,
-        Failed(7, "why", "a", "ValueError", "tb"), Saw(8, {"fact": "ran", "node": "a"}),
-        Located("w1", "direct", address="tcp://127.0.0.1:1", mode="network"), Listed({"w1": "network"}),
+        Where("w1"),
+        Where("nowhere", lost=True),
+        Hosts(),
+        Bye(),
+        Ready(here),
+        Send(5, (digest,)),
+        Refusal("no", ref=3),
+        done,
+        Failed(7, "why", "a", "ValueError", "tb"),
+        Saw(8, {"fact": "ran", "node": "a"}),
+        Located("w1", "direct", address="tcp://127.0.0.1:1", mode="network"),
+        Listed({"w1": "network"}),
         # a stream's pieces, each a message of its own, all for one stream number
         Begin(FUZZ_SID, (100, 5000)),
         Begin(FUZZ_SID, (SAFE_STREAM // 2,)),

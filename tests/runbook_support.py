@@ -155,29 +155,48 @@ class Cluster:
         # path inside the machine's /tmp: an editable install names the checkout by that path
         kept = [p for p in dict.fromkeys((str(self.repo), sys.prefix)) if p == "/tmp" or p.startswith("/tmp/")]
         aside = [f"/opt/.runbook-aside/{i}" for i in range(len(kept))]
-        setup = " && ".join([
-            *mounts,
-            f"mkdir -p {PYTHON_AT}",
-            f"mount --bind {shlex.quote(sys.prefix)} {PYTHON_AT}",
-            # where any user can reach it (a base under /root is not: the service user runs it)
-            f"mkdir -p {BASE_AT}",
-            f"mount --bind {shlex.quote(sys.base_prefix)} {BASE_AT}",
-            *(f"mkdir -p {a} && mount --bind {shlex.quote(p)} {a}" for p, a in zip(kept, aside, strict=True)),
-            f"mount --bind {tmp} /tmp",
-            *(f"mkdir -p {shlex.quote(p)} && mount --bind {a} {shlex.quote(p)}" for p, a in zip(kept, aside, strict=True)),
-            f"mount --bind {shared} /shared",
-            f"cp {hosts} /etc/hosts",
-            f"hostname {machine}",
-            "echo ready",
-        ])
+        setup = " && ".join(
+            [
+                *mounts,
+                f"mkdir -p {PYTHON_AT}",
+                f"mount --bind {shlex.quote(sys.prefix)} {PYTHON_AT}",
+                # where any user can reach it (a base under /root is not: the service user runs it)
+                f"mkdir -p {BASE_AT}",
+                f"mount --bind {shlex.quote(sys.base_prefix)} {BASE_AT}",
+                *(f"mkdir -p {a} && mount --bind {shlex.quote(p)} {a}" for p, a in zip(kept, aside, strict=True)),
+                f"mount --bind {tmp} /tmp",
+                *(
+                    f"mkdir -p {shlex.quote(p)} && mount --bind {a} {shlex.quote(p)}"
+                    for p, a in zip(kept, aside, strict=True)
+                ),
+                f"mount --bind {shared} /shared",
+                f"cp {hosts} /etc/hosts",
+                f"hostname {machine}",
+                "echo ready",
+            ]
+        )
         # A process that holds the machine's mount and UTS namespaces for as long as the
         # machine lives: everything run there enters them through /proc/PID/ns, which any
         # machine can (a bind-mounted namespace file of a mount namespace is not copied into
         # another mount namespace, so files would not do).
         holder = subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{netns}", "--", "unshare", "--mount", "--uts", "--propagation",
-             "private", "sh", "-c", f"{setup} && exec sleep infinity"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                "nsenter",
+                f"--net=/run/netns/{netns}",
+                "--",
+                "unshare",
+                "--mount",
+                "--uts",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f"{setup} && exec sleep infinity",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             start_new_session=True,
         )
         self.holders.append(holder)
@@ -205,8 +224,12 @@ class Cluster:
 
     def run(self, machine: str, argv: list[str], *, timeout: float = 120, stdin: str | None = None):
         """Run ``argv`` on ``machine``: in its namespaces, its folder, its environment."""
-        return _run(enter(json.loads(self.config.read_text()), machine, argv), env=self.env(machine),
-                    timeout=timeout, input=stdin)
+        return _run(
+            enter(json.loads(self.config.read_text()), machine, argv),
+            env=self.env(machine),
+            timeout=timeout,
+            input=stdin,
+        )
 
     def started(self) -> list[int]:
         """Every process the stand-ins started (units, batch jobs), by the files they keep."""
@@ -280,8 +303,16 @@ def _end_group(pid: int, grace: float = 10.0) -> None:
 def environment(config: dict, machine: str) -> dict[str, str]:
     """A login's environment on ``machine``: the stand-ins first on PATH, then this Python."""
     root = Path(config["root"])
-    path = [str(root / "bin"), f"{PYTHON_AT}/bin", "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin",
-            "/sbin", "/bin"]
+    path = [
+        str(root / "bin"),
+        f"{PYTHON_AT}/bin",
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ]
     return {
         "PATH": os.pathsep.join(path),
         "HOME": config["machines"][machine]["home"],
@@ -338,8 +369,9 @@ def sudo(args: list[str]) -> int:
         os.execvp(args[0], args)
     entry = pwd.getpwnam(user)
     env = dict(os.environ, HOME=entry.pw_dir, USER=user, LOGNAME=user)
-    os.execvpe("setpriv", ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--init-groups",
-                           *args], env)
+    os.execvpe(
+        "setpriv", ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--init-groups", *args], env
+    )
     return 1
 
 
@@ -397,8 +429,13 @@ def _start(unit: str, machine: str) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         os.chown(folder, entry.pw_uid, gid)
         folder.chmod(0o755)
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-           "HOME": entry.pw_dir, "USER": user, "LOGNAME": user}
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": entry.pw_dir,
+        "USER": user,
+        "LOGNAME": user,
+    }
     for k, v in settings:
         if k == "Environment":
             for pair in shlex.split(v):
@@ -409,7 +446,12 @@ def _start(unit: str, machine: str) -> int:
     with open(log, "ab") as out:
         process = subprocess.Popen(
             ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={gid}", "--init-groups", *argv],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, cwd=cwd, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
             umask=umask,
         )
     pidfile.write_text(str(process.pid))
@@ -418,8 +460,10 @@ def _start(unit: str, machine: str) -> int:
     until = time.monotonic() + 30
     while time.monotonic() < until:
         if process.poll() is not None:
-            _say(f"Job for {unit}.service failed: its command exited with code {process.returncode}. It said:\n"
-                 + log.read_text(errors="replace")[-3000:])
+            _say(
+                f"Job for {unit}.service failed: its command exited with code {process.returncode}. It said:\n"
+                + log.read_text(errors="replace")[-3000:]
+            )
             return 1
         if STARTED.search(log.read_text(errors="replace")):
             return 0
@@ -551,8 +595,10 @@ def sbatch(args: list[str]) -> int:
     directives.update(options)
     nodes = int(directives.get("nodes", "1"))
     if nodes > len(COMPUTE_NODES):
-        _say(f"sbatch: error: Batch job submission failed: Requested node configuration is not available "
-             f"({nodes} nodes; this stand-in cluster has {len(COMPUTE_NODES)})")
+        _say(
+            f"sbatch: error: Batch job submission failed: Requested node configuration is not available "
+            f"({nodes} nodes; this stand-in cluster has {len(COMPUTE_NODES)})"
+        )
         return 1
     config = _config()
     counter = Path(config["root"]) / "state" / "jobs"
@@ -562,12 +608,22 @@ def sbatch(args: list[str]) -> int:
     output = directives.get("output", "slurm-%j.out").replace("%j", str(job))
     env = dict(os.environ)  # --export=ALL, SLURM's default: the job runs in the submitting environment
     node = COMPUTE_NODES[0]
-    env.update(SLURM_JOB_ID=str(job), SLURM_JOB_NUM_NODES=str(nodes), SLURMD_NODENAME=node,
-               RUNBOOK_MACHINE=node, SLURM_SUBMIT_DIR=os.getcwd())
+    env.update(
+        SLURM_JOB_ID=str(job),
+        SLURM_JOB_NUM_NODES=str(nodes),
+        SLURMD_NODENAME=node,
+        RUNBOOK_MACHINE=node,
+        SLURM_SUBMIT_DIR=os.getcwd(),
+    )
     with open(Path(os.getcwd()) / output, "ab") as out:
-        process = subprocess.Popen(enter(config, node, ["bash", str(Path(script).resolve())], wd=os.getcwd()),
-                                   env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            enter(config, node, ["bash", str(Path(script).resolve())], wd=os.getcwd()),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
     (_state(node) / f"job-{job}.pid").write_text(str(process.pid))
     print(f"Submitted batch job {job}")
     return 0

@@ -19,7 +19,7 @@ from conftest import SETPRIV
 #: Every kind of thing a writer may put where a store's entry belongs.
 KINDS = ("folder", "link-file", "link-folder", "link-nowhere", "fifo", "socket", "sparse")
 
-PLANTER = r'''
+PLANTER = r"""
 import json, os, socket, sys, time, zlib
 
 def record(path, fields):
@@ -67,7 +67,7 @@ if spec.get("keep"):  # write these entries again every `every` seconds until `s
         for path, fields in spec["keep"]:
             record(path, fields)
         time.sleep(spec["every"])
-'''
+"""
 
 
 def plant_args(kind: str, path: Path, elsewhere: Path) -> list:
@@ -80,12 +80,19 @@ def plant_args(kind: str, path: Path, elsewhere: Path) -> list:
     return [kind, str(path)]
 
 
-def planting(python: str, ops: list, *, keep: list | None = None, stop: Path | None = None,
-             every: float = 0.3) -> subprocess.Popen:
+def planting(
+    python: str, ops: list, *, keep: list | None = None, stop: Path | None = None, every: float = 0.3
+) -> subprocess.Popen:
     """Start the writer as `nobody`; return once it planted ``ops`` (it goes on keeping
     ``keep`` fresh until ``stop`` exists, when given)."""
-    writer = subprocess.Popen([*SETPRIV, python, "-c", PLANTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd="/")
+    writer = subprocess.Popen(
+        [*SETPRIV, python, "-c", PLANTER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
     assert writer.stdin is not None and writer.stdout is not None
     writer.stdin.write(json.dumps({"plant": ops, "keep": keep or [], "stop": str(stop), "every": every}) + "\n")
     writer.stdin.close()

@@ -16,10 +16,10 @@ import threading
 import time
 
 import pytest
-
 from conftest import BROKER, WORKER, env_with_tests
 from peers import Raw
 from reliability_support import key_ring, rss_kib, wait_until
+
 from somatize.fabric.curve import read_public, read_secret
 from somatize.wire import Bye, Chunk, Hello, Hosts, Listed, Ready, Relay, Runtime, decode, encode
 
@@ -31,14 +31,30 @@ PEER = 64 * MIB
 
 
 def keyless_broker(processes, *extra):
-    return processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", "2", *extra],
-                     env=env_with_tests())
+    return processes(
+        [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", "2", *extra], env=env_with_tests()
+    )
 
 
 def keyed_broker(processes, ring, *extra):
-    return processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
-                      "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]), "--patience", "2",
-                      *extra], env=env_with_tests())
+    return processes(
+        [
+            *BROKER,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--patience",
+            "2",
+            *extra,
+        ],
+        env=env_with_tests(),
+    )
 
 
 def raw_keys(ring, who):
@@ -49,6 +65,7 @@ def raw_keys(ring, who):
 def settled(pid: int, seconds: float = 90.0) -> None:
     """Wait until process ``pid`` has read what was sent to it: its CPU time grows by less
     than a tenth of the wall time over half a second."""
+
     def used() -> float:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rpartition(")")[2].split()
@@ -78,9 +95,23 @@ def test_relayed_byes_that_end_nothing_are_refused_counted_and_cut(processes, tm
     the connection it came on is cut, and what it queued goes with it."""
     ring = key_ring(tmp_path, clients=("alice", "bob"), workers=("victim",))
     hub = keyed_broker(processes, ring)
-    processes([*WORKER, "--broker", hub.endpoint, "--offer", "node", "--patience", "2",
-               "--key", str(ring["victim_secret"]), "--broker-key", str(ring["broker"])],
-              env=env_with_tests(), announce=None)
+    processes(
+        [
+            *WORKER,
+            "--broker",
+            hub.endpoint,
+            "--offer",
+            "node",
+            "--patience",
+            "2",
+            "--key",
+            str(ring["victim_secret"]),
+            "--broker-key",
+            str(ring["broker"]),
+        ],
+        env=env_with_tests(),
+        announce=None,
+    )
     bob = Raw(hub.endpoint, raw_keys(ring, "bob"))
     flooders: list[Raw] = []
     try:
@@ -88,7 +119,7 @@ def test_relayed_byes_that_end_nothing_are_refused_counted_and_cut(processes, tm
         before = rss_kib(hub.pid, "VmHWM")
         flooders = [Raw(hub.endpoint, raw_keys(ring, "alice"), hwm=0) for _ in range(8)]
         byes = [encode(Relay(host="node", lane=lane + 1, inner=(*encode(Bye()), bytes(2048)))) for lane in range(64)]
-        for n in range(300):  # 240,000 messages, 490 MB: without the cut, most of it queued at the broker
+        for _n in range(300):  # 240,000 messages, 490 MB: without the cut, most of it queued at the broker
             for raw in flooders:
                 for lane in range(100):
                     raw.sock.send_multipart(byes[lane % 64], copy=False)
@@ -98,13 +129,16 @@ def test_relayed_byes_that_end_nothing_are_refused_counted_and_cut(processes, tm
             assert isinstance(bob.ask(Hosts(), 15.0), Listed), hub.stderr()[-1500:]
         grew = rss_kib(hub.pid, "VmHWM") - before
         assert grew < 128 * 1024, f"the broker grew by {grew // 1024} MiB for relayed Byes that ended nothing"
-        assert "closed the connection of" in hub.stderr() and "that opened or ended nothing" in hub.stderr(), \
+        assert "closed the connection of" in hub.stderr() and "that opened or ended nothing" in hub.stderr(), (
             hub.stderr()[-2000:]
+        )
         for raw in flooders:
             raw.close()
         flooders = [Raw(hub.endpoint, raw_keys(ring, "alice"))]
         # a cut is not a ban: once the flood stops, the key is heard again
-        wait_until(lambda: isinstance(flooders[0].ask(Hosts(), 2.0), Listed), 20, "alice heard again\n" + hub.stderr()[-2000:])
+        wait_until(
+            lambda: isinstance(flooders[0].ask(Hosts(), 2.0), Listed), 20, "alice heard again\n" + hub.stderr()[-2000:]
+        )
     finally:
         for raw in (*flooders, bob):
             raw.close()
@@ -136,8 +170,11 @@ def test_a_worker_answering_a_client_that_never_reads_holds_at_most_the_stated_b
             worker.sock.send_multipart(answer, copy=False)
         # its connection's messages are read in order: a question behind them is answered
         # once the broker has handled all of them (or, cut, on the connection it dials again)
-        wait_until(lambda: isinstance(worker.ask(Hosts(), 2.0), Listed) or not hub.alive, 120,
-                   "the broker through the worker's answers")
+        wait_until(
+            lambda: isinstance(worker.ask(Hosts(), 2.0), Listed) or not hub.alive,
+            120,
+            "the broker through the worker's answers",
+        )
         assert isinstance(other.ask(Hosts(), 15.0), Listed), hub.stderr()[-1500:]
         grew = rss_kib(hub.pid, "VmHWM") - before
         bound = (PEER + 64 * MIB) // 1024  # the stated bound, and room for the allocator

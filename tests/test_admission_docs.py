@@ -64,8 +64,9 @@ def test_security_states_each_limit_once_as_the_code_has_it():
     for start, constants in ROWS.items():
         found = [bound for name, bound in table.items() if name.startswith(start)]
         assert len(found) == 1, f"security.md's limits: one row begins {start!r}, not {len(found)}"
-        assert numbers(found[0])[:len(constants)] == list(constants), \
+        assert numbers(found[0])[: len(constants)] == list(constants), (
             f"security.md says {start}: {found[0]}; the code has {constants}"
+        )
     assert len(table) == len(ROWS), f"rows no test reads: {sorted(set(table) - set(ROWS))}"
 
 
@@ -100,5 +101,6 @@ def test_conversation_states_the_brokers_bounds_as_the_code_has_them():
     for pattern, constant in said.items():
         found = re.findall(pattern, page)
         assert found, f"conversation.md no longer says {pattern!r}"
-        assert all(int(n.replace(",", "")) == constant for n in found), \
+        assert all(int(n.replace(",", "")) == constant for n in found), (
             f"conversation.md says {pattern!r} = {found}; the code has {constant}"
+        )

@@ -20,22 +20,53 @@ RUN = ROOT / "benchmarks" / "run.py"
 
 # the start of a row's `what`, for every row each case must print
 ROWS = {
-    "a": ["raw pyzmq DEALER->ROUTER, 100 B", "somatize Direct, 1 node, 100 B", "the same, least disturbed block",
-          "the same, watched",
-          "artifact pickles after", "Ray", "Dask"],
-    "b": ["raw pyzmq zero-copy echo, 1 MiB", "Direct, numpy 1 MiB", "Mount (/dev/shm), numpy 1 MiB",
-          "Mount (/dev/shm), views=True, numpy 1 MiB", "Relayed, numpy 1 MiB", "artifact pickles (Direct, Mount, Mount views, Relayed)", "Ray", "Dask"],
+    "a": [
+        "raw pyzmq DEALER->ROUTER, 100 B",
+        "somatize Direct, 1 node, 100 B",
+        "the same, least disturbed block",
+        "the same, watched",
+        "artifact pickles after",
+        "Ray",
+        "Dask",
+    ],
+    "b": [
+        "raw pyzmq zero-copy echo, 1 MiB",
+        "Direct, numpy 1 MiB",
+        "Mount (/dev/shm), numpy 1 MiB",
+        "Mount (/dev/shm), views=True, numpy 1 MiB",
+        "Relayed, numpy 1 MiB",
+        "artifact pickles (Direct, Mount, Mount views, Relayed)",
+        "Ray",
+        "Dask",
+    ],
     "c": ["no host, 3-node chain", "InProcess host, same chain"],
     "d": ["Python loop over 200 forwards", "engine, 200-node local chain", "Dask"],
     "e": ["forwards(), summarised run", "curve(), summarised run", "curve(), unsummarised run"],
     "f": ["Optuna JournalFileBackend, 2 processes", "2 runners,", "the last", "rebuilding a", "trials(),"],
-    "h": ["50 dialed workers registered", "broker memory and descriptors a worker", "idle broker CPU",
-          "relayed forwards a second, 1 client", "relayed forwards a second, 4 clients", "broker memory after the clients left"],
+    "h": [
+        "50 dialed workers registered",
+        "broker memory and descriptors a worker",
+        "idle broker CPU",
+        "relayed forwards a second, 1 client",
+        "relayed forwards a second, 4 clients",
+        "broker memory after the clients left",
+    ],
     "t": ["somatize, 16 threads to 4 workers, 100 B", "Ray"],
-    "v": ["opening a 2,000-forward run as the view starts", "the same run again", "again after 100 more forwards",
-          "opening a 300-trial study", "the same study again", "the runs page"],
-    "m": ["raw pyzmq echo, numpy 1 MiB: peak RSS", "Direct, numpy 1 MiB: peak RSS", "Mount, numpy 1 MiB: peak RSS", "Mount views, numpy 1 MiB: peak RSS",
-          "Relayed, numpy 1 MiB: peak RSS"],
+    "v": [
+        "opening a 2,000-forward run as the view starts",
+        "the same run again",
+        "again after 100 more forwards",
+        "opening a 300-trial study",
+        "the same study again",
+        "the runs page",
+    ],
+    "m": [
+        "raw pyzmq echo, numpy 1 MiB: peak RSS",
+        "Direct, numpy 1 MiB: peak RSS",
+        "Mount, numpy 1 MiB: peak RSS",
+        "Mount views, numpy 1 MiB: peak RSS",
+        "Relayed, numpy 1 MiB: peak RSS",
+    ],
 }
 
 
@@ -90,8 +121,9 @@ def test_only_picks_cases_and_the_text_table_lines_up():
 
 
 def test_an_unknown_case_is_refused():
-    done = subprocess.run([sys.executable, str(RUN), "--only", "z"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(RUN), "--only", "z"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and "--only takes some of a,b,c,d,e,f" in done.stderr
 
 
@@ -99,11 +131,21 @@ def test_an_unknown_case_is_refused():
 def test_compare_runs_case_a_on_each_tree_in_turn(tmp_path):
     """`benchmarks/compare.py` runs case (a) against each checkout given, each in a process of
     its own with that checkout's somatize; a folder that is not one is refused."""
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), str(ROOT), "--rounds", "1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=200)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), str(ROOT), "--rounds", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     (line,) = done.stdout.splitlines()
     assert line.startswith(f"round 1, {ROOT}: raw ") and "x at the median" in line and "failed" not in line, line
-    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), str(tmp_path)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2 and "holds no somatize/ folder" in refused.stderr

@@ -17,16 +17,29 @@ import threading
 import time
 
 import pytest
-
 from conftest import BROKER, WORKER, env_with_tests
-from peers import Raw
 from fabric_nodes import Add, Sleep
+from peers import Raw
 from reliability_support import key_ring, rss_kib, wait_until
+
 from somatize import Broker
 from somatize.fabric.curve import read_public, read_secret
 from somatize.packing import Packer
 from somatize.wire import (
-    Done, Hello, Hosts, Listed, Located, Ready, Recipe, Refusal, Relay, Runtime, Where, Work, decode, encode,
+    Done,
+    Hello,
+    Hosts,
+    Listed,
+    Located,
+    Ready,
+    Recipe,
+    Refusal,
+    Relay,
+    Runtime,
+    Where,
+    Work,
+    decode,
+    encode,
 )
 
 pytestmark = pytest.mark.slow  # `-m "not slow"` leaves this file out
@@ -35,20 +48,37 @@ RT = Runtime.here(mode="project")
 
 
 def keyless_broker(processes, *extra):
-    return processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", "2", *extra],
-                     env=env_with_tests())
+    return processes(
+        [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", "2", *extra], env=env_with_tests()
+    )
 
 
 def keyed_broker(processes, ring, *extra):
-    return processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
-                      "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]), "--patience", "2",
-                      *extra], env=env_with_tests())
+    return processes(
+        [
+            *BROKER,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--patience",
+            "2",
+            *extra,
+        ],
+        env=env_with_tests(),
+    )
 
 
 def dial(processes, endpoint, host, ring=None, who="victim"):
     keys = [] if ring is None else ["--key", str(ring[who + "_secret"]), "--broker-key", str(ring["broker"])]
-    return processes([*WORKER, "--broker", endpoint, "--offer", host, "--patience", "2", *keys],
-                     env=env_with_tests(), announce=None)
+    return processes(
+        [*WORKER, "--broker", endpoint, "--offer", host, "--patience", "2", *keys], env=env_with_tests(), announce=None
+    )
 
 
 def raw_keys(ring, who):
@@ -74,7 +104,9 @@ def test_a_client_that_never_reads_stalls_nobody_and_its_leaving_kills_nothing(p
         flooder = None
         wait_until(lambda: not hub.alive or isinstance(other.ask(Hosts(), 1.0), Listed), 20, "an answer after it left")
         for _ in range(10):  # past the heartbeats that used to trip libzmq's assertion
-            assert isinstance(other.ask(Hosts(), 5.0), Listed), f"the broker died: {hub.popen.poll()}\n{hub.stderr()[-1500:]}"
+            assert isinstance(other.ask(Hosts(), 5.0), Listed), (
+                f"the broker died: {hub.popen.poll()}\n{hub.stderr()[-1500:]}"
+            )
             threading.Event().wait(0.3)
         assert hub.alive
     finally:
@@ -134,7 +166,9 @@ def test_a_relayed_work_the_broker_refuses_is_named_in_the_refusal(processes):
         answer = client.ask(Relay(host="nowhere", inner=tuple(encode(Hello(RT)))))
         assert isinstance(answer, Refusal) and answer.ref is None  # nothing to name: no work ended
         # a channel that is one lane of many over the connection hears it on its lane
-        answer = client.ask(Relay(host="nowhere", lane=5, inner=tuple(encode(Work(8, Recipe((spec,), ("step", 0)), 1)))))
+        answer = client.ask(
+            Relay(host="nowhere", lane=5, inner=tuple(encode(Work(8, Recipe((spec,), ("step", 0)), 1))))
+        )
         assert isinstance(answer, Relay) and answer.lane == 5, answer
         inner = decode(list(answer.inner))
         assert isinstance(inner, Refusal) and inner.ref == 8 and "no worker serving" in inner.why, inner
@@ -162,7 +196,7 @@ def test_where_lost_from_many_connections_is_checked_once_per_host_off_the_servi
     for a settle and a probe (~0.2 s), with no limit: 450 of them over 30 connections took a
     minute and a half to answer, and everyone else waited behind them."""
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text('[hosts.s1]\nspawn = ["%s", "-m", "somatize.worker"]\nmode = "project"\n' % WORKER[0])
+    hosts.write_text(f'[hosts.s1]\nspawn = ["{WORKER[0]}", "-m", "somatize.worker"]\nmode = "project"\n')
     hub = keyless_broker(processes, "--hosts", str(hosts))
     crowd = [Raw(hub.endpoint) for _ in range(30)]
     other = Raw(hub.endpoint)
@@ -279,7 +313,7 @@ def test_revoking_a_worker_key_tells_its_clients_their_work_ended(processes, tmp
             got.append(answer)
         told = [i for i, a in enumerate(got) if isinstance(a, Refusal) and "no longer allowed" in a.why]
         assert told, got
-        assert not [a for a in got[told[0]:] if not isinstance(a, Refusal)], got  # nothing of it after
+        assert not [a for a in got[told[0] :] if not isinstance(a, Refusal)], got  # nothing of it after
         assert not [a for a in got if isinstance(a, Done)], got
         assert isinstance(alice.ask(Where("node017"), 5.0), Refusal)  # and the name is no longer served
     finally:
@@ -364,9 +398,22 @@ def test_a_bindings_folder_others_may_write_in_is_refused_with_the_fix(processes
     state = tmp_path / "state"
     state.mkdir()
     os.chmod(state, 0o777)
-    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--key", str(ring["broker_secret"]),
-                     "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]),
-                     "--bindings", str(state / "bindings.json")], announce=None)
+    hub = processes(
+        [
+            *BROKER,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--bindings",
+            str(state / "bindings.json"),
+        ],
+        announce=None,
+    )
     assert hub.popen.wait(30) == 2
     assert "can be written by others" in hub.stderr() and f"chmod go-w {state}" in hub.stderr()
 

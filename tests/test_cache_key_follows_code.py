@@ -33,16 +33,29 @@ RAN = ["ran", "kept", "finished"]
 RECALLED = ["recalled", "finished"]
 
 
-def run(folder: Path, *, bytecode: bool = False, argv: tuple[str, ...] = ("run.py",), stdin: str | None = None,
-        env: dict[str, str] | None = None) -> dict:
+def run(
+    folder: Path,
+    *,
+    bytecode: bool = False,
+    argv: tuple[str, ...] = ("run.py",),
+    stdin: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Run the driver in a fresh process in ``folder`` against ``folder/store``; its last
     stdout line is JSON. Bytecode is written only when asked (Python's own .pyc rule)."""
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(folder)]), **(env or {})}
     environment.pop("PYTHONDONTWRITEBYTECODE", None)
     if not bytecode:
         environment["PYTHONDONTWRITEBYTECODE"] = "1"
-    done = subprocess.run([sys.executable, *argv, str(folder / "store")], cwd=folder, env=environment,
-                          input=stdin, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, *argv, str(folder / "store")],
+        cwd=folder,
+        env=environment,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["stderr"] = done.stderr
@@ -66,10 +79,13 @@ def edited(folder: Path, name: str, old: str, new: str) -> None:
 
 
 def test_a_forward_assigned_from_another_module_runs_again_when_that_module_is_edited(tmp_path):
-    project(tmp_path, {
-        "impl.py": "def forward(self, x):\n    return x + 1\n",
-        "feature.py": "import impl\nfrom somatize import Node\n\n\nclass Plus(Node):\n    forward = impl.forward\n",
-    })
+    project(
+        tmp_path,
+        {
+            "impl.py": "def forward(self, x):\n    return x + 1\n",
+            "feature.py": "import impl\nfrom somatize import Node\n\n\nclass Plus(Node):\n    forward = impl.forward\n",
+        },
+    )
     first = run(tmp_path)
     assert (first["out"], first["facts"]) == (11, RAN)
     assert run(tmp_path)["facts"] == RECALLED
@@ -82,10 +98,13 @@ def test_a_forward_assigned_from_another_module_runs_again_when_that_module_is_e
 
 
 def test_a_forward_assigned_from_a_function_of_the_same_file_runs_again_when_it_is_edited(tmp_path):
-    project(tmp_path, {
-        "feature.py": "from somatize import Node\n\n\ndef _forward(self, x):\n    return x + 1\n\n\n"
-                      "class Plus(Node):\n    forward = _forward\n",
-    })
+    project(
+        tmp_path,
+        {
+            "feature.py": "from somatize import Node\n\n\ndef _forward(self, x):\n    return x + 1\n\n\n"
+            "class Plus(Node):\n    forward = _forward\n",
+        },
+    )
     assert run(tmp_path)["facts"] == RAN
     assert run(tmp_path)["facts"] == RECALLED
 
@@ -95,11 +114,14 @@ def test_a_forward_assigned_from_a_function_of_the_same_file_runs_again_when_it_
 
 
 def test_a_helper_forward_calls_by_name_runs_again_when_it_is_edited_and_layout_does_not_count(tmp_path):
-    project(tmp_path, {
-        "helpers.py": "def grow(x):\n    return step(x)\n\n\ndef step(x):\n    return x + 1\n",
-        "feature.py": "from helpers import grow\nfrom somatize import Node\n\n\nclass Plus(Node):\n"
-                      "    def forward(self, x):\n        return grow(x)\n",
-    })
+    project(
+        tmp_path,
+        {
+            "helpers.py": "def grow(x):\n    return step(x)\n\n\ndef step(x):\n    return x + 1\n",
+            "feature.py": "from helpers import grow\nfrom somatize import Node\n\n\nclass Plus(Node):\n"
+            "    def forward(self, x):\n        return grow(x)\n",
+        },
+    )
     assert run(tmp_path)["facts"] == RAN
     edited(tmp_path, "helpers.py", "    return x + 1\n", "    # a note\n    return x+1\n")
     assert run(tmp_path)["facts"] == RECALLED  # a comment and spacing: the same code
@@ -113,10 +135,13 @@ def test_a_helper_forward_calls_by_name_runs_again_when_it_is_edited_and_layout_
 
 
 def test_a_stale_pyc_does_not_give_the_code_it_runs_the_key_of_the_source(tmp_path):
-    project(tmp_path, {
-        "feature.py": "from somatize import Node\n\n\nclass Plus(Node):\n    def forward(self, x):\n"
-                      "        return x + 1\n",
-    })
+    project(
+        tmp_path,
+        {
+            "feature.py": "from somatize import Node\n\n\nclass Plus(Node):\n    def forward(self, x):\n"
+            "        return x + 1\n",
+        },
+    )
     first = run(tmp_path, bytecode=True)
     assert (first["out"], first["facts"]) == (11, RAN)
     (pyc,) = (tmp_path / "__pycache__").glob("feature.*.pyc")
@@ -138,8 +163,7 @@ def test_a_stale_pyc_does_not_give_the_code_it_runs_the_key_of_the_source(tmp_pa
     assert (fresh["out"], fresh["facts"]) == (12, RAN)
     # the stale bytecode's 11 was kept under a key of its own, not the source's, and said so
     assert len({first["key"], stale["key"], fresh["key"]}) == 3
-    assert "`feature.Plus` has no source to read (the code it runs is not what its file holds now" \
-        in stale["stderr"]
+    assert "`feature.Plus` has no source to read (the code it runs is not what its file holds now" in stale["stderr"]
     assert "has no source" not in fresh["stderr"]
     assert run(tmp_path, bytecode=True)["facts"] == RECALLED  # its .pyc is fresh now
 
@@ -169,8 +193,10 @@ def test_an_import_inside_forward_keys_the_same_whether_the_module_imports_it_to
 
 
 def test_a_module_the_code_loads_as_a_global_is_part_of_the_key_by_its_name(tmp_path):
-    body = "import {module} as coder\nfrom somatize import Node\n\n\nclass Plus(Node):\n" \
-           "    def forward(self, x):\n        return len(coder.dumps(x)) + 9\n"
+    body = (
+        "import {module} as coder\nfrom somatize import Node\n\n\nclass Plus(Node):\n"
+        "    def forward(self, x):\n        return len(coder.dumps(x)) + 9\n"
+    )
     project(tmp_path, {"feature.py": body.format(module="json")})
     assert run(tmp_path)["facts"] == RAN
     (tmp_path / "feature.py").write_text(body.format(module="pickle"))  # the class's text is the same
@@ -197,9 +223,11 @@ print(json.dumps({"answers": answers}))
 """
 
 SETUP = "from somatize import FolderStore, Node\nimport sys\nstore = FolderStore(sys.argv[1])"
-RUN_CELL = ("facts = []\nstep = Plus().named('plus').cached().frozen()\n"
-            "out = step.forward(10, store=store, watching=facts.append)\n"
-            "answer = {'out': out, 'facts': [f['fact'] for f in facts], 'key': step.identity}")
+RUN_CELL = (
+    "facts = []\nstep = Plus().named('plus').cached().frozen()\n"
+    "out = step.forward(10, store=store, watching=facts.append)\n"
+    "answer = {'out': out, 'facts': [f['fact'] for f in facts], 'key': step.identity}"
+)
 
 
 def test_a_helper_cell_run_again_with_an_edit_runs_the_node_again_in_the_same_kernel(tmp_path, monkeypatch):
@@ -207,8 +235,15 @@ def test_a_helper_cell_run_again_with_an_edit_runs_the_node_again_in_the_same_ke
     (tmp_path / "shell.py").write_text(SHELL)
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     helper = "def grow(x):\n    return x + 1"
-    cells = [SETUP, helper, "class Plus(Node):\n    def forward(self, x):\n        return grow(x)", RUN_CELL,
-             RUN_CELL, helper.replace("x + 1", "x * 11"), RUN_CELL]
+    cells = [
+        SETUP,
+        helper,
+        "class Plus(Node):\n    def forward(self, x):\n        return grow(x)",
+        RUN_CELL,
+        RUN_CELL,
+        helper.replace("x + 1", "x * 11"),
+        RUN_CELL,
+    ]
     answers = run(tmp_path, argv=("shell.py",), stdin=json.dumps(cells))["answers"]
     assert [(a["out"], a["facts"]) for a in answers] == [(11, RAN), (11, RECALLED), (110, RAN)]
 

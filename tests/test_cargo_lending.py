@@ -32,9 +32,9 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-
 from conftest import BROKER, SETPRIV, WORKER, env_with_tests
 from reliability_support import key_ring, wait_until
+
 from somatize import Broker, Keys, Node
 from somatize.fabric import leases, mount
 from somatize.fabric.client import lending as client_pool
@@ -191,12 +191,18 @@ def _mallory_spec(ring, hub, folder: Path, token: str) -> dict:
     work = encode(Work(1, Recipe((spec,), ("step", 0)), np.zeros(len(SECRET), np.uint8), watched=False))
     template = encode(Mounted((f"1-{'0' * 32}-0",), header=bytes(work[0]), spans=((0, 0, len(SECRET)),)))
     return {
-        "endpoint": hub.endpoint, "public": public.decode(), "secret": secret.decode(),
-        "broker": read_public(ring["broker"]).decode(), "wire": WIRE_VERSION, "seconds": 40,
+        "endpoint": hub.endpoint,
+        "public": public.decode(),
+        "secret": secret.decode(),
+        "broker": read_public(ring["broker"]).decode(),
+        "wire": WIRE_VERSION,
+        "seconds": 40,
         "offer": [bytes(f).hex() for f in encode(Hello(RT, offering="evil", mount=str(folder), seen=token))],
         "hello": bytes(encode(Hello(RT))[0]).hex(),
-        "refusal": bytes(encode(Refusal("no"))[0]).hex(), "done": bytes(encode(Done(1, 0, {}, 1))[0]).hex(),
-        "mounted": bytes(template[0]).hex(), "work": bytes(work[0]).hex(),
+        "refusal": bytes(encode(Refusal("no"))[0]).hex(),
+        "done": bytes(encode(Done(1, 0, {}, 1))[0]).hex(),
+        "mounted": bytes(template[0]).hex(),
+        "work": bytes(work[0]).hex(),
     }
 
 
@@ -209,15 +215,46 @@ def said_by_mallory(mallory: subprocess.Popen, word: str) -> None:
         pytest.fail(f"mallory said {line!r}, not {word!r}: {mallory.stderr.read()}")
 
 
-def test_an_allowed_worker_key_running_as_nobody_gets_none_of_another_users_cargo(processes, folder, tmp_path,
-                                                                                  nobody_site):
+def test_an_allowed_worker_key_running_as_nobody_gets_none_of_another_users_cargo(
+    processes, folder, tmp_path, nobody_site
+):
     python, site = nobody_site
     ring = key_ring(tmp_path, clients=("alice",), workers=("w1", "mallory"))
-    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
-                     "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]), "--patience", "2"])
-    processes([*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--mode", "project", "--mount", str(folder),
-               "--key", str(ring["w1_secret"]), "--broker-key", str(ring["broker"])],
-              env=env_with_tests(), announce=None)
+    hub = processes(
+        [
+            *BROKER,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--patience",
+            "2",
+        ]
+    )
+    processes(
+        [
+            *WORKER,
+            "--broker",
+            hub.endpoint,
+            "--offer",
+            "w1",
+            "--mode",
+            "project",
+            "--mount",
+            str(folder),
+            "--key",
+            str(ring["w1_secret"]),
+            "--broker-key",
+            str(ring["broker"]),
+        ],
+        env=env_with_tests(),
+        announce=None,
+    )
     alice = Broker.at(hub.endpoint, keys=Keys.client(ring["alice_secret"], server=ring["broker"]))
     pool = client_pool.pool(folder)
     mallory = None
@@ -227,8 +264,14 @@ def test_an_allowed_worker_key_running_as_nobody_gets_none_of_another_users_carg
         secret = np.frombuffer(SECRET, np.uint8)
         echo = Echo().named("echo").at("w1")
 
-        mallory = subprocess.Popen([*SETPRIV, python, "-c", MALLORY], cwd="/", stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        mallory = subprocess.Popen(
+            [*SETPRIV, python, "-c", MALLORY],
+            cwd="/",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         mallory.stdin.write(json.dumps({**_mallory_spec(ring, hub, folder, token), "site": str(site)}) + "\n")
         mallory.stdin.flush()
         said_by_mallory(mallory, "offered")
@@ -300,6 +343,7 @@ def test_a_worker_maps_no_segment_that_was_not_lent_to_the_session_naming_it(pro
     of the same worker: one that proved no folder, and one that proved it under a key of its
     own. Each is refused before anything is mapped; alice's own session is served."""
     from cargo_support import proved, sealed
+
     w = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mount", str(folder)], env=env_with_tests())
     pool = client_pool.pool(folder)
     alice, stranger, other = Raw(w.endpoint), Raw(w.endpoint), Raw(w.endpoint)
@@ -319,7 +363,10 @@ def test_a_worker_maps_no_segment_that_was_not_lent_to_the_session_naming_it(pro
             refused = stranger.ask(attempt)
             assert isinstance(refused, Refusal) and "proved no folder" in refused.why, refused
         theirs = proved(other.ask, folder)  # the same user's second session: a key of its own
-        for attempt in (sent, encode(sealed(Mounted(lent.files, header=lent.header, spans=lent.spans), os.urandom(32)))):
+        for attempt in (
+            sent,
+            encode(sealed(Mounted(lent.files, header=lent.header, spans=lent.spans), os.urandom(32))),
+        ):
             refused = other.ask(attempt)
             assert isinstance(refused, Refusal) and "did not lend" in refused.why, refused
         assert isinstance(other.ask(encode(sealed(lent, theirs))), Mounted | Done)  # its own seal: served
@@ -374,6 +421,7 @@ def test_a_segment_lent_to_one_worker_is_never_lent_to_another(folder):
 
 def test_a_proof_is_bound_to_who_gives_it_and_reads_nothing_but_a_proofs_file(folder, tmp_path):
     from somatize.fabric import proofs
+
     mount.private(folder)
     made = proofs.challenge(str(folder), named_by_peer=True)
     assert made is not None and (folder / made.name).stat().st_mode & 0o777 == 0o600
@@ -393,8 +441,14 @@ def test_a_proof_is_bound_to_who_gives_it_and_reads_nothing_but_a_proofs_file(fo
         (folder / f"prove-{me}{'1' * 24}").symlink_to(folder / made.name)
         os.link(folder / made.name, folder / f"prove-{me}{'2' * 24}")
         (folder / f"prove-{me}{'3' * 24}").write_bytes(b"x" * 31)
-        for name in (f"prove-{me}{'1' * 24}", f"prove-{me}{'2' * 24}", made.name, f"prove-{me}{'3' * 24}",
-                     f"prove-{me}{'4' * 24}", "../" + made.name):
+        for name in (
+            f"prove-{me}{'1' * 24}",
+            f"prove-{me}{'2' * 24}",
+            made.name,
+            f"prove-{me}{'3' * 24}",
+            f"prove-{me}{'4' * 24}",
+            "../" + made.name,
+        ):
             assert proofs.answer(str(folder), name) is None, name
         if os.geteuid() == 0:
             theirs = folder / f"prove-{me}{'5' * 24}"
@@ -420,11 +474,13 @@ def test_the_wire_says_what_a_proof_and_a_seal_must_be():
     assert decode(encode(Ready(RT, proof="b" * 32))).proof == "b" * 32
     sealed_one = Mounted((f"1-{'a' * 32}-0",), header=b"h", seal="c" * 32)
     assert decode(encode(sealed_one)).seal == "c" * 32
-    for bad, says in ((Hello(RT, prove="seen-1-" + "a" * 32), "not a proof's file"),
-                      (Hello(RT, prove=f"1-{'a' * 32}-0"), "not a proof's file"),
-                      (Hello(RT, offering="w1", prove=prove), "proves nothing"),
-                      (Ready(RT, proof="x" * 32), "not 32 hex"),
-                      (Mounted((f"1-{'a' * 32}-0",), header=b"h", seal="c" * 31), "not 32 hex")):
+    for bad, says in (
+        (Hello(RT, prove="seen-1-" + "a" * 32), "not a proof's file"),
+        (Hello(RT, prove=f"1-{'a' * 32}-0"), "not a proof's file"),
+        (Hello(RT, offering="w1", prove=prove), "proves nothing"),
+        (Ready(RT, proof="x" * 32), "not 32 hex"),
+        (Mounted((f"1-{'a' * 32}-0",), header=b"h", seal="c" * 31), "not 32 hex"),
+    ):
         with pytest.raises(ValueError, match=says):
             encode(bad)
 
@@ -434,6 +490,7 @@ def test_a_relay_of_the_proof_to_another_worker_proves_nothing_to_the_client(pro
     in the client's eyes) to prove the folder; the proof's file is handed to worker A, which
     does see the folder and answers; A's proof is bound to A, and the client believes nothing."""
     from somatize.fabric import proofs
+
     a = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mount", str(folder)], env=env_with_tests())
     raw = Raw(a.endpoint)
     try:
@@ -458,8 +515,21 @@ def test_a_listening_worker_with_keys_proves_it_is_the_holder_of_its_key(process
     from somatize.fabric import proofs
 
     ring = key_ring(tmp_path, clients=("alice",), workers=(), others=("worker",))
-    w = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mount", str(folder),
-                   "--key", str(ring["worker_secret"]), "--allow", str(ring["allow"])], env=env_with_tests())
+    w = processes(
+        [
+            *WORKER,
+            "--listen",
+            "127.0.0.1:0",
+            "--announce",
+            "--mount",
+            str(folder),
+            "--key",
+            str(ring["worker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+        ],
+        env=env_with_tests(),
+    )
     public, secret = read_secret(ring["alice_secret"])
     raw = Raw(w.endpoint, keys=(public, secret, read_public(ring["worker"])))
     try:
@@ -503,6 +573,7 @@ def test_many_threads_proving_at_once_each_get_their_own_session(folder):
 def test_the_worker_s_conversation_takes_cargo_only_under_its_session_s_seal():
     """Sans IO: which ``Mounted`` a worker's sessions let through, and when a key is dropped."""
     from cargo_support import sealed
+
     from somatize.fabric import proofs
     from somatize.fabric.conversation import Unknown, Violation, WorkerSessions
 
@@ -517,7 +588,11 @@ def test_the_worker_s_conversation_takes_cargo_only_under_its_session_s_seal():
     sessions.proven(b"alice", key)
     sessions.carries(b"alice", sealed(lent, key))  # its own seal: let through
     # no seal, another key's, and its own seal with a spare taken out (the seal covers every name)
-    for wrong in (lent, sealed(lent, proofs.seal_key(os.urandom(32))), dataclasses.replace(sealed(lent, key), spare=())):
+    for wrong in (
+        lent,
+        sealed(lent, proofs.seal_key(os.urandom(32))),
+        dataclasses.replace(sealed(lent, key), spare=()),
+    ):
         with pytest.raises(Violation, match="did not lend"):
             sessions.carries(b"alice", wrong)
     sessions.receive(b"mallory", Hello(RT))

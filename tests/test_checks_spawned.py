@@ -15,17 +15,15 @@ import threading
 import time
 
 import pytest
-
+import zmq
 from checks_nodes import Until
 from conftest import BROKER, env_with_tests
 from fabric_nodes import Pid
 from reliability_support import key_ring
+
 from somatize import Broker, Overdue
 from somatize.fabric.curve import Keys, read_public, read_secret
-from somatize.wire import Located, Where
-
-import zmq
-from somatize.wire import decode, encode
+from somatize.wire import Located, Where, decode, encode
 
 PATIENCE = 2.0
 #: How long a piece, a check or a start may take on a loaded two-core machine (a liveness bound).
@@ -40,10 +38,24 @@ def ring(tmp_path):
 def start_broker(processes, ring, tmp_path, jobs=1):
     table = tmp_path / "hosts.toml"
     spawn = [sys.executable, "-m", "somatize.worker", "--jobs", str(jobs)]
-    table.write_text("[hosts.s1]\nspawn = [%s]\nmode = \"project\"\n" % ", ".join(f'"{a}"' for a in spawn))
-    hub = processes([*BROKER, "--listen", "tcp://0.0.0.0:0", "--announce", "--key", str(ring["broker_secret"]),
-                     "--allow", str(ring["allow"]), "--hosts", str(table), "--patience", str(PATIENCE)],
-                    env=env_with_tests())
+    table.write_text('[hosts.s1]\nspawn = [{}]\nmode = "project"\n'.format(", ".join(f'"{a}"' for a in spawn)))
+    hub = processes(
+        [
+            *BROKER,
+            "--listen",
+            "tcp://0.0.0.0:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--hosts",
+            str(table),
+            "--patience",
+            str(PATIENCE),
+        ],
+        env=env_with_tests(),
+    )
     hub.endpoint = hub.endpoint.replace("0.0.0.0", "127.0.0.1")
     return hub
 
@@ -173,7 +185,9 @@ def greets(address: str, server_key: str, secret_file) -> bool:
         sock.close(0)
 
 
-def test_a_reloaded_brokers_child_allows_what_the_broker_allows_and_its_checks_still_reach_it(ring, processes, tmp_path):
+def test_a_reloaded_brokers_child_allows_what_the_broker_allows_and_its_checks_still_reach_it(
+    ring, processes, tmp_path
+):
     """The child's allow folder is the broker's, copied with the checker's key: a key taken
     out of the broker's folder and the broker reloaded (SIGHUP) is refused by the child too,
     and the broker's checks, which no folder names, still reach the child."""

@@ -46,6 +46,7 @@ ODD = 10
 def refusing_by_digest(why: str, **refusal):
     """A played worker's answers: ``Refusal(why, **refusal)`` to the ``ODD`` work named by
     digest (the express way; sent again in full, it is answered), ``done`` to the rest."""
+
     def answer(work):
         if work.input == ODD and by_digest(work):
             return Refusal(why, ref=work.ref, **refusal)
@@ -97,8 +98,9 @@ def test_a_worker_without_the_recipe_gets_it_in_full_and_from_then_on(played, wa
 
 
 def test_a_worker_that_keeps_asking_for_the_recipe_is_refused_not_asked_forever(played, ways):
-    fake = played(lambda work: Refusal("no such recipe here", ref=work.ref, recipe=True) if work.input == ODD
-                  else done(work))
+    fake = played(
+        lambda work: Refusal("no such recipe here", ref=work.ref, recipe=True) if work.input == ODD else done(work)
+    )
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
         warmed(node, broker)
@@ -132,8 +134,11 @@ def test_a_refusal_naming_no_work_is_not_taken_for_the_answer_and_nothing_is_res
     assert ways == ["general", "express, then settled"]
 
 
-@pytest.mark.parametrize("junk", [[b"\x93\x01\x02"], [b"\x8a" + b"\xa1v" * 10], [b""], [b"\x81", b"\x00" * 9]],
-                         ids=["a list", "keys twice", "empty", "a frame too many"])
+@pytest.mark.parametrize(
+    "junk",
+    [[b"\x93\x01\x02"], [b"\x8a" + b"\xa1v" * 10], [b""], [b"\x81", b"\x00" * 9]],
+    ids=["a list", "keys twice", "empty", "a frame too many"],
+)
 def test_junk_in_answer_to_an_express_work_drops_the_channel_and_the_next_call_is_served(played, junk, ways):
     fake = played(lambda work: junk if work.input == ODD else done(work))
     node = Add(1).named("a").at("w1")

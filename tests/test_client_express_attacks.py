@@ -80,8 +80,6 @@ def warmed(node, broker) -> None:
     assert [node.forward(i, broker=broker) for i in (1, 2)] == [2, 3]
 
 
-
-
 def header(t: str, **fields) -> list[bytes]:
     """A message's one frame written by hand (any field, of any type), as ``encode`` lays it out."""
     return [msgpack.packb({"v": limits.WIRE_VERSION, "t": t, **fields}, use_bin_type=True)]
@@ -169,9 +167,24 @@ def test_a_done_written_the_short_way_is_the_bytes_of_the_long_way(ref, value, t
         (None, True),
         (bytearray(b"ab"), False),  # read back as bytes: not "itself"
     ],
-    ids=["bytes at the inline limit", "bytes over it", "ascii at the inline limit", "ascii over it", "not ascii",
-         "control characters", "uint64 max", "int64 min", "over uint64", "under int64", "nan", "-0.0", "-inf",
-         "True", "None", "a bytearray"],
+    ids=[
+        "bytes at the inline limit",
+        "bytes over it",
+        "ascii at the inline limit",
+        "ascii over it",
+        "not ascii",
+        "control characters",
+        "uint64 max",
+        "int64 min",
+        "over uint64",
+        "under int64",
+        "nan",
+        "-0.0",
+        "-inf",
+        "True",
+        "None",
+        "a bytearray",
+    ],
 )
 def test_values_at_the_limits_are_written_one_frame_or_left_to_the_general_way(value, express):
     fast = short.work_frames(3, value, False, DIGEST)
@@ -230,8 +243,18 @@ def test_a_lowered_limit_is_followed_by_the_short_way(monkeypatch):
         ("plain", True),
         (None, True),
     ],
-    ids=["bytes at the inline limit", "bytes over it", "uint64 max", "int64 min", "a big int", "nan", "-0.0",
-         "not ascii", "ascii", "None"],
+    ids=[
+        "bytes at the inline limit",
+        "bytes over it",
+        "uint64 max",
+        "int64 min",
+        "a big int",
+        "nan",
+        "-0.0",
+        "not ascii",
+        "ascii",
+        "None",
+    ],
 )
 def test_a_value_at_the_limits_reaches_the_worker_whole_whichever_way_it_goes(played, ways, value, express):
     fake = played(echo)
@@ -270,8 +293,9 @@ WRONG_REFS = [
 ]
 
 
-@pytest.mark.parametrize("variant, fields, ref", WRONG_REFS,
-                         ids=[f"{v}-ref-{type(r).__name__}-{r!r}"[:40] for v, _, r in WRONG_REFS])
+@pytest.mark.parametrize(
+    "variant, fields, ref", WRONG_REFS, ids=[f"{v}-ref-{type(r).__name__}-{r!r}"[:40] for v, _, r in WRONG_REFS]
+)
 def test_an_answer_whose_ref_is_not_a_ref_drops_the_channel_and_nothing_is_resent(played, ways, variant, fields, ref):
     decode(header(variant, ref=1, **fields))  # the same answer with a ref: read (so the ref is what is refused)
     fake = played(lambda work: header(variant, ref=ref, **fields) if work.input == ODD else done(work))
@@ -290,9 +314,17 @@ def test_stale_answers_of_every_kind_before_its_own_done_are_dropped(played, way
         if work.input != ODD:
             return done(work)
         other = work.ref + 1000
-        return (Saw(other, {"event": "ran"}), Send(other, (DIGEST,)), Failed(other, "no", "a", "E", ""),
-                Refusal("who?", ref=other, hello=True), Refusal("which?", ref=other, recipe=True),
-                Refusal("busy: full", ref=other), Done(other, -1, {}, 1), Saw(work.ref, {"event": "ran"}), done(work))
+        return (
+            Saw(other, {"event": "ran"}),
+            Send(other, (DIGEST,)),
+            Failed(other, "no", "a", "E", ""),
+            Refusal("who?", ref=other, hello=True),
+            Refusal("which?", ref=other, recipe=True),
+            Refusal("busy: full", ref=other),
+            Done(other, -1, {}, 1),
+            Saw(work.ref, {"event": "ran"}),
+            done(work),
+        )
 
     fake = played(answer)
     node = Add(1).named("a").at("w1")
@@ -350,8 +382,10 @@ def test_a_send_answering_an_express_work_in_network_mode_is_met_and_the_work_se
 
 
 def test_a_send_forever_is_refused_after_the_work_went_four_times_in_all(played, ways):
-    fake = played(lambda work: Send(work.ref, (fake.provisions[0],)) if work.input == ODD else done(work),
-                  runtime=Runtime.here(mode="network"))
+    fake = played(
+        lambda work: Send(work.ref, (fake.provisions[0],)) if work.input == ODD else done(work),
+        runtime=Runtime.here(mode="network"),
+    )
     node = Add(1).named("a").at("w1")
     with broker_for(fake, mode="network", send=[fabric_nodes]) as broker:
         warmed(node, broker)
@@ -392,8 +426,10 @@ def test_a_refusal_hello_followed_by_something_else_drops_the_channel_and_sends_
 
 
 def test_a_refusal_hello_whose_hello_is_refused_ends_the_call_refused(played, ways):
-    fake = played(lambda work: Refusal("who?", ref=work.ref, hello=True) if work.input == ODD else done(work),
-                  greet=lambda hello, n: Ready(RT) if n == 1 else Refusal("not you"))
+    fake = played(
+        lambda work: Refusal("who?", ref=work.ref, hello=True) if work.input == ODD else done(work),
+        greet=lambda hello, n: Ready(RT) if n == 1 else Refusal("not you"),
+    )
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
         warmed(node, broker)
@@ -403,8 +439,7 @@ def test_a_refusal_hello_whose_hello_is_refused_ends_the_call_refused(played, wa
 
 
 def test_a_mounted_answer_on_a_channel_that_shares_no_folder_drops_it(played, ways):
-    fake = played(lambda work: Mounted(("0" * 32 + "-1",), encode(done(work))[0]) if work.input == ODD
-                  else done(work))
+    fake = played(lambda work: Mounted(("0" * 32 + "-1",), encode(done(work))[0]) if work.input == ODD else done(work))
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
         warmed(node, broker)
@@ -466,8 +501,10 @@ def test_a_worker_that_hangs_up_mid_call_is_noticed_in_seconds(played, ways):
 
 
 def test_a_worker_that_hangs_up_while_greeted_again_is_noticed_in_seconds(played, ways):
-    fake = played(lambda work: Refusal("who?", ref=work.ref, hello=True) if work.input == ODD else done(work),
-                  greet=lambda hello, n: Ready(RT) if n == 1 else HANG_UP)
+    fake = played(
+        lambda work: Refusal("who?", ref=work.ref, hello=True) if work.input == ODD else done(work),
+        greet=lambda hello, n: Ready(RT) if n == 1 else HANG_UP,
+    )
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
         warmed(node, broker)
@@ -490,8 +527,9 @@ def test_a_busy_refusal_of_an_express_work_is_busy_and_the_channel_serves_on(pla
 
 
 def test_a_failure_answering_an_express_work_names_its_node_and_host(played, ways):
-    fake = played(lambda work: Failed(work.ref, "ValueError: no", None, "ValueError", "") if work.input == ODD
-                  else done(work))
+    fake = played(
+        lambda work: Failed(work.ref, "ValueError: no", None, "ValueError", "") if work.input == ODD else done(work)
+    )
     node = Add(1).named("a").at("w1")
     with broker_for(fake) as broker:
         warmed(node, broker)
@@ -558,15 +596,31 @@ def worker(processes):
 
 
 def test_values_at_the_limits_cross_a_real_worker_and_come_back_the_same(worker, ways):
-    values = [b"x" * INLINE_BYTES, b"x" * (INLINE_BYTES + 1), INT_MAX, INT_MIN, INT_MAX + 1, INT_MIN - 1,
-              float("nan"), -0.0, float("inf"), "é", "a" * INLINE_BYTES, "", b"", None, True, 2.5]
+    values = [
+        b"x" * INLINE_BYTES,
+        b"x" * (INLINE_BYTES + 1),
+        INT_MAX,
+        INT_MIN,
+        INT_MAX + 1,
+        INT_MIN - 1,
+        float("nan"),
+        -0.0,
+        float("inf"),
+        "é",
+        "a" * INLINE_BYTES,
+        "",
+        b"",
+        None,
+        True,
+        2.5,
+    ]
     node = Sleep(0.0).named("id").at("w1")
     with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}, patience=PATIENCE) as broker:
         assert [node.forward(i, broker=broker) for i in (1, 2)] == [1, 2]
         for value in values:
             back = within(WAIT, lambda v=value: node.forward(v, broker=broker))
             assert same_value(back, value), (value, back)
-    went = dict(zip(map(repr, values), ways[1:]))
+    went = dict(zip(map(repr, values), ways[1:], strict=False))
     assert went[repr(b"x" * INLINE_BYTES)] == "express" and went[repr(INT_MAX)] == "express"
     assert went[repr(INT_MAX + 1)] == "general" and went[repr("é")] == "general"
 
@@ -603,6 +657,7 @@ def test_a_worker_greeted_again_that_reads_fewer_kinds_is_asked_again_what_it_re
     import dataclasses
 
     fewer = dataclasses.replace(RT, kinds=tuple(kind for kind in RT.kinds if kind != "numpy.ndarray"))
+
     def answer(work):
         if isinstance(work.input, np.ndarray):
             return echo(work)

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -63,7 +62,12 @@ def run(tmp_path: Path, argv: list[str], *, seed: str = "0", stdin: str | None =
         "PYTHONHASHSEED": seed,
     }
     done = subprocess.run(
-        [sys.executable, *argv], cwd=tmp_path, env=env, input=stdin, capture_output=True, text=True,
+        [sys.executable, *argv],
+        cwd=tmp_path,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
@@ -243,13 +247,17 @@ def test_a_helper_called_by_name_is_part_of_the_code_and_one_reached_as_an_attri
     # said in the docs: a function of the project that forward loads as a global is followed
     # (issue 39); what it reaches as an attribute of a module is not
     helper = "def scale(x):\n    return x * 3\n"
-    feature = "from cid_helper import scale\nfrom somatize import Node\n\n\nclass Feature(Node):\n" \
-              "    def forward(self, x):\n        return scale(x)\n"
+    feature = (
+        "from cid_helper import scale\nfrom somatize import Node\n\n\nclass Feature(Node):\n"
+        "    def forward(self, x):\n        return scale(x)\n"
+    )
     before = identity(tmp_path, "before", {"cid_helper.py": helper, "cid_feature.py": feature})
     after = identity(tmp_path, "after", {"cid_helper.py": helper.replace("3", "4"), "cid_feature.py": feature})
     assert before != after
-    dotted = "import cid_helper\nfrom somatize import Node\n\n\nclass Feature(Node):\n" \
-             "    def forward(self, x):\n        return cid_helper.scale(x)\n"
+    dotted = (
+        "import cid_helper\nfrom somatize import Node\n\n\nclass Feature(Node):\n"
+        "    def forward(self, x):\n        return cid_helper.scale(x)\n"
+    )
     before = identity(tmp_path, "dotted-before", {"cid_helper.py": helper, "cid_feature.py": dotted})
     after = identity(tmp_path, "dotted-after", {"cid_helper.py": helper.replace("3", "4"), "cid_feature.py": dotted})
     assert before == after

@@ -49,16 +49,14 @@ def same(a, b) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return len(a) == len(b) and all(
-            same(ka, kb) and same(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
+            same(ka, kb) and same(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=False)
         )
     if isinstance(a, np.ndarray):
         return (
-            a.dtype.str == b.dtype.str
-            and a.shape == b.shape
-            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+            a.dtype.str == b.dtype.str and a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
         )
     if isinstance(a, np.generic):
         return a.dtype.str == b.dtype.str and a.tobytes() == b.tobytes()
@@ -120,17 +118,15 @@ keys = (
 )
 plain = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=5)
-    | st.lists(inner, max_size=5).map(tuple)
-    | st.dictionaries(keys, inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.lists(inner, max_size=5).map(tuple) | st.dictionaries(keys, inner, max_size=5)
+    ),
     max_leaves=25,
 )
 
 ALLOWED = sorted(importlib.import_module("somatize.codec.layout").DTYPES)
 dtypes = st.sampled_from([np.dtype(s) for s in ALLOWED])
-arrays = dtypes.flatmap(
-    lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
-)
+arrays = dtypes.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)))
 views = st.sampled_from(
     [
         lambda a: a,
@@ -251,9 +247,7 @@ class Name(str):
     pass
 
 
-@pytest.mark.parametrize(
-    ("value", "base"), [(Color.RED, "int"), (Point(1, 2), "tuple"), (Name("secret"), "str")]
-)
+@pytest.mark.parametrize(("value", "base"), [(Color.RED, "int"), (Point(1, 2), "tuple"), (Name("secret"), "str")])
 def test_subclasses_of_builtins_are_not_silently_flattened(value, base):
     with pytest.raises(Unwritable) as caught:
         encode(value)
@@ -364,8 +358,17 @@ def test_arrays_are_views_of_read_only_frames_when_asked_for_and_then_read_only(
 
 @pytest.mark.parametrize(
     "scalar",
-    [np.float32(1.5), np.float64(-0.0), np.float16(2), np.int8(-3), np.uint64(2**64 - 1),
-     np.int64(-(2**63)), np.bool_(True), np.complex64(1 + 2j), np.complex128(float("nan"))],
+    [
+        np.float32(1.5),
+        np.float64(-0.0),
+        np.float16(2),
+        np.int8(-3),
+        np.uint64(2**64 - 1),
+        np.int64(-(2**63)),
+        np.bool_(True),
+        np.complex64(1 + 2j),
+        np.complex128(float("nan")),
+    ],
 )
 @pytest.mark.parametrize("trip", ROUND_TRIPS)
 def test_numpy_scalars_come_back_as_the_same_scalar_type(trip, scalar):
@@ -510,9 +513,7 @@ def test_the_registry_walks_the_mro(kind):
     assert through_bytes(Child()) == "Child"
 
 
-@pytest.mark.parametrize(
-    "taken", ["arrow.RecordBatch", "arrow.Table", "plain", "numpy.ndarray", "numpy.generic"]
-)
+@pytest.mark.parametrize("taken", ["arrow.RecordBatch", "arrow.Table", "plain", "numpy.ndarray", "numpy.generic"])
 def test_built_in_kinds_cannot_be_registered(taken):
     with pytest.raises(BadCodec, match="built-in"):
         codec(taken, Reading, dump=bytes, load=bytes)
@@ -546,7 +547,7 @@ def test_registering_from_many_threads(kind):
     classes = [type(f"T{i}", (), {}) for i in range(32)]
     threads = [
         threading.Thread(target=codec, args=(n, c), kwargs={"dump": bytes, "load": bytes})
-        for n, c in zip(names, classes)
+        for n, c in zip(names, classes, strict=False)
     ]
     for t in threads:
         t.start()
@@ -638,7 +639,9 @@ def test_checking_a_descriptor_with_a_tensor_in_it_does_not_import_torch(tmp_pat
     )
     root = str(Path(somatize.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 
@@ -693,7 +696,9 @@ def test_the_library_s_own_kinds_are_summoned_by_name(tmp_path, monkeypatch, kin
 
 
 def test_an_own_kind_whose_module_is_missing_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(importlib.import_module("somatize.codec.registered").OWN_KINDS, "own.Missing", "somatize.nowhere_to_be_found")
+    monkeypatch.setitem(
+        importlib.import_module("somatize.codec.registered").OWN_KINDS, "own.Missing", "somatize.nowhere_to_be_found"
+    )
     with pytest.raises(Unreadable, match=r"pip install somatize\[nowhere_to_be_found\]"):
         decode(["C", "own.Missing", 0], [b""])
 
@@ -867,17 +872,21 @@ def test_loads_of_random_bytes_gives_a_value_or_unreadable(data):
 
 
 SAMPLE = dumps(
-    [1, -(2**70), "x", b"y", (None, True, 1.5), {"k": np.arange(6, dtype=">i4").reshape(2, 3)},
-     np.float16(3), np.array([True, False])]
+    [
+        1,
+        -(2**70),
+        "x",
+        b"y",
+        (None, True, 1.5),
+        {"k": np.arange(6, dtype=">i4").reshape(2, 3)},
+        np.float16(3),
+        np.array([True, False]),
+    ]
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    edits=st.lists(
-        st.tuples(st.integers(0, len(SAMPLE) - 1), st.integers(0, 255)), min_size=1, max_size=4
-    )
-)
+@given(edits=st.lists(st.tuples(st.integers(0, len(SAMPLE) - 1), st.integers(0, 255)), min_size=1, max_size=4))
 def test_loads_of_damaged_bytes_gives_a_value_or_unreadable(edits):
     data = bytearray(SAMPLE)
     for at, byte in edits:

@@ -17,10 +17,10 @@ import sys
 import threading
 
 import pytest
-
 from computing_nodes import Counted, FailsFirst
 from conftest import env_with_tests
 from reliability_support import wait_until
+
 from somatize import FolderStore, computing
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,9 +46,16 @@ def prefix(tally, seconds=1.0):
 def test_four_runners_started_at_once_compute_a_shared_prefix_once(tmp_path):
     folder, tally, go = tmp_path / "store", tmp_path / "tally", tmp_path / "go"
     folder.mkdir()
-    runners = [subprocess.Popen([sys.executable, "-c", RUNNER, str(folder), str(tally), str(go), str(n)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_tests())
-               for n in range(4)]
+    runners = [
+        subprocess.Popen(
+            [sys.executable, "-c", RUNNER, str(folder), str(tally), str(go), str(n)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_with_tests(),
+        )
+        for n in range(4)
+    ]
     try:
         go.touch()
         said = [json.loads(r.communicate(timeout=60)[0]) for r in runners]
@@ -68,9 +75,11 @@ def test_four_runners_started_at_once_compute_a_shared_prefix_once(tmp_path):
 def test_a_dead_claimer_s_claim_is_taken_over(tmp_path, monkeypatch):
     folder, tally, gate = tmp_path / "store", tmp_path / "tally", tmp_path / "gate"
     store = FolderStore(folder)
-    script = ("import sys; from computing_nodes import Counted; from somatize import FolderStore; "
-              "Counted(sys.argv[2], 60, sys.argv[3]).named('prefix').frozen().cached()"
-              ".forward(10, store=FolderStore(sys.argv[1]))")
+    script = (
+        "import sys; from computing_nodes import Counted; from somatize import FolderStore; "
+        "Counted(sys.argv[2], 60, sys.argv[3]).named('prefix').frozen().cached()"
+        ".forward(10, store=FolderStore(sys.argv[1]))"
+    )
     claimer = subprocess.Popen([sys.executable, "-c", script, str(folder), str(tally), str(gate)], env=env_with_tests())
     try:
         wait_until(lambda: list(store.scan("computing/")), 30, "the claimer claiming the prefix")

@@ -496,7 +496,12 @@ def test_exchanges_in_all_are_bounded():
     b = BrokerView(max_open=10)
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
     for n in range(50):
-        relay_from_client(b, b"c%d" % n, "", "w1", )
+        relay_from_client(
+            b,
+            b"c%d" % n,
+            "",
+            "w1",
+        )
     assert len(b.exchanges) == 10
 
 

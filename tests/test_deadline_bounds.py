@@ -15,10 +15,10 @@ import time
 
 import pytest
 import zmq
-
 from fabric_nodes import Add
 from peers import FakeWorker, socket_peer, within
-from somatize import Broker, Broken, Overdue, Worker
+
+from somatize import Broken, Broker, Overdue, Worker
 from somatize.wire import Done, Hosts, Listed, Located, Where, decode, encode
 
 DEADLINE = 3.0
@@ -29,6 +29,7 @@ LATE = 0.5
 def holding(seconds: float):
     """A peer that takes each connection, reads the greeting, holds it ``seconds``, and
     hangs up: every ZeroMQ handshake fails, and so does every probe of it (held as long)."""
+
     def serve(conn, stop):
         conn.settimeout(5)
         try:
@@ -36,6 +37,7 @@ def holding(seconds: float):
         except OSError:
             pass
         stop.wait(seconds)
+
     return serve
 
 
@@ -188,6 +190,7 @@ def test_asking_a_broker_that_hangs_up_every_handshake_for_its_hosts_is_overdue_
 def test_a_relayed_forward_whose_answer_never_comes_is_overdue_by_its_deadline():
     """A dialed host (the listing says so) whose answers never come through the broker: the
     lane's waits, and its looks whether the worker is still there, end at the deadline."""
+
     def answer(message):
         if isinstance(message, Hosts):
             return Listed({"w1": "project"}, {"w1": []})

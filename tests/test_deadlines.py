@@ -12,12 +12,12 @@ import os
 import sys
 import time
 
+import fabric_nodes
 import numpy as np
 import pytest
-
-import fabric_nodes
 from conftest import BROKER, WORKER
 from fabric_nodes import Add, Pid, Sleep
+
 from somatize import Broker, Busy, Node, Overdue, Worker
 
 #: How much later than its deadline an ``Overdue`` may arrive (a poll, a thread, a hop).
@@ -25,16 +25,16 @@ MARGIN = 1.5
 
 
 def spawned(**declared) -> Broker:
-    return Broker.embedded(
-        {"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes], **declared)}, patience=2.0
-    )
+    return Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes], **declared)}, patience=2.0)
 
 
 def test_a_node_that_never_returns_is_overdue_naming_node_host_and_time_and_the_worker_comes_back():
     with spawned() as broker:
         pid = Pid().named("pid").at("w1").forward(0, broker=broker)  # started: the clock is the work's
         started = time.monotonic()
-        with pytest.raises(Overdue, match=r"`stuck` on `w1` did not finish within the forward's deadline of 1 s") as caught:
+        with pytest.raises(
+            Overdue, match=r"`stuck` on `w1` did not finish within the forward's deadline of 1 s"
+        ) as caught:
             Sleep(3600).named("stuck").at("w1").forward(0, broker=broker, deadline=1.0)
         took = time.monotonic() - started
         assert 1.0 <= took < 1.0 + MARGIN, took
@@ -58,14 +58,18 @@ def test_a_hosts_own_deadline_bounds_every_forward_to_it():
 
 
 #: A worker that takes 2 s to start before it is the real one: longer than its host's deadline.
-SLOW_START = [sys.executable, "-c",
-              "import runpy, sys, time; time.sleep(2.0); sys.argv[0] = 'somatize.worker'; "
-              "runpy.run_module('somatize.worker', run_name='__main__')"]
+SLOW_START = [
+    sys.executable,
+    "-c",
+    "import runpy, sys, time; time.sleep(2.0); sys.argv[0] = 'somatize.worker'; "
+    "runpy.run_module('somatize.worker', run_name='__main__')",
+]
 
 
 def test_a_hosts_deadline_counts_from_when_its_worker_is_there_not_from_its_start():
-    with Broker.embedded({"w1": Worker.spawn(SLOW_START, mode="network", send=[fabric_nodes], deadline=1.0)},
-                         patience=2.0) as broker:
+    with Broker.embedded(
+        {"w1": Worker.spawn(SLOW_START, mode="network", send=[fabric_nodes], deadline=1.0)}, patience=2.0
+    ) as broker:
         assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2  # started in >= 2 s, then 1 s of work
         with pytest.raises(Overdue, match=r"`stuck` on `w1` did not finish within host `w1`'s deadline of 1 s"):
             Sleep(3600).named("stuck").at("w1").forward(0, broker=broker)

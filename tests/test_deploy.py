@@ -24,9 +24,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from conftest import TESTS, env_with_tests
 from fabric_nodes import Add
+
 from somatize import Broker
 from somatize.broker import read_hosts
 from somatize.fabric.curve import Keys
@@ -266,8 +266,14 @@ def test_the_sbatch_script_offers_a_pools_members_with_somatize_pool(tmp_path):
     fake_python.write_text('#!/bin/bash\n[[ "$1" == -c ]] && exit 0\nprintf "%s\\n" "$@"\n')
     fake_python.chmod(0o755)
     for pool, task, offered in (("gpu", "3", "gpu#3"), ("", "3", socket.gethostname().split(".")[0])):
-        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SOMATIZE_PYTHON": str(fake_python),
-               "SOMATIZE_POOL": pool, "SLURM_PROCID": task, "HOME": str(tmp_path)}
+        env = {
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "SOMATIZE_PYTHON": str(fake_python),
+            "SOMATIZE_POOL": pool,
+            "SLURM_PROCID": task,
+            "HOME": str(tmp_path),
+        }
         done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, done.stderr
         argv = done.stdout.splitlines()

@@ -30,7 +30,5 @@ def test_every_python_block_runs(page, tmp_path):
         pytest.importorskip("tqdm", reason=f"{page.name} needs tqdm")
     script = tmp_path / f"{page.stem}_blocks.py"
     script.write_text(source)
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{page.name}:\n{done.stderr}"

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 import pytest
-
 from fabric_nodes import Add, Sleep
+
 from somatize import FolderStore, Node, NodeFailed, codec
 from somatize.codec import dumps, forget, loads
 from somatize.keys import PREFIX
@@ -309,9 +309,7 @@ SCRIPT = textwrap.dedent(
 
 
 def run_script(path, store):
-    done = subprocess.run(
-        [sys.executable, str(path), str(store)], capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, str(path), str(store)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

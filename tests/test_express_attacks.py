@@ -125,7 +125,8 @@ def is_done(ref: int):
 
 
 def test_a_stranger_naming_anothers_digest_the_express_way_is_told_to_say_hello_and_runs_nothing(
-        worker, sockets, tmp_path):
+    worker, sockets, tmp_path
+):
     counted = tmp_path / "count.txt"
     r = recipe(Count(str(counted)).named("count"))
     digest = digest_of(r)
@@ -156,8 +157,7 @@ def test_a_stranger_naming_anothers_digest_the_express_way_is_told_to_say_hello_
 # -- the same ref twice ---------------------------------------------------------------------
 
 
-def test_the_ref_of_a_running_work_sent_again_by_digest_is_refused_without_a_ref_and_answered_once(
-        worker, sockets):
+def test_the_ref_of_a_running_work_sent_again_by_digest_is_refused_without_a_ref_and_answered_once(worker, sockets):
     r = recipe(Sleep(1.0).named("nap"))
     digest = digest_of(r)
     sock, probe = sockets(worker.endpoint), sockets(worker.endpoint)
@@ -248,7 +248,9 @@ def test_watched_unwatched_and_general_works_by_digest_interleave(worker, socket
         keyed = encode(Work(ref, None, 1, keys={4: "sha256:" + "1" * 64}, watched=False, recipe_digest=digest))
         assert short.express(keyed[0]) is None
         refused = ask(sock, keyed)
-        assert isinstance(refused, Refusal) and refused.ref == ref and "`Work.keys` names node 4" in refused.why, refused
+        assert isinstance(refused, Refusal) and refused.ref == ref and "`Work.keys` names node 4" in refused.why, (
+            refused
+        )
         ref += 1
         placed = encode(Work(ref, None, 1, placement={2: "cpu"}, watched=False, recipe_digest=digest))
         assert short.express(placed[0]) is None

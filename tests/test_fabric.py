@@ -16,12 +16,12 @@ import textwrap
 import threading
 import time
 
+import fabric_nodes
 import numpy as np
 import pytest
-
-import fabric_nodes
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Boom, Count, Pid, Scale, Sleep
+
 from somatize import (
     Broken,
     Broker,

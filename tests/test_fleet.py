@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import zmq
-
 from conftest import BROKER, env_with_tests
 from fabric_nodes import Add
 from reliability_support import key_ring, wait_until
+
 from somatize import Broker, Closed
 from somatize.fabric.curve import read_public, read_secret
 from somatize.wire import Bye, Hello, Hosts, Listed, Ready, Runtime, decode, encode
@@ -40,8 +40,9 @@ SILENT_FOR_THE_TEST = "120"
 
 
 def broker(processes, *extra, patience: str = "5"):
-    return processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", patience, *extra],
-                     env=env_with_tests())
+    return processes(
+        [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", patience, *extra], env=env_with_tests()
+    )
 
 
 class Dialers:
@@ -102,7 +103,7 @@ def test_two_thousand_workers_dial_in_to_one_broker(processes):
         refused = [a for a in answers if not isinstance(a, Ready)]
         assert not refused, f"{len(refused)} refused, the first: {refused[0]}"
         assert set(names) <= set(hosts_of(hub.endpoint))
-        for sock, name in zip(fleet.socks, names):  # every worker's keepalive: not answered, and kept
+        for sock, name in zip(fleet.socks, names, strict=False):  # every worker's keepalive: not answered, and kept
             sock.send_multipart(encode(Hello(RT, offering=name)))
         assert set(names) <= set(hosts_of(hub.endpoint))
     finally:
@@ -114,9 +115,23 @@ def test_one_worker_key_serves_two_thousand_names(processes, tmp_path):
     """A worker key served 256 hosts at most, from 64 connections at most: one SLURM job's
     key stopped at 64 nodes."""
     ring = key_ring(tmp_path, clients=("alice",), workers=("slurm",))
-    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
-                     "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]),
-                     "--patience", SILENT_FOR_THE_TEST], env=env_with_tests())
+    hub = processes(
+        [
+            *BROKER,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--patience",
+            SILENT_FOR_THE_TEST,
+        ],
+        env=env_with_tests(),
+    )
     public, secret = read_secret(ring["slurm_secret"])
     keys = (public, secret, read_public(ring["broker"]))
     names = [f"job7-node{n:04d}" for n in range(2000)]
@@ -206,8 +221,21 @@ def test_a_worker_without_keys_never_blames_curve_for_a_failed_handshake(process
 
     threading.Thread(target=not_a_broker, daemon=True).start()
     try:
-        worker = processes([sys.executable, "-m", "somatize.worker", "--broker", f"tcp://127.0.0.1:{port}",
-                            "--offer", "w1", "--patience", "1"], announce=None, env=env_with_tests())
+        worker = processes(
+            [
+                sys.executable,
+                "-m",
+                "somatize.worker",
+                "--broker",
+                f"tcp://127.0.0.1:{port}",
+                "--offer",
+                "w1",
+                "--patience",
+                "1",
+            ],
+            announce=None,
+            env=env_with_tests(),
+        )
         wait_until(lambda: "handshake with the broker" in worker.stderr(), 20, "the failed handshake logged")
         assert "CURVE" not in worker.stderr(), worker.stderr()
         assert worker.alive  # it dials on
@@ -376,7 +404,8 @@ def test_a_client_closing_says_bye_once_and_the_broker_tells_each_of_its_workers
     relay = server.view.relay
     server.view.relay = lambda route, key, message, now: (  # counts the channels' own Byes, relays all
         byes.append(message.host) if decode(list(message.inner)) == Bye() else None,
-        relay(route, key, message, now))[1]
+        relay(route, key, message, now),
+    )[1]
     try:
         client = Broker.at(url)
         wait_until(lambda: all(client.knows(h) for h in loops), 30, "the workers dialing in")
@@ -384,7 +413,9 @@ def test_a_client_closing_says_bye_once_and_the_broker_tells_each_of_its_workers
             assert Add(1).named("a").at(host).forward(n, broker=client) == n + 1
         assert [len(loop.sessions) for loop in loops.values()] == [1, 1, 1]
         client.close()
-        wait_until(lambda: all(len(loop.sessions) == 0 for loop in loops.values()), 10, "each worker forgetting the client")
+        wait_until(
+            lambda: all(len(loop.sessions) == 0 for loop in loops.values()), 10, "each worker forgetting the client"
+        )
         assert byes == [] and server.view.exchanges == {}
     finally:
         _stop(server, loops, threads)
@@ -414,6 +445,7 @@ def test_an_exchange_crowded_out_while_its_work_is_open_is_told_to_its_client():
     the worker went on. Now an exchange whose client waits on nothing goes first, and a
     client whose open work is crowded out is told at once that its fate is unknown."""
     from fabric_nodes import Sleep
+
     from somatize import Refused
 
     server, url, loops, threads = _dialed(["h0", "h1", "h2", "h3"])
@@ -439,7 +471,7 @@ def test_an_exchange_crowded_out_while_its_work_is_open_is_told_to_its_client():
             assert "h0" not in answers and "h1" not in answers
             assert Add(1).named("a").at("h2").forward(1, broker=client) == 2  # both open: the older goes
             wait_until(lambda: answers, 10, "the forward crowded out told")  # at once, not after its 1.5 s
-            (cut, refused), = answers.items()
+            ((cut, refused),) = answers.items()
             assert isinstance(refused, Refused), answers
             assert f"this broker ended the exchange with `{cut}` while the work sent there was open" in str(refused)
             assert "whether it ran is not known" in str(refused)
@@ -458,6 +490,7 @@ def test_another_client_cannot_end_my_exchange_and_byes_for_exchanges_never_open
     victim's host and lane, a host it never used, and its own connection's Bye end only the
     attacker's own (none), open nothing at the broker, and reach no worker."""
     from peers import Raw
+
     from somatize.wire import Relay
 
     server, url, loops, threads = _dialed(["h0", "h1"])

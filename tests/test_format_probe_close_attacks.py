@@ -25,18 +25,16 @@ import threading
 import time
 from pathlib import Path
 
+import fabric_nodes
 import pytest
 import zmq
-
 from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Sleep
 from peers import curve_router, socket_peer, within
 
+import somatize
 from somatize import Broker, Closed, KeysRefused, SomatizeError, Worker
 from somatize.fabric.curve import PROBE, hung_up, speaks_curve
-
-import fabric_nodes
-import somatize
 
 # == 1. carried codec formats ===================================================================
 #
@@ -46,7 +44,7 @@ import somatize
 # another one. A worker process provisions a, then b (must be refused: its values would be
 # read the first way), then c (must be held: the same format).
 
-MAKE_VARIANTS = r'''
+MAKE_VARIANTS = r"""
 import dataclasses, functools, json, marshal, pickle, struct, sys
 from pathlib import Path
 from somatize import Node, codec
@@ -173,9 +171,9 @@ for make in VARIANTS:
     finally:
         forget(kind)
 (OUT / "written.json").write_text(json.dumps(written))
-'''
+"""
 
-USE_VARIANTS = r'''
+USE_VARIANTS = r"""
 import json, sys
 from pathlib import Path
 from somatize.errors import Refused
@@ -202,7 +200,7 @@ for name in names:
     except Exception as exc:
         got[f"{name}/read_b"] = type(exc).__name__
 print(json.dumps(got))
-'''
+"""
 
 
 # The somatize under test (a worktree's, when it is first on the path), for the scripts here,
@@ -215,8 +213,9 @@ def _script(folder: Path, name: str, code: str, *args: str) -> str:
     (folder / name).write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = SOMATIZE_ROOT  # the somatize under test, and nothing of the tests
-    proc = subprocess.run([sys.executable, str(folder / name), *args], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(folder / name), *args], cwd=folder, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -225,8 +224,10 @@ def _script(folder: Path, name: str, code: str, *args: str) -> str:
 def formats(tmp_path_factory):
     """What a worker said to each variant's three artifacts, and what each client wrote."""
     root = tmp_path_factory.mktemp("formats")
-    threads = [threading.Thread(target=_script, args=(root / f"client_{w}", "make.py", MAKE_VARIANTS,
-                                                      str(root / w), w)) for w in "abc"]
+    threads = [
+        threading.Thread(target=_script, args=(root / f"client_{w}", "make.py", MAKE_VARIANTS, str(root / w), w))
+        for w in "abc"
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -243,9 +244,21 @@ def _formats_root(formats) -> Path:
     return Path(formats[1]["root"])
 
 
-VARIANTS = ["closure_value", "default_value", "plain_global", "global_function", "global_in_nested_code",
-            "global_dict", "global_module", "closure_function_with_closure", "partial_args",
-            "callable_instance", "bound_method_state", "type_method", "struct_format"]
+VARIANTS = [
+    "closure_value",
+    "default_value",
+    "plain_global",
+    "global_function",
+    "global_in_nested_code",
+    "global_dict",
+    "global_module",
+    "closure_function_with_closure",
+    "partial_args",
+    "callable_instance",
+    "bound_method_state",
+    "type_method",
+    "struct_format",
+]
 DIFFERENT = VARIANTS
 
 
@@ -258,7 +271,8 @@ def test_a_codec_writing_other_bytes_for_a_kind_is_refused(formats, variant):
     assert said[f"{variant}/a"] == "held", said[f"{variant}/a"]
     got = said[f"{variant}/b"]
     assert got.startswith("refused: "), (
-        f"{variant}: b's format was held; b's Reading(2.5) reads here as {said[f'{variant}/read_b']}")
+        f"{variant}: b's format was held; b's Reading(2.5) reads here as {said[f'{variant}/read_b']}"
+    )
     assert f"`atk.{variant}`" in got and "another format" in got and "restart the worker" in got
 
 
@@ -273,7 +287,7 @@ def test_the_same_codec_from_another_process_is_held(formats, variant):
     assert said[f"{variant}/c"] == "held", f"{variant}: the same codec was refused: {said[f'{variant}/c']}"
 
 
-EDGES = r'''
+EDGES = r"""
 import json, sys, threading
 from pathlib import Path
 import cloudpickle
@@ -323,7 +337,7 @@ elif case == "unloadable":
     got["registered_after_bad"] = kind in __import__("somatize.codec", fromlist=["x"]).codecs_registered()
     got["b"], got["a"] = attempt(catalog, "b"), attempt(catalog, "a")
 print(json.dumps(got))
-'''
+"""
 
 
 def test_the_workers_own_codec_refuses_both_carried_formats_and_stays(formats, tmp_path):
@@ -358,8 +372,7 @@ def test_a_codec_that_cannot_be_loaded_is_skipped_and_the_next_format_sets_the_k
 
 # == 3. the handshake probe =====================================================================
 
-GREETING_CURVE = (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0")
-                  + b"\0" + b"\0" * 31)
+GREETING_CURVE = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\0" + b"\0" * 31
 
 
 def _garbage(conn, stop):
@@ -462,8 +475,7 @@ def test_a_keyless_client_against_a_curve_server_is_keys_refused_not_dropped():
     server = curve_router()
     port = server.bind_to_random_port("tcp://127.0.0.1")
     try:
-        with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")},
-                             patience=2.0) as broker:
+        with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")}, patience=2.0) as broker:
             with pytest.raises(KeysRefused):
                 within(20, lambda: Add(1).named("a").at("w1").forward(1, broker=broker))
     finally:
@@ -546,12 +558,14 @@ def test_closing_the_broker_ends_calls_running_and_waiting_for_a_turn_and_a_new_
         _wait_for(lambda: broker._turns.running("w1") >= 1, 20, "the long call running")
         # wait until the long node really runs (a second broker is told Busy)
         with Broker.embedded(declared, patience=2.0) as probe:
+
             def busy() -> bool:
                 try:
                     Add(1).named("inc").at("w1").forward(1, broker=probe)
                 except SomatizeError:
                     return True
                 return False
+
             _wait_for(busy, 30, "the worker busy with the long node")
         for i in range(2):
             calls.append(_calling(lambda i=i: Add(i).named(f"add{i}").at("w1").forward(1, broker=broker)))
@@ -593,17 +607,22 @@ def test_a_new_broker_works_after_one_was_closed_under_a_waiting_call():
 
 # == 5. an in-process host's group, watched or not ===============================================
 
+
 def test_an_inprocess_host_keeps_a_cached_step_when_nobody_watches(tmp_path):
     """Nobody watches: the group of the in-process host is neither timed nor said, but the
     cached step in the middle of it must still be kept once the group closes, and recalled
     next time without running."""
-    from somatize.store import FolderStore
     from fabric_nodes import Count
+
+    from somatize.store import FolderStore
 
     calls = tmp_path / "calls"
     store = FolderStore(tmp_path / "store")
-    g = (Add(1).named("pre").at("w1").frozen() >> Count(str(calls)).named("count").at("w1").cached().frozen()
-         >> Add(1).named("post").at("w1"))
+    g = (
+        Add(1).named("pre").at("w1").frozen()
+        >> Count(str(calls)).named("count").at("w1").cached().frozen()
+        >> Add(1).named("post").at("w1")
+    )
     with Broker.embedded({"w1": Worker.inprocess()}) as broker:
         first = g.forward(5, broker=broker, store=store)
         second = g.forward(5, broker=broker, store=store)
@@ -616,8 +635,13 @@ def test_an_inprocess_host_keeps_a_cached_step_when_nobody_watches(tmp_path):
 
 
 def test_left_facts_name_each_inprocess_host_in_order_when_watched():
-    g = (Add(1).named("a").at("w1") >> Add(1).named("b").at("w1") >> Add(1).named("c").at("w2")
-         >> Add(1).named("local") >> Add(1).named("d").at("w1"))
+    g = (
+        Add(1).named("a").at("w1")
+        >> Add(1).named("b").at("w1")
+        >> Add(1).named("c").at("w2")
+        >> Add(1).named("local")
+        >> Add(1).named("d").at("w1")
+    )
     with Broker.embedded({"w1": Worker.inprocess(), "w2": Worker.inprocess()}) as broker:
         assert g.forward(0, broker=broker) == 5  # unwatched first: nothing left behind for the next
         seen: list = []
@@ -633,13 +657,16 @@ def test_left_facts_name_each_inprocess_host_in_order_when_watched():
 
 
 def test_a_cached_step_first_in_a_parallel_inprocess_group_is_kept_unwatched(tmp_path):
-    from somatize.store import FolderStore
     from fabric_nodes import Count
+
+    from somatize.store import FolderStore
 
     store = FolderStore(tmp_path / "store")
     calls_a, calls_b = tmp_path / "a", tmp_path / "b"
-    g = (Count(str(calls_a)).named("ca").at("w1").cached().frozen()
-         & Count(str(calls_b)).named("cb").at("w2").cached().frozen())
+    g = (
+        Count(str(calls_a)).named("ca").at("w1").cached().frozen()
+        & Count(str(calls_b)).named("cb").at("w2").cached().frozen()
+    )
     with Broker.embedded({"w1": Worker.inprocess(), "w2": Worker.inprocess()}) as broker:
         for _ in range(2):
             out = g.forward(1, broker=broker, store=store)
@@ -648,6 +675,7 @@ def test_a_cached_step_first_in_a_parallel_inprocess_group_is_kept_unwatched(tmp
 
 
 # == 2. the registry snapshot and the client's kind check ========================================
+
 
 class _Unread:
     def __init__(self, v: float) -> None:
@@ -665,8 +693,7 @@ def test_kinds_are_checked_against_the_registry_they_were_written_with_under_chu
     client, before it is sent (the worker stays up and serves)."""
     from somatize.codec import codec, forget
 
-    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "project"],
-                       env=env_with_tests())
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "project"], env=env_with_tests())
     stop = threading.Event()
 
     def churn(kind: str, type_: type) -> None:
@@ -674,8 +701,10 @@ def test_kinds_are_checked_against_the_registry_they_were_written_with_under_chu
             codec(kind, type_, dump=lambda u: repr(u.v).encode(), load=lambda b: type_(float(b)))
             forget(kind)
 
-    threads = [threading.Thread(target=churn, args=k, daemon=True)
-               for k in (("atk.session.unread", _Unread), ("atk.session.other", _Other))]
+    threads = [
+        threading.Thread(target=churn, args=k, daemon=True)
+        for k in (("atk.session.unread", _Unread), ("atk.session.other", _Other))
+    ]
     refused_plain, sent_unread = [], []
     try:
         with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}, patience=5.0) as broker:

@@ -199,13 +199,17 @@ def test_two_different_nodes_with_one_name_are_refused():
 
 
 def test_five_consecutive_nodes_on_one_host_are_one_remote_group():
-    g = Add().named("in") >> (
-        Add().named("a").at("w1")
-        >> Add().named("b").at("w1")
-        >> Add().named("c").at("w1")
-        >> Add().named("d").at("w1")
-        >> Add().named("e").at("w1")
-    ) >> Double().named("out")
+    g = (
+        Add().named("in")
+        >> (
+            Add().named("a").at("w1")
+            >> Add().named("b").at("w1")
+            >> Add().named("c").at("w1")
+            >> Add().named("d").at("w1")
+            >> Add().named("e").at("w1")
+        )
+        >> Double().named("out")
+    )
     plan = make(g)
     assert [type(op) for op in plan.ops] == [Run, Remote, Run]
     (remote,) = plan.remotes

@@ -13,11 +13,11 @@ import os
 import time
 
 import pytest
-
 from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Boom, Sleep
 from holds_nodes import Hold
 from peers import FakeWorker, Raw
+
 from somatize import Broker, ProtocolError, Worker
 from somatize.packing import Packer
 from somatize.wire import MAX_SAW, Done, Failed, Hello, Ready, Recipe, Runtime, Saw, Work
@@ -168,7 +168,11 @@ def test_a_worker_whose_done_carries_facts_that_should_be_refused_breaks_the_cha
     hostile = {
         "too many": bytes([0xDC]) + (MAX_SAW + 1).to_bytes(2, "big") + ran * (MAX_SAW + 1),
         "not text": b"\x91" + msgpack.packb({"fact": 7}),
-        "a key twice": b"\x91\x82" + msgpack.packb("fact") + msgpack.packb("ran") + msgpack.packb("fact") + msgpack.packb("finished"),
+        "a key twice": b"\x91\x82"
+        + msgpack.packb("fact")
+        + msgpack.packb("ran")
+        + msgpack.packb("fact")
+        + msgpack.packb("finished"),
     }
     plan = iter([*hostile.values(), b"\x91" + ran, b"\x91" + ran])
     fake = FakeWorker(lambda work: done(work.ref, next(plan)))
@@ -176,7 +180,7 @@ def test_a_worker_whose_done_carries_facts_that_should_be_refused_breaks_the_cha
         seen: list[dict] = []
         with Broker.embedded({"w1": Worker.at(fake.endpoint, mode="project")}) as broker:
             node = Add(1).named("a").at("w1")
-            for what in hostile:
+            for _what in hostile:
                 with pytest.raises(ProtocolError, match="could not be taken"):
                     node.forward(1, broker=broker, watching=seen.append, deadline=10)
             assert [f["fact"] for f in seen if f["fact"] == "ran"] == [], f"a hostile fact reached the watcher: {seen}"

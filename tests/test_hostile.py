@@ -13,11 +13,11 @@ fault, so it flips when the fault is fixed.
 
 from __future__ import annotations
 
-import pytest
-
 import hostile
 import hostile_load
+import pytest
 from hostile import KINDS, MALFORMED, ROLES, SAMPLE_REF, STATES, Played, Sides, bounded, name_of
+
 from somatize.wire import Refusal
 
 #: Known faults, each a finding of this harness: (role, kind, state) -> why, one line.
@@ -56,8 +56,13 @@ def expected(role: str, kind: str, state: str) -> frozenset[str]:
     if role == "broker":  # a broker played to a worker that dialed it: it takes Hello and Ready
         return frozenset({"Ready"} if kind == "Hello" else {""})
     if role == "client":
-        return frozenset({{"Hello": "Ready", "Where": "Located", "Hosts": "Listed", "Bye": "",
-                           "Relay": "Ready"}.get(kind, "Refusal")})  # Relay: w1's Ready to the Hello inside
+        return frozenset(
+            {
+                {"Hello": "Ready", "Where": "Located", "Hosts": "Listed", "Bye": "", "Relay": "Ready"}.get(
+                    kind, "Refusal"
+                )
+            }
+        )  # Relay: w1's Ready to the Hello inside
     offered = state != "before Hello"
     if role == "dialed worker":
         if kind in ("Hello", "Where", "Hosts", "Bye"):
@@ -184,7 +189,9 @@ def test_every_role_sends_every_message_spoilt(sides, role, kind, how):
             delivered = played.delivered()
             if role == "dialed worker, in an exchange":  # passed on untouched, as it came
                 assert len(delivered) == 1, delivered
-                assert (delivered[0][1] if isinstance(delivered[0], tuple) else hostile.frames_of(delivered[0])) == frames
+                assert (
+                    delivered[0][1] if isinstance(delivered[0], tuple) else hostile.frames_of(delivered[0])
+                ) == frames
         finally:
             played.close()
 
@@ -223,8 +230,14 @@ def test_a_flood_leaves_the_side_bounded_and_the_honest_tenant_answered(fresh, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("role", [pytest.param(r, marks=[pytest.mark.xfail(strict=True, reason=UNREAD[r])] if r in UNREAD else [])
-                                  for r in hostile_load.WATCHED if r != "client"])
+@pytest.mark.parametrize(
+    "role",
+    [
+        pytest.param(r, marks=[pytest.mark.xfail(strict=True, reason=UNREAD[r])] if r in UNREAD else [])
+        for r in hostile_load.WATCHED
+        if r != "client"
+    ],
+)
 def test_a_peer_that_never_reads_leaves_the_side_bounded(fresh, role):
     """A peer asks for 24 answers of 16 MiB and reads none (as the hostile dialed worker, it
     answers that much into an exchange whose client reads none); the side queues what

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.timeout(600)
 
 # -- the table holds every name the code makes ------------------------------------------------
 
-COVERING = r'''
+COVERING = r"""
 import json, os, sys, time, urllib.request
 from pathlib import Path
 root = Path(os.environ["HOSTILE_ROOT"])
@@ -91,15 +91,20 @@ report(store, hf.MACHINE, self_report(3, machine=hf.MACHINE))
 recorder.CHUNK = 1000
 print(json.dumps(hf._readers({"store": str(root), "readers": hf.READERS, "progress": os.environ["HOSTILE_ASIDE"] + "/p"}),
                  default=str))
-'''
+"""
 
 
 def _view(store: Path, env: dict[str, str], log: Path, prelude: str = "") -> tuple[subprocess.Popen, str, str]:
     """A real view of ``store``: its process, its address and its token."""
     script = prelude + "\nimport sys\nfrom somatize.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
-    process = subprocess.Popen([sys.executable, "-c", script, "view", "--store", str(store), "--listen",
-                                "127.0.0.1:0", "--announce"], stdout=subprocess.PIPE, stderr=log.open("w"),
-                               text=True, env=env, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, "view", "--store", str(store), "--listen", "127.0.0.1:0", "--announce"],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     import select
 
     ready, _, _ = select.select([process.stdout], [], [], 60)
@@ -137,18 +142,31 @@ def test_every_path_a_piece_touches_is_a_name_of_the_table(tmp_path):
     root.mkdir()
     trace = tmp_path / "trace"
     env = {**env_with_tests(), "HOSTILE_ROOT": str(root), "HOSTILE_TRACE": str(trace), "HOSTILE_ASIDE": str(aside)}
-    done = subprocess.run([sys.executable, "-c", hf.TRACER + COVERING], capture_output=True, text=True,
-                          timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", hf.TRACER + COVERING], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     readers = json.loads(done.stdout.strip().splitlines()[-1])
     assert not [name for name, said in readers.items() if "raised" in said], readers
     # and the view, every page of it, with the tracer in its own process
     process, base, token = _view(root, env, tmp_path / "view.log", prelude=hf.TRACER)
     try:
-        pages = ["/", "/api/runs", f"/api/run/{RUN}", f"/api/run/{RUN}/nodes", f"/api/run/{RUN}/facts/1",
-                 "/api/machines", f"/api/machines?run={RUN}", "/api/studies", f"/api/study/{STUDY}",
-                 "/api/events?subject=runs", f"/api/events?subject=run:{RUN}", "/api/events?subject=machines",
-                 "/api/events?subject=studies", f"/api/events?subject=study:{STUDY}"]
+        pages = [
+            "/",
+            "/api/runs",
+            f"/api/run/{RUN}",
+            f"/api/run/{RUN}/nodes",
+            f"/api/run/{RUN}/facts/1",
+            "/api/machines",
+            f"/api/machines?run={RUN}",
+            "/api/studies",
+            f"/api/study/{STUDY}",
+            "/api/events?subject=runs",
+            f"/api/events?subject=run:{RUN}",
+            "/api/events?subject=machines",
+            "/api/events?subject=studies",
+            f"/api/events?subject=study:{STUDY}",
+        ]
         for page in pages:
             status, _ = _get(base, token, page)
             assert status == 200, page
@@ -166,14 +184,16 @@ def test_each_name_of_the_table_is_made_by_the_code_s_own_function():
     for name in hf.names():
         assert re.fullmatch(name.pattern, name.sample), name
     # a name the table does not know is reported (as one the code would add)
-    assert hf.unknown_paths({"tune/trial/000001/000.rec", "tune/notes/0.rec", "computing/judge"}) == ["tune/notes/0.rec"]
+    assert hf.unknown_paths({"tune/trial/000001/000.rec", "tune/notes/0.rec", "computing/judge"}) == [
+        "tune/notes/0.rec"
+    ]
     shown = {site.what: site.path for site in hf.sites().values()}
     assert shown["attempt"] == "tune/trial/000001/000.rec" and shown["folder <study>/trial/<n>"] == "tune/trial/000001"
 
 
 # -- the planting ---------------------------------------------------------------------------------
 
-TEMPLATE = r'''
+TEMPLATE = r"""
 import os, sys, time
 from pathlib import Path
 import hostile_folders as hf
@@ -198,7 +218,7 @@ for n in range(5):
     rec(fact("loss", value=1.0 / (n + 1)))
     rec(fact("said", host="w1", machine=hf.MACHINE))
 report(done, hf.MACHINE, self_report(3, machine=hf.MACHINE))
-'''
+"""
 
 
 class Harness:
@@ -211,8 +231,9 @@ class Harness:
         self.planter = hf.Planter(python)
         self.targets = hf.make_targets(self.base, self.planter)
         templates = self.base / "templates"
-        made = subprocess.run([sys.executable, "-c", TEMPLATE, str(templates)], capture_output=True, text=True,
-                              timeout=120, env=self.env)
+        made = subprocess.run(
+            [sys.executable, "-c", TEMPLATE, str(templates)], capture_output=True, text=True, timeout=120, env=self.env
+        )
         assert made.returncode == 0, made.stderr[-3000:]
         self.fresh, self.done = templates / "fresh", templates / "done"
         self.count = 0
@@ -237,14 +258,22 @@ class Harness:
         site = Site("a writer's record", name, True)
         hf._open_folders(store, site.path)
         line = (json.dumps(record, sort_keys=True) + "\n").encode()
-        self.planter.plant(path=str(store / site.path), kind="store", record=line.hex(),
-                           **({"old": time.time_ns() - 3600 * 10**9} if old else {}))
+        self.planter.plant(
+            path=str(store / site.path),
+            kind="store",
+            record=line.hex(),
+            **({"old": time.time_ns() - 3600 * 10**9} if old else {}),
+        )
 
     def probe(self, commands: list[dict[str, Any]], longest: float) -> dict[str, hf.Measured]:
         if self.prober is None:
             self.prober = hf.Prober(self.env)
         for command in commands:
-            command["folder"] = str(self.base / "checks" / command["id"].replace("|", "_").replace("/", "_").replace("<", "").replace(">", "").replace(" ", "-"))
+            command["folder"] = str(
+                self.base
+                / "checks"
+                / command["id"].replace("|", "_").replace("/", "_").replace("<", "").replace(">", "").replace(" ", "-")
+            )
         return self.prober.run(commands, longest)
 
     def close(self) -> None:
@@ -286,7 +315,14 @@ def case(piece: str, site: Site, kind: str) -> str:
 # -- the pieces: what each meets, and what it must answer --------------------------------------
 
 FORWARD_SITES = ("cache entry", "folder cache", "claim", "folder computing", "folder computing/judge")
-STUDY_SITES = ("study definition", "folder <study>", "folder <study>/trial", "folder <study>/trial/<n>", "attempt", "fence")
+STUDY_SITES = (
+    "study definition",
+    "folder <study>",
+    "folder <study>/trial",
+    "folder <study>/trial/<n>",
+    "attempt",
+    "fence",
+)
 RUNNER_SITES = (*STUDY_SITES, "folder <study>/judge", "study judge")
 RUN_SITES = ("folder run", "folder run/<run>", "forward record", "folder run/<run>/chunk", "chunk")
 MACHINE_SITES = ("folder machine", "machine report")
@@ -329,7 +365,7 @@ def forward_batch(h: Harness, slow: bool) -> dict[str, list[str]]:
             x += 1
             store = h.store()
             hf.node().forward(x, store=FolderStore(store))  # the entry made, then planted over
-            key = FolderStore(store).names("cache/")[0][len("cache/"):]
+            key = FolderStore(store).names("cache/")[0][len("cache/") :]
             if what.startswith("claim") or "computing" in what:
                 FolderStore(store).delete(keys.cache_name(key))  # missing, so the forward claims it
             site = hf.sites(key=key)[what]
@@ -337,14 +373,21 @@ def forward_batch(h: Harness, slow: bool) -> dict[str, list[str]]:
                 h.writer_record(store, "computing/" + key, {"by": "a writer", "node": "tenfold"}, old=True)
             h.plant(store, site, kind)
             spec = {"store": str(store), "x": x, "patience": 1.5}
-            commands.append({"id": case("forward", site, kind), "op": "forward", "spec": spec, "timeout": FORWARD_TIMEOUT})
+            commands.append(
+                {"id": case("forward", site, kind), "op": "forward", "spec": spec, "timeout": FORWARD_TIMEOUT}
+            )
             checks[case("forward", site, kind)] = (site, kind, x)
     measured = h.probe(commands, longest=300)
     out = {}
     for id_, (site, kind, x) in checks.items():
         m = measured.get(id_)
         faults = hf.verdict(m, site, kind, line_needed=needs_line(site, kind))
-        if m is not None and not m.hung and "raised" not in m.result and m.result.get("answers") != [10 * x + 1] * hf.REPEAT:
+        if (
+            m is not None
+            and not m.hung
+            and "raised" not in m.result
+            and m.result.get("answers") != [10 * x + 1] * hf.REPEAT
+        ):
             faults.append(f"answered {m.result.get('answers')!r}, not {10 * x + 1} each time")
         out[id_] = faults
     return out
@@ -365,20 +408,32 @@ def study_batch(h: Harness, piece: str, slow: bool) -> dict[str, list[str]]:
             if what == "fence":  # the attempt before it abandoned: the fence is the next one's name
                 h.writer_record(store, hf.sites()["attempt"].name, _attempt(TRIAL, 0, "abandoned"))
             if what in ("folder <study>/judge", "study judge"):  # a running attempt gone stale: judged
-                h.writer_record(store, hf.sites()["attempt"].name.replace(f"{TRIAL:06d}", f"{0:06d}"),
-                                _attempt(0, 0, "running"), old=True)
+                h.writer_record(
+                    store,
+                    hf.sites()["attempt"].name.replace(f"{TRIAL:06d}", f"{0:06d}"),
+                    _attempt(0, 0, "running"),
+                    old=True,
+                )
             h.plant(store, site, kind)
             if what == "fence" and piece == "watch":
                 # the trial is abandoned with its next name blocked: not finished, and not
                 # blocked (a runner takes it over at attempt 2, as the runner case shows), so a
                 # watch rightly waits for one. Here one has: the watch must read the trial by
                 # that attempt, past the blocked fence (named once), and end.
-                h.writer_record(store, hf.sites()["fence"].name[:-3] + "002", dict(_attempt(TRIAL, 2, "done"), score="1.5"))
+                h.writer_record(
+                    store, hf.sites()["fence"].name[:-3] + "002", dict(_attempt(TRIAL, 2, "done"), score="1.5")
+                )
             argv = ["study", "--store", str(store), STUDY]
             argv += {"runner": ["--runner", RUNNER], "show": ["--show"], "watch": ["--watch", "0.2"]}[piece]
             id_ = case(piece, site, kind)
-            commands.append({"id": id_, "op": "command", "spec": {"argv": argv},
-                             "timeout": WATCH_TIMEOUT if piece == "watch" else STUDY_TIMEOUT})
+            commands.append(
+                {
+                    "id": id_,
+                    "op": "command",
+                    "spec": {"argv": argv},
+                    "timeout": WATCH_TIMEOUT if piece == "watch" else STUDY_TIMEOUT,
+                }
+            )
             checks[id_] = (site, kind, store)
     measured = h.probe(commands, longest=400)
     out = {}
@@ -407,8 +462,17 @@ def study_batch(h: Harness, piece: str, slow: bool) -> dict[str, list[str]]:
 
 
 def _attempt(number: int, attempt: int, state: str) -> dict[str, str]:
-    return {"trial": str(number), "attempt": str(attempt), "config": '{"x": 1.0}', "state": state, "score": "",
-            "took_us": "5", "runner": "a-writer", "error": "", "facts": "0"}
+    return {
+        "trial": str(number),
+        "attempt": str(attempt),
+        "config": '{"x": 1.0}',
+        "state": state,
+        "score": "",
+        "took_us": "5",
+        "runner": "a-writer",
+        "error": "",
+        "facts": "0",
+    }
 
 
 def _state(store: Any, number: int) -> str:
@@ -471,7 +535,9 @@ def _reader_answer(reader: str, site: Site, answer: Any) -> list[str]:
         if answer.get("len", 0) < 4:
             return [f"listed {answer.get('len')} forwards, not the 4 unplanted ones"]
     if reader == "trials" and site.what not in NO_STUDY + ("folder <study>/trial",):
-        done = [row.get("trial") for row in answer.get("items", []) if isinstance(row, dict) and row.get("state") == "done"]
+        done = [
+            row.get("trial") for row in answer.get("items", []) if isinstance(row, dict) and row.get("state") == "done"
+        ]
         if not {n for n in range(TRIALS) if n != TRIAL} <= set(done):
             return [f"listed trials {done} done, not 0, 2 and 3"]
     if reader == "latest" and site.what not in MACHINE_SITES and hf.MACHINE not in answer:
@@ -481,13 +547,34 @@ def _reader_answer(reader: str, site: Site, answer: Any) -> list[str]:
 
 #: The view's pages each site is seen on (``{run}``, ``{study}``: the case's own).
 PAGES = {
-    **{what: {"runs": "/api/runs", "run": "/api/run/{run}", "nodes": "/api/run/{run}/nodes",
-              "facts": "/api/run/{run}/facts/1", "fleet": "/api/machines?run={run}",
-              "events": "/api/events?subject=run:{run}"} for what in RUN_SITES},
-    **{what: {"machines": "/api/machines", "fleet": "/api/machines?run={run}",
-              "events": "/api/events?subject=machines"} for what in MACHINE_SITES},
-    **{what: {"studies": "/api/studies", "study": "/api/study/{study}", "events": "/api/events?subject=study:{study}",
-              "all-events": "/api/events?subject=studies"} for what in STUDY_SITES},
+    **{
+        what: {
+            "runs": "/api/runs",
+            "run": "/api/run/{run}",
+            "nodes": "/api/run/{run}/nodes",
+            "facts": "/api/run/{run}/facts/1",
+            "fleet": "/api/machines?run={run}",
+            "events": "/api/events?subject=run:{run}",
+        }
+        for what in RUN_SITES
+    },
+    **{
+        what: {
+            "machines": "/api/machines",
+            "fleet": "/api/machines?run={run}",
+            "events": "/api/events?subject=machines",
+        }
+        for what in MACHINE_SITES
+    },
+    **{
+        what: {
+            "studies": "/api/studies",
+            "study": "/api/study/{study}",
+            "events": "/api/events?subject=study:{study}",
+            "all-events": "/api/events?subject=studies",
+        }
+        for what in STUDY_SITES
+    },
 }
 #: Sites shared by every run or every machine: planted, looked at, then put back as they were.
 GLOBAL = ("folder run", "folder machine", "machine report")
@@ -540,8 +627,9 @@ def view_batch(h: Harness, slow: bool) -> dict[str, list[str]]:
                 backup = h.base / "backup"
                 shutil.rmtree(backup, ignore_errors=True)
                 if what in GLOBAL:
-                    shutil.copytree(store / site.path, backup / site.path, symlinks=True) if not site.entry else \
-                        (backup / site.path).parent.mkdir(parents=True) or shutil.copy2(store / site.path, backup / site.path)
+                    shutil.copytree(store / site.path, backup / site.path, symlinks=True) if not site.entry else (
+                        backup / site.path
+                    ).parent.mkdir(parents=True) or shutil.copy2(store / site.path, backup / site.path)
                 if what == "fence":
                     h.writer_record(store, hf.sites(study=study)["attempt"].name, _attempt(TRIAL, 0, "abandoned"))
                 h.plant(store, site, kind)
@@ -568,8 +656,9 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _look(process: subprocess.Popen, base: str, token: str, log: Path, site: Site, kind: str,
-          run: str, study: str) -> dict[str, list[str]]:
+def _look(
+    process: subprocess.Popen, base: str, token: str, log: Path, site: Site, kind: str, run: str, study: str
+) -> dict[str, list[str]]:
     """Every page that shows ``site``, asked ``REPEAT // 2`` times each, and the view's
     process measured across them: its CPU, descriptors, peak memory and lines."""
     pid = process.pid
@@ -636,8 +725,14 @@ BATCHES = {
 def case_ids(batch: str, slow: bool) -> list[str]:
     """The cases a batch answers, known before it runs (for the test's parameters)."""
     ids = []
-    wheres = {"forward": FORWARD_SITES, "runner": RUNNER_SITES, "show": STUDY_SITES, "watch": STUDY_SITES,
-              "readers": tuple(READS), "view": tuple(PAGES)}[batch]
+    wheres = {
+        "forward": FORWARD_SITES,
+        "runner": RUNNER_SITES,
+        "show": STUDY_SITES,
+        "watch": STUDY_SITES,
+        "readers": tuple(READS),
+        "view": tuple(PAGES),
+    }[batch]
     for what in wheres:
         site = _site(what)
         for kind in kinds(site, slow):
@@ -687,8 +782,13 @@ def hostile(python_for_nobody, tmp_path_factory, worker_id):
 
 FOUND: dict[str, dict[str, dict[str, str]]] = {}  # piece -> the fault -> site -> the kinds planted there
 
-FINDINGS = {f"{piece}|{site}|{kind}": reason for piece, faults in FOUND.items() for reason, where in faults.items()
-            for site, kinds in where.items() for kind in kinds.split()}
+FINDINGS = {
+    f"{piece}|{site}|{kind}": reason
+    for piece, faults in FOUND.items()
+    for reason, where in faults.items()
+    for site, kinds in where.items()
+    for kind in kinds.split()
+}
 
 
 def _params(slow: bool) -> list[Any]:

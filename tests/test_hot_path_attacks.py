@@ -64,8 +64,8 @@ from somatize import (
     ProtocolError,
     Refused,
     SomatizeError,
-    Unreachable,
     UnknownHost,
+    Unreachable,
     Worker,
     codec,
 )
@@ -74,8 +74,8 @@ from somatize.codec.registered import registered_now
 from somatize.engine import Piece, run_lone, run_piece
 from somatize.fabric import sockets as fabric_sockets
 from somatize.fabric.client import carriage
-from somatize.fabric.curve import speaks_curve
 from somatize.fabric.conversation import ClientExchange, Violation, WorkerSessions
+from somatize.fabric.curve import speaks_curve
 from somatize.fabric.pieces import piece_of
 from somatize.fabric.worker.loop import WorkerLoop
 from somatize.fabric.worker.prepared import Prepared
@@ -181,8 +181,6 @@ class Reading:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -225,8 +223,9 @@ def greeted(endpoint: str) -> Raw:
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """One listening project-mode worker (one job) for the tests that only talk to it."""
-    worker = Process([*WORKER, "--listen", "127.0.0.1:0", "--announce"], env=child_env(),
-                     logs=tmp_path_factory.mktemp("logs"))
+    worker = Process(
+        [*WORKER, "--listen", "127.0.0.1:0", "--announce"], env=child_env(), logs=tmp_path_factory.mktemp("logs")
+    )
     yield worker
     worker.stop()
 
@@ -301,8 +300,12 @@ def test_a_lone_node_fails_on_a_worker_exactly_as_the_walk_says_it_fails(spawned
             if how not in ("unwritable", "too deep", "itself"):  # a node that raised: its frame is there
                 assert failure.remote_traceback and "_fail_here" in failure.remote_traceback
     if how in ("value", "exit", "interrupt", "generator"):
-        expected = {"value": "ValueError", "exit": "SystemExit", "interrupt": "KeyboardInterrupt",
-                    "generator": "GeneratorExit"}[how]
+        expected = {
+            "value": "ValueError",
+            "exit": "SystemExit",
+            "interrupt": "KeyboardInterrupt",
+            "generator": "GeneratorExit",
+        }[how]
         assert isinstance(alone, NodeFailed) and alone.error == expected and alone.node == "raiser"
         assert str(alone).startswith(f"node `raiser` on `w1` raised {expected}")
 
@@ -315,7 +318,9 @@ def test_the_worker_takes_the_lone_run_for_every_kind_of_failure_and_the_walk_wh
     import somatize.fabric.worker.running as worker_running
 
     walks, alone = [], []
-    monkeypatch.setattr(worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
+    monkeypatch.setattr(
+        worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch)
+    )
     monkeypatch.setattr(worker_running, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
     # lowered on both sides (one process): a header of a few thousand short strings is over it
     monkeypatch.setattr(limits, "MAX_HEADER", 64 << 10)
@@ -372,20 +377,38 @@ def _header(frames: list[bytes]) -> dict:
     return msgpack.unpackb(frames[0], strict_map_key=False)
 
 
-@pytest.mark.parametrize("shape, extra", [(["step", 1], False), (["step", -1], False),
-                                          (["seq", [["step", 0], ["step", 1]]], False), (["par", []], False),
-                                          (["step", True], False), (["loop", 0], False), (["step", 0], True),
-                                          (["step", 1], True)],
-                         ids=["step 1", "step -1", "seq naming 1", "empty par", "step True", "unknown",
-                              "a second node never used", "the first node never used"])
+@pytest.mark.parametrize(
+    "shape, extra",
+    [
+        (["step", 1], False),
+        (["step", -1], False),
+        (["seq", [["step", 0], ["step", 1]]], False),
+        (["par", []], False),
+        (["step", True], False),
+        (["loop", 0], False),
+        (["step", 0], True),
+        (["step", 1], True),
+    ],
+    ids=[
+        "step 1",
+        "step -1",
+        "seq naming 1",
+        "empty par",
+        "step True",
+        "unknown",
+        "a second node never used",
+        "the first node never used",
+    ],
+)
 def test_a_recipe_whose_shape_does_not_fit_its_nodes_is_refused_alike_watched_or_not(spawned, raws, shape, extra):
     """Attack from a raw client: a header written by hand, a recipe whose shape names a step
     it does not have, or of two nodes whose shape runs one alone (the lone run's shape, with
     a node to spare). Refused (naming the work) the same way unwatched (which would run
     alone) and watched, nothing run, and the worker serves on."""
     recipe = Recipe((spec_of(Add(1), "inc"),), ("step", 0))
-    spare = msgpack.unpackb(full(9, Recipe((spec_of(Add(100), "spare"),), ("step", 0)), 0)[0],
-                            strict_map_key=False)["recipe"]["nodes"][0]
+    spare = msgpack.unpackb(full(9, Recipe((spec_of(Add(100), "spare"),), ("step", 0)), 0)[0], strict_map_key=False)[
+        "recipe"
+    ]["nodes"][0]
     raw = raws(spawned.endpoint)
     refusals = []
     for ref, watched in ((1, False), (2, True)):
@@ -453,7 +476,9 @@ def test_a_worker_with_more_than_one_job_never_runs_a_node_alone(serving, monkey
 
     alone, walks = [], []
     monkeypatch.setattr(worker_running, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
-    monkeypatch.setattr(worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
+    monkeypatch.setattr(
+        worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch)
+    )
     _, endpoint, _ = serving(jobs=2)
     node = Add(1).named("inc").at("w1")
     with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}, patience=PATIENCE) as broker:
@@ -608,7 +633,7 @@ def test_a_worker_killed_right_after_answering_fails_the_next_call_typed_or_serv
             except tolerated as exc:
                 outcomes.append(type(exc))
             assert time.monotonic() - started < PATIENCE * 4 + MARGIN
-            post_kill.extend(taken_after[looked:looked + 1])
+            post_kill.extend(taken_after[looked : looked + 1])
             worker.popen.wait(WAIT)
             worker = procs(_listening(port))
             served = None
@@ -665,8 +690,7 @@ def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused()
     accepts each connection and hangs up at once. Neither side has keys; the call has to
     end with a typed error about reaching the worker, not one saying it listens with keys."""
     with socket_peer(_hang_up) as (port, _):
-        with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")},
-                             patience=PATIENCE) as broker:
+        with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")}, patience=PATIENCE) as broker:
             try:
                 within(WAIT, lambda: Add(1).named("inc").at("w1").forward(1, broker=broker))
                 outcome = None
@@ -695,8 +719,11 @@ def test_the_greeting_probe_tells_curve_from_null_from_nobody(tmp_path):
     nobody listens, and an address of another transport."""
     servers = []
     try:
-        for curve, where in ((True, "tcp://127.0.0.1:*"), (False, "tcp://127.0.0.1:*"),
-                             (True, f"ipc://{tmp_path}/curve.sock")):
+        for curve, where in (
+            (True, "tcp://127.0.0.1:*"),
+            (False, "tcp://127.0.0.1:*"),
+            (True, f"ipc://{tmp_path}/curve.sock"),
+        ):
             server = curve_router() if curve else zmq.Context.instance().socket(zmq.ROUTER)
             server.linger = 0
             server.bind(where)
@@ -833,18 +860,30 @@ _REFS = st.sampled_from([1, 2, 3])
 _ANSWERS = st.one_of(
     st.builds(lambda r: Done(r, r * 10, {}, 1), _REFS),
     st.builds(lambda r: Failed(r, "no", "a", "E", ""), _REFS),
-    st.builds(lambda r, h, c: Refusal("no", ref=r, hello=h, recipe=c), st.one_of(st.none(), _REFS), st.booleans(),
-              st.booleans()),
+    st.builds(
+        lambda r, h, c: Refusal("no", ref=r, hello=h, recipe=c),
+        st.one_of(st.none(), _REFS),
+        st.booleans(),
+        st.booleans(),
+    ),
     st.builds(lambda r: Refusal("busy: full", ref=r), _REFS),
     st.just(Ready(RT)),
     st.builds(lambda r: Saw(r, {"event": "ran"}), _REFS),
     st.builds(lambda r: Send(r, ("sha256:" + "b" * 64,)), _REFS),
 )
-_CLIENT_STEPS = st.lists(st.one_of(
-    st.tuples(st.just("hello")), st.tuples(st.just("work"), _REFS), st.tuples(st.just("delivered")),
-    st.tuples(st.just("forgotten")), st.tuples(st.just("give up")), st.tuples(st.just("receive"), _ANSWERS),
-    st.tuples(st.just("receive"), _ANSWERS), st.tuples(st.just("receive"), _ANSWERS),
-), max_size=30)
+_CLIENT_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("hello")),
+        st.tuples(st.just("work"), _REFS),
+        st.tuples(st.just("delivered")),
+        st.tuples(st.just("forgotten")),
+        st.tuples(st.just("give up")),
+        st.tuples(st.just("receive"), _ANSWERS),
+        st.tuples(st.just("receive"), _ANSWERS),
+        st.tuples(st.just("receive"), _ANSWERS),
+    ),
+    max_size=30,
+)
 
 
 @settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -862,8 +901,13 @@ def test_the_clients_one_look_at_a_done_is_the_general_rules_answer_in_every_sta
             a = _outcome_of(lambda: fast.receive(step[1]))
             b = _outcome_of(lambda: slow.receive(_slow(step[1])))
         else:
-            act = {"hello": "hello_sent", "work": "work_sent", "delivered": "work_delivered",
-                   "forgotten": "forgotten", "give up": "give_up"}[kind]
+            act = {
+                "hello": "hello_sent",
+                "work": "work_sent",
+                "delivered": "work_delivered",
+                "forgotten": "forgotten",
+                "give up": "give_up",
+            }[kind]
             a = _outcome_of(lambda ex=fast: getattr(ex, act)(*step[1:]))
             b = _outcome_of(lambda ex=slow: getattr(ex, act)(*step[1:]))
         assert a == b, (step, a, b)
@@ -884,24 +928,41 @@ def _recipes():
 _RECIPES = _recipes()
 _DIGESTS = [recipe_digest(r).digest for r in _RECIPES] + [_DIGEST_NEVER]
 _PEERS = st.sampled_from([b"p", b"q", b"r"])
-_WORKER_STEPS = st.lists(st.one_of(
-    st.tuples(st.just("hello"), _PEERS),
-    st.tuples(st.just("bye"), _PEERS),
-    st.tuples(st.just("full"), _PEERS, _REFS, st.sampled_from([0, 1])),
-    st.tuples(st.just("digest"), _PEERS, _REFS, st.sampled_from([0, 1, 2]),
-              st.sampled_from(["plain", "keys fit", "keys do not fit", "placed", "misplaced"])),
-    st.tuples(st.just("digest"), _PEERS, _REFS, st.sampled_from([0, 1, 2]), st.just("plain")),
-    st.tuples(st.just("answer"), _PEERS, _REFS, st.sampled_from(["done", "failed", "send", "refusal", "saw"]),
-              st.booleans()),
-    st.tuples(st.just("answer"), _PEERS, _REFS, st.just("done"), st.just(False)),
-), max_size=40)
+_WORKER_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("hello"), _PEERS),
+        st.tuples(st.just("bye"), _PEERS),
+        st.tuples(st.just("full"), _PEERS, _REFS, st.sampled_from([0, 1])),
+        st.tuples(
+            st.just("digest"),
+            _PEERS,
+            _REFS,
+            st.sampled_from([0, 1, 2]),
+            st.sampled_from(["plain", "keys fit", "keys do not fit", "placed", "misplaced"]),
+        ),
+        st.tuples(st.just("digest"), _PEERS, _REFS, st.sampled_from([0, 1, 2]), st.just("plain")),
+        st.tuples(
+            st.just("answer"),
+            _PEERS,
+            _REFS,
+            st.sampled_from(["done", "failed", "send", "refusal", "saw"]),
+            st.booleans(),
+        ),
+        st.tuples(st.just("answer"), _PEERS, _REFS, st.just("done"), st.just(False)),
+    ),
+    max_size=40,
+)
 
 
 def _worker_state(sessions: WorkerSessions):
-    return (sessions.refused, sessions._bytes, [
-        (peer, s.tenant, s.cost, sorted(s.open), list(s.recipes), sorted(s.streams))
-        for peer, s in sessions._sessions.items()
-    ])
+    return (
+        sessions.refused,
+        sessions._bytes,
+        [
+            (peer, s.tenant, s.cost, sorted(s.open), list(s.recipes), sorted(s.streams))
+            for peer, s in sessions._sessions.items()
+        ],
+    )
 
 
 @settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -927,9 +988,13 @@ def test_the_workers_one_look_paths_are_the_general_rules_in_every_state(steps):
             msg = Work(step[2], _RECIPES[step[3]], 0, watched=False)
             a, b = (_outcome_of(lambda s=s: s.receive(peer, msg)) for s in (fast, slow))
         elif kind == "digest":
-            extra = {"plain": {}, "keys fit": {"keys": {0: "sha256:" + "1" * 64}},
-                     "keys do not fit": {"keys": {4: "sha256:" + "1" * 64}}, "placed": {"placement": {0: "cpu"}},
-                     "misplaced": {"placement": {3: "cpu"}}}[step[4]]
+            extra = {
+                "plain": {},
+                "keys fit": {"keys": {0: "sha256:" + "1" * 64}},
+                "keys do not fit": {"keys": {4: "sha256:" + "1" * 64}},
+                "placed": {"placement": {0: "cpu"}},
+                "misplaced": {"placement": {3: "cpu"}},
+            }[step[4]]
             msg = Work(step[2], None, 0, watched=False, recipe_digest=_DIGESTS[step[3]], **extra)
 
             def express(s=fast, msg=msg):
@@ -939,9 +1004,13 @@ def test_the_workers_one_look_paths_are_the_general_rules_in_every_state(steps):
             a, b = _outcome_of(express), _outcome_of(lambda: slow.receive(peer, msg))
         else:
             ref, what, refusing = step[2], step[3], step[4]
-            answer = {"done": Done(ref, 1, {}, 1), "failed": Failed(ref, "no", "a", "E", ""),
-                      "send": Send(ref, ("sha256:" + "b" * 64,)), "refusal": Refusal("no", ref=ref),
-                      "saw": Saw(ref, {"event": "ran"})}[what]
+            answer = {
+                "done": Done(ref, 1, {}, 1),
+                "failed": Failed(ref, "no", "a", "E", ""),
+                "send": Send(ref, ("sha256:" + "b" * 64,)),
+                "refusal": Refusal("no", ref=ref),
+                "saw": Saw(ref, {"event": "ran"}),
+            }[what]
             a = ("gave", fast.answering(peer, answer, refusing=refusing))
             b = ("gave", slow.answering(peer, _slow(answer), refusing=refusing))
         assert a == b, (step, a, b)
@@ -982,8 +1051,13 @@ def _ended(fake: FakeWorker, call) -> tuple:
         return (type(exc).__name__, str(exc).splitlines()[0].replace(fake.endpoint, "<endpoint>"))
 
 
-SCENARIOS = ["another ref first", "answered twice", "busy, then a done", "a failure, then a done",
-             "a send for nothing, then a done"]
+SCENARIOS = [
+    "another ref first",
+    "answered twice",
+    "busy, then a done",
+    "a failure, then a done",
+    "a send for nothing, then a done",
+]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -1016,8 +1090,10 @@ def test_a_done_arriving_while_greeting_is_refused_alike_whichever_way_the_call_
     outcomes = {}
     for way, options in WAYS.items():
         monkeypatch.setattr(channel_module, "_refs", itertools.count(5000))
-        fake = played(lambda work: Done(work.ref, work.input + 1, {}, 7),
-                      greet=lambda hello, n: (Done(5000, -1, {}, 7), Ready(RT)) if n == 1 else Ready(RT))
+        fake = played(
+            lambda work: Done(work.ref, work.input + 1, {}, 7),
+            greet=lambda hello, n: (Done(5000, -1, {}, 7), Ready(RT)) if n == 1 else Ready(RT),
+        )
         node = Add(1).named("a").at("w1")
         with Broker.embedded({"w1": Worker.at(fake.endpoint, mode="project")}, patience=PATIENCE) as broker:
             outcomes[way] = _ended(fake, lambda o=options: node.forward(1, broker=broker, **o))
@@ -1118,6 +1194,7 @@ def pair():
 
 def _sized(kind: str, size: int) -> bytes:
     """A header of exactly ``size`` bytes: a Work by digest or a Done, of one bytes or str value."""
+
     def write(n: int) -> bytes:
         value = b"x" * n if kind.endswith("bytes") else "a" * n
         if kind.startswith("Work"):
@@ -1181,8 +1258,10 @@ def _forms(data: bytes):
         yield "strided view", memoryview(data)[::2], data[::2]
 
 
-_HEADERS = [bytes(encode(Work(3, None, v, watched=w, recipe_digest=_DIGEST))[0])
-            for v, w in ((5, False), (2.5, True), (b"xy", False), ("s", False), (None, False))]
+_HEADERS = [
+    bytes(encode(Work(3, None, v, watched=w, recipe_digest=_DIGEST))[0])
+    for v, w in ((5, False), (2.5, True), (b"xy", False), ("s", False), (None, False))
+]
 _HEADERS += [bytes(encode(Done(4, v, {}, 9))[0]) for v in (1, -0.0, float("nan"), b"", "t")]
 
 
@@ -1195,7 +1274,7 @@ def _mutated(draw):
             i = draw(st.integers(0, len(data) - 1))
             data[i] = draw(st.integers(0, 255))
         elif how == "cut" and data:
-            del data[draw(st.integers(0, len(data) - 1)):]
+            del data[draw(st.integers(0, len(data) - 1)) :]
         elif how == "grow":
             data += draw(st.binary(max_size=8))
         elif how == "swap" and len(data) > 2:
@@ -1228,8 +1307,10 @@ def test_a_message_of_many_frames_arriving_as_frames_reads_as_its_bytes(pair):
     is one) arrive as ``zmq.Frame``s: frame 0 is a header but the message is not one frame,
     so the one-look path must not take it; read as the bytes are."""
     a, b = pair
-    for msg in (Work(1, None, np.arange(5000.0), watched=False, recipe_digest=_DIGEST),
-                Done(2, np.ones((3, 70_000), dtype=np.uint8), {}, 5)):
+    for msg in (
+        Work(1, None, np.arange(5000.0), watched=False, recipe_digest=_DIGEST),
+        Done(2, np.ones((3, 70_000), dtype=np.uint8), {}, 5),
+    ):
         frames = [bytes(f) for f in encode(msg)]
         assert len(frames) > 1
         a.send_multipart(frames, copy=False)
@@ -1362,6 +1443,7 @@ def registry_restored():
 
 def _toggling(stop: threading.Event, seen: list) -> threading.Thread:
     """A thread registering and forgetting ``KIND`` as fast as it can until ``stop``."""
+
     def run() -> None:
         while not stop.is_set():
             _register()
@@ -1393,8 +1475,9 @@ def _reading_call(node, broker, i: int) -> str:
     raise AssertionError("a Reading came back from a worker that reads no Reading")
 
 
-def test_a_kind_the_worker_cannot_read_is_never_sent_while_another_thread_changes_the_registry(spawned,
-                                                                                                 registry_restored):
+def test_a_kind_the_worker_cannot_read_is_never_sent_while_another_thread_changes_the_registry(
+    spawned, registry_restored
+):
     """Attack: another thread registers and forgets a codec over and over while calls run
     against a real project-mode worker that reads none of it. A Reading has to be refused
     here (its kind named) or be unwritable (no codec at that moment): never sent. Scalars
@@ -1420,6 +1503,7 @@ def test_frames_written_with_a_codec_forgotten_before_the_check_are_still_refuse
     """Attack, made certain: the codec's own ``dump`` forgets it, so the registry changes
     between the writing of the Work and the check of its kinds, in one thread. The worker
     reads no such kind: the call has to be refused here, before a byte of it leaves."""
+
     def dump(r):
         forget(KIND)  # gone by the time the channel checks what the worker reads
         return repr(r.hz).encode()
@@ -1438,8 +1522,9 @@ def network_broker():
 
     import fabric_nodes
 
-    with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[sys.modules[__name__], fabric_nodes])},
-                         patience=PATIENCE) as broker:
+    with Broker.embedded(
+        {"w1": Worker.spawn(WORKER, mode="network", send=[sys.modules[__name__], fabric_nodes])}, patience=PATIENCE
+    ) as broker:
         yield broker
 
 
@@ -1470,8 +1555,7 @@ def test_a_network_worker_gets_a_codec_registered_after_its_node_was_packed(netw
     assert plain.forward(5, broker=broker) == 6
 
 
-def test_a_codec_registered_again_in_another_format_is_refused_by_the_network_worker(network_broker,
-                                                                                  registry_restored):
+def test_a_codec_registered_again_in_another_format_is_refused_by_the_network_worker(network_broker, registry_restored):
     """Attack: the same kind registered again with another format (``codec`` says registering
     a kind again replaces it). The client packs the node anew (the token changed) with the
     new codec inside; the worker reads one format per kind while it runs, so the Reading
@@ -1539,8 +1623,10 @@ def test_one_graph_with_two_brokers_in_turn_is_refused_by_the_one_that_does_not_
                 except BaseException as exc:  # noqa: BLE001 - said on the test's thread
                     wrong.append((known, i, exc))
 
-        threads = [threading.Thread(target=hammer, args=(b, k), daemon=True)
-                   for b, k in ((knows, True), (blind, False), (knows, True), (blind, False))]
+        threads = [
+            threading.Thread(target=hammer, args=(b, k), daemon=True)
+            for b, k in ((knows, True), (blind, False), (knows, True), (blind, False))
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -1580,8 +1666,11 @@ def test_a_copy_of_a_graph_checked_on_one_broker_is_checked_again_on_another(spa
     try:
         assert node.forward(1, broker=knows) == 2
         assert "_somatize_listed" in node.__dict__ and "_somatize_trips" in node.__dict__
-        twin = {"pickled": lambda g: pickle.loads(pickle.dumps(g)), "deep copy": copy.deepcopy,
-                "shallow copy": copy.copy}[copied](node)
+        twin = {
+            "pickled": lambda g: pickle.loads(pickle.dumps(g)),
+            "deep copy": copy.deepcopy,
+            "shallow copy": copy.copy,
+        }[copied](node)
         assert not any(k.startswith("_somatize_") for k in twin.__dict__), sorted(twin.__dict__)
         with pytest.raises(UnknownHost):
             twin.forward(1, broker=blind)

@@ -12,11 +12,11 @@ import time
 
 import pytest
 import zmq
-
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Sleep
 from liveness_nodes import Big, Marked
 from reliability_support import wait_until
+
 from somatize import Broken, Broker, Busy, Refused
 from somatize.fabric.broker.checks import PROBE
 from somatize.packing import Packer
@@ -179,8 +179,11 @@ def _flood(url: str, connections: int, message: list, stop: threading.Event, sen
             sock.close()
 
 
-@pytest.mark.parametrize(("what", "big"), [("Hello", False), ("Work", False), ("Hello", True)],
-                         ids=["Hellos", "Works", "Hellos, a streamed answer"])
+@pytest.mark.parametrize(
+    ("what", "big"),
+    [("Hello", False), ("Work", False), ("Hello", True)],
+    ids=["Hellos", "Works", "Hellos, a streamed answer"],
+)
 def test_a_flood_at_a_dialed_worker_never_holds_back_another_tenants_answer(processes, what, big):
     """The attack, scaled down: while connections of their own flood a dialed worker with
     relayed Hellos (or Works, refused as busy), a victim's 2 s piece there runs. The worker
@@ -235,5 +238,7 @@ def test_a_worker_back_before_its_client_looked_has_that_client_told(processes, 
         assert not thread.is_alive(), "the client still waits 15 s after its worker came back"
         error = box.get("error")
         assert isinstance(error, Refused), box
-        assert "was lost while the work sent there was open" in str(error) and "whether it ran is not known" in str(error)
+        assert "was lost while the work sent there was open" in str(error) and "whether it ran is not known" in str(
+            error
+        )
         assert served(lambda: Add(1).named("a").at("w1").forward(1, broker=client), 15) == 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from somatize.fabric.broker.view import LOST_FOR, BrokerView
 from somatize.fabric.conversation import CLIENT, WORKER
-from somatize.wire import Done, Hello, Recipe, Relay, Runtime, Work, decode, encode
 from somatize.packing import Packer
+from somatize.wire import Done, Hello, Recipe, Relay, Runtime, Work, decode, encode
 
 EVERYONE = frozenset((CLIENT, WORKER))
 

@@ -21,21 +21,20 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-import pytest
-
 import fabric_nodes
+import pytest
 from conftest import SETPRIV, WORKER
 from fabric_nodes import Add
+
 from somatize import Broker, ProtocolError, Refused, Worker
 from somatize.fabric import mount
 from somatize.fabric.broker.spawn import Child
 from somatize.wire import Hello, Mounted, Provision, Ready, Runtime, decode, encode
 
-
 # The attacker's client: ZMTP 3.0 (NULL) by hand, standard library only, so that it runs on
 # any Python `nobody` may execute. It connects, sends the messages given on stdin, and
 # prints what it got back as JSON.
-ZMTP_ATTACKER = r'''
+ZMTP_ATTACKER = r"""
 import json, socket, sys
 spec = json.loads(sys.stdin.read())
 def out(**said):
@@ -87,10 +86,10 @@ try:
 except (OSError, EOFError) as exc:
     out(connected=True, answers=answers, why=f"{type(exc).__name__}: {exc}")
 out(connected=True, answers=answers)
-'''
+"""
 
 # The attacker at a mount folder: each attempt, and what came of it.
-FOLDER_ATTACKER = r'''
+FOLDER_ATTACKER = r"""
 import json, os, sys
 spec = json.loads(sys.stdin.read())
 folder, tried = spec["folder"], {}
@@ -105,7 +104,7 @@ for path in spec["cargo"]:
 attempt("plant a link", lambda: os.symlink(spec["target"], os.path.join(folder, spec["name"])))
 attempt("plant a file", lambda: open(os.path.join(folder, "planted"), "w").close())
 print(json.dumps(tried))
-'''
+"""
 
 
 @pytest.fixture
@@ -175,15 +174,18 @@ def test_another_user_cannot_reach_a_spawned_worker_to_run_a_pickle(as_nobody, t
         child = broker._server.children["w1"]
         assert _tcp_listeners(child.process.pid) == []  # nothing for anyone to find in /proc/net/tcp
 
-        attack = as_nobody(ZMTP_ATTACKER, {"address": child.address,
-                                            "messages": [[bytes(f).hex() for f in m] for m in (hello, provision)]})
+        attack = as_nobody(
+            ZMTP_ATTACKER,
+            {"address": child.address, "messages": [[bytes(f).hex() for f in m] for m in (hello, provision)]},
+        )
         assert attack["connected"] is False, attack
         assert "PermissionError" in attack["why"]
 
         # the same client run as this user is answered: the kernel stopped `nobody`, not a bug
         # in the attacker's ZMTP (a Hello only: the gadget is never sent to the real worker)
-        control = as_nobody(ZMTP_ATTACKER, {"address": child.address, "messages": [[bytes(f).hex() for f in hello]]},
-                            as_me=True)
+        control = as_nobody(
+            ZMTP_ATTACKER, {"address": child.address, "messages": [[bytes(f).hex() for f in hello]]}, as_me=True
+        )
         assert control["connected"] is True and len(control["answers"]) == 1, control
         assert isinstance(decode([bytes.fromhex(p) for p in control["answers"][0]]), Ready)
         assert Add().named("a").at("w1").forward(2, broker=broker) == 3  # still serving its client
@@ -196,7 +198,7 @@ def test_a_spawned_worker_leaves_no_socket_folder_behind_even_when_killed():
     for ending in ("stop", "kill -9"):
         child = Child("w1", tuple(WORKER), mode="network", mount=None)
         address = child.start()
-        folder = Path(address[len("ipc://"):]).parent
+        folder = Path(address[len("ipc://") :]).parent
         info = folder.stat()
         assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
         if ending == "stop":
@@ -222,8 +224,15 @@ def test_another_user_can_neither_read_cargo_nor_plant_a_link_in_a_mount_folder(
         assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in made)
         if folder.name == "made-by-mount":
             assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-        tried = as_nobody(FOLDER_ATTACKER, {"folder": str(folder), "cargo": [str(p) for p in made],
-                                            "target": "/etc/shadow", "name": made[0].name + "0"})
+        tried = as_nobody(
+            FOLDER_ATTACKER,
+            {
+                "folder": str(folder),
+                "cargo": [str(p) for p in made],
+                "target": "/etc/shadow",
+                "name": made[0].name + "0",
+            },
+        )
         assert all(tried[f"read {p.name}"] == "PermissionError" for p in made), tried
         assert tried["plant a link"] == tried["plant a file"] == "PermissionError", tried
         assert not (folder / "planted").exists() and not (folder / (made[0].name + "0")).exists()
@@ -296,13 +305,13 @@ def test_a_link_or_a_strange_file_named_in_a_mounted_message_is_never_followed(t
     assert [bytes(f) for f in frames] == [b"header", b"real cargo"] and paths == made
 
 
-KILLED_CLIENT = textwrap.dedent(r'''
+KILLED_CLIENT = textwrap.dedent(r"""
     import sys
     from somatize.fabric import mount
     _, made = mount.write([b"header", b"x" * 1000, b"y" * 1000], sys.argv[1])
     print(" ".join(p.name for p in made), flush=True)
     sys.stdin.read()  # held until killed
-''')
+""")
 
 
 def test_the_cargo_of_a_killed_client_is_swept(tmp_path):
@@ -314,8 +323,9 @@ def test_the_cargo_of_a_killed_client_is_swept(tmp_path):
     started: list[subprocess.Popen] = []
 
     def client() -> tuple[subprocess.Popen, list[str]]:
-        process = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, str(folder)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", KILLED_CLIENT, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         started.append(process)
         return process, process.stdout.readline().split()
 

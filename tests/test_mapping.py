@@ -6,14 +6,13 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import mapping_nodes
+import pytest
 from conftest import BROKER, WORKER, env_with_tests
+
 from somatize import Broken, Broker, FolderStore, NodeFailed, Worker
 from somatize.broker import read_hosts
 from somatize.fabric.hosts import Pool, expand, pool_of
@@ -62,14 +61,14 @@ def test_a_pool_is_its_members_as_hosts_of_their_own():
 
 def test_a_host_table_declares_a_pool_with_processes(tmp_path):
     table = tmp_path / "hosts.toml"
-    table.write_text(f'[hosts.cpu]\nspawn = {WORKER!r}\nprocesses = 3\n'.replace("'", '"'))
+    table.write_text(f"[hosts.cpu]\nspawn = {WORKER!r}\nprocesses = 3\n".replace("'", '"'))
     assert sorted(read_hosts(table)) == ["cpu#0", "cpu#1", "cpu#2"]
     table.write_text('[hosts.cpu]\naddress = ["127.0.0.1:7001", "127.0.0.1:7002"]\n')
     assert sorted(read_hosts(table)) == ["cpu#0", "cpu#1"]
     table.write_text('[hosts.cpu]\naddress = "127.0.0.1:7001"\nprocesses = 2\n')
     with pytest.raises(ValueError, match="give `address` a list"):
         read_hosts(table)
-    table.write_text(f'[hosts.cpu]\nspawn = {WORKER!r}\nprocesses = 0\n'.replace("'", '"'))
+    table.write_text(f"[hosts.cpu]\nspawn = {WORKER!r}\nprocesses = 0\n".replace("'", '"'))
     with pytest.raises(ValueError, match=r"\[hosts.cpu\].*processes="):
         read_hosts(table)
 
@@ -187,12 +186,17 @@ def test_submit_is_a_future_of_a_forward():
 def test_dialed_workers_offering_members_are_one_pool_and_busy_members_are_passed(tmp_path, processes):
     hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"], env=env_with_tests())
     for k in range(2):
-        processes([*WORKER, "--broker", hub.endpoint, "--offer", f"cpu#{k}", "--mode", "network"],
-                  announce=None, env=env_with_tests())
+        processes(
+            [*WORKER, "--broker", hub.endpoint, "--offer", f"cpu#{k}", "--mode", "network"],
+            announce=None,
+            env=env_with_tests(),
+        )
     started, until = tmp_path / "started", tmp_path / "until"
     log = tmp_path / "runs"
-    with Broker.at(hub.endpoint, send={"cpu": [mapping_nodes]}) as other, \
-            Broker.at(hub.endpoint, send={"cpu": [mapping_nodes]}) as mine:
+    with (
+        Broker.at(hub.endpoint, send={"cpu": [mapping_nodes]}) as other,
+        Broker.at(hub.endpoint, send={"cpu": [mapping_nodes]}) as mine,
+    ):
         wait_for(lambda: mine.members("cpu", refresh=True) == ("cpu#0", "cpu#1"))
         # another client holds cpu#0 with work of its own
         held = mapping_nodes.Hold(str(started), str(until)).named("hold").at("cpu#0").submit(1, broker=other)
@@ -213,8 +217,14 @@ def test_a_dialed_member_stopped_mid_map_loses_no_input(tmp_path, processes):
     """A member's worker told to stop (SIGTERM, as systemd or SLURM stop one) while the map
     runs: the broker lets its name go, and what it held runs again on the other member."""
     hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"], env=env_with_tests())
-    members = [processes([*WORKER, "--broker", hub.endpoint, "--offer", f"cpu#{k}", "--mode", "network"],
-                         announce=None, env=env_with_tests()) for k in range(2)]
+    members = [
+        processes(
+            [*WORKER, "--broker", hub.endpoint, "--offer", f"cpu#{k}", "--mode", "network"],
+            announce=None,
+            env=env_with_tests(),
+        )
+        for k in range(2)
+    ]
     log = tmp_path / "runs"
     graph = mapping_nodes.Who(0.02, str(log)).named("who").at("cpu")
     with Broker.at(hub.endpoint, send={"cpu": [mapping_nodes]}, patience=1.0) as broker:

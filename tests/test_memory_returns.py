@@ -34,7 +34,10 @@ from somatize import Broker, NodeFailed, Worker
 from somatize.fabric.worker import heap
 from somatize.packing import MAX_BUILT, MAX_BUILT_BYTES
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads a worker's memory from /proc")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads a worker's memory from /proc"),
+]
 
 MIB = 1 << 20
 BURST, SIZE = 16, 32 * MIB
@@ -82,8 +85,7 @@ def within(grew: int, bound: int, when: str) -> None:
 
 @pytest.mark.parametrize("fails", [True, False], ids=["forward fails", "forward succeeds"])
 def test_a_burst_of_big_arguments_leaves_a_listening_worker_within_its_bound(processes, fails):
-    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "project"],
-                       env=env_with_tests())
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "project"], env=env_with_tests())
     bound = MAX_BUILT_BYTES + FIXED
     with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}) as broker:
         small = Add(1).named("small").at("w1")

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 import zmq
-
 from fabric_nodes import Add
+
 from somatize import Broker, Busy, ProtocolError, Refused, Worker, codec
 from somatize.codec import forget
 from somatize.wire import Done, Hello, Ready, Refusal, Runtime, Work, decode, encode
@@ -29,8 +29,9 @@ class Peer:
     reads, answers Work with the messages ``answer(work)`` gives, and records the type of
     every message that arrives."""
 
-    def __init__(self, kinds: tuple[str, ...] = (), answer=lambda work: [Done(work.ref, None, {}, 0)],
-                 greet_late: float = 0.0) -> None:
+    def __init__(
+        self, kinds: tuple[str, ...] = (), answer=lambda work: [Done(work.ref, None, {}, 0)], greet_late: float = 0.0
+    ) -> None:
         """``greet_late``: hold each Hello's answer until a Work arrives behind it, or that
         many seconds pass (``seen`` then shows which came first)."""
         self.greet_late, self.held = greet_late, {}  # held: route -> when its Hello arrived
@@ -96,7 +97,6 @@ def test_a_value_of_a_kind_the_worker_cannot_read_is_refused_before_a_byte_of_it
         peer.close()
 
 
-
 def test_a_kind_registered_after_the_worker_was_found_to_read_all_of_ours_is_checked_again():
     peer = Peer()
     try:
@@ -114,12 +114,15 @@ def test_a_kind_registered_after_the_worker_was_found_to_read_all_of_ours_is_che
         forget("tests.deadlines.Reading")
         peer.close()
 
+
 def test_a_worker_whose_slots_are_full_is_busy():
     why = "busy: this worker runs 1 piece of work at a time and one has run for 9 s"
     peer = Peer(answer=lambda work: [Refusal(why, ref=work.ref)])
     try:
         with Broker.embedded({"w1": Worker.at(f"127.0.0.1:{peer.port}", mode="project")}) as broker:
-            with pytest.raises(Busy, match=r"the worker for `w1` is busy and took no new work: this worker runs 1 piece"):
+            with pytest.raises(
+                Busy, match=r"the worker for `w1` is busy and took no new work: this worker runs 1 piece"
+            ):
                 Add().named("a").at("w1").forward(1, broker=broker)
     finally:
         peer.close()
@@ -188,6 +191,7 @@ def test_a_worker_that_refuses_a_hello_runs_nothing_of_the_work_sent_behind_it(t
     well, runs none of it, and serves on."""
     from holds_nodes import Hold, Mark
     from reliability_support import wait_until
+
     from somatize.fabric.conversation import WorkerSessions
     from somatize.fabric.worker.loop import WorkerLoop
 
@@ -211,7 +215,9 @@ def test_a_worker_that_refuses_a_hello_runs_nothing_of_the_work_sent_behind_it(t
             assert box == {"out": 7}
             # a forward after it, on a new channel: the worker took the refused one's Work long before
             assert Mark(str(tmp_path / "marked")).named("mark").at("w1").forward(2, broker=second) == 2
-            assert (tmp_path / "marked").exists() and not (tmp_path / "refused").exists(), "the Work behind a refused Hello ran"
+            assert (tmp_path / "marked").exists() and not (tmp_path / "refused").exists(), (
+                "the Work behind a refused Hello ran"
+            )
     finally:
         release.write_text("go")
         loop.stopping.set()
@@ -225,6 +231,7 @@ def test_a_piece_that_returns_at_once_wakes_no_stand_in_and_one_that_runs_long_g
     loop's stand-in only for a piece still running `STAND_IN_AFTER` later."""
     from holds_nodes import Hold
     from reliability_support import wait_until
+
     from somatize.fabric.worker.loop import WorkerLoop
 
     class Counted(threading.Event):
@@ -241,8 +248,10 @@ def test_a_piece_that_returns_at_once_wakes_no_stand_in_and_one_that_runs_long_g
     serving.start()
     release, box = tmp_path / "release", {}
     try:
-        with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as first, \
-                Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as second:
+        with (
+            Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as first,
+            Broker.embedded({"w1": Worker.at(endpoint, mode="project")}) as second,
+        ):
             for n in range(200):
                 assert Add(1).named("a").at("w1").forward(n, broker=first) == n + 1
             assert Counted.sets < 50, f"the stand-in was woken {Counted.sets} times for 200 quick pieces"

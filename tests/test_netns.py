@@ -217,15 +217,44 @@ def test_a_broker_s_spawned_hosts_are_reached_from_another_machine_with_keys(hos
     # the head node's socket files: where the client runs, that folder is another (a machine's own)
     sockets_here = Path(tempfile.mkdtemp(prefix="smz-run-"))  # short: a socket's path has a limit
     request.addfinalizer(lambda: shutil.rmtree(sockets_here, ignore_errors=True))
-    hub = hosts.run("b", [*BROKER, "--listen", "tcp://10.200.1.2:0", "--announce", "--key", str(ring["broker_secret"]),
-                          "--allow", str(ring["allow"]), "--hosts", str(table)],
-                    env={**child_env(), "XDG_RUNTIME_DIR": str(sockets_here)})
+    hub = hosts.run(
+        "b",
+        [
+            *BROKER,
+            "--listen",
+            "tcp://10.200.1.2:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--hosts",
+            str(table),
+        ],
+        env={**child_env(), "XDG_RUNTIME_DIR": str(sockets_here)},
+    )
 
     def client(phase: str, me: str, other: str) -> dict:
-        argv = [sys.executable, "-c", SPAWNED_CLIENT, hub.endpoint, str(ring[f"{me}_secret"]), str(ring["broker"]),
-                str(ring[f"{other}_secret"]), phase]
-        elsewhere = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                     f'mount -t tmpfs -o mode=0700 none "{sockets_here}" && exec "$@"', "sh"]
+        argv = [
+            sys.executable,
+            "-c",
+            SPAWNED_CLIENT,
+            hub.endpoint,
+            str(ring[f"{me}_secret"]),
+            str(ring["broker"]),
+            str(ring[f"{other}_secret"]),
+            phase,
+        ]
+        elsewhere = [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o mode=0700 none "{sockets_here}" && exec "$@"',
+            "sh",
+        ]
         run = hosts.run("c", [*elsewhere, *argv], announce=None)
         line = run.line(90.0)
         assert line, f"the client said nothing:\n{run.stderr()[-3000:]}\n{hub.stderr()[-3000:]}"
@@ -290,7 +319,9 @@ def test_a_pool_across_two_namespaces_maps_and_survives_a_member_stopped(hosts):
     line = client.line(120.0)
     assert line, f"the client said nothing:\n{client.stderr()[-3000:]}\n{hub.stderr()[-2000:]}"
     seen = json.loads(line)
-    print(f"\n[netns pool] answers by pid: { {p: sum(1 for _, q in seen['answers'] if q == p) for p in pids.values()} }")
+    print(
+        f"\n[netns pool] answers by pid: { {p: sum(1 for _, q in seen['answers'] if q == p) for p in pids.values()} }"
+    )
     answers = seen["answers"]
     assert [x for x, _ in answers] == list(range(120))  # every input answered, in order
     assert {pid for _, pid in answers[:40]} == set(pids.values())  # both machines worked

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import zmq
-
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Count, Sleep
-from somatize import Broker, Broken, NodeFailed, Refused, Unreachable, Worker
+from reliability_support import key_ring, wait_until
+
+from somatize import Broken, Broker, NodeFailed, Refused, Unreachable, Worker
 from somatize.errors import KeysRefused
 from somatize.fabric.curve import Keys, read_public
-from reliability_support import key_ring, wait_until
 
 PATIENCE = 2.0
 
@@ -35,8 +35,11 @@ PATIENCE = 2.0
 
 def logged(process, text: str, seconds: float = 10.0) -> str:
     """Wait until ``process``'s stderr holds ``text``; return the stderr."""
-    wait_until(lambda: text in process.stderr(), seconds, f"{text!r} in the log of {process.argv[2:4]}:\n"
-               f"{process.stderr()[-2000:]}")
+    wait_until(
+        lambda: text in process.stderr(),
+        seconds,
+        f"{text!r} in the log of {process.argv[2:4]}:\n{process.stderr()[-2000:]}",
+    )
     return process.stderr()
 
 
@@ -68,9 +71,24 @@ def ring(tmp_path):
 
 
 def keyed_broker(processes, ring, *extra, listen="tcp://127.0.0.1:0"):
-    return processes([*BROKER, "--listen", listen, "--announce", "--key", str(ring["broker_secret"]),
-                      "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]),
-                      "--patience", str(PATIENCE), *extra], env=env_with_tests())
+    return processes(
+        [
+            *BROKER,
+            "--listen",
+            listen,
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--patience",
+            str(PATIENCE),
+            *extra,
+        ],
+        env=env_with_tests(),
+    )
 
 
 def client(ring, endpoint: str, who: str = "alice", server: str = "broker") -> Broker:
@@ -83,12 +101,28 @@ def client(ring, endpoint: str, who: str = "alice", server: str = "broker") -> B
 def test_the_broker_logs_start_dial_in_refusal_reload_leaving_and_stop(ring, processes):
     broker = keyed_broker(processes, ring)
     said = logged(broker, "listening on")
-    assert f"somatize broker: listening on {broker.endpoint} with CURVE keys: 2 client keys from {ring['allow']}" in said
+    assert (
+        f"somatize broker: listening on {broker.endpoint} with CURVE keys: 2 client keys from {ring['allow']}" in said
+    )
     assert f"1 worker key from {ring['workers']}" in said
 
-    worker = processes([*WORKER, "--broker", broker.endpoint, "--offer", "w1", "--key", str(ring["w1_secret"]),
-                        "--broker-key", str(ring["broker"]), "--patience", str(PATIENCE)],
-                       env=env_with_tests(), announce=None)
+    worker = processes(
+        [
+            *WORKER,
+            "--broker",
+            broker.endpoint,
+            "--offer",
+            "w1",
+            "--key",
+            str(ring["w1_secret"]),
+            "--broker-key",
+            str(ring["broker"]),
+            "--patience",
+            str(PATIENCE),
+        ],
+        env=env_with_tests(),
+        announce=None,
+    )
     logged(broker, f"host `w1` dialed in (key {short(ring['w1'])}, project mode)")
     logged(worker, "took this worker's offer of `w1`")
 
@@ -112,8 +146,9 @@ def test_the_broker_logs_start_dial_in_refusal_reload_leaving_and_stop(ring, pro
 def test_a_dialed_worker_logs_losing_its_broker_and_reaching_it_again(processes):
     url = f"tcp://127.0.0.1:{free_port()}"
     first = processes([*BROKER, "--listen", url, "--announce"], env=env_with_tests())
-    worker = processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", str(PATIENCE)],
-                       env=env_with_tests(), announce=None)
+    worker = processes(
+        [*WORKER, "--broker", url, "--offer", "w1", "--patience", str(PATIENCE)], env=env_with_tests(), announce=None
+    )
     logged(first, "host `w1` dialed in (connection ")  # a keyless offer is named by its connection
     first.signal(signal.SIGKILL)
     logged(worker, f"lost the broker at {url}; dialing again")
@@ -124,9 +159,23 @@ def test_a_dialed_worker_logs_losing_its_broker_and_reaching_it_again(processes)
 
 def test_a_worker_whose_key_the_broker_refuses_says_so_and_so_does_the_broker(ring, processes):
     broker = keyed_broker(processes, ring)
-    worker = processes([*WORKER, "--broker", broker.endpoint, "--offer", "w9", "--key", str(ring["stranger_secret"]),
-                        "--broker-key", str(ring["broker"]), "--patience", str(PATIENCE)],
-                       env=env_with_tests(), announce=None)
+    worker = processes(
+        [
+            *WORKER,
+            "--broker",
+            broker.endpoint,
+            "--offer",
+            "w9",
+            "--key",
+            str(ring["stranger_secret"]),
+            "--broker-key",
+            str(ring["broker"]),
+            "--patience",
+            str(PATIENCE),
+        ],
+        env=env_with_tests(),
+        announce=None,
+    )
     logged(worker, f"the broker at {broker.endpoint} refused this worker's CURVE handshake")
     assert "--allow-workers" in worker.stderr()
     logged(broker, f"refused key {short(ring['stranger'])}…")
@@ -134,8 +183,9 @@ def test_a_worker_whose_key_the_broker_refuses_says_so_and_so_does_the_broker(ri
 
 
 def test_log_level_warning_keeps_only_trouble(processes):
-    broker = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--log-level", "warning"],
-                       env=env_with_tests())
+    broker = processes(
+        [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--log-level", "warning"], env=env_with_tests()
+    )
     broker.signal(signal.SIGTERM)
     assert broker.popen.wait(10) == 0
     said = broker.stderr()
@@ -194,12 +244,24 @@ def test_nobody_there_and_a_broker_that_went_away_are_told_apart(processes):
 
 
 def test_a_table_entry_without_the_workers_key_says_so(ring, processes, tmp_path):
-    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--key", str(ring["w1_secret"]),
-                        "--allow", str(ring["allow"])], env=env_with_tests())
+    worker = processes(
+        [
+            *WORKER,
+            "--listen",
+            "127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(ring["w1_secret"]),
+            "--allow",
+            str(ring["allow"]),
+        ],
+        env=env_with_tests(),
+    )
     table = tmp_path / "hosts.toml"
     table.write_text(f'[hosts.gpu1]\naddress = "{worker.endpoint}"\n')  # no `key =`
-    broker = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--hosts", str(table)],
-                       env=env_with_tests())
+    broker = processes(
+        [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--hosts", str(table)], env=env_with_tests()
+    )
     with Broker.at(broker.endpoint, patience=PATIENCE) as b, pytest.raises(KeysRefused) as info:
         Add(1).named("a").at("gpu1").forward(1, broker=b)
     assert "gives no `key =` for `gpu1`" in str(info.value), info.value
@@ -218,8 +280,9 @@ def test_a_missing_key_file_in_the_table_says_so(tmp_path):
 def test_a_broker_that_went_away_mid_work_is_named_even_when_it_is_back_at_once(processes, tmp_path):
     url = f"tcp://127.0.0.1:{free_port()}"
     first = processes([*BROKER, "--listen", url, "--announce", "--patience", str(PATIENCE)], env=env_with_tests())
-    processes([*WORKER, "--broker", url, "--offer", "gpu2", "--patience", str(PATIENCE)],
-              env=env_with_tests(), announce=None)
+    processes(
+        [*WORKER, "--broker", url, "--offer", "gpu2", "--patience", str(PATIENCE)], env=env_with_tests(), announce=None
+    )
     with Broker.at(url, patience=PATIENCE) as b:
         wait_until(lambda: b.knows("gpu2"), 20, "gpu2 dialing in")
     started = tmp_path / "started"
@@ -228,7 +291,9 @@ def test_a_broker_that_went_away_mid_work_is_named_even_when_it_is_back_at_once(
     def forward() -> None:
         with Broker.at(url, patience=PATIENCE) as b:
             try:
-                (Count(str(started)).named("count").at("gpu2") >> Sleep(30).named("sleepy").at("gpu2")).forward(0, broker=b)
+                (Count(str(started)).named("count").at("gpu2") >> Sleep(30).named("sleepy").at("gpu2")).forward(
+                    0, broker=b
+                )
             except Exception as exc:  # noqa: BLE001 - the test reads it
                 box["error"] = exc
 
@@ -247,10 +312,14 @@ def test_a_broker_that_went_away_mid_work_is_named_even_when_it_is_back_at_once(
 
 
 def test_a_dialed_worker_that_went_away_is_named_and_not_promised_a_restart(processes, tmp_path):
-    broker = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", str(PATIENCE)],
-                       env=env_with_tests())
-    worker = processes([*WORKER, "--broker", broker.endpoint, "--offer", "gpu2", "--patience", str(PATIENCE)],
-                       env=env_with_tests(), announce=None)
+    broker = processes(
+        [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", str(PATIENCE)], env=env_with_tests()
+    )
+    worker = processes(
+        [*WORKER, "--broker", broker.endpoint, "--offer", "gpu2", "--patience", str(PATIENCE)],
+        env=env_with_tests(),
+        announce=None,
+    )
     started = tmp_path / "started"
     with Broker.at(broker.endpoint, patience=PATIENCE) as b:
         wait_until(lambda: b.knows("gpu2"), 20, "gpu2 dialing in")
@@ -258,7 +327,9 @@ def test_a_dialed_worker_that_went_away_is_named_and_not_promised_a_restart(proc
 
         def forward() -> None:
             try:
-                (Count(str(started)).named("count").at("gpu2") >> Sleep(30).named("sleepy").at("gpu2")).forward(0, broker=b)
+                (Count(str(started)).named("count").at("gpu2") >> Sleep(30).named("sleepy").at("gpu2")).forward(
+                    0, broker=b
+                )
             except Exception as exc:  # noqa: BLE001 - the test reads it
                 box["error"] = exc
 
@@ -285,7 +356,9 @@ def test_a_standalone_worker_that_went_away_is_not_promised_a_restart(processes,
 
     def forward() -> None:
         try:
-            (Count(str(started)).named("count").at("gpu1") >> Sleep(30).named("sleepy").at("gpu1")).forward(0, broker=broker)
+            (Count(str(started)).named("count").at("gpu1") >> Sleep(30).named("sleepy").at("gpu1")).forward(
+                0, broker=broker
+            )
         except Exception as exc:  # noqa: BLE001 - the test reads it
             box["error"] = exc
 
@@ -300,9 +373,11 @@ def test_a_standalone_worker_that_went_away_is_not_promised_a_restart(processes,
         broker.close()
     said = str(box.get("error"))
     assert isinstance(box.get("error"), Broken), box
-    assert said == ("the worker for `gpu1` went away while running `count`, `sleepy`. Nothing was kept from it; "
-                    "a worker the broker spawned is started again on the next forward, one that listens on its "
-                    "own machine must be restarted there (`systemctl status somatize-worker`)."), said
+    assert said == (
+        "the worker for `gpu1` went away while running `count`, `sleepy`. Nothing was kept from it; "
+        "a worker the broker spawned is started again on the next forward, one that listens on its "
+        "own machine must be restarted there (`systemctl status somatize-worker`)."
+    ), said
     assert "a spawned worker is started again" not in said, said
 
 
@@ -322,8 +397,9 @@ def test_every_command_turns_a_bad_argument_or_file_into_one_sentence(tmp_path):
 
 def test_a_malformed_key_refuses_the_start_and_names_the_file(ring):
     (ring["allow"] / "broken.key").write_text("not a certificate\n")
-    done = run([*BROKER, "--listen", "tcp://127.0.0.1:0", "--key", str(ring["broker_secret"]),
-                "--allow", str(ring["allow"])])
+    done = run(
+        [*BROKER, "--listen", "tcp://127.0.0.1:0", "--key", str(ring["broker_secret"]), "--allow", str(ring["allow"])]
+    )
     one_sentence(done)
     assert "broken.key" in done.stderr and "not a CURVE public key" in done.stderr
 
@@ -351,15 +427,39 @@ def test_a_reload_with_a_malformed_key_keeps_the_old_list_whole_and_says_so(ring
 def test_an_empty_allow_list_says_nobody_can_get_in(ring, processes):
     for path in ring["allow"].iterdir():
         path.unlink()
-    broker = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
-                        "--allow", str(ring["allow"])], env=env_with_tests())
+    broker = processes(
+        [
+            *BROKER,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+        ],
+        env=env_with_tests(),
+    )
     logged(broker, "0 client keys")
     assert "nobody can get in" in broker.stderr()
 
 
 def test_a_worker_reload_says_what_it_took_or_why_not(ring, processes):
-    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--log-level", "info",
-                        "--key", str(ring["w1_secret"]), "--allow", str(ring["allow"])], env=env_with_tests())
+    worker = processes(
+        [
+            *WORKER,
+            "--listen",
+            "127.0.0.1:0",
+            "--announce",
+            "--log-level",
+            "info",
+            "--key",
+            str(ring["w1_secret"]),
+            "--allow",
+            str(ring["allow"]),
+        ],
+        env=env_with_tests(),
+    )
     logged(worker, "with CURVE keys: 2 client keys")
     (ring["allow"] / "broken.key").write_text("not a certificate\n")
     worker.signal(signal.SIGHUP)
@@ -380,12 +480,15 @@ class Once(Node):
     def forward(self, x):
         return x + 1
 """
-NEW = OLD + """
+NEW = (
+    OLD
+    + """
 
 class Twice(Node):
     def forward(self, x):
         return x + 2
 """
+)
 
 
 @pytest.fixture
@@ -406,8 +509,10 @@ def project(tmp_path):
 @pytest.mark.parametrize("mode", ["network", "project"])
 def test_a_worker_holding_an_older_import_says_so_and_how_to_restart_it(processes, project, mode):
     name, path = project
-    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", mode,
-                        "--project", str(path.parent)], env=env_with_tests())
+    worker = processes(
+        [*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", mode, "--project", str(path.parent)],
+        env=env_with_tests(),
+    )
     module = importlib.import_module(name)
     with Broker.embedded({"w1": Worker.at(worker.endpoint, mode=mode)}, patience=PATIENCE) as broker:
         assert module.Once().named("once").at("w1").forward(1, broker=broker) == 2  # the worker imports it
@@ -423,8 +528,9 @@ def test_a_worker_holding_an_older_import_says_so_and_how_to_restart_it(processe
 
 def test_a_node_failing_in_code_changed_on_disk_says_the_worker_runs_the_old_code(processes, project):
     name, path = project
-    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--project", str(path.parent)],
-                       env=env_with_tests())
+    worker = processes(
+        [*WORKER, "--listen", "127.0.0.1:0", "--announce", "--project", str(path.parent)], env=env_with_tests()
+    )
     module = importlib.import_module(name)
     with Broker.embedded({"w1": Worker.at(worker.endpoint)}, patience=PATIENCE) as broker:
         assert module.Once().named("once").at("w1").forward(1, broker=broker) == 2

@@ -30,9 +30,7 @@ codec_module = importlib.import_module("somatize.codec")
 
 
 def project(target, *args, label="n", **kwargs):
-    return NodeSpec(
-        label=label, cache=False, source="project", target=target, args=args, kwargs=kwargs
-    )
+    return NodeSpec(label=label, cache=False, source="project", target=target, args=args, kwargs=kwargs)
 
 
 def network(digest, label="n"):
@@ -395,12 +393,14 @@ def test_project_refuses_main_modules_on_both_sides():
 
 def test_what_an_import_or_a_constructor_raises_fails_the_node_not_the_worker(tmp_path, monkeypatch):
     (tmp_path / "quits_at_import.py").write_text("raise SystemExit(2)\n")
-    (tmp_path / "quits_when_built.py").write_text(textwrap.dedent("""
+    (tmp_path / "quits_when_built.py").write_text(
+        textwrap.dedent("""
         from somatize import Node
         class Interrupts(Node):
             def __init__(self):
                 raise KeyboardInterrupt("from a constructor")
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     catalog = Catalog("project")
     with pytest.raises(NodeFailed, match=r"SystemExit: 2, while importing `quits_at_import`") as info:
@@ -684,8 +684,13 @@ def test_a_network_worker_refuses_a_kind_it_already_reads_in_another_format(tmp_
         ok(run_script(tmp_path / f"client_{name}", "make.py", MAKE_FORMAT, str(tmp_path / name), scale))
     first, same = ((tmp_path / n / "artifact").read_bytes() for n in ("first", "same"))
     assert first != same  # two processes' pickles of one codec: the format decides, not the bytes
-    got = json.loads(ok(run_script(tmp_path / "worker", "use.py", USE_FORMAT,
-                                   *(str(tmp_path / n) for n in ("first", "same", "other")))))
+    got = json.loads(
+        ok(
+            run_script(
+                tmp_path / "worker", "use.py", USE_FORMAT, *(str(tmp_path / n) for n in ("first", "same", "other"))
+            )
+        )
+    )
     assert got["first"] == "held" and got["same"] == "held"
     assert got["other"].startswith("refused: ")
     assert "`tests.Reading`" in got["other"] and "another format" in got["other"]
@@ -704,6 +709,7 @@ def _format(codec_parts) -> str:
 def test_a_codec_holding_an_object_with_a_c_base_is_judged_by_its_bytes():
     """A ``dict`` subclass keeps its items where no attribute shows them: two codecs whose
     tables differ must not be written down alike (their bytes decide, and they differ)."""
+
     class Table(dict):
         pass
 
@@ -743,10 +749,12 @@ def test_a_codec_is_written_down_by_the_globals_it_reads_not_by_attribute_names(
 def test_a_subclass_of_a_plain_type_is_not_written_as_its_plain_value():
     """A ``str`` subclass may answer its methods otherwise: two codecs holding the same text
     in two classes of one name whose ``upper`` differs are not the same codec."""
+
     def shouting(mark: str):
         class Shouting(str):
             def upper(self):
                 return mark + str.upper(self)
+
         return Shouting
 
     def made(sep):

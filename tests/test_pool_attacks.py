@@ -14,13 +14,13 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-import zmq
-
 import mapping_nodes
 import pool_attack_nodes
+import pytest
+import zmq
 from conftest import BROKER, WORKER, env_with_tests
 from reliability_support import key_ring
+
 from somatize import Broker, Closed, NodeFailed, Worker
 from somatize.fabric.curve import Keys, read_public, read_secret
 from somatize.fabric.hosts import Pool, pool_of
@@ -42,8 +42,7 @@ def wait_for(fact, seconds: float = 20.0, what: str = "a fact") -> None:
 
 
 def pool(processes: int = 2, **options) -> Pool:
-    return Worker.spawn(WORKER, mode="network", send=[pool_attack_nodes], mount=False, processes=processes,
-                        **options)
+    return Worker.spawn(WORKER, mode="network", send=[pool_attack_nodes], mount=False, processes=processes, **options)
 
 
 def one(**options) -> Worker:
@@ -61,8 +60,21 @@ def ring(tmp_path):
 
 
 def start_broker(processes, ring, *extra, hosts=None):
-    argv = [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
-            "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]), "--patience", "2", *extra]
+    argv = [
+        *BROKER,
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--announce",
+        "--key",
+        str(ring["broker_secret"]),
+        "--allow",
+        str(ring["allow"]),
+        "--allow-workers",
+        str(ring["workers"]),
+        "--patience",
+        "2",
+        *extra,
+    ]
     if hosts is not None:
         argv += ["--hosts", str(hosts)]
     return processes(argv, env=env_with_tests())
@@ -70,15 +82,33 @@ def start_broker(processes, ring, *extra, hosts=None):
 
 def dial(processes, ring, broker, host, who="victim"):
     return processes(
-        [*WORKER, "--broker", broker.endpoint, "--offer", host, "--key", str(ring[who + "_secret"]),
-         "--broker-key", str(ring["broker"]), "--patience", "2", "--mode", "network"],
-        env=env_with_tests(), announce=None,
+        [
+            *WORKER,
+            "--broker",
+            broker.endpoint,
+            "--offer",
+            host,
+            "--key",
+            str(ring[who + "_secret"]),
+            "--broker-key",
+            str(ring["broker"]),
+            "--patience",
+            "2",
+            "--mode",
+            "network",
+        ],
+        env=env_with_tests(),
+        announce=None,
     )
 
 
 def client(ring, broker, who="alice") -> Broker:
-    return Broker.at(broker.endpoint, keys=Keys.client(ring[who + "_secret"], server=ring["broker"]), patience=2.0,
-                     send={"cpu": [pool_attack_nodes]})
+    return Broker.at(
+        broker.endpoint,
+        keys=Keys.client(ring[who + "_secret"], server=ring["broker"]),
+        patience=2.0,
+        send={"cpu": [pool_attack_nodes]},
+    )
 
 
 class Raw:
@@ -129,8 +159,21 @@ def test_member_lookalike_names_are_hosts_of_their_own_and_join_no_pool(ring, pr
     mapped over `cpu`. Each is a host of its own (or of another pool), and no input reaches it."""
     broker = start_broker(processes, ring)
     dial(processes, ring, broker, "cpu#0")
-    lookalikes = ["cpu#00", "cpu#01", "cpu#\u0661", "cpu#\uff11", "cpu#1234567", "cpu##1", "cpu#1 ", "cpu#+1",
-                  "cpu#-1", " cpu#1", "CPU#1", "cpu#0x1", "cpu#1_0"]
+    lookalikes = [
+        "cpu#00",
+        "cpu#01",
+        "cpu#\u0661",
+        "cpu#\uff11",
+        "cpu#1234567",
+        "cpu##1",
+        "cpu#1 ",
+        "cpu#+1",
+        "cpu#-1",
+        " cpu#1",
+        "CPU#1",
+        "cpu#0x1",
+        "cpu#1_0",
+    ]
     for name in lookalikes:
         found = pool_of(name)
         assert found is None or found[0] != "cpu", name
@@ -218,12 +261,12 @@ def test_a_host_named_like_a_pools_packer_key_packs_with_its_own_modules(tmp_pat
     lonely = tmp_path / "lonely"
     lonely.mkdir()
     (lonely / "lonely_nodes.py").write_text(
-        "from somatize import Node\n\nclass Triple(Node):\n    def forward(self, x):\n        return 3 * x\n")
+        "from somatize import Node\n\nclass Triple(Node):\n    def forward(self, x):\n        return 3 * x\n"
+    )
     sys.path.insert(0, str(lonely))
     try:
         lonely_nodes = importlib.import_module("lonely_nodes")
-        tables = {"gpu": pool(2),
-                  "gpu#network": Worker.spawn(WORKER, mode="network", send=[lonely_nodes], mount=False)}
+        tables = {"gpu": pool(2), "gpu#network": Worker.spawn(WORKER, mode="network", send=[lonely_nodes], mount=False)}
         with Broker.embedded(tables) as broker:
             assert broker.members("gpu#network") == ("gpu#network",)
             assert pool_attack_nodes.Add(1).named("a").at("gpu").forward(1, broker=broker, deadline=20) == 2
@@ -299,7 +342,7 @@ def test_a_watcher_that_raises_breaks_no_input_and_items_are_tagged():
     assert sorted(int(f["item"]) for f in ran) == list(range(12))
     assert {f["host"] for f in ran} <= {"cpu#0", "cpu#1", "cpu#2"}
     by_pid = {}
-    for f, (x, pid) in zip(sorted(ran, key=lambda f: int(f["item"])), out):
+    for f, (_x, pid) in zip(sorted(ran, key=lambda f: int(f["item"])), out, strict=False):
         by_pid.setdefault(pid, set()).add(f["host"])
     assert all(len(hosts) == 1 for hosts in by_pid.values())  # one member name per worker process
 
@@ -310,8 +353,11 @@ def test_empty_inputs_and_a_window_wider_than_the_inputs():
         assert list(graph.map([], broker=broker)) == []
         assert list(graph.map(iter(()), broker=broker, ordered=False)) == []
         assert list(graph.map(range(3), broker=broker, in_flight=200, deadline=20)) == [1, 2, 3]
-        assert sorted(graph.map(range(3), broker=broker, in_flight=200, ordered=False, deadline=20)) == \
-            [(0, 1), (1, 2), (2, 3)]
+        assert sorted(graph.map(range(3), broker=broker, in_flight=200, ordered=False, deadline=20)) == [
+            (0, 1),
+            (1, 2),
+            (2, 3),
+        ]
         for bad in (0, -3, True, 2.0, "4"):
             with pytest.raises(TypeError, match="in_flight="):
                 graph.map([1], broker=broker, in_flight=bad)
@@ -327,14 +373,15 @@ def test_two_pools_and_a_plain_host_in_one_graph_each_fact_names_its_member(tmp_
     from somatize.record import Recorder, fleet, forwards
 
     log_a, log_b = tmp_path / "a", tmp_path / "b"
-    graph = (pool_attack_nodes.Add(1, str(log_a)).named("one").at("a")
-             >> pool_attack_nodes.Add(10, str(log_b)).named("two").at("b")
-             >> pool_attack_nodes.Add(100).named("three").at("p"))
+    graph = (
+        pool_attack_nodes.Add(1, str(log_a)).named("one").at("a")
+        >> pool_attack_nodes.Add(10, str(log_b)).named("two").at("b")
+        >> pool_attack_nodes.Add(100).named("three").at("p")
+    )
     store = FolderStore(tmp_path / "store")
     facts: list[dict] = []
     with Broker.embedded({"a": pool(2), "b": pool(3), "p": one()}) as broker:
-        mapping = graph.map(range(20), broker=broker, watching=[facts.append, Recorder(store, run="m")],
-                            deadline=30)
+        mapping = graph.map(range(20), broker=broker, watching=[facts.append, Recorder(store, run="m")], deadline=30)
         assert mapping._width == 3
         out = list(mapping)
     assert out == [x + 111 for x in range(20)]
@@ -345,8 +392,9 @@ def test_two_pools_and_a_plain_host_in_one_graph_each_fact_names_its_member(tmp_
     assert hosts["one"] <= {"a#0", "a#1"} and hosts["two"] <= {"b#0", "b#1", "b#2"} and hosts["three"] == {"p"}
     assert len([f for f in ran if f["node"] == "two"]) == 20
     for log in (log_a, log_b):
-        assert sorted(int(line.split()[0]) for line in log.read_text().splitlines()) == \
-            sorted(x + (1 if log is log_b else 0) for x in range(20))
+        assert sorted(int(line.split()[0]) for line in log.read_text().splitlines()) == sorted(
+            x + (1 if log is log_b else 0) for x in range(20)
+        )
     assert len(forwards(store, run="m")) == 20
     assert set(fleet(store, run="m")) <= {"a#0", "a#1", "b#0", "b#1", "b#2", "p"}
     assert "p" in fleet(store, run="m")
@@ -363,8 +411,9 @@ def test_closing_a_map_early_returns_at_once_and_the_broker_leaves_no_thread_or_
     started, until = tmp_path / "started", tmp_path / "until"
     graph = Hold(str(started), str(until)).named("hold").at("cpu")
     before = {t.ident for t in threading.enumerate()}
-    broker = Broker.embedded({"cpu": Worker.spawn(WORKER, mode="network", send=[mapping_nodes],
-                                                  mount=False, processes=2)})
+    broker = Broker.embedded(
+        {"cpu": Worker.spawn(WORKER, mode="network", send=[mapping_nodes], mount=False, processes=2)}
+    )
     pids = []
     try:
         mapping = graph.map(range(50), broker=broker, in_flight=2)
@@ -391,8 +440,9 @@ def test_closing_a_map_early_returns_at_once_and_the_broker_leaves_no_thread_or_
         return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
     wait_for(lambda: all(gone(p) for p in pids), 15, "the spawned workers to be stopped")
-    left = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("somatize")
-            and t.is_alive()]
+    left = [
+        t for t in threading.enumerate() if t.ident not in before and t.name.startswith("somatize") and t.is_alive()
+    ]
     wait_for(lambda: not [t for t in left if t.is_alive()], 15, f"somatize threads to end: {left}")
 
 
@@ -403,8 +453,9 @@ def test_a_member_that_never_starts_leaks_no_turn_and_loses_no_input(tmp_path):
     still spreads over both."""
     log = tmp_path / "runs"
     good = one()
-    bad = Worker.spawn([sys.executable, "-c", "raise SystemExit(3)"], mode="network", send=[pool_attack_nodes],
-                       mount=False)
+    bad = Worker.spawn(
+        [sys.executable, "-c", "raise SystemExit(3)"], mode="network", send=[pool_attack_nodes], mount=False
+    )
     graph = pool_attack_nodes.Add(1, str(log)).named("a").at("cpu")
     with Broker.embedded({"cpu": Pool((bad, good))}, patience=1.0) as broker:
         started = time.monotonic()
@@ -465,10 +516,10 @@ def test_a_nodes_failure_on_a_member_is_never_run_again_nor_counted_twice(tmp_pa
 
     graph = FailsOn((2, 5)).named("picky").at("cpu")
     facts: list[dict] = []
-    with Broker.embedded({"cpu": Worker.spawn(WORKER, mode="network", send=[mapping_nodes],
-                                              mount=False, processes=3)}) as broker:
-        out = list(graph.map(range(8), broker=broker, retries=5, errors="return", watching=facts.append,
-                             deadline=20))
+    with Broker.embedded(
+        {"cpu": Worker.spawn(WORKER, mode="network", send=[mapping_nodes], mount=False, processes=3)}
+    ) as broker:
+        out = list(graph.map(range(8), broker=broker, retries=5, errors="return", watching=facts.append, deadline=20))
         assert broker._turns._hosts == {}
     assert [isinstance(v, NodeFailed) for v in out] == [i in (2, 5) for i in range(8)]
     failed = sorted(f["item"] for f in facts if f["fact"] == "failed")
@@ -480,15 +531,25 @@ def test_a_worker_cannot_have_its_facts_read_as_from_a_pool_member():
     the client reads a leading `#` as a pool member's mark, so they would be filed as from
     `w1#7`, a member that does not exist (and in `fleet`, a machine of its own)."""
     from peers import FakeWorker
+
     from somatize.wire import Done, Saw
 
-    fake = FakeWorker(lambda work: (Saw(work.ref, {"fact": "ran", "node": "a", "host": "#7", "took_us": "1"}),
-                                    Done(work.ref, work.input + 1, {}, 7)))
+    fake = FakeWorker(
+        lambda work: (
+            Saw(work.ref, {"fact": "ran", "node": "a", "host": "#7", "took_us": "1"}),
+            Done(work.ref, work.input + 1, {}, 7),
+        )
+    )
     try:
         seen: list[dict] = []
         with Broker.embedded({"w1": Worker.at(fake.endpoint, mode="project")}) as broker:
-            assert pool_attack_nodes.Add(1).named("a").at("w1").forward(1, broker=broker, watching=seen.append,
-                                                                         deadline=10) == 2
+            assert (
+                pool_attack_nodes.Add(1)
+                .named("a")
+                .at("w1")
+                .forward(1, broker=broker, watching=seen.append, deadline=10)
+                == 2
+            )
         hosts = {f["host"] for f in seen if f["fact"] == "ran"}
         assert hosts and not any("#" in h for h in hosts), hosts
         assert hosts == {"w1/7"}

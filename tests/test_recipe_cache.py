@@ -287,8 +287,10 @@ def test_what_a_worker_keeps_per_peer_is_bounded():
     # a recipe bigger than a peer may keep is not kept, and a Hello starts afresh
     sessions.receive(b"a", Hello(Runtime.here()))
     assert sessions.recipes(b"a") == 0 and sessions._bytes == before
-    big = Recipe(tuple(Packer("project").spec(Add(n).named("x" * 900 + str(n))) for n in range(100)),
-                 ("seq", tuple(("step", i) for i in range(100))))
+    big = Recipe(
+        tuple(Packer("project").spec(Add(n).named("x" * 900 + str(n))) for n in range(100)),
+        ("seq", tuple(("step", i) for i in range(100))),
+    )
     sessions.receive(b"a", Work(2000, big, 0))
     assert sessions.recipes(b"a") == 0
 

@@ -15,10 +15,10 @@ import sys
 import threading
 import time
 
-import pytest
-
 import fabric_nodes
+import pytest
 from conftest import WORKER
+
 from somatize import Broker, FolderStore, Node, NodeFailed, NotAWatcher, Worker, fact
 from somatize.errors import BadName, Missing
 from somatize.facts import CLOSING, ENGINE, elsewhere
@@ -681,8 +681,18 @@ def test_a_worker_reports_to_the_store_on_its_clock_and_down_an_open_connection(
 
     store = FolderStore(tmp_path / "store")
     worker = processes(
-        [*WORKER, "--listen", "127.0.0.1:0", "--announce", "--store", str(store.path), "--reporting", "0.2",
-         "--machine", "gpu-box-1"],
+        [
+            *WORKER,
+            "--listen",
+            "127.0.0.1:0",
+            "--announce",
+            "--store",
+            str(store.path),
+            "--reporting",
+            "0.2",
+            "--machine",
+            "gpu-box-1",
+        ],
         env=env_with_tests(),
     )
     deadline = time.monotonic() + 15
@@ -763,8 +773,17 @@ def test_a_node_whose_output_is_a_batch_says_how_many_items_it_handled():
     assert items_said((1, 2)) == "2"
     assert items_said([]) == "0"
     assert items_said(np.zeros((32, 4))) == "32"  # an array's first dimension
-    for not_a_batch in [7, 2.5, "abc", b"abc", {"a": 1}, np.float64(1.0), np.array(3.0), None,
-                        collections.namedtuple("Pair", "a b")(1, 2)]:
+    for not_a_batch in [
+        7,
+        2.5,
+        "abc",
+        b"abc",
+        {"a": 1},
+        np.float64(1.0),
+        np.array(3.0),
+        None,
+        collections.namedtuple("Pair", "a b")(1, 2),
+    ]:
         assert items_said(not_a_batch) is None, not_a_batch
     assert "items" not in ENGINE  # a field of `ran`, not a kind of its own
 
@@ -806,15 +825,22 @@ def test_items_come_back_from_a_worker_on_its_ran(store):
 
 def test_nodes_shows_items_per_second_for_a_node_that_handled_batches(store):
     rec = Recorder(store, run="r")
-    for step in range(2):
+    for _step in range(2):
         rec(fact("ran", node="embed", took_us=2000, items=32))
         rec(fact("ran", node="head", took_us=500))
         rec(fact("finished", took_us=3000))
     rec(fact("ran", node="embed", took_us=1000))  # a run that said no items counts no time here
     rec(fact("finished", took_us=1000))
     embed, head = nodes(store, run="r")
-    assert embed == {"node": "embed", "ran": 3, "took_us": 5000, "recalled": 0, "failed": 0,
-                     "items": 64, "items_per_s": 16000.0}
+    assert embed == {
+        "node": "embed",
+        "ran": 3,
+        "took_us": 5000,
+        "recalled": 0,
+        "failed": 0,
+        "items": 64,
+        "items_per_s": 16000.0,
+    }
     assert "items" not in head and "items_per_s" not in head
     rec(fact("ran", node="instant", took_us=0, items=5))
     rec(fact("finished", took_us=1))
@@ -911,8 +937,9 @@ def test_a_worker_started_with_a_machine_name_says_it_down_the_connection(tmp_pa
 # -- a study's trials ------------------------------------------------------------------------
 
 
-def attempt(store, study, trial, number, *, state, config=None, score=None, took_us=None, runner="r1",
-            error="", **said):
+def attempt(
+    store, study, trial, number, *, state, config=None, score=None, took_us=None, runner="r1", error="", **said
+):
     record = {
         "trial": str(trial),
         "attempt": str(number),
@@ -1035,8 +1062,14 @@ def test_a_record_that_is_not_what_a_trial_writes_is_named_and_left_out(store, c
     assert "tune/trial/000002/000 is left out: its config is not JSON" in capfd.readouterr().err
     store.put("tune/trial/000001/000", {"state": "running"})  # nothing written yet but the claim
     assert trials(store, study="tune")[1] == {
-        "trial": 1, "state": "running", "score": None, "attempts": 1, "took_us": None,
-        "config": {}, "said": {}, "runner": "",
+        "trial": 1,
+        "state": "running",
+        "score": None,
+        "attempts": 1,
+        "took_us": None,
+        "config": {},
+        "said": {},
+        "runner": "",
     }
 
 
@@ -1117,6 +1150,10 @@ def test_a_machine_report_that_says_a_load_no_worker_says_is_named_and_left_out(
     store.put("machine/box", {"kind": "load", "machine": "w1"})
     assert set(latest(store)) == {"w1"}
     err = capfd.readouterr().err
-    for said in ("its load1 'nan' is not a load", "its slices '\u00b2' is not a whole number",
-                 "its pid '-1' is not a whole number", "it says it is machine 'w1', but is filed under 'box'"):
+    for said in (
+        "its load1 'nan' is not a load",
+        "its slices '\u00b2' is not a whole number",
+        "its pid '-1' is not a whole number",
+        "it says it is machine 'w1', but is filed under 'box'",
+    ):
         assert err.count(f"machine/box is left out: {said}") == 1, err

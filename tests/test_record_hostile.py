@@ -24,12 +24,11 @@ import pytest
 
 optuna = pytest.importorskip("optuna", reason="studies need Optuna: pip install 'somatize[study]'")
 
+from conftest import SETPRIV, env_with_tests  # noqa: E402
 from optuna.distributions import FloatDistribution  # noqa: E402
 
-from conftest import SETPRIV, env_with_tests  # noqa: E402
 from somatize import FolderStore, Recorder, fact, folders  # noqa: E402
-from somatize.record import best, curve, facts, fleet, forwards, machines, nodes, report, runs  # noqa: E402
-from somatize.record import scores, trials  # noqa: E402
+from somatize.record import best, curve, facts, fleet, forwards, machines, nodes, report, runs, scores, trials  # noqa: E402  # noqa: E402
 from somatize.study import Study  # noqa: E402
 
 BAD_FORWARD = "run/r/3"
@@ -38,7 +37,7 @@ SPARSE = 384 << 20
 
 # The writer, as `nobody`: a store entry by hand (header, CRC, record, blob), written to a temp
 # file and renamed into place; "sparse" makes the blob a hole of that many bytes.
-PLANTER = r'''
+PLANTER = r"""
 import json, os, sys, zlib
 for path, record, blob_hex, sparse in json.loads(sys.stdin.read()):
     data = (json.dumps(record, sort_keys=True) + "\n").encode()
@@ -53,7 +52,7 @@ for path, record, blob_hex, sparse in json.loads(sys.stdin.read()):
             file.truncate(len(head) + 9 + len(data) + sparse)
     os.replace(path + ".planting", path)
 print("planted")
-'''
+"""
 
 
 def lines(*items) -> bytes:
@@ -66,8 +65,17 @@ FORWARD_RECORD = {"run": "r", "forward": "3", "state": "ok", "nodes": "1", "fact
 
 
 def attempt(**fields: str) -> dict[str, str]:
-    record = {"trial": "2", "attempt": "0", "config": json.dumps({"x": 0.5}), "state": "done",
-              "score": "2.25", "took_us": "5", "runner": "nobody", "error": "", "facts": "0"}
+    record = {
+        "trial": "2",
+        "attempt": "0",
+        "config": json.dumps({"x": 0.5}),
+        "state": "done",
+        "score": "2.25",
+        "took_us": "5",
+        "runner": "nobody",
+        "error": "",
+        "facts": "0",
+    }
     record.update(fields)
     return record
 
@@ -77,28 +85,56 @@ def attempt(**fields: str) -> dict[str, str]:
 PLANTS = {
     "a blob line that is a list": (
         (FORWARD_RECORD, lines(GOOD_RAN, b"[1]", b'"text"', b"null", FINISHED), 0),
-        attempt(config="[1]"), True),
+        attempt(config="[1]"),
+        True,
+    ),
     "JSON nested 100,000 deep": (
-        (FORWARD_RECORD, lines(GOOD_RAN, b"[" * 100_000 + b"]" * 100_000, b'{"a": ' * 100_000 + b"1" + b"}" * 100_000,
-                               FINISHED), 0),
-        attempt(sampler_attrs='{"trial": ' + '{"a": ' * 100_000 + "0" + "}" * 100_001), True),
+        (
+            FORWARD_RECORD,
+            lines(GOOD_RAN, b"[" * 100_000 + b"]" * 100_000, b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, FINISHED),
+            0,
+        ),
+        attempt(sampler_attrs='{"trial": ' + '{"a": ' * 100_000 + "0" + "}" * 100_001),
+        True,
+    ),
     "took_us that is a superscript two": (
-        ({**FORWARD_RECORD, "took_us": "²", "nodes": "²", "facts": "١٢"},
-         lines({**GOOD_RAN, "took_us": "²", "items": "²"}, {"fact": "left", "host": "w1", "took_us": "²",
-                                                            "worked_us": "²"}, {**FINISHED, "took_us": "²"}), 0),
-        attempt(took_us="²"), False),
+        (
+            {**FORWARD_RECORD, "took_us": "²", "nodes": "²", "facts": "١٢"},
+            lines(
+                {**GOOD_RAN, "took_us": "²", "items": "²"},
+                {"fact": "left", "host": "w1", "took_us": "²", "worked_us": "²"},
+                {**FINISHED, "took_us": "²"},
+            ),
+            0,
+        ),
+        attempt(took_us="²"),
+        False,
+    ),
     "a 384 MiB sparse blob": ((FORWARD_RECORD, b"", SPARSE), attempt(), True),
     "bytes that are not UTF-8": (
         (FORWARD_RECORD, lines(GOOD_RAN, b'{"fact": "ran", "node": "\xff\xfe", "took_us": "1"}', FINISHED), 0),
-        None, True),
+        None,
+        True,
+    ),
     "JSON of the wrong types or non-finite numbers": (
-        (FORWARD_RECORD, lines(GOOD_RAN, {"fact": "ran", "node": 5, "took_us": 1.5}, {"fact": "left", "host": ["w1"]},
-                               {"fact": "said", "host": "w1", "machine": {"a": 1}}, b'{"fact": "loss", "value": NaN}',
-                               {"fact": None}, {"fact": "ran", "node": "x", "took_us": "1", "deep": {"a": "b"}},
-                               FINISHED), 0),
-        attempt(config='{"x": NaN}'), True),
-    "a record of megabytes": (({**FORWARD_RECORD, "error": "x" * (2 << 20)}, lines(GOOD_RAN, FINISHED), 0),
-                              None, True),
+        (
+            FORWARD_RECORD,
+            lines(
+                GOOD_RAN,
+                {"fact": "ran", "node": 5, "took_us": 1.5},
+                {"fact": "left", "host": ["w1"]},
+                {"fact": "said", "host": "w1", "machine": {"a": 1}},
+                b'{"fact": "loss", "value": NaN}',
+                {"fact": None},
+                {"fact": "ran", "node": "x", "took_us": "1", "deep": {"a": "b"}},
+                FINISHED,
+            ),
+            0,
+        ),
+        attempt(config='{"x": NaN}'),
+        True,
+    ),
+    "a record of megabytes": (({**FORWARD_RECORD, "error": "x" * (2 << 20)}, lines(GOOD_RAN, FINISHED), 0), None, True),
 }
 
 
@@ -125,8 +161,9 @@ def planted(shared, python_for_nobody, request):
     report(store, "w1", {"kind": "load"})
     Study(store, "tune", objective="study_objectives:quadratic", space={"x": FloatDistribution(-5.0, 5.0)}, trials=4)
     for n, x in enumerate([1.0, 3.5]):
-        store.put(f"tune/trial/{n:06d}/000", attempt(trial=str(n), config=json.dumps({"x": x}),
-                                                     score=repr((x - 2.0) ** 2)))
+        store.put(
+            f"tune/trial/{n:06d}/000", attempt(trial=str(n), config=json.dumps({"x": x}), score=repr((x - 2.0) ** 2))
+        )
     for folder in ("", "run", "run/r", "tune", "tune/trial"):
         (store.path / folder).mkdir(exist_ok=True)
         (store.path / folder).chmod(0o777)
@@ -134,8 +171,14 @@ def planted(shared, python_for_nobody, request):
     ops = [[str(store.path / f"{BAD_FORWARD}.rec"), record, blob.hex(), sparse]]
     if study_record is not None:
         ops.append([str(store.path / f"{BAD_ATTEMPT}.rec"), study_record, None, sparse])
-    done = subprocess.run([*SETPRIV, python_for_nobody, "-c", PLANTER], input=json.dumps(ops),
-                          capture_output=True, text=True, cwd="/", timeout=30)
+    done = subprocess.run(
+        [*SETPRIV, python_for_nobody, "-c", PLANTER],
+        input=json.dumps(ops),
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=30,
+    )
     assert done.returncode == 0 and done.stdout == "planted\n", done.stderr
     assert (store.path / f"{BAD_FORWARD}.rec").stat().st_uid != 0  # `nobody` wrote it
     return store, request.param, study_record is not None, named
@@ -192,8 +235,18 @@ def _scores(store):
     assert "study 'tune'" in scores(store, study="tune", as_text=True)
 
 
-READERS = {"runs": _runs, "forwards": _forwards, "curve": _curve, "facts": _facts, "nodes": _nodes,
-           "fleet": _fleet, "machines": _machines, "trials": _trials, "best": _best, "scores": _scores}
+READERS = {
+    "runs": _runs,
+    "forwards": _forwards,
+    "curve": _curve,
+    "facts": _facts,
+    "nodes": _nodes,
+    "fleet": _fleet,
+    "machines": _machines,
+    "trials": _trials,
+    "best": _best,
+    "scores": _scores,
+}
 # which readers read the planted forward's blob, its record, or the planted attempt
 READS_BLOB = {"curve", "facts", "nodes", "fleet", "machines"}
 READS_RECORD = {"forwards", "curve", "nodes", "fleet", "machines"}
@@ -231,8 +284,13 @@ def test_a_planted_record_stops_no_reader_and_swells_none(planted, reader, capfd
 def test_show_prints_the_good_trials_whatever_was_planted(planted):
     """Attack: `took_us="²"` made `--show` exit 2 (`"²".isdigit()` is true, `int("²")` fails)."""
     store, plant, in_study, named = planted
-    shown = subprocess.run([sys.executable, "-m", "somatize", "study", "--store", str(store.path), "tune", "--show"],
-                           capture_output=True, text=True, timeout=120, env=env_with_tests())
+    shown = subprocess.run(
+        [sys.executable, "-m", "somatize", "study", "--store", str(store.path), "tune", "--show"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_with_tests(),
+    )
     assert shown.returncode == 0, shown.stderr
     rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[2:]}
     assert rows["0"][1] == "done" and rows["1"][1] == "done", shown.stdout

@@ -8,17 +8,16 @@ every process is reaped by the ``processes`` fixture.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-
 from conftest import BROKER, WORKER, env_with_tests
+from fabric_nodes import Add, Scale
 from holds_nodes import Hold
 from peers import Raw
-from fabric_nodes import Add, Scale
+from reliability_support import wait_until
+
 from somatize import Broker, Worker
 from somatize.packing import Packer
-from reliability_support import wait_until
 from somatize.wire import (
     Begin,
     Done,
@@ -67,8 +66,9 @@ def test_an_allowed_client_cannot_make_another_clients_next_forward_fail_by_crow
     with Broker.embedded({"w": Worker.at(worker.endpoint)}) as broker:
         assert Add(1).named("a").at("w").forward(1, broker=broker) == 2  # greeted; channel idle
 
-        fat = Runtime(RT.wire, RT.python, RT.somatize, RT.cloudpickle,
-                      tuple(f"k{i:03d}" + "x" * 61 for i in range(1000)), "")
+        fat = Runtime(
+            RT.wire, RT.python, RT.somatize, RT.cloudpickle, tuple(f"k{i:03d}" + "x" * 61 for i in range(1000)), ""
+        )
         crowd = [Raw(worker.endpoint) for _ in range(140)]
         try:
             for raw in crowd:
@@ -273,9 +273,24 @@ def ring(tmp_path):
 
 
 def keyed_broker(processes, ring, url, *extra):
-    return processes([*BROKER, "--listen", url, "--announce", "--key", str(ring["broker_secret"]),
-                      "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]), "--patience", "2",
-                      *extra], env=env_with_tests())
+    return processes(
+        [
+            *BROKER,
+            "--listen",
+            url,
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--patience",
+            "2",
+            *extra,
+        ],
+        env=env_with_tests(),
+    )
 
 
 def test_a_host_bound_to_one_worker_key_stays_its_own_when_the_broker_restarts(processes, ring, tmp_path):
@@ -294,8 +309,23 @@ def test_a_host_bound_to_one_worker_key_stays_its_own_when_the_broker_restarts(p
     url = f"tcp://127.0.0.1:{free_port()}"
     kept = ("--bindings", str(tmp_path / "bindings.json"))  # as brokers/somatize-broker.service runs it
     hub = keyed_broker(processes, ring, url, *kept)
-    victim = processes([*WORKER, "--broker", url, "--offer", "node017", "--key", str(ring["victim_secret"]),
-                        "--broker-key", str(ring["broker"]), "--patience", "2"], announce=None, env=env_with_tests())
+    victim = processes(
+        [
+            *WORKER,
+            "--broker",
+            url,
+            "--offer",
+            "node017",
+            "--key",
+            str(ring["victim_secret"]),
+            "--broker-key",
+            str(ring["broker"]),
+            "--patience",
+            "2",
+        ],
+        announce=None,
+        env=env_with_tests(),
+    )
     alice_keys = Keys.client(ring["alice_secret"], server=ring["broker"])
     with Broker.at(url, keys=alice_keys, patience=2.0) as alice:
         wait_until(lambda: alice.knows("node017"), 20, "node017 dialing in")

@@ -22,19 +22,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-
+from cargo_support import proved, sealed
 from conftest import BROKER, SETPRIV, WORKER, env_with_tests
 from fabric_nodes import Scale
 from reliability_support import key_ring, wait_until
-from cargo_support import proved, sealed
+
 from somatize import Node, ProtocolError
 from somatize.fabric import leases, mount
 from somatize.fabric.client import lending as client_pool
 from somatize.fabric.curve import read_public, read_secret
 from somatize.fabric.worker.imported import Imports
 from somatize.packing import Packer
-from somatize.wire import (WIRE_VERSION, Done, Hello, Mounted, Ready, Recipe, Refusal, Runtime, Where, Work, decode,
-                           encode)
+from somatize.wire import (
+    WIRE_VERSION,
+    Done,
+    Hello,
+    Mounted,
+    Ready,
+    Recipe,
+    Refusal,
+    Runtime,
+    Where,
+    Work,
+    decode,
+    encode,
+)
 
 SHM = Path("/dev/shm")
 in_memory = pytest.mark.skipif(not SHM.is_dir() or not leases.in_memory(SHM), reason="needs /dev/shm on tmpfs")
@@ -103,8 +115,9 @@ class Raw:
 
 def worker(processes, folder: Path, *extra: str):
     """A standalone project-mode worker on loopback, sharing ``folder`` with its clients."""
-    return processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mount", str(folder), *extra],
-                     env=env_with_tests())
+    return processes(
+        [*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mount", str(folder), *extra], env=env_with_tests()
+    )
 
 
 def work_of(node: Node, x, ref: int = 1) -> list:
@@ -142,8 +155,9 @@ def test_a_sparse_segment_does_not_make_the_worker_allocate_what_the_client_neve
             out.truncate(64 << 20)  # a hole: nothing allocated
             out.write(bytes(frames[1]))
         before = os.stat(path).st_blocks * 512
-        answer = raw.ask(encode(sealed(Mounted((name,), header=bytes(frames[0]), spans=((0, 0, len(frames[1])),)),
-                                       raw.key)))
+        answer = raw.ask(
+            encode(sealed(Mounted((name,), header=bytes(frames[0]), spans=((0, 0, len(frames[1])),)), raw.key))
+        )
         after = os.stat(path).st_blocks * 512
         assert before < (1 << 20)
         assert isinstance(answer, Refusal) or after < (4 << 20), (
@@ -212,8 +226,9 @@ def test_a_spare_that_is_the_requests_own_input_is_never_written_over(processes,
         # two spans over the same bytes: the node sees the same memory twice, nothing breaks
         lending = client_pool.Lending(pool)
         good = decode(lending.send(work_of(Scale(1.0), x), raw.key))
-        twice = sealed(Mounted(good.files, header=good.header, spans=(good.spans[0], good.spans[0]), spare=good.spare),
-                       raw.key)
+        twice = sealed(
+            Mounted(good.files, header=good.header, spans=(good.spans[0], good.spans[0]), spare=good.spare), raw.key
+        )
         answer = raw.ask(encode(twice))
         assert isinstance(answer, (Mounted, Refusal)), answer
         if isinstance(answer, Mounted):
@@ -247,7 +262,7 @@ def test_a_client_takes_no_answer_in_another_exchanges_segment(folder):
     assert files(folder) == []
 
 
-NOBODY_AT_SHM = r'''
+NOBODY_AT_SHM = r"""
 import json, os, sys
 spec = json.loads(sys.stdin.read())
 tried = {}
@@ -262,7 +277,7 @@ attempt("write", lambda: open(spec["segment"], "r+b").write(b"x"))
 attempt("truncate", lambda: os.truncate(spec["segment"], 0))
 attempt("plant", lambda: open(os.path.join(spec["folder"], spec["name"]), "w").close())
 print(json.dumps(tried))
-'''
+"""
 
 
 @in_memory
@@ -276,14 +291,24 @@ def test_another_user_can_neither_see_nor_touch_a_pooled_segment(folder):
     try:
         seg = pool.lease(1000)
         seg.view[:5] = b"12345"
-        python = next((p for p in dict.fromkeys([sys.executable, "/usr/bin/python3"])
-                       if subprocess.run([*SETPRIV, p, "-c", "pass"], cwd="/", capture_output=True,
-                                         timeout=30).returncode == 0), None)
+        python = next(
+            (
+                p
+                for p in dict.fromkeys([sys.executable, "/usr/bin/python3"])
+                if subprocess.run([*SETPRIV, p, "-c", "pass"], cwd="/", capture_output=True, timeout=30).returncode == 0
+            ),
+            None,
+        )
         if python is None:
             pytest.skip("no Python interpreter that `nobody` may run")
-        done = subprocess.run([*SETPRIV, python, "-c", NOBODY_AT_SHM], cwd="/", capture_output=True, text=True,
-                              timeout=30, input=json.dumps({"folder": str(folder), "segment": str(seg.path),
-                                                            "name": f"{me()}{'0' * 24}-0"}))
+        done = subprocess.run(
+            [*SETPRIV, python, "-c", NOBODY_AT_SHM],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=30,
+            input=json.dumps({"folder": str(folder), "segment": str(seg.path), "name": f"{me()}{'0' * 24}-0"}),
+        )
         assert done.returncode == 0, done.stderr
         tried = json.loads(done.stdout)
         assert set(tried.values()) == {"PermissionError"}, tried
@@ -307,8 +332,22 @@ def ring(tmp_path):
 
 
 def keyed_broker(processes, ring):
-    return processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
-                      "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]), "--patience", "2"])
+    return processes(
+        [
+            *BROKER,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--patience",
+            "2",
+        ]
+    )
 
 
 def as_key(ring, endpoint: str, who: str) -> Raw:
@@ -329,8 +368,11 @@ def forged(message, **fields) -> list:
 
 def forged_lines(text: str, who: str) -> list[str]:
     """The lines of a log that are not the process's own, or that hold a control character."""
-    return [line for line in text.splitlines()
-            if not line.startswith(f"somatize {who}") or any(ord(c) < 32 or c == "\x7f" for c in line)]
+    return [
+        line
+        for line in text.splitlines()
+        if not line.startswith(f"somatize {who}") or any(ord(c) < 32 or c == "\x7f" for c in line)
+    ]
 
 
 def test_a_peer_cannot_forge_a_line_in_the_brokers_log(processes, ring):
@@ -379,10 +421,34 @@ def test_a_peer_cannot_forge_a_line_in_a_workers_log(processes, folder):
             [msgpack.packb({"v": WIRE_VERSION, "t": "Mounted\nsomatize worker: FORGED\x1b[2J"})],
             encode(Hello(RT)),
             forged(Where("w1"), host=FORGED),
-            [msgpack.packb({"v": WIRE_VERSION, "t": "Mounted", "files": [short], "spans": [], "spare": [],
-                            "kept": [], "seal": ""}), b"x"],
-            [msgpack.packb({"v": WIRE_VERSION, "t": "Mounted", "files": [f"{me()}{'0' * 24}-0"], "spans": [],
-                            "spare": [short], "kept": [short], "seal": ""}), b"x"],
+            [
+                msgpack.packb(
+                    {
+                        "v": WIRE_VERSION,
+                        "t": "Mounted",
+                        "files": [short],
+                        "spans": [],
+                        "spare": [],
+                        "kept": [],
+                        "seal": "",
+                    }
+                ),
+                b"x",
+            ],
+            [
+                msgpack.packb(
+                    {
+                        "v": WIRE_VERSION,
+                        "t": "Mounted",
+                        "files": [f"{me()}{'0' * 24}-0"],
+                        "spans": [],
+                        "spare": [short],
+                        "kept": [short],
+                        "seal": "",
+                    }
+                ),
+                b"x",
+            ],
         ):
             assert isinstance(raw.ask(frames), (Refusal, Ready))
         wait_until(lambda: w.stderr().count("refused") >= 5, 10, "the worker logging its refusals")
@@ -413,9 +479,11 @@ def test_the_stale_import_detector_imports_nothing_and_reads_no_file_it_did_not_
     planted.write_text("raise SystemExit('imported')\n")
     imports = Imports()
     before = set(sys.modules)
-    text = (f"<module 'planted_redteam_module' from '{planted}'> `planted_redteam_module:X` "
-            f'File "{planted}", line 1 File "/etc/shadow.py" `os.path:join` '
-            "Can't get attribute 'X' on <module 'planted_redteam_module'>")
+    text = (
+        f"<module 'planted_redteam_module' from '{planted}'> `planted_redteam_module:X` "
+        f'File "{planted}", line 1 File "/etc/shadow.py" `os.path:join` '
+        "Can't get attribute 'X' on <module 'planted_redteam_module'>"
+    )
     assert imports.explain(text) is None
     assert "planted_redteam_module" not in sys.modules and set(sys.modules) == before
     assert imports.changed(text) == []
@@ -468,10 +536,13 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
         spare = f"{me()}{secrets.token_hex(12)}-0"
         with open(os.open(folder / spare, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "r+b") as out:
             os.posix_fallocate(out.fileno(), 0, 4 << 20)
-        raw.ask(encode(sealed(Mounted(second.files, header=second.header, spans=second.spans, spare=(spare,)), raw.key)))
+        raw.ask(
+            encode(sealed(Mounted(second.files, header=second.header, spans=second.spans, spare=(spare,)), raw.key))
+        )
         os.truncate(folder / spare, 4096)  # mapped by the worker at 4 MiB, now one page
-        answer = raw.ask(encode(sealed(Mounted(second.files, header=second.header, spans=second.spans, spare=(spare,)),
-                                       raw.key)))
+        answer = raw.ask(
+            encode(sealed(Mounted(second.files, header=second.header, spans=second.spans, spare=(spare,)), raw.key))
+        )
         assert isinstance(answer, Mounted) and spare not in answer.files, answer
         assert os.stat(folder / spare).st_size == 4096
         done = decode(lending.receive(answer))
@@ -485,16 +556,19 @@ def test_a_segment_truncated_between_requests_is_checked_again_never_read_past_i
 
 
 @in_memory
-@pytest.mark.xfail(strict=True, reason=(
-    "a client that shrinks its own input segment while a node reads it kills the worker with "
-    "SIGBUS (worker/attachments.py `Attachments.take` hands the node views of a MAP_SHARED mapping of a file "
-    "the client may still truncate), and with it every other client's work. The mount is one "
-    "user's, so a client could also `kill` the worker; but a bug in one client is enough. Fix: "
-    "none cheap with named tmpfs files (seals are for memfd only): pass memfds sealed with "
-    "F_SEAL_SHRINK over a unix socket instead of names, or copy the input out of a segment the "
-    "worker does not trust; else say in docs/security.md that a mount client can stop the worker, "
-    "and remove this test"
-))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "a client that shrinks its own input segment while a node reads it kills the worker with "
+        "SIGBUS (worker/attachments.py `Attachments.take` hands the node views of a MAP_SHARED mapping of a file "
+        "the client may still truncate), and with it every other client's work. The mount is one "
+        "user's, so a client could also `kill` the worker; but a bug in one client is enough. Fix: "
+        "none cheap with named tmpfs files (seals are for memfd only): pass memfds sealed with "
+        "F_SEAL_SHRINK over a unix socket instead of names, or copy the input out of a segment the "
+        "worker does not trust; else say in docs/security.md that a mount client can stop the worker, "
+        "and remove this test"
+    ),
+)
 def test_a_segment_truncated_while_a_node_reads_it_does_not_kill_the_worker(processes, folder, tmp_path):
     started, go = tmp_path / "started", tmp_path / "go"
     w = worker(processes, folder)

@@ -17,10 +17,10 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import FolderSeen
 from reliability_support import wait_until
+
 from somatize import Broker
 from somatize.fabric import mount
 from somatize.wire import Hello, Located, Runtime, decode, encode
@@ -35,8 +35,17 @@ def _hub(processes):
 def _worker(processes, hub, folder, *, namespace: bool = False):
     argv = [*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--mode", "project", "--mount", str(folder)]
     if namespace:  # the same path, another folder: a tmpfs only this worker sees
-        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                f'mount -t tmpfs -o mode=0700 none "{folder}" && exec "$@"', "sh", *argv]
+        argv = [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o mode=0700 none "{folder}" && exec "$@"',
+            "sh",
+            *argv,
+        ]
     return processes(argv, env=env_with_tests(), announce=None)
 
 
@@ -111,9 +120,11 @@ def test_the_wire_says_what_a_folder_and_its_token_must_be():
     token = f"{os.getpid()}-{'a' * 32}"
     hello = Hello(rt, offering="w1", mount="/shared/cargo", seen=token)
     assert decode(encode(hello)) == hello
-    for bad, says in ((Hello(rt, mount="/x", seen=token), "offers no host"),
-                      (Hello(rt, offering="w1", seen=token), "names none"),
-                      (Hello(rt, offering="w1", mount="/x", seen="x" * 32), "a file's token")):
+    for bad, says in (
+        (Hello(rt, mount="/x", seen=token), "offers no host"),
+        (Hello(rt, offering="w1", seen=token), "names none"),
+        (Hello(rt, offering="w1", mount="/x", seen="x" * 32), "a file's token"),
+    ):
         with pytest.raises(ValueError, match=says):
             encode(bad)
     relayed = Located("w1", "relayed", address="tcp://127.0.0.1:1", mode="project", mount="/shared/cargo", seen=token)

@@ -58,7 +58,10 @@ from somatize.wire import (
     encode,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads processes' memory from /proc")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads processes' memory from /proc"),
+]
 
 PATIENCE = 2.0
 #: How ``Answers`` and ``collect`` count the wire's refusals: by the message's variant name.
@@ -207,8 +210,17 @@ def test_fuzzed_frames_at_a_live_worker(procs):
         answers, sent, parts = fuzz(worker, worker.endpoint, fuzzer, FUZZ_FRAMES, check)
         took = time.monotonic() - started
         growth = (rss_kib(worker.pid) - before) << 10
-    report("fuzzed worker", messages=sent, frames=parts, seed=FUZZ_SEED, seconds=round(took, 1),
-           rss_growth_mib=round(growth / 2**20, 1), crashes=0, answers=dict(answers), kinds=fuzzer.counts)
+    report(
+        "fuzzed worker",
+        messages=sent,
+        frames=parts,
+        seed=FUZZ_SEED,
+        seconds=round(took, 1),
+        rss_growth_mib=round(growth / 2**20, 1),
+        crashes=0,
+        answers=dict(answers),
+        kinds=fuzzer.counts,
+    )
     assert answers[REFUSAL] >= sent // 4, answers  # junk is answered, not ignored
     assert answers["(not a message)"] == 0, answers.strange
     assert growth < GROWTH, f"the worker grew by {growth >> 20} MiB over {sent} fuzzed messages"
@@ -240,10 +252,18 @@ def test_fuzzed_frames_at_a_live_broker(procs, tmp_path):
         answers, sent, parts = fuzz(hub, hub.endpoint, fuzzer, FUZZ_FRAMES, check)
         took = time.monotonic() - started
         growth = {p.pid: (rss_kib(p.pid) - before[p.pid]) << 10 for p in (hub, dialed)}
-    report("fuzzed broker (30% relayed on to a dialed worker)", messages=sent, frames=parts, seed=FUZZ_SEED + 1,
-           seconds=round(took, 1), broker_growth_mib=round(growth[hub.pid] / 2**20, 1),
-           worker_growth_mib=round(growth[dialed.pid] / 2**20, 1), crashes=0, answers=dict(answers),
-           kinds=fuzzer.counts)
+    report(
+        "fuzzed broker (30% relayed on to a dialed worker)",
+        messages=sent,
+        frames=parts,
+        seed=FUZZ_SEED + 1,
+        seconds=round(took, 1),
+        broker_growth_mib=round(growth[hub.pid] / 2**20, 1),
+        worker_growth_mib=round(growth[dialed.pid] / 2**20, 1),
+        crashes=0,
+        answers=dict(answers),
+        kinds=fuzzer.counts,
+    )
     assert answers[REFUSAL] >= sent // 4, answers
     assert answers["(not a message)"] == 0, answers.strange
     assert all(g < GROWTH for g in growth.values()), growth
@@ -259,7 +279,9 @@ def test_fuzzed_frames_at_a_live_broker(procs, tmp_path):
 def test_parallel_branches_on_one_worker_keep_it_serving(procs, jobs):
     worker = procs([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "network", "--jobs", jobs])
     declared = Worker.at(worker.endpoint, mode="network", send=[fabric_nodes])
-    g = Add(0).named("in").at("w1") >> (Add(1).named("a").at("w1") & Add(2).named("b").at("w1") & Add(3).named("c").at("w1"))
+    g = Add(0).named("in").at("w1") >> (
+        Add(1).named("a").at("w1") & Add(2).named("b").at("w1") & Add(3).named("c").at("w1")
+    )
     with Broker.embedded({"w1": declared}, patience=PATIENCE) as broker:
         for n in range(50):
             assert g.forward(n, broker=broker) == (n + 1, n + 2, n + 3)
@@ -329,7 +351,9 @@ def test_a_stream_does_not_make_a_worker_allocate_what_it_announces(procs, chunk
         for sock in socks:
             # the streams within the quota: a Credit for the byte sent; the one over: refused,
             # and so is its chunk (a stream that never began)
-            got = collect(sock, lambda got: got[REFUSAL] >= 1 + bool(chunk) and got["Credit"] >= per_tenant * bool(chunk))
+            got = collect(
+                sock, lambda got: got[REFUSAL] >= 1 + bool(chunk) and got["Credit"] >= per_tenant * bool(chunk)
+            )
             refusals = [k for k in got if k.startswith(f"{REFUSAL}: ")]
             assert any(over in k for k in refusals), got
             assert got["Credit"] == per_tenant * bool(chunk) and got[REFUSAL] == 1 + bool(chunk), got
@@ -343,11 +367,18 @@ def test_a_stream_does_not_make_a_worker_allocate_what_it_announces(procs, chunk
     assert worker.alive
     held = ANNOUNCERS * per_tenant
     sent = 50 + len(chunk)
-    report("streams announced", streams=held, announced_mib=held * announced >> 20,
-           rss_growth_mib=round(growth / 2**20, 1), vm_growth_mib=round(reserved / 2**20, 1))
+    report(
+        "streams announced",
+        streams=held,
+        announced_mib=held * announced >> 20,
+        rss_growth_mib=round(growth / 2**20, 1),
+        vm_growth_mib=round(reserved / 2**20, 1),
+    )
     assert growth < GROWTH, f"messages of {sent} bytes per stream made the worker allocate {growth >> 20} MiB"
     # untouched memory is not resident: the address space shows what was merely reserved
-    assert reserved < held * announced // 2, f"{held} announced streams grew the worker's address space by {reserved >> 20} MiB"
+    assert reserved < held * announced // 2, (
+        f"{held} announced streams grew the worker's address space by {reserved >> 20} MiB"
+    )
 
 
 def abandon_uploads(endpoint: str, clients: int, each: int) -> None:
@@ -445,7 +476,9 @@ def test_a_peer_that_never_reads_does_not_stall_the_worker(procs):
         # the fact: the worker met the full queue (it drops what the peer does not read, and says so)
         until = time.monotonic() + 30.0 + MARGIN
         while "could not be delivered" not in worker.stderr():
-            assert worker.alive and time.monotonic() < until, f"the worker never met the full queue:\n{worker.stderr()[-2000:]}"
+            assert worker.alive and time.monotonic() < until, (
+                f"the worker never met the full queue:\n{worker.stderr()[-2000:]}"
+            )
             time.sleep(0.05)
         with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}, patience=PATIENCE) as good:
             thread, box = in_thread(lambda: Add(1).named("a").at("w1").forward(1, broker=good))
@@ -527,7 +560,11 @@ def test_a_direct_worker_killed_or_stopped_mid_work_is_broken_within_patience(si
             assert "killed by SIGKILL" in str(error)
         assert took < PATIENCE + MARGIN, f"the client took {took:.1f} s to give up"
         assert Pid().named("pid").at("w1").forward(0, broker=broker) != pid  # a fresh one serves
-    report(f"direct worker {signal.Signals(signum).name} mid-work", patience=PATIENCE, client_gave_up_after_s=round(took, 2))
+    report(
+        f"direct worker {signal.Signals(signum).name} mid-work",
+        patience=PATIENCE,
+        client_gave_up_after_s=round(took, 2),
+    )
 
 
 def test_a_stopped_worker_is_said_to_have_stopped_answering():
@@ -558,13 +595,19 @@ def test_a_relayed_worker_killed_or_stopped_mid_work_is_broken_within_patience(p
         bound = PATIENCE + 5.0 + MARGIN
         thread.join(bound)
         try:
-            assert not thread.is_alive(), f"the client still waits, {bound:.0f} s after its relayed worker got {signum!r}"
+            assert not thread.is_alive(), (
+                f"the client still waits, {bound:.0f} s after its relayed worker got {signum!r}"
+            )
             assert isinstance(box.get("error"), Broken), box
             # one cause, one sentence: killed or stopped, however the client came to notice
-            assert str(box["error"]).startswith("the worker serving `w1` went away while running `sleepy`; "
-                                                "the broker at "), box["error"]
-            report(f"relayed worker {signal.Signals(signum).name} mid-work", seconds=round(box["ended"] - signalled, 2),
-                   said=str(box["error"])[:120])
+            assert str(box["error"]).startswith(
+                "the worker serving `w1` went away while running `sleepy`; the broker at "
+            ), box["error"]
+            report(
+                f"relayed worker {signal.Signals(signum).name} mid-work",
+                seconds=round(box["ended"] - signalled, 2),
+                said=str(box["error"])[:120],
+            )
         finally:
             if thread.is_alive():
                 hub.stop()  # the client's link to the broker drops: it stops waiting
@@ -598,7 +641,9 @@ def test_a_late_answer_from_a_resumed_worker_is_discarded(procs):
     with Broker.embedded({"w1": declared}, patience=PATIENCE) as broker:
         assert Sleep(0).named("warm").at("w1").forward("warm", broker=broker) == "warm"
         stale_for = PATIENCE + 4.0  # still running when the worker is resumed, then answers
-        thread, box = in_thread(lambda: Sleep(stale_for).named("stale").at("w1").forward("the stale answer", broker=broker))
+        thread, box = in_thread(
+            lambda: Sleep(stale_for).named("stale").at("w1").forward("the stale answer", broker=broker)
+        )
         probe = dealer(worker.endpoint)
         try:
             running_there(probe)  # `stale` runs there now
@@ -657,7 +702,7 @@ def test_an_answer_for_a_client_that_vanished_is_reported_never_dropped_silently
         time.sleep(0.1)
     # and the worker keeps serving
     declared = Worker.at(worker.endpoint, mode="project") if via == "worker" else None
-    with (Broker.embedded({"w1": declared}) if declared else Broker.at(hub.endpoint)) as broker:
+    with Broker.embedded({"w1": declared}) if declared else Broker.at(hub.endpoint) as broker:
         assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2
 
 
@@ -699,7 +744,9 @@ def test_a_broker_killed_or_stopped_mid_relay_is_broken_within_patience(procs, s
         hub.signal(signum)
         signalled = time.monotonic()
         thread.join(2 * PATIENCE + MARGIN)
-        assert not thread.is_alive(), f"the client still waits {2 * PATIENCE + MARGIN:.0f} s after the broker got {signum!r}"
+        assert not thread.is_alive(), (
+            f"the client still waits {2 * PATIENCE + MARGIN:.0f} s after the broker got {signum!r}"
+        )
     error = box.get("error")
     # killed: the link drops, Broken; stopped: the client's check on its relayed worker
     # finds nobody answering at the broker first, Unreachable. Either names the broker.
@@ -707,7 +754,12 @@ def test_a_broker_killed_or_stopped_mid_relay_is_broken_within_patience(procs, s
     assert hub.endpoint in str(error), error
     took = box["ended"] - signalled
     assert took < 2 * PATIENCE + MARGIN
-    report(f"broker {signal.Signals(signum).name} mid-relay", error=type(error).__name__, seconds=round(took, 2), said=str(error)[:160])
+    report(
+        f"broker {signal.Signals(signum).name} mid-relay",
+        error=type(error).__name__,
+        seconds=round(took, 2),
+        said=str(error)[:160],
+    )
 
 
 def test_a_broker_lost_mid_work_is_named_as_the_broker(procs):
@@ -785,7 +837,7 @@ def test_writers_killed_at_random_points_never_leave_a_torn_entry(procs, tmp_pat
     def read() -> None:  # during every rewrite: a whole old entry or a whole new one
         while not stop.is_set():
             try:
-                for name, record in store.scan("crash/"):
+                for name, _record in store.scan("crash/"):
                     seen.add(name)
                     verify(*store.entry(name))  # never Missing: entries are only replaced
                     reads[0] += 1
@@ -829,8 +881,15 @@ def test_writers_killed_at_random_points_never_leave_a_torn_entry(procs, tmp_pat
             reader.join(30)
     assert failures == []
     temps = [p for p in root.rglob(".*") if p.is_file() and ".tmp" in p.name]
-    report("store writers killed", writes_begun=begun, kills=kills, killed_before_saying_done=mid_put,
-           temp_files_left=len(temps), entries=len(seen), reads_verified=reads[0])
+    report(
+        "store writers killed",
+        writes_begun=begun,
+        kills=kills,
+        killed_before_saying_done=mid_put,
+        temp_files_left=len(temps),
+        entries=len(seen),
+        reads_verified=reads[0],
+    )
     assert begun >= STORE_WRITES and reads[0] > 0
     assert store.sweep(older_than=0) == len(temps)  # what a killed put leaves is only a temp file
     for name, _ in store.scan(""):
@@ -862,8 +921,12 @@ def test_many_clients_each_get_their_own_answers(procs, tmp_path, path):
         with Broker.at(hub.endpoint) as probe:
             wait_for_host(probe, "w1")
     clients = [
-        procs([sys.executable, "-c", LOAD_CLIENT, hub.endpoint, "w1", str(c), str(LOAD_FORWARDS), str(log)],
-              announce="ready", stdin=True, deadline=60.0)
+        procs(
+            [sys.executable, "-c", LOAD_CLIENT, hub.endpoint, "w1", str(c), str(LOAD_FORWARDS), str(log)],
+            announce="ready",
+            stdin=True,
+            deadline=60.0,
+        )
         for c in range(LOAD_CLIENTS)
     ]
     started = time.monotonic()
@@ -880,9 +943,16 @@ def test_many_clients_each_get_their_own_answers(procs, tmp_path, path):
     latencies = [t for r in results for t in r["latencies"]]
     ran = collections.Counter(line for line in log.read_text().split("\n") if line and not line.startswith("warm:"))
     expected = {f"{c}:{i}" for c in range(LOAD_CLIENTS) for i in range(LOAD_FORWARDS)}
-    report(f"load {path}", clients=LOAD_CLIENTS, forwards_each=LOAD_FORWARDS, seconds=round(took, 1),
-           forwards_per_s=round(len(latencies) / took), p50_ms=round(percentile(latencies, 0.5) * 1000, 2),
-           p99_ms=round(percentile(latencies, 0.99) * 1000, 2), max_ms=round(max(latencies) * 1000, 1))
+    report(
+        f"load {path}",
+        clients=LOAD_CLIENTS,
+        forwards_each=LOAD_FORWARDS,
+        seconds=round(took, 1),
+        forwards_per_s=round(len(latencies) / took),
+        p50_ms=round(percentile(latencies, 0.5) * 1000, 2),
+        p99_ms=round(percentile(latencies, 0.99) * 1000, 2),
+        max_ms=round(max(latencies) * 1000, 1),
+    )
     assert [r["wrong"] for r in results] == [[]] * LOAD_CLIENTS  # every answer to its own caller
     assert len(latencies) == LOAD_CLIENTS * LOAD_FORWARDS  # none lost
     assert set(ran) == expected and set(ran.values()) == {1}  # each ran once: none duplicated

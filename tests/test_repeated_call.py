@@ -25,11 +25,11 @@ import threading
 import time
 import weakref
 
-import pytest
-
 import fabric_nodes
+import pytest
 from conftest import WORKER
 from fabric_nodes import Add, Boom, Count, Sleep
+
 from somatize import Broker, FolderStore, Node, NodeFailed, Overdue, UnknownHost, Worker, codec
 from somatize.codec import forget
 from somatize.engine import Piece, _plan_of, lone_step, run_lone, run_piece
@@ -37,11 +37,11 @@ from somatize.fabric.pieces import piece_of
 from somatize.fabric.worker.loop import WorkerLoop
 from somatize.fabric.worker.prepared import Prepared
 from somatize.fabric.worker.slots import Abandoned, Job
+from somatize.graph import Step, as_graph
 from somatize.packing import Catalog, Packer
+from somatize.plan import Join, Remote, Run, make
 from somatize.wire import Recipe, Work
 from somatize.wiring import _piece_plans
-from somatize.graph import Step, as_graph
-from somatize.plan import Join, Remote, Run, make
 
 
 @pytest.fixture
@@ -238,7 +238,9 @@ def _work(recipe, value, **fields):
 
 def test_a_recipe_run_again_keeps_its_steps_and_swaps_their_job():
     a, b = Add(1).named("a"), Add(10).named("b")
-    recipe = Recipe(tuple(Packer("project").spec(s) for s in (a, b, a)), ("seq", (("step", 0), ("step", 1), ("step", 2))))
+    recipe = Recipe(
+        tuple(Packer("project").spec(s) for s in (a, b, a)), ("seq", (("step", 0), ("step", 1), ("step", 2)))
+    )
     nodes = [a.node, b.node, a.node]
     prepared = Prepared(Catalog("project"))
     first, second = Job("a"), Job("a")
@@ -329,7 +331,9 @@ def test_a_worker_runs_a_lone_node_directly_only_when_nobody_watches_and_nothing
     import somatize.fabric.worker.running as worker_running
 
     walks, alone = [], []
-    monkeypatch.setattr(worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch))
+    monkeypatch.setattr(
+        worker_running, "run_piece", lambda piece, watch=None: walks.append(1) or run_piece(piece, watch)
+    )
     monkeypatch.setattr(worker_running, "run_lone", lambda step, value: alone.append(1) or run_lone(step, value))
     loop = WorkerLoop(mode="project")
     endpoint = loop.bind("tcp://127.0.0.1:0")
@@ -355,7 +359,7 @@ def test_a_worker_runs_a_lone_node_directly_only_when_nobody_watches_and_nothing
             for failure in failures:
                 assert str(failure).splitlines()[0] == "node `boom` on `w1` raised ValueError: remote trouble"
                 assert (failure.node, failure.error, failure.host) == ("boom", "ValueError", "w1")
-                assert "raise ValueError(\"remote trouble\")" in failure.remote_traceback
+                assert 'raise ValueError("remote trouble")' in failure.remote_traceback
     finally:
         loop.stopping.set()
         serving.join(10)

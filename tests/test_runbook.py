@@ -26,14 +26,13 @@ import os
 import re
 import shutil
 import subprocess
-import sysconfig
 import sys
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from runbook_support import BASE_AT, MACHINES, PYTHON_AT, Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +72,10 @@ class Block:
 
 
 def runbook(page: str) -> list[Block]:
-    found = [Block(i + 1, lang, machine, bool(install), text)
-             for i, (lang, machine, install, text) in enumerate(BLOCK.findall(page))]
+    found = [
+        Block(i + 1, lang, machine, bool(install), text)
+        for i, (lang, machine, install, text) in enumerate(BLOCK.findall(page))
+    ]
     unknown = sorted({b.machine for b in found} - set(MACHINES))
     assert not unknown, f"the runbook names machines this test does not make: {unknown}"
     return found
@@ -95,8 +96,9 @@ def run_runbook(cluster: Cluster, blocks: list[Block]) -> list[str]:
         if done.returncode != 0:
             # what the units said (their journal) and the batch jobs (their output files)
             kept = [*sorted(cluster.root.glob("state/*/*.log")), *sorted(cluster.root.glob("work/*/*.out"))]
-            logs = "".join(f"\n--- {path.parent.name}/{path.name}:\n{path.read_text(errors='replace')[-2000:]}"
-                           for path in kept)
+            logs = "".join(
+                f"\n--- {path.parent.name}/{path.name}:\n{path.read_text(errors='replace')[-2000:]}" for path in kept
+            )
             pytest.fail(
                 f"{block.describe()} of {PAGE.name} failed with exit code {done.returncode}:\n"
                 f"{block.text}\n--- it said:\n{done.stdout[-3000:]}{done.stderr[-3000:]}{logs}",
@@ -130,7 +132,11 @@ def test_the_page_marks_a_runbook_for_every_machine():
     assert blocks[-1].language == "python" and blocks[-1].machine == "laptop"
     # the recipes the runbook installs are the repository's own
     text = "".join(b.text for b in blocks)
-    for recipe in ("brokers/somatize-broker.service", "workers/somatize-worker.service", "workers/somatize-workers.sbatch"):
+    for recipe in (
+        "brokers/somatize-broker.service",
+        "workers/somatize-worker.service",
+        "workers/somatize-workers.sbatch",
+    ):
         assert recipe in text, f"the runbook never uses {recipe}"
     # what the test puts in place of an install block is what the block installs
     for block in (b for b in blocks if b.install):
@@ -143,11 +149,20 @@ def test_the_runbook_runs_as_written(cluster):
     last = said[-1]
     print("\n" + last[-3000:])
     # the topology made the paths: the laptop has no route to gpu2, so its work was relayed
-    probe = cluster.run("laptop", ["python3", "-c", (
-        "import socket, sys\n"
-        "s = socket.socket(); s.settimeout(2)\n"
-        "try:\n    s.connect(('10.210.3.2', 7000)); print('connected')\n"
-        "except OSError as exc:\n    print(type(exc).__name__)\n")], timeout=30)
+    probe = cluster.run(
+        "laptop",
+        [
+            "python3",
+            "-c",
+            (
+                "import socket, sys\n"
+                "s = socket.socket(); s.settimeout(2)\n"
+                "try:\n    s.connect(('10.210.3.2', 7000)); print('connected')\n"
+                "except OSError as exc:\n    print(type(exc).__name__)\n"
+            ),
+        ],
+        timeout=30,
+    )
     assert "connected" not in probe.stdout
     assert "'host': 'gpu1'" in last and "'host': 'gpu2'" in last
     # the units still serve, nothing the page did ended them, and they run as the service

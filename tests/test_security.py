@@ -13,9 +13,9 @@ import time
 
 import pytest
 import zmq
-
 from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Count
+
 from somatize import BadKeys, Broker, Refused, Unreachable, Unwritable, Worker
 from somatize.codec import dumps
 from somatize.fabric import sockets
@@ -44,8 +44,17 @@ def keyring(tmp_path):
 
 def keyed_worker(processes, keyring, *extra):
     return processes(
-        [*WORKER, "--listen", "127.0.0.1:0", "--announce", "--key", str(keyring["worker_secret"]),
-         "--allow", str(keyring["allow"]), *extra],
+        [
+            *WORKER,
+            "--listen",
+            "127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(keyring["worker_secret"]),
+            "--allow",
+            str(keyring["allow"]),
+            *extra,
+        ],
         env=env_with_tests(),
     )
 
@@ -78,7 +87,9 @@ def test_a_worker_with_a_readable_secret_key_does_not_start(keyring):
     os.chmod(keyring["worker_secret"], 0o640)
     done = subprocess.run(
         [*WORKER, "--listen", "127.0.0.1:0", "--key", str(keyring["worker_secret"]), "--allow", str(keyring["allow"])],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert done.returncode == 2 and "chmod 600" in done.stderr
 
@@ -94,8 +105,18 @@ def test_keys_are_never_shown():
 def test_listening_beyond_loopback_needs_keys_or_insecure(keyring, processes):
     refused = subprocess.run([*WORKER, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=30)
     assert refused.returncode == 2 and "--key" in refused.stderr and "--insecure" in refused.stderr
-    keyed = processes([*WORKER, "--listen", "0.0.0.0:0", "--announce", "--key", str(keyring["worker_secret"]),
-                       "--allow", str(keyring["allow"])])
+    keyed = processes(
+        [
+            *WORKER,
+            "--listen",
+            "0.0.0.0:0",
+            "--announce",
+            "--key",
+            str(keyring["worker_secret"]),
+            "--allow",
+            str(keyring["allow"]),
+        ]
+    )
     assert keyed.endpoint.startswith("tcp://0.0.0.0:")
     loose = subprocess.Popen([*WORKER, "--listen", "0.0.0.0:0", "--insecure"], stderr=subprocess.PIPE, text=True)
     try:
@@ -107,8 +128,12 @@ def test_listening_beyond_loopback_needs_keys_or_insecure(keyring, processes):
 
 
 def test_the_broker_follows_the_same_rule():
-    done = subprocess.run([sys.executable, "-m", "somatize.broker", "--listen", "tcp://0.0.0.0:0"],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "somatize.broker", "--listen", "tcp://0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2 and "refusing to listen" in done.stderr
 
 
@@ -300,7 +325,10 @@ def test_a_gadget_pickle_in_the_store_never_runs_even_with_weights_only_forced_o
     env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
     done = subprocess.run(
         [sys.executable, str(script), str(sentinel), str(tmp_path / "store")],
-        capture_output=True, text=True, timeout=120, env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"

@@ -25,9 +25,9 @@ import pytest
 
 optuna = pytest.importorskip("optuna", reason="studies need Optuna: pip install 'somatize[study]'")
 
+from conftest import SETPRIV, env_with_tests  # noqa: E402
 from optuna.distributions import FloatDistribution  # noqa: E402
 
-from conftest import SETPRIV, env_with_tests  # noqa: E402
 from somatize import FolderStore, folders  # noqa: E402
 from somatize.errors import Missing, StoreError  # noqa: E402
 from somatize.record import best, trials  # noqa: E402
@@ -38,7 +38,7 @@ X = {"x": FloatDistribution(-5.0, 5.0)}
 
 # The writer: the store's file format by hand (header, CRC, record), written to a temp file
 # and renamed into place as a runner would; links and FIFOs as `nobody` makes them.
-WRITER = r'''
+WRITER = r"""
 import json, os, sys, zlib
 for op, path, *rest in json.loads(sys.stdin.read()):
     if op == "record":
@@ -59,7 +59,7 @@ for op, path, *rest in json.loads(sys.stdin.read()):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.mkfifo(path)
 print("planted")
-'''
+"""
 
 
 class Gadget:
@@ -86,8 +86,14 @@ def plant(python_for_nobody):
     """Run the writer as `nobody` with a list of operations."""
 
     def run(*ops) -> None:
-        done = subprocess.run([*SETPRIV, python_for_nobody, "-c", WRITER], input=json.dumps(ops),
-                              capture_output=True, text=True, cwd="/", timeout=30)
+        done = subprocess.run(
+            [*SETPRIV, python_for_nobody, "-c", WRITER],
+            input=json.dumps(ops),
+            capture_output=True,
+            text=True,
+            cwd="/",
+            timeout=30,
+        )
         assert done.returncode == 0 and done.stdout == "planted\n", done.stderr
 
     return run
@@ -104,13 +110,25 @@ def runner(store: FolderStore, study: str, *extra: str) -> subprocess.CompletedP
     """A real runner, to its end: every trial finished, or an error."""
     return subprocess.run(
         [sys.executable, "-m", "somatize", "study", "--store", str(store.path), study, *extra],
-        capture_output=True, text=True, timeout=120, env=env_with_tests(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_with_tests(),
     )
 
 
 def attempt_record(x: float, **fields: str) -> dict[str, str]:
-    record = {"trial": "0", "attempt": "0", "config": json.dumps({"x": x}), "state": "done",
-              "score": repr((x - 2.0) ** 2), "took_us": "5", "runner": "nobody", "error": "", "facts": "0"}
+    record = {
+        "trial": "0",
+        "attempt": "0",
+        "config": json.dumps({"x": x}),
+        "state": "done",
+        "score": repr((x - 2.0) ** 2),
+        "took_us": "5",
+        "runner": "nobody",
+        "error": "",
+        "facts": "0",
+    }
     record.update(fields)
     return record
 
@@ -134,10 +152,13 @@ def test_a_pickle_planted_in_a_trials_record_never_runs_in_a_runner(shared, plan
     sentinel = tmp_path / "pwned-by-nobody"  # a folder only this user may write in
     gadget = pickle.dumps(Gadget(str(sentinel))).hex()
     switched = {**{k: v for k, v in study._definition.record().items()}, "sampler": "cmaes"}
-    planted = attempt_record(1.0, sampler_attrs=json.dumps(
-        {"trial": {"cma:optimizer:0": gadget, "cma:generation": 0}, "study": {}}))
-    plant(["record", str(store.path / "cma" / "study.rec"), switched],
-          ["record", str(store.path / "cma" / "trial" / "000000" / "000.rec"), planted])
+    planted = attempt_record(
+        1.0, sampler_attrs=json.dumps({"trial": {"cma:optimizer:0": gadget, "cma:generation": 0}, "study": {}})
+    )
+    plant(
+        ["record", str(store.path / "cma" / "study.rec"), switched],
+        ["record", str(store.path / "cma" / "trial" / "000000" / "000.rec"), planted],
+    )
 
     ran = runner(store, "cma")  # a runner that takes the definition as it is: CMA-ES
     assert not sentinel.exists()
@@ -183,16 +204,24 @@ def test_a_link_planted_in_a_study_folder_is_never_followed(shared, plant, tmp_p
     secret.mkdir(mode=0o700)
     (secret / "000.rec").write_bytes((store.path / "linked" / "study.rec").read_bytes())  # looks like an entry
     trial = store.path / "linked" / "trial"
-    plant(["link", str(trial / "000000"), str(secret)],
-          ["link", str(trial / "000001" / "000.rec"), str(secret / "000.rec")])
+    plant(
+        ["link", str(trial / "000000"), str(secret)],
+        ["link", str(trial / "000001" / "000.rec"), str(secret / "000.rec")],
+    )
 
     ran = runner(store, "linked")
     assert ran.returncode == 0, ran.stderr
     assert sorted(p.name for p in secret.iterdir()) == ["000.rec"]  # nothing written through the link
     for name in ("trial/000000", "trial/000001/000.rec"):
-        told = [line for line in ran.stderr.splitlines() if line.endswith(f"/linked/{name} is a symbolic link, "
+        told = [
+            line
+            for line in ran.stderr.splitlines()
+            if line.endswith(
+                f"/linked/{name} is a symbolic link, "
                 "and a store never follows links; someone who may write this folder made it: remove it, "
-                "and check who else may write there; it is left out.")]
+                "and check who else may write there; it is left out."
+            )
+        ]
         assert len(told) == 1, ran.stderr  # once, however often the runner scanned
     assert [row["trial"] for row in trials(store, "linked")] == [2]
     shown = runner(store, "linked", "--show")
@@ -246,9 +275,11 @@ def test_malformed_records_are_left_out_and_stop_no_runner_and_no_reader(shared,
         4: {"score": "lots"},
         5: {"intermediate": "[[1, 2.0]]", "sampler_attrs": '{"trial": ' + '{"a": ' * 100 + "0" + "}" * 101},
     }
-    plant(*[["record", str(trial / f"{n:06d}" / "000.rec"), attempt_record(0.5, **fields)] for n, fields in bad.items()],
-          ["fifo", str(trial / "000006" / "000.rec")],
-          ["raw", str(trial / "000007" / "000.rec"), b"SMZS1 not a header at all".hex()])
+    plant(
+        *[["record", str(trial / f"{n:06d}" / "000.rec"), attempt_record(0.5, **fields)] for n, fields in bad.items()],
+        ["fifo", str(trial / "000006" / "000.rec")],
+        ["raw", str(trial / "000007" / "000.rec"), b"SMZS1 not a header at all".hex()],
+    )
 
     ran = runner(store, "junk")
     assert ran.returncode == 0, ran.stderr
@@ -268,8 +299,10 @@ def test_show_prints_no_escape_sequence_a_record_holds(shared):
     escape sequence there could clear a reader's screen or retitle the terminal."""
     store = FolderStore(shared)
     Study(store, "ansi", objective="study_objectives:quadratic", space=X, trials=1)
-    store.put("ansi/trial/000000/000", attempt_record(1.0, runner="\x1b]0;owned\x07r1\x1b[2J",
-                                                       state="failed", score="", error="boom\x1b[31m red"))
+    store.put(
+        "ansi/trial/000000/000",
+        attempt_record(1.0, runner="\x1b]0;owned\x07r1\x1b[2J", state="failed", score="", error="boom\x1b[31m red"),
+    )
     shown = runner(store, "ansi", "--show")
     assert shown.returncode == 0, shown.stderr
     assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout

@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from computing_nodes import Counted
 from shared_names_support import KINDS, descriptors, open_to_others, plant, plant_args
+
 from somatize import FolderStore, folders
 from somatize.errors import Missing, StoreError
 from somatize.folders import Blocked
@@ -45,7 +45,9 @@ def elsewhere(tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_name_held_by_anything_else_reads_as_missing_and_leaks_nothing(shared, elsewhere, python_for_nobody, kind, capfd):
+def test_a_name_held_by_anything_else_reads_as_missing_and_leaks_nothing(
+    shared, elsewhere, python_for_nobody, kind, capfd
+):
     store = FolderStore(shared)
     store.put("run/a/0", {"v": "0"}, b"blob")
     open_to_others(store.path, store.path / "run", store.path / "run" / "a")
@@ -86,8 +88,11 @@ def test_a_name_held_where_a_folder_belongs_blocks_what_is_below_it(shared, else
     store = FolderStore(shared)
     store.put("run/a/0", {"v": "0"})
     open_to_others(store.path, store.path / "run")
-    args = ["file", str(store.path / "run" / "b"), b"not a folder".hex()] if kind == "file" else \
-        plant_args(kind, store.path / "run" / "b", elsewhere.path)
+    args = (
+        ["file", str(store.path / "run" / "b"), b"not a folder".hex()]
+        if kind == "file"
+        else plant_args(kind, store.path / "run" / "b", elsewhere.path)
+    )
     plant(python_for_nobody, args)
     folders.forget_told()
     before = descriptors()
@@ -151,8 +156,10 @@ def test_a_folder_full_of_planted_names_says_a_burst_of_lines_not_one_each(share
     store = FolderStore(shared)
     store.put("run/0", {"v": "0"})
     open_to_others(store.path, store.path / "run")
-    plant(python_for_nobody, *[plant_args("link-file", store.path / "run" / f"{n}.rec", elsewhere.path)
-                               for n in range(1, 200)])
+    plant(
+        python_for_nobody,
+        *[plant_args("link-file", store.path / "run" / f"{n}.rec", elsewhere.path) for n in range(1, 200)],
+    )
     folders.forget_told()
     capfd.readouterr()
     for _ in range(3):

@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from computing_nodes import Counted
 from conftest import env_with_tests
 from reliability_support import wait_until
 from shared_names_support import open_to_others, plant, plant_args, planting
+
 from somatize import FolderStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,9 +61,13 @@ def shared():
 
 
 def forward(folder: Path, tally: Path, gate: Path, logs: Path, name: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", FORWARD, str(folder), str(tally), str(gate), str(PATIENCE)],
-                            stdout=subprocess.PIPE, stderr=(logs / f"{name}.err").open("w"), text=True,
-                            env=env_with_tests())
+    return subprocess.Popen(
+        [sys.executable, "-c", FORWARD, str(folder), str(tally), str(gate), str(PATIENCE)],
+        stdout=subprocess.PIPE,
+        stderr=(logs / f"{name}.err").open("w"),
+        text=True,
+        env=env_with_tests(),
+    )
 
 
 def said(process: subprocess.Popen) -> dict:
@@ -77,7 +81,8 @@ def key_of(tally: Path, gate: Path, probe: Path) -> str:
     facts: list = []
     gate.touch()
     Counted(str(tally), 60, str(gate)).named("prefix").frozen().cached().forward(
-        10, store=FolderStore(probe), watching=facts.append)
+        10, store=FolderStore(probe), watching=facts.append
+    )
     tally.unlink()
     return next(f["key"] for f in facts if f["fact"] == "kept")
 
@@ -100,8 +105,10 @@ def test_a_judge_planted_by_a_writer_makes_a_waiter_recall_not_raise(shared, tmp
     store = FolderStore(shared)
     open_to_others(store.path, store.path / "computing")
     where = store.path / "computing" / "judge"
-    plant(python_for_nobody, ["file", str(where), b"mine".hex()] if judge == "file" else
-          plant_args(judge, where, tmp_path / "theirs"))
+    plant(
+        python_for_nobody,
+        ["file", str(where), b"mine".hex()] if judge == "file" else plant_args(judge, where, tmp_path / "theirs"),
+    )
     tally, gate = tmp_path / "tally", tmp_path / "gate"
     claimer = forward(store.path, tally, gate, tmp_path, "claimer")
     waiter = None
@@ -150,7 +157,9 @@ def test_a_dead_claimer_is_taken_over_when_the_judge_is_blocked(shared, tmp_path
 
 
 @pytest.mark.parametrize("kind", ["link-file", "link-folder", "link-nowhere", "folder", "socket"])
-def test_a_claim_planted_as_anything_else_is_nobody_s_and_the_forward_computes(shared, tmp_path, python_for_nobody, kind):
+def test_a_claim_planted_as_anything_else_is_nobody_s_and_the_forward_computes(
+    shared, tmp_path, python_for_nobody, kind
+):
     """Attack: a link where a claim belongs. `create` said taken, every read said missing, and
     the waiter went round without a pause, 400-790 writes a second, for an hour. Now the
     claim's name is blocked: the forward computes at once, follows nothing, removes nothing."""
@@ -178,9 +187,11 @@ def test_claims_kept_fresh_by_a_writer_bound_a_forward_s_waits_together(shared, 
     with ``deadline=6`` waited half its deadline for each in turn, 9.2 s, then raised
     ``Overdue``. Now its waits end together at half its deadline; then it computes all three."""
     tallies = [tmp_path / f"tally-{n}" for n in "abc"]
-    graph = (Counted(str(tallies[0]), 0.0).named("a").frozen().cached()
-             >> Counted(str(tallies[1]), 0.0).named("b").frozen().cached()
-             >> Counted(str(tallies[2]), 0.0).named("c").frozen().cached())
+    graph = (
+        Counted(str(tallies[0]), 0.0).named("a").frozen().cached()
+        >> Counted(str(tallies[1]), 0.0).named("b").frozen().cached()
+        >> Counted(str(tallies[2]), 0.0).named("c").frozen().cached()
+    )
     facts: list = []
     assert graph.forward(10, store=FolderStore(tmp_path / "probe"), watching=facts.append) == 80
     keys = [f["key"] for f in facts if f["fact"] == "kept"]

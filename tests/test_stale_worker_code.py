@@ -104,7 +104,12 @@ def start_worker(processes, folder: Path):
 def client(worker, folder: Path, store: Path, *jobs: dict) -> list[dict]:
     done = subprocess.run(
         [sys.executable, "-c", CLIENT, worker.endpoint, str(store), str(folder), json.dumps(list(jobs))],
-        check=False, capture_output=True, text=True, timeout=120, env=quiet_env(), cwd=str(folder.parent),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=quiet_env(),
+        cwd=str(folder.parent),
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -147,7 +152,9 @@ def test_a_version_names_the_key_and_the_worker_still_has_to_run_the_clients_cod
 
     write_node(project, 2)
     recalled, same_version, bumped = client(
-        worker, project, store,
+        worker,
+        project,
+        store,
         {"x": 10, "cached": True, "version": "v1"},  # the key the user kept on purpose: recalled
         {"x": 20, "cached": True, "version": "v1"},  # not in the store: to the stale worker
         {"x": 10, "cached": True, "version": "v2"},
@@ -171,7 +178,9 @@ def test_the_catalog_refuses_other_code_before_building_and_compares_on_every_bu
     assert spec.code == code_digest(Add)
     catalog = Catalog("project")
     other = dataclasses.replace(spec, code="code:" + "0" * 32)
-    with pytest.raises(Refused, match=r"`add` is `packing_nodes:Add`, and this worker's code for that class is not the client's"):
+    with pytest.raises(
+        Refused, match=r"`add` is `packing_nodes:Add`, and this worker's code for that class is not the client's"
+    ):
         catalog.build(other)
     assert catalog.build(spec).forward(1) == 3
     with pytest.raises(Refused, match=r"imported `packing_nodes` before its file was edited \(restart the worker\)"):

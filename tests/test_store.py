@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import somatize.store
-from somatize.errors import BadName, Missing, StoreError
 from somatize import folders
+from somatize.errors import BadName, Missing, StoreError
 from somatize.store import ClaimingStore, FolderStore, Store
 
 # Child processes import somatize from wherever this process did.
@@ -617,7 +617,9 @@ def test_create_writes_only_when_nothing_is_there(tmp_path: Path) -> None:
 def test_a_three_verb_store_is_a_store_but_cannot_claim() -> None:
     class Plain:
         def put(self, name, record, blob=None): ...
-        def scan(self, prefix): return iter(())
+        def scan(self, prefix):
+            return iter(())
+
         def fetch(self, name): ...
 
     assert isinstance(Plain(), Store) and not isinstance(Plain(), ClaimingStore)
@@ -679,8 +681,11 @@ def test_names_lists_what_a_scan_finds_without_opening_an_entry(tmp_path):
         store.put(f"run/a/{n}", {"n": str(n)})
     store.put("run/ab/1", {"n": "x"})
     os.symlink(tmp_path / "s" / "run" / "a" / "1.rec", tmp_path / "s" / "run" / "a" / "7.rec")
-    assert store.names("run/a/") == [name for name, _ in store.scan("run/a/")] == [
-        "run/a/1", "run/a/10", "run/a/2", "run/a/3"]
+    assert (
+        store.names("run/a/")
+        == [name for name, _ in store.scan("run/a/")]
+        == ["run/a/1", "run/a/10", "run/a/2", "run/a/3"]
+    )
     assert store.names("run/a") == ["run/a/1", "run/a/10", "run/a/2", "run/a/3", "run/ab/1"]
     (tmp_path / "s" / "run" / "a" / "2.rec").write_bytes(b"not an entry")
     assert "run/a/2" in store.names("run/a/") and "run/a/2" not in dict(store.scan("run/a/"))

@@ -21,10 +21,10 @@ import pytest
 
 optuna = pytest.importorskip("optuna", reason="studies need Optuna: pip install 'somatize[study]'")
 
-from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution  # noqa: E402
-
 import study_objectives  # noqa: E402
 from conftest import TESTS, env_with_tests  # noqa: E402
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution  # noqa: E402
+
 from somatize import FolderStore, SomatizeError  # noqa: E402
 from somatize.errors import Missing  # noqa: E402
 from somatize.study import Study, StudyMismatch  # noqa: E402
@@ -81,9 +81,7 @@ def counted(store: FolderStore, name: str) -> dict[int, dict[str, str]]:
 
 
 def record_of(store: FolderStore, name: str, number: int, attempt: int) -> dict[str, str] | None:
-    return dict(store.scan(f"{name}/trial/{number:06d}/{attempt:03d}")).get(
-        f"{name}/trial/{number:06d}/{attempt:03d}"
-    )
+    return dict(store.scan(f"{name}/trial/{number:06d}/{attempt:03d}")).get(f"{name}/trial/{number:06d}/{attempt:03d}")
 
 
 @pytest.fixture
@@ -243,7 +241,14 @@ def test_a_runner_told_to_stop_hands_its_trial_over_at_once(folder, start):
 
 def test_trials_share_a_cached_frozen_embed_across_runners(folder, start, tmp_path):
     store = FolderStore(folder)
-    Study(store, "shared", objective="study_objectives:shares_embed", space={"scale": FloatDistribution(0.5, 2.0)}, trials=8, patience=2)
+    Study(
+        store,
+        "shared",
+        objective="study_objectives:shares_embed",
+        space={"scale": FloatDistribution(0.5, 2.0)},
+        trials=8,
+        patience=2,
+    )
     a, b = start("shared", "a"), start("shared", "b")
     assert finished(a) == 0, a.stderr()
     assert finished(b) == 0, b.stderr()
@@ -253,13 +258,11 @@ def test_trials_share_a_cached_frozen_embed_across_runners(folder, start, tmp_pa
     for r in results.values():  # 1 + 2 + 3 + 4 letters, scaled
         assert float(r["score"]) == pytest.approx(10 * json.loads(r["config"])["scale"])
     runs = (tmp_path / "log.txt").read_text().split()
-    embeds = [pid for word, pid in zip(runs[::2], runs[1::2]) if word == "embed"]
+    embeds = [pid for word, pid in zip(runs[::2], runs[1::2], strict=False) if word == "embed"]
     assert 1 <= len(embeds) <= 2 and len(set(embeds)) == len(embeds)  # at most once per runner
     # what each trial's graph did is in its attempt's blob
     facts = [
-        json.loads(line)
-        for n in results
-        for line in store.fetch(f"shared/trial/{n:06d}/000").decode().splitlines()
+        json.loads(line) for n in results for line in store.fetch(f"shared/trial/{n:06d}/000").decode().splitlines()
     ]
     recalled = [f for f in facts if f["fact"] == "recalled" and f.get("node") == "embed"]
     ran = [f for f in facts if f["fact"] == "ran" and f.get("node") == "embed"]
@@ -287,8 +290,7 @@ def test_the_sbatch_array_runs_one_runner_per_task(folder, processes, env, tmp_p
     env = dict(env, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", SOMATIZE_PYTHON=sys.executable)
     env.update(SOMATIZE_STORE=str(folder), SOMATIZE_STUDY="slurm")
     tasks = [
-        processes(["bash", str(SBATCH)], env=dict(env, SLURM_ARRAY_TASK_ID=str(i)), announce=None)
-        for i in range(2)
+        processes(["bash", str(SBATCH)], env=dict(env, SLURM_ARRAY_TASK_ID=str(i)), announce=None) for i in range(2)
     ]
     for task in tasks:
         assert finished(task) == 0, task.stderr()
@@ -340,8 +342,16 @@ class CountingStore:
 def test_an_attempt_nobody_writes_is_taken_over_then_the_trial_fails_past_attempts(folder):
     store = FolderStore(folder)
     # a ghost: an attempt claimed by a runner that never wrote again
-    ghost = {"trial": "0", "attempt": "0", "config": json.dumps({"x": 1.5}), "state": "running",
-             "score": "", "took_us": "0", "runner": "ghost", "error": ""}
+    ghost = {
+        "trial": "0",
+        "attempt": "0",
+        "config": json.dumps({"x": 1.5}),
+        "state": "running",
+        "score": "",
+        "took_us": "0",
+        "runner": "ghost",
+        "error": "",
+    }
     store.create("again/trial/000000/000", ghost)
     study = Study(store, "again", objective="study_objectives:quadratic", space=X, trials=1, attempts=2, patience=0.3)
     assert study.run(runner="here") == {"done": 1, "failed": 0, "pruned": 0, "superseded": 0}
@@ -366,8 +376,16 @@ def test_a_history_of_a_thousand_trials_is_rebuilt_with_one_scan_and_no_fetch(fo
         x = -5.0 + n / 100
         store.put(
             f"big/trial/{n:06d}/000",
-            {"trial": str(n), "attempt": "0", "config": json.dumps({"x": x}), "state": "done",
-             "score": repr((x - 2.0) ** 2), "took_us": "10", "runner": "elsewhere", "error": ""},
+            {
+                "trial": str(n),
+                "attempt": "0",
+                "config": json.dumps({"x": x}),
+                "state": "done",
+                "score": repr((x - 2.0) ** 2),
+                "took_us": "10",
+                "runner": "elsewhere",
+                "error": "",
+            },
             b'{"fact": "said"}\n',
         )
     counting = CountingStore(store)
@@ -395,8 +413,14 @@ def test_a_different_definition_under_the_same_name_is_refused(folder):
     assert again.objective == first.objective == "study_objectives:quadratic"
     assert Study.open(store, "sweep").trials == 5
     with pytest.raises(StudyMismatch) as refused:
-        Study(store, "sweep", objective="study_objectives:quadratic", trials=6, sampler="random",
-              space={"x": FloatDistribution(-1.0, 1.0), "y": IntDistribution(0, 3)})
+        Study(
+            store,
+            "sweep",
+            objective="study_objectives:quadratic",
+            trials=6,
+            sampler="random",
+            space={"x": FloatDistribution(-1.0, 1.0), "y": IntDistribution(0, 3)},
+        )
     text = str(refused.value)
     assert "'sweep'" in text and "Study.open(store, 'sweep')" in text
     assert "trials is 5 there and 6 here" in text and "sampler is 'tpe' there and 'random' here" in text
@@ -465,8 +489,15 @@ def test_a_failing_objective_is_failed_and_not_retried(folder):
 
 def test_a_pruner_stops_trials_on_what_they_say(folder):
     store = FolderStore(folder)
-    study = Study(store, "pruned", objective="study_objectives:with_curve", space={"x": FloatDistribution(0.0, 1.0)},
-                  trials=12, sampler="random", pruner="median")
+    study = Study(
+        store,
+        "pruned",
+        objective="study_objectives:with_curve",
+        space={"x": FloatDistribution(0.0, 1.0)},
+        trials=12,
+        sampler="random",
+        pruner="median",
+    )
     counts = study.run()
     assert counts["pruned"] > 0 and counts["done"] > 0 and counts["done"] + counts["pruned"] == 12
     for record in counted(store, "pruned").values():
@@ -499,14 +530,20 @@ def test_watch_says_how_far_a_study_is_until_it_ends(folder, start):
     runner = start("watched", "a")
     watching = subprocess.run(
         [sys.executable, "-m", "somatize", "study", "--store", str(folder), "watched", "--watch", "0.1"],
-        capture_output=True, text=True, timeout=60, env=env_with_tests(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_with_tests(),
     )
     assert finished(runner) == 0, runner.stderr()
     assert watching.returncode == 0, watching.stderr
     said = watching.stdout.splitlines()
     assert all(line.startswith("study 'watched': ") for line in said)
     best = min((r for r in counted(store, "watched").values()), key=lambda r: float(r["score"]))
-    assert said[-1] == f"study 'watched': 10/10 finished (10 done); best {float(best['score']):.6g} (trial {best['trial']})"
+    assert (
+        said[-1]
+        == f"study 'watched': 10/10 finished (10 done); best {float(best['score']):.6g} (trial {best['trial']})"
+    )
     counts = [int(re.match(r"study 'watched': (\d+)/10", line).group(1)) for line in said]
     assert counts == sorted(counts)  # never backwards
     assert study_main(["--store", str(folder), "watched", "--watch", "0"]) == 2
@@ -522,8 +559,10 @@ def test_watch_on_a_terminal_draws_one_line_in_place(tmp_path):
             return True
 
     seen = Seen(40, {"done": 10, "failed": 2, "running": 3}, (0.0123, 7))
-    assert line("tune", seen, 2.1) == ("study 'tune': 12/40 finished (10 done, 2 failed), 3 running; "
-                                       "best 0.0123 (trial 7); 2.1 trials/s, about 13 s left")
+    assert line("tune", seen, 2.1) == (
+        "study 'tune': 12/40 finished (10 done, 2 failed), 3 running; "
+        "best 0.0123 (trial 7); 2.1 trials/s, about 13 s left"
+    )
     assert line("tune", seen, None).endswith("; time left not known yet")
     store = FolderStore(tmp_path / "ended")
     study = Study(store, "ended", objective="study_objectives:quadratic", space=X, trials=3, sampler="random")
@@ -555,6 +594,9 @@ def test_show_prints_the_trials(folder, capsys):
     assert not list(store.scan("elsewhere/trial/"))  # nothing claimed
     done = subprocess.run(
         [sys.executable, "-m", "somatize", "study", "--store", str(folder), "shown", "--show"],
-        capture_output=True, text=True, timeout=60, env=env_with_tests(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_with_tests(),
     )
     assert done.returncode == 0 and done.stdout == shown

@@ -82,8 +82,15 @@ class Counting(FolderStore):
 
 @pytest.mark.timeout(600)
 def test_the_last_claims_of_2000_trials_cost_what_the_first_ones_did(tmp_path):
-    Study(FolderStore(tmp_path / "store"), "long", objective=instant, space=X, trials=TRIALS, sampler="random",
-          patience=30)
+    Study(
+        FolderStore(tmp_path / "store"),
+        "long",
+        objective=instant,
+        space=X,
+        trials=TRIALS,
+        sampler="random",
+        patience=30,
+    )
     stores = [Counting(tmp_path / "store") for _ in range(2)]
     ended: list[object] = []
 

@@ -27,9 +27,9 @@ import pytest
 
 optuna = pytest.importorskip("optuna", reason="studies need Optuna: pip install 'somatize[study]'")
 
+from conftest import SETPRIV, env_with_tests  # noqa: E402
 from optuna.distributions import FloatDistribution  # noqa: E402
 
-from conftest import SETPRIV, env_with_tests  # noqa: E402
 from somatize import FolderStore  # noqa: E402
 from somatize.study import Study  # noqa: E402
 
@@ -38,7 +38,7 @@ RUN_FOR = 60  # seconds a runner may take at most, under load; on main these ran
 
 # The writer, as `nobody`: the store's file format by hand (header, CRC, record), and the
 # things no store writes: an empty file, a folder, links, a FIFO, a socket.
-PLANTER = r'''
+PLANTER = r"""
 import json, os, socket, sys, zlib
 for op, path, *rest in json.loads(sys.stdin.read()):
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -62,7 +62,7 @@ for op, path, *rest in json.loads(sys.stdin.read()):
     elif op == "socket":
         socket.socket(socket.AF_UNIX).bind(path)
 print("planted")
-'''
+"""
 
 # What a writer may put at an attempt's name, as the planter makes it.
 HOLDERS = {
@@ -88,8 +88,14 @@ def shared():
 @pytest.fixture
 def plant(python_for_nobody):
     def run(*ops) -> None:
-        done = subprocess.run([*SETPRIV, python_for_nobody, "-c", PLANTER], input=json.dumps(ops),
-                              capture_output=True, text=True, cwd="/", timeout=30)
+        done = subprocess.run(
+            [*SETPRIV, python_for_nobody, "-c", PLANTER],
+            input=json.dumps(ops),
+            capture_output=True,
+            text=True,
+            cwd="/",
+            timeout=30,
+        )
         assert done.returncode == 0 and done.stdout == "planted\n", done.stderr
 
     return run
@@ -111,16 +117,33 @@ def command(store: FolderStore, study: str, *extra: str) -> list[str]:
 def finish(store: FolderStore, study: str, *extra: str) -> subprocess.CompletedProcess:
     """A real runner (or `--watch`, `--show`), to its end; a failure if it runs for ever."""
     try:
-        return subprocess.run(command(store, study, *extra), capture_output=True, text=True, timeout=RUN_FOR,
-                              env=env_with_tests(), preexec_fn=lambda: os.umask(0))
+        return subprocess.run(
+            command(store, study, *extra),
+            capture_output=True,
+            text=True,
+            timeout=RUN_FOR,
+            env=env_with_tests(),
+            preexec_fn=lambda: os.umask(0),
+        )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"`{' '.join(command(store, study, *extra)[2:])}` was still running after {RUN_FOR} s "
-                    f"(stderr: {(exc.stderr or b'')[-600:]!r})")
+        pytest.fail(
+            f"`{' '.join(command(store, study, *extra)[2:])}` was still running after {RUN_FOR} s "
+            f"(stderr: {(exc.stderr or b'')[-600:]!r})"
+        )
 
 
 def attempt_record(number: int, attempt: int, state: str, x: float = 0.5) -> dict[str, str]:
-    return {"trial": str(number), "attempt": str(attempt), "config": json.dumps({"x": x}), "state": state,
-            "score": "", "took_us": "5", "runner": "gone", "error": "", "facts": "0"}
+    return {
+        "trial": str(number),
+        "attempt": str(attempt),
+        "config": json.dumps({"x": x}),
+        "state": state,
+        "score": "",
+        "took_us": "5",
+        "runner": "gone",
+        "error": "",
+        "facts": "0",
+    }
 
 
 def counted(store: FolderStore, study: str) -> dict[int, tuple[int, dict[str, str]]]:
@@ -151,18 +174,29 @@ def test_a_file_at_the_judge_folder_stops_none_of_an_array_of_runners(shared, pl
     store = FolderStore(shared)
     Study(store, "judged", objective="study_objectives:quadratic", space=X, trials=6, sampler="random", patience=1.0)
     folder = opened(store, "judged")
-    plant(["record", str(folder / "trial" / "000000" / "000.rec"), attempt_record(0, 0, "running")],
-          ["file", str(folder / "judge")])
+    plant(
+        ["record", str(folder / "trial" / "000000" / "000.rec"), attempt_record(0, 0, "running")],
+        ["file", str(folder / "judge")],
+    )
 
-    runners = [subprocess.Popen(command(store, "judged"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env_with_tests(), preexec_fn=lambda: os.umask(0)) for _ in range(3)]
+    runners = [
+        subprocess.Popen(
+            command(store, "judged"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_with_tests(),
+            preexec_fn=lambda: os.umask(0),
+        )
+        for _ in range(3)
+    ]
     try:
         ended = [runner.communicate(timeout=RUN_FOR) for runner in runners]
     finally:
         for runner in runners:
             runner.kill()
             runner.wait()
-    for runner, (_, err) in zip(runners, ended):
+    for runner, (_, err) in zip(runners, ended, strict=False):
         assert runner.returncode == 0, err
     results = counted(store, "judged")
     assert sorted(results) == list(range(6)) and all(record["state"] == "done" for _, record in results.values())
@@ -182,8 +216,14 @@ def test_a_runner_waiting_for_a_dead_trial_with_its_judge_blocked_does_not_spin(
     plant(["record", str(folder / "trial" / "000000" / "000.rec"), attempt_record(0, 0, "running")])
     os.utime(folder / "trial" / "000000" / "000.rec")
 
-    runner = subprocess.Popen(command(store, "paced"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env_with_tests(), preexec_fn=lambda: os.umask(0))
+    runner = subprocess.Popen(
+        command(store, "paced"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with_tests(),
+        preexec_fn=lambda: os.umask(0),
+    )
     try:
         lines, marks = [], []
         for line in runner.stdout:  # (a runner that stopped or hung ends the test by its timeout)
@@ -212,9 +252,13 @@ def test_something_at_a_trials_folder_blocks_that_trial_alone(shared, plant, hel
     store = FolderStore(shared)
     Study(store, "held", objective="study_objectives:quadratic", space=X, trials=4, sampler="random")
     folder = opened(store, "held")
-    plant({"file": ["file", str(folder / "trial" / "000001")],
-           "link": ["link", str(folder / "trial" / "000001"), "/tmp"],
-           "folder": ["folder", str(folder / "trial" / "000001" / "000.rec")]}[held])
+    plant(
+        {
+            "file": ["file", str(folder / "trial" / "000001")],
+            "link": ["link", str(folder / "trial" / "000001"), "/tmp"],
+            "folder": ["folder", str(folder / "trial" / "000001" / "000.rec")],
+        }[held]
+    )
 
     ran = finish(store, "held")
     assert ran.returncode == 0, ran.stderr
@@ -238,7 +282,10 @@ def test_an_abandoned_attempt_whose_next_name_is_held_is_taken_over_as_the_one_a
     Study(store, "next", objective="study_objectives:quadratic", space=X, trials=3, sampler="random", attempts=3)
     trial = opened(store, "next") / "trial" / "000001"
     op, *rest = HOLDERS[holder]
-    plant(["record", str(trial / "000.rec"), attempt_record(1, 0, "abandoned", x=1.0)], [op, str(trial / "001.rec"), *rest])
+    plant(
+        ["record", str(trial / "000.rec"), attempt_record(1, 0, "abandoned", x=1.0)],
+        [op, str(trial / "001.rec"), *rest],
+    )
 
     ran = finish(store, "next")
     assert ran.returncode == 0, ran.stderr
@@ -254,8 +301,11 @@ def test_a_trial_whose_every_later_name_is_held_is_blocked_and_ends_everything(s
     store = FolderStore(shared)
     Study(store, "stuck", objective="study_objectives:quadratic", space=X, trials=3, sampler="random", attempts=2)
     trial = opened(store, "stuck") / "trial" / "000002"
-    plant(["record", str(trial / "000.rec"), attempt_record(2, 0, "abandoned")],
-          ["folder", str(trial / "001.rec")], ["fifo", str(trial / "002.rec")])
+    plant(
+        ["record", str(trial / "000.rec"), attempt_record(2, 0, "abandoned")],
+        ["folder", str(trial / "001.rec")],
+        ["fifo", str(trial / "002.rec")],
+    )
 
     for _ in range(2):  # a second runner, started after, finds it as blocked as the first did
         ran = finish(store, "stuck")
@@ -278,8 +328,14 @@ def test_a_folder_planted_at_a_running_attempts_fence_neither_stops_nor_traps_it
     trial = opened(store, "fenced") / "trial" / "000000"
     ready, go = tmp_path / "ready", tmp_path / "go"
     env = {**env_with_tests(), "PLANTED_READY": str(ready), "PLANTED_GO": str(go)}
-    runner = subprocess.Popen(command(store, "fenced"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env, preexec_fn=lambda: os.umask(0))
+    runner = subprocess.Popen(
+        command(store, "fenced"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: os.umask(0),
+    )
     try:
         until = time.monotonic() + RUN_FOR
         while not ready.exists() and runner.poll() is None and time.monotonic() < until:
@@ -307,8 +363,14 @@ def test_a_folder_put_where_a_running_attempts_own_entry_was_stops_only_that_att
     trial = opened(store, "moved") / "trial" / "000000"
     ready, go = tmp_path / "ready", tmp_path / "go"
     env = {**env_with_tests(), "PLANTED_READY": str(ready), "PLANTED_GO": str(go)}
-    runner = subprocess.Popen(command(store, "moved"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env, preexec_fn=lambda: os.umask(0))
+    runner = subprocess.Popen(
+        command(store, "moved"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: os.umask(0),
+    )
     try:
         until = time.monotonic() + RUN_FOR
         while not ready.exists() and runner.poll() is None and time.monotonic() < until:

@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add
+from reliability_support import wait_until
+
 from somatize import Broker, Busy, Node, NodeFailed, Overdue, Worker
 from somatize.fabric import sockets
 from somatize.packing import Packer
 from somatize.wire import Failed, Hello, NodeSpec, Ready, Recipe, Refusal, Runtime, Saw, Work, decode, encode
-from reliability_support import wait_until
 
 
 class Exits(Node):
@@ -163,14 +163,16 @@ def test_sys_exit_in_a_node_fails_the_work_and_the_worker_serves_on(processes, h
 
 def test_a_module_planted_in_the_working_directory_is_not_imported(processes, tmp_path):
     marker = tmp_path / "imported"
-    (tmp_path / "planted_nodes.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "planted_nodes.py").write_text(
+        textwrap.dedent(f"""
         from pathlib import Path
         Path({str(marker)!r}).write_text("ran as the worker")
         from somatize import Node
         class Planted(Node):
             def forward(self, x):
                 return x
-    """))
+    """)
+    )
     in_there = ["sh", "-c", 'cd "$0" && exec "$@"', str(tmp_path)]
     worker = processes([*in_there, *WORKER, "--listen", "127.0.0.1:0", "--announce"], env=env_with_tests())
     raw = Raw(worker.endpoint)
@@ -182,8 +184,9 @@ def test_a_module_planted_in_the_working_directory_is_not_imported(processes, tm
         raw.close()
     assert not marker.exists()
     # the folder is importable when the worker is told so
-    told = processes([*in_there, *WORKER, "--listen", "127.0.0.1:0", "--announce", "--project", "."],
-                     env=env_with_tests())
+    told = processes(
+        [*in_there, *WORKER, "--listen", "127.0.0.1:0", "--announce", "--project", "."], env=env_with_tests()
+    )
     raw = Raw(told.endpoint)
     try:
         assert isinstance(raw.hello(), Ready)
@@ -248,14 +251,22 @@ def test_a_clients_own_forwards_to_a_busy_worker_take_turns_and_another_clients_
             answers[key] = exc
 
     with Broker.embedded(declared) as first, Broker.embedded(declared) as second:
-        holding = threading.Thread(target=forward, args=(first, "stall", Stall(str(started), str(release)).named("stall").at("w1"), 7))
+        holding = threading.Thread(
+            target=forward, args=(first, "stall", Stall(str(started), str(release)).named("stall").at("w1"), 7)
+        )
         holding.start()
         wait_until(started.exists, 30, "the node starting")
-        behind = [threading.Thread(target=forward, args=(first, i, Add(i).named(f"a{i}").at("w1"), 100)) for i in range(4)]
-        late = threading.Thread(target=forward, args=(first, "late", Add(9).named("late").at("w1"), 0), kwargs={"deadline": 1.5})
+        behind = [
+            threading.Thread(target=forward, args=(first, i, Add(i).named(f"a{i}").at("w1"), 100)) for i in range(4)
+        ]
+        late = threading.Thread(
+            target=forward, args=(first, "late", Add(9).named("late").at("w1"), 0), kwargs={"deadline": 1.5}
+        )
         for thread in [*behind, late]:
             thread.start()
-        wait_until(lambda: first._turns.waiting("w1") == 5, 30, "every forward behind the first turned away and waiting")
+        wait_until(
+            lambda: first._turns.waiting("w1") == 5, 30, "every forward behind the first turned away and waiting"
+        )
         with pytest.raises(Busy, match="busy and took no new work: running `stall` for"):
             Add(1).named("a").at("w1").forward(1, broker=second)  # someone else's work: Busy at once
         late.join(30)
@@ -344,8 +355,12 @@ def test_an_orphaned_spawned_worker_exits_while_its_node_is_stuck(tmp_path):
     libc = ctypes.CDLL(None, use_errno=True)
     # orphans come to this process, so the worker can be waited for (and reaped) here
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    client = subprocess.Popen([sys.executable, str(script), str(started), str(release)], env=env_with_tests(),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    client = subprocess.Popen(
+        [sys.executable, str(script), str(started), str(release)],
+        env=env_with_tests(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
     pid = None
     try:
         pid = int(wait_until(lambda: started.exists() and started.read_text(), 30, "the node starting"))
@@ -372,8 +387,9 @@ def test_a_dialed_worker_comes_back_after_its_broker_restarts_with_a_late_answer
     started, release = tmp_path / "started", tmp_path / "release"
     url = f"tcp://127.0.0.1:{free_port()}"
     hub = processes([*BROKER, "--listen", url, "--announce"])
-    worker = processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", "2"], announce=None,
-                       env=env_with_tests())
+    worker = processes(
+        [*WORKER, "--broker", url, "--offer", "w1", "--patience", "2"], announce=None, env=env_with_tests()
+    )
 
     def served(broker: Broker) -> bool:
         return broker.knows("w1")
@@ -410,16 +426,18 @@ def test_a_broker_that_refuses_the_offer_is_asked_again_not_left(processes, tmp_
     hosts = tmp_path / "hosts.toml"  # `w1` is declared there: no worker may dial in under its name
     hosts.write_text('[hosts.w1]\naddress = "127.0.0.1:1"\n')
     processes([*BROKER, "--listen", url, "--hosts", str(hosts), "--announce"])
-    worker = processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", "1"], announce=None,
-                       env=env_with_tests())
+    worker = processes(
+        [*WORKER, "--broker", url, "--offer", "w1", "--patience", "1"], announce=None, env=env_with_tests()
+    )
     wait_until(lambda: worker.stderr().count("refused this worker") >= 2, 20, "a second Hello after a refusal")
     assert worker.alive
     assert "saying Hello again in" in worker.stderr()
 
 
 def test_dialing_a_broker_on_another_machine_without_keys_needs_insecure():
-    done = subprocess.run([*WORKER, "--broker", "tcp://192.0.2.1:5555", "--offer", "w1"],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [*WORKER, "--broker", "tcp://192.0.2.1:5555", "--offer", "w1"], capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 2
     assert "refusing to dial tcp://192.0.2.1:5555 with no keys" in done.stderr
     assert "--insecure" in done.stderr and "--broker-key" in done.stderr

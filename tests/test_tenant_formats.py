@@ -27,15 +27,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import WORKER
 
 import somatize
-from conftest import WORKER
 
 SOMATIZE_ROOT = str(Path(somatize.__file__).resolve().parents[1])
 KIND = "tenant.Reading"
 
 # Tenant A's installed package: its import registers the kind, written [hz, gain].
-PACKAGE_A = '''
+PACKAGE_A = """
 import json
 from dataclasses import dataclass
 
@@ -60,10 +60,10 @@ class Rate(Node):
 class Ping(Node):
     def forward(self, x):
         return x
-'''
+"""
 
 # Another installed package, for the project-mode play: the same kind written [gain, hz].
-PACKAGE_C = '''
+PACKAGE_C = """
 import json
 from dataclasses import dataclass
 
@@ -88,10 +88,10 @@ class Rate(Node):
 class Ping(Node):
     def forward(self, x):
         return x
-'''
+"""
 
 # A tenant's client: one call, its answer (or its error) as one line of JSON.
-CLIENT = '''
+CLIENT = """
 import json, sys
 from dataclasses import dataclass
 
@@ -131,7 +131,7 @@ with Broker.embedded({"w1": Worker.at(endpoint, mode=mode)}, patience=10.0) as b
     except SomatizeError as exc:
         got = {"error": type(exc).__name__, "message": str(exc)}
 print(json.dumps(got))
-'''
+"""
 
 
 @pytest.fixture
@@ -151,8 +151,9 @@ def _env(*paths: Path | str) -> dict:
     return env
 
 
-def _call(tmp_path: Path, which: str, endpoint: str, installed: Path, mode: str = "network",
-          ping: bool = False) -> dict:
+def _call(
+    tmp_path: Path, which: str, endpoint: str, installed: Path, mode: str = "network", ping: bool = False
+) -> dict:
     """Tenant ``which`` calls its node on the worker once, from a process of its own (with
     ``ping``, its package's node of plain data)."""
     folder = tmp_path / f"tenant_{which}"
@@ -160,22 +161,26 @@ def _call(tmp_path: Path, which: str, endpoint: str, installed: Path, mode: str 
     script = folder / "notebook.py"
     script.write_text(textwrap.dedent(CLIENT))
     paths = [installed] if which in ("a", "c") else []  # B's notebook has no package installed
-    proc = subprocess.run([sys.executable, str(script), which, endpoint, mode, "ping" if ping else "reading"], cwd=folder,
-                          env=_env(*paths), capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, str(script), which, endpoint, mode, "ping" if ping else "reading"],
+        cwd=folder,
+        env=_env(*paths),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _worker(processes, installed: Path, mode: str):
-    return processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", mode],
-                     env=_env(installed))
+    return processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", mode], env=_env(installed))
 
 
 def _right_or_refused(got: dict, who: str) -> None:
     """The one promise: a tenant's own reading of its bytes, or a refusal naming the kind."""
     if "value" in got:
-        assert got["value"] == 50.0, (
-            f"tenant {who}'s Reading(hz=50, gain=2) was read in another tenant's format: {got}")
+        assert got["value"] == 50.0, f"tenant {who}'s Reading(hz=50, gain=2) was read in another tenant's format: {got}"
     else:
         assert got["error"] == "Refused" and f"`{KIND}`" in got["message"], got
         assert "another format" in got["message"] and "new kind" in got["message"], got
@@ -242,7 +247,7 @@ def test_a_node_importing_a_package_as_it_runs_never_changes_another_tenants_for
 
 # Tenant D's installed package: its import registers a new kind first, then the shared one
 # in A's format; its node is what D sends.
-PACKAGE_D = '''
+PACKAGE_D = """
 import json, os
 from dataclasses import dataclass
 
@@ -273,10 +278,10 @@ codec("tenant.Reading", Reading, dump=lambda r: json.dumps([r.hz, r.gain]).encod
 class Rate(Node):
     def forward(self, r):
         return float(r.hz)
-'''
+"""
 
 # A client writing its node's artifact to a folder, as a network-mode worker would get it.
-PACK = '''
+PACK = """
 import json, sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,10 +320,10 @@ spec = packer.spec(node)
 out.mkdir(parents=True)
 (out / "artifact").write_bytes(packer.artifact(spec.target))
 (out / "digest").write_text(spec.target)
-'''
+"""
 
 # The worker's side, a Catalog as `python -m somatize.worker --mode network` holds one.
-OPEN = '''
+OPEN = """
 import json, sys
 from pathlib import Path
 
@@ -348,7 +353,7 @@ for name, folder in zip(("second", "second_again", "third"), sys.argv[2:]):
 got["package_left_imported"] = "tenant_d_pkg" in sys.modules
 got["reads_b"] = for_kind("tenant.Reading").load(b"[2.0, 50.0]").hz  # B's bytes of Reading(hz=50, gain=2)
 print(json.dumps(got))
-'''
+"""
 
 
 def test_a_refused_artifact_leaves_the_registry_as_it_was(tmp_path, installed):
@@ -365,16 +370,28 @@ def test_a_refused_artifact_leaves_the_registry_as_it_was(tmp_path, installed):
         folder.mkdir()
         (folder / "pack.py").write_text(textwrap.dedent(PACK))
         env = {**_env(*paths), "TENANT_D_LOG": str(tmp_path / "imports_of_d_by_its_client.txt")}
-        proc = subprocess.run([sys.executable, str(folder / "pack.py"), which, str(tmp_path / which)],
-                              cwd=folder, env=env, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, str(folder / "pack.py"), which, str(tmp_path / which)],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     worker = tmp_path / "worker"
     worker.mkdir()
     (worker / "open.py").write_text(textwrap.dedent(OPEN))
     log = tmp_path / "imports_of_d.txt"
     env = {**_env(installed), "TENANT_D_LOG": str(log)}
-    proc = subprocess.run([sys.executable, str(worker / "open.py"), *(str(tmp_path / w) for w in ("b", "d", "d", "b2"))],
-                          cwd=worker, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(worker / "open.py"), *(str(tmp_path / w) for w in ("b", "d", "d", "b2"))],
+        cwd=worker,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout)
     assert got["first"] == "held", got

@@ -14,10 +14,10 @@ import time
 
 import pytest
 import zmq
-
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Pid, Sleep
 from reliability_support import key_ring
+
 from somatize import Broker, Refused
 from somatize.fabric.curve import Keys, make_pair, read_public, read_secret
 from somatize.wire import Done, Hello, Located, Ready, Refusal, Relay, Runtime, Where, decode, encode
@@ -32,8 +32,21 @@ def ring(tmp_path):
 
 
 def start_broker(processes, ring, *extra, hosts=None):
-    argv = [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]),
-            "--allow", str(ring["allow"]), "--allow-workers", str(ring["workers"]), "--patience", "2", *extra]
+    argv = [
+        *BROKER,
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--announce",
+        "--key",
+        str(ring["broker_secret"]),
+        "--allow",
+        str(ring["allow"]),
+        "--allow-workers",
+        str(ring["workers"]),
+        "--patience",
+        "2",
+        *extra,
+    ]
     if hosts is not None:
         argv += ["--hosts", str(hosts)]
     return processes(argv, env=env_with_tests())
@@ -41,9 +54,21 @@ def start_broker(processes, ring, *extra, hosts=None):
 
 def dial(processes, ring, broker, host, who="victim"):
     return processes(
-        [*WORKER, "--broker", broker.endpoint, "--offer", host, "--key", str(ring[who + "_secret"]),
-         "--broker-key", str(ring["broker"]), "--patience", "2"],
-        env=env_with_tests(), announce=None,
+        [
+            *WORKER,
+            "--broker",
+            broker.endpoint,
+            "--offer",
+            host,
+            "--key",
+            str(ring[who + "_secret"]),
+            "--broker-key",
+            str(ring["broker"]),
+            "--patience",
+            "2",
+        ],
+        env=env_with_tests(),
+        announce=None,
     )
 
 
@@ -158,7 +183,7 @@ def test_a_client_key_may_ask_but_never_offer(ring, processes):
 def test_one_client_cannot_stop_a_spawned_worker_another_uses(ring, processes, tmp_path):
     """Attack: Where(lost=True) from any client killed a spawned worker others were using."""
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text('[hosts.s1]\nspawn = ["%s", "-m", "somatize.worker"]\nmode = "project"\n' % WORKER[0])
+    hosts.write_text(f'[hosts.s1]\nspawn = ["{WORKER[0]}", "-m", "somatize.worker"]\nmode = "project"\n')
     broker = start_broker(processes, ring, hosts=hosts)
     with client(ring, broker) as alice:
         first = Pid().named("pid").at("s1").forward(0, broker=alice)
@@ -212,7 +237,16 @@ def test_a_folder_called_star_is_a_folder_not_any_key(ring, processes):
     star.mkdir(mode=0o755)
     (star / "alice.key").write_bytes(ring["alice"].read_bytes())
     broker = processes(
-        [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--key", str(ring["broker_secret"]), "--allow", str(star)],
+        [
+            *BROKER,
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(star),
+        ],
     )
     with client(ring, broker, "alice") as alice:
         assert alice.hosts() == []

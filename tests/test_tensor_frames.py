@@ -22,13 +22,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import BROKER, WORKER, env_with_tests  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from reliability_support import wait_until  # noqa: E402
 
 import somatize  # noqa: E402
 import somatize.torch as smt  # noqa: E402
-from conftest import BROKER, WORKER, env_with_tests  # noqa: E402
-from reliability_support import wait_until  # noqa: E402
 from somatize import Broker, FolderStore, Node, Opaque, Unreadable, Unwritable, Worker, codec  # noqa: E402
 from somatize.codec import build, check, decode, dumps, encode, forget, kinds_in, loads, readable_kinds  # noqa: E402
 from somatize.codec.tensors import ITEMSIZE  # noqa: E402
@@ -50,7 +50,10 @@ class Describe(Node):
     is a leaf that needs no grad."""
 
     def forward(self, xs):
-        return [(type(x).__name__, str(x.dtype), list(x.shape), x.device.type, x.is_leaf and not x.requires_grad) for x in xs]
+        return [
+            (type(x).__name__, str(x.dtype), list(x.shape), x.device.type, x.is_leaf and not x.requires_grad)
+            for x in xs
+        ]
 
 
 def same(a, b) -> bool:
@@ -152,8 +155,11 @@ def through(path: str, processes, tmp_path):
     copied out, or handed over as views), or Relayed through a standalone broker."""
     if path == "relayed":
         hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"])
-        processes([*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--mode", "network"], env=env_with_tests(),
-                  announce=None)
+        processes(
+            [*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--mode", "network"],
+            env=env_with_tests(),
+            announce=None,
+        )
         with Broker.at(hub.endpoint, send={"w1": [HERE]}) as broker:
             wait_until(lambda: broker.knows("w1"), 30, "the dialing worker reaching the broker")
             yield broker
@@ -180,7 +186,7 @@ def test_every_dtype_and_layout_crosses_every_path_and_back_exactly(path, proces
         back = Echo().named("echo").at("w1").forward(sent, broker=broker)
         seen = Describe().named("describe").at("w1").forward(sent, broker=broker)
         assert len(back) == len(sent)
-        for b, t in zip(back, sent):
+        for b, t in zip(back, sent, strict=False):
             assert same(b, t) and leaf_on_cpu(b), t.dtype
         del back
     assert seen == [("Tensor", str(t.dtype), list(t.shape), "cpu", True) for t in sent]
@@ -241,7 +247,10 @@ def test_a_contiguous_cpu_tensor_goes_out_as_a_view_of_its_own_memory():
         header, *rest = wire_encode(Done(1, t, {}, 0))
         assert address(rest[0]) == t.data_ptr()
         t.view(-1)[0] = 7  # the frame is that memory: what is sent is what the tensor holds then
-        assert np.frombuffer(frame, np.uint8)[: t.element_size()].tobytes() == t.view(-1)[:1].view(torch.uint8).numpy().tobytes()
+        assert (
+            np.frombuffer(frame, np.uint8)[: t.element_size()].tobytes()
+            == t.view(-1)[:1].view(torch.uint8).numpy().tobytes()
+        )
 
 
 def test_a_tensor_that_is_not_contiguous_is_copied_once():
@@ -371,7 +380,9 @@ def test_checking_a_tensor_node_imports_nothing_and_reading_one_without_torch_sa
         """
     )
     env = dict(os.environ, PYTHONPATH=HERE_ROOT)
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert "torch is not installed here" in done.stdout and "pip install somatize[torch]" in done.stdout
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from reliability_support import wait_until
+
 from somatize.fabric.client.carriage import PastDeadline
 from somatize.fabric.client.refusals import TurnedAway
 from somatize.fabric.client.turns import Turns

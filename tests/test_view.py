@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from conftest import env_with_tests
+
 from somatize import FolderStore
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -70,8 +70,22 @@ def browser():
 
 
 def view(processes, folder, *extra):
-    process = processes([sys.executable, "-m", "somatize", "view", "--store", str(folder), "--listen", "127.0.0.1:0",
-                         "--announce", *extra], env=env_with_tests(), announce=READY)
+    process = processes(
+        [
+            sys.executable,
+            "-m",
+            "somatize",
+            "view",
+            "--store",
+            str(folder),
+            "--listen",
+            "127.0.0.1:0",
+            "--announce",
+            *extra,
+        ],
+        env=env_with_tests(),
+        announce=READY,
+    )
     return process, process.endpoint  # the address with its token
 
 
@@ -88,15 +102,17 @@ def test_a_run_being_recorded_elsewhere_shows_up_and_its_curve_grows(processes, 
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     page.goto(address)
     expect(page.locator("#note")).to_have_text("no run recorded in this store yet")
-    recording = processes([sys.executable, "-c", RECORDING, str(folder), "tuesday", "x"],
-                          env=env_with_tests(), announce=None)
+    recording = processes(
+        [sys.executable, "-c", RECORDING, str(folder), "tuesday", "x"], env=env_with_tests(), announce=None
+    )
     recording.line(30)  # its first forward is written
     expect(page.locator("#runs a", has_text="tuesday")).to_be_visible(timeout=10_000)  # without a reload
     page.locator("#runs a", has_text="tuesday").click()
     expect(page.locator("#title")).to_have_text("Run tuesday")
     first = int(page.locator("#curve").get_attribute("data-points"))
-    page.wait_for_function(f"() => Number(document.querySelector('#curve').dataset.points) > {first + 2}",
-                           timeout=15_000)  # the curve gains points while we watch
+    page.wait_for_function(
+        f"() => Number(document.querySelector('#curve').dataset.points) > {first + 2}", timeout=15_000
+    )  # the curve gains points while we watch
     assert page.locator("#forwards tr").count() > first  # and the table its rows
     # every other summarised number has its own curve, titled by its kind
     expect(page.locator("#series-0")).to_contain_text("acc.value per forward")
@@ -109,15 +125,22 @@ def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):
     from somatize import Study
 
     folder = tmp_path / "store"
-    Study(FolderStore(folder), "tune", objective="study_objectives:quadratic_slowly",
-          space={"x": FloatDistribution(-5, 5)}, trials=30, sampler="random")
+    Study(
+        FolderStore(folder),
+        "tune",
+        objective="study_objectives:quadratic_slowly",
+        space={"x": FloatDistribution(-5, 5)},
+        trials=30,
+        sampler="random",
+    )
     _, address = view(processes, folder)
     page = browser.new_page()
     page.goto(address)  # the token, once: the page keeps it from here on
     page.goto(base(address) + "/#/study/tune")
     expect(page.locator("#title")).to_have_text("Study tune")
-    processes([sys.executable, "-m", "somatize", "study", "--store", str(folder), "tune"],
-              env=env_with_tests(), announce=None)
+    processes(
+        [sys.executable, "-m", "somatize", "study", "--store", str(folder), "tune"], env=env_with_tests(), announce=None
+    )
     expect(page.locator("#trials td.done").first).to_be_visible(timeout=15_000)
     expect(page.locator("#note")).to_contain_text("30 done", timeout=30_000)
     expect(page.locator("#note")).to_contain_text("best")
@@ -137,7 +160,7 @@ def test_a_hostile_label_shows_as_text(processes, browser, tmp_path):
 
     folder = tmp_path / "store"
     store = FolderStore(folder)
-    hostile = '<img src=x onerror="document.title=\'owned\'">'
+    hostile = "<img src=x onerror=\"document.title='owned'\">"
     Step().named(hostile).forward(1, watching=Recorder(store, run="r"))
     _, address = view(processes, folder)
     page = browser.new_page()
@@ -167,13 +190,29 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         except urllib.error.HTTPError as exc:
             return exc.code
 
-    for path in ("/api/runs", "/api/run/r", "/api/run/r/nodes", "/api/run/r/facts/0", "/api/machines",
-                 "/api/studies", "/api/study/none"):
+    for path in (
+        "/api/runs",
+        "/api/run/r",
+        "/api/run/r/nodes",
+        "/api/run/r/facts/0",
+        "/api/machines",
+        "/api/studies",
+        "/api/study/none",
+    ):
         assert get(path) in (200, 404), path
-    for path in ("/api/study/..%2Fsecret", "/api/study/..", "/api/run/..%2F..", "/api/run/r/facts/-1",
-                 "/static/..%2F__init__.py", "/static/app.py", "/api/run/r?from=-5",
-                 "/api/events?subject=study:..%2Fsecret", "/api/events?subject=study:..", "/api/events?subject=run:a/b",
-                 "/api/events?subject=anything"):
+    for path in (
+        "/api/study/..%2Fsecret",
+        "/api/study/..",
+        "/api/run/..%2F..",
+        "/api/run/r/facts/-1",
+        "/static/..%2F__init__.py",
+        "/static/app.py",
+        "/api/run/r?from=-5",
+        "/api/events?subject=study:..%2Fsecret",
+        "/api/events?subject=study:..",
+        "/api/events?subject=run:a/b",
+        "/api/events?subject=anything",
+    ):
         assert get(path) in (400, 404), path
     after = sorted((p.relative_to(folder), p.stat().st_mtime_ns) for p in folder.rglob("*"))
     assert after == before  # read-only: not a file made, changed or touched
@@ -197,16 +236,28 @@ def test_a_view_refuses_a_request_without_its_token(processes, browser, tmp_path
     expect(page).to_have_url(base(address) + "/")
     expect(page.locator("#title")).to_have_text("Runs")
     assert page.context.cookies() == []  # and no cookie, which the browser would send to every port
-    asked = urllib.request.Request(base(address) + "/api/runs", headers={"Authorization": "token " + address.split("token=")[1]})
+    asked = urllib.request.Request(
+        base(address) + "/api/runs", headers={"Authorization": "token " + address.split("token=")[1]}
+    )
     assert json.loads(urllib.request.urlopen(asked, timeout=10).read()) == []
 
 
 def test_the_view_listens_beyond_loopback_only_with_its_token(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "somatize", "view", "--store", str(tmp_path), "--listen", "0.0.0.0:0",
-                           "--insecure"], capture_output=True, text=True, timeout=60, env=env_with_tests())
+    done = subprocess.run(
+        [sys.executable, "-m", "somatize", "view", "--store", str(tmp_path), "--listen", "0.0.0.0:0", "--insecure"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_with_tests(),
+    )
     assert done.returncode == 2 and "without a token" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "somatize", "view", "--store", str(tmp_path / "nowhere")],
-                          capture_output=True, text=True, timeout=60, env=env_with_tests())
+    done = subprocess.run(
+        [sys.executable, "-m", "somatize", "view", "--store", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_with_tests(),
+    )
     assert done.returncode == 2 and "there is no folder" in done.stderr
 
 
@@ -218,9 +269,19 @@ def test_a_study_s_page_draws_its_score_against_each_parameter_and_what_runs_now
     hostile = "<img src=x onerror=alert(1)>"
     folder = tmp_path / "store"
     # trial 0's first attempt goes on (saying, so it stays alive); every other is done at once
-    Study(FolderStore(folder), "tune", objective="study_objectives:stalls_on_first_attempt", trials=9,
-          space={"x": FloatDistribution(-5, 5), "n": IntDistribution(1, 8), "kind": CategoricalDistribution(["a", "b"]),
-                 hostile: FloatDistribution(1e-3, 1.0, log=True)}, sampler="random")
+    Study(
+        FolderStore(folder),
+        "tune",
+        objective="study_objectives:stalls_on_first_attempt",
+        trials=9,
+        space={
+            "x": FloatDistribution(-5, 5),
+            "n": IntDistribution(1, 8),
+            "kind": CategoricalDistribution(["a", "b"]),
+            hostile: FloatDistribution(1e-3, 1.0, log=True),
+        },
+        sampler="random",
+    )
     _, address = view(processes, folder)
     context = browser.new_context()  # one cookie for two pages
     page = context.new_page()
@@ -246,8 +307,9 @@ def test_a_study_s_page_draws_its_score_against_each_parameter_and_what_runs_now
     expect(page.locator("p.not-drawn")).to_have_text(re.compile(r'^kind: not drawn, .*"a"'))
 
     # how long trial 0 has run is its record's: it grows, and a page opened later starts from it
-    page.wait_for_function("() => Number(document.querySelector('#running td.since span').dataset.seconds) > 2",
-                           timeout=15_000)
+    page.wait_for_function(
+        "() => Number(document.querySelector('#running td.since span').dataset.seconds) > 2", timeout=15_000
+    )
     expect(page.locator("#running td.since")).to_have_text(re.compile(r"^\d+\.\d s$"))
     later = context.new_page()
     later.goto(base(address) + "/#/study/tune")
@@ -263,7 +325,7 @@ def test_the_machines_page_shows_the_fleet_of_the_run_written_last(processes, br
 
     folder = tmp_path / "store"
     store = FolderStore(folder)
-    hostile = '<img src=x onerror="document.title=\'owned\'">'
+    hostile = "<img src=x onerror=\"document.title='owned'\">"
 
     def trip(run: str, host: str, machine: str | None = None) -> None:  # one forward, one trip to `host`
         rec = Recorder(store, run=run)
@@ -303,19 +365,21 @@ def test_the_machines_page_shows_the_fleet_of_the_run_written_last(processes, br
 def test_the_machines_page_shows_each_member_of_a_pool_a_map_ran_on(processes, browser, tmp_path):
     """A real map over a pool of two spawned workers, recorded: the machines page has a row
     per member (`cpu#0`, `cpu#1`), each with its worker's own pid and the slices it served."""
+    import mapping_nodes
+
     from somatize import Broker, Worker
     from somatize.record import Recorder, fleet
-
-    import mapping_nodes
 
     folder = tmp_path / "store"
     store = FolderStore(folder)
     worker = [sys.executable, "-m", "somatize.worker", "--reporting", "0.01"]
     graph = mapping_nodes.Who().named("who").at("cpu")
-    with Broker.embedded({"cpu": Worker.spawn(worker, mode="network", send=[mapping_nodes], mount=False,
-                                              processes=2)}) as broker:
-        out = list(graph.map(range(40), broker=broker, in_flight=2, watching=Recorder(store, run="mapped"),
-                             deadline=30))
+    with Broker.embedded(
+        {"cpu": Worker.spawn(worker, mode="network", send=[mapping_nodes], mount=False, processes=2)}
+    ) as broker:
+        out = list(
+            graph.map(range(40), broker=broker, in_flight=2, watching=Recorder(store, run="mapped"), deadline=30)
+        )
     pids = {pid for _, pid in out}
     rows = fleet(store, run="mapped")
     assert set(rows) == {"cpu#0", "cpu#1"} and {rows[h]["pid"] for h in rows} == pids, rows

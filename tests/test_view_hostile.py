@@ -14,7 +14,6 @@ import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import urllib.parse
@@ -22,12 +21,12 @@ import zlib
 from pathlib import Path
 
 import pytest
-
 from conftest import SETPRIV, env_with_tests
+from test_view import base, browser, view  # noqa: F401 - `browser` is a fixture
+
 from somatize import FolderStore, Recorder
 from somatize.facts import fact
 from somatize.store_file import header, record_bytes
-from test_view import base, browser, view  # noqa: F401 - `browser` is a fixture
 
 expect = pytest.importorskip("playwright.sync_api").expect
 
@@ -41,8 +40,9 @@ def token_of(address: str) -> str:
     return address.split("token=")[1] if "token=" in address else ""
 
 
-def ask(address: str, path: str, *, host: str | None = None, token: str | None = None,
-        stream: bool = False) -> tuple[int, bytes]:
+def ask(
+    address: str, path: str, *, host: str | None = None, token: str | None = None, stream: bool = False
+) -> tuple[int, bytes]:
     """One GET to the view at ``address``, with ``host`` as its Host header if given, and the
     view's token (or ``token``); a stream's status only."""
     parts = urllib.parse.urlsplit(address)
@@ -82,8 +82,11 @@ class Stream:
     def __init__(self, address: str, subject: str) -> None:
         parts = urllib.parse.urlsplit(address)
         self.connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-        self.connection.request("GET", "/api/events?subject=" + urllib.parse.quote(subject),
-                                headers={"Authorization": "token " + token_of(address)})
+        self.connection.request(
+            "GET",
+            "/api/events?subject=" + urllib.parse.quote(subject),
+            headers={"Authorization": "token " + token_of(address)},
+        )
         self.status = 0
         self.opened, self.changed = threading.Event(), threading.Event()
         self.at: float | None = None
@@ -243,8 +246,13 @@ def test_a_request_under_another_name_is_refused(processes, tmp_path, insecure):
     recorded(tmp_path / "store", "secret-run")
     _, address = view(processes, tmp_path / "store", *(["--insecure"] if insecure else []))
     port = urllib.parse.urlsplit(address).port
-    for host in (f"rebind.test:{port}", "rebind.test", f"127.0.0.1:{port + 1 if port < 65535 else 1}",
-                 f"127.0.0.1.rebind.test:{port}", ""):
+    for host in (
+        f"rebind.test:{port}",
+        "rebind.test",
+        f"127.0.0.1:{port + 1 if port < 65535 else 1}",
+        f"127.0.0.1.rebind.test:{port}",
+        "",
+    ):
         for path in ("/", "/static/app.js", "/api/runs", "/api/run/secret-run", "/api/events?subject=runs", "/nothing"):
             status, body = ask(address, path, host=host, stream=True)
             assert status in (403, 421), (host, path, status)
@@ -264,8 +272,14 @@ def test_sixteen_streams_and_thirty_thousand_planted_folders_still_show_a_change
 
     folder = tmp_path / "store"
     store = recorded(folder, "r")
-    Study(store, "tune", objective="study_objectives:quadratic", space={"x": FloatDistribution(-5, 5)},
-          trials=40_000, sampler="random")
+    Study(
+        store,
+        "tune",
+        objective="study_objectives:quadratic",
+        space={"x": FloatDistribution(-5, 5)},
+        trials=40_000,
+        sampler="random",
+    )
     trials = folder / "tune" / "trial"
     trials.mkdir(parents=True, exist_ok=True)
     for n in range(30_000):  # what a writer of the folder may plant: empty trial folders
@@ -288,8 +302,18 @@ def test_sixteen_streams_and_thirty_thousand_planted_folders_still_show_a_change
 
         # a trial finishes in one of the planted folders, as its runner writes it
         changed = time.monotonic()
-        store.put("tune/trial/012345/000", {"trial": "12345", "attempt": "0", "config": '{"x": 1.5}',
-                                            "state": "done", "score": "2.25", "took_us": "10", "runner": "me"})
+        store.put(
+            "tune/trial/012345/000",
+            {
+                "trial": "12345",
+                "attempt": "0",
+                "config": '{"x": 1.5}',
+                "state": "done",
+                "score": "2.25",
+                "took_us": "10",
+                "runner": "me",
+            },
+        )
         for stream in streams:
             assert stream.changed.wait(30), "a stream was never told of the change"
         slowest = max(stream.at for stream in streams) - changed
@@ -334,8 +358,14 @@ def sparse_entry(path: Path, record: dict[str, str], blob_len: int) -> None:
         file.truncate(len(head) + len(data) + blob_len)
 
 
-PAGES = ("/api/runs", "/api/run/r", "/api/run/r/nodes", "/api/run/r/nodes?last=1000", "/api/machines",
-         "/api/machines?run=r")
+PAGES = (
+    "/api/runs",
+    "/api/run/r",
+    "/api/run/r/nodes",
+    "/api/run/r/nodes?last=1000",
+    "/api/machines",
+    "/api/machines?run=r",
+)
 
 
 def test_a_huge_sparse_blob_neither_swells_nor_fails_the_view(processes, tmp_path):
@@ -393,10 +423,26 @@ def test_a_folder_where_a_file_belongs_leaks_no_descriptor(processes, tmp_path):
 
     folder = tmp_path / "store"
     store = recorded(folder, "r")
-    Study(store, "tune", objective="study_objectives:quadratic", space={"x": FloatDistribution(-5, 5)},
-          trials=3, sampler="random")
-    store.put("tune/trial/000000/000", {"trial": "0", "attempt": "0", "config": '{"x": 1.0}', "state": "done",
-                                        "score": "1.0", "took_us": "10", "runner": "me"})
+    Study(
+        store,
+        "tune",
+        objective="study_objectives:quadratic",
+        space={"x": FloatDistribution(-5, 5)},
+        trials=3,
+        sampler="random",
+    )
+    store.put(
+        "tune/trial/000000/000",
+        {
+            "trial": "0",
+            "attempt": "0",
+            "config": '{"x": 1.0}',
+            "state": "done",
+            "score": "1.0",
+            "took_us": "10",
+            "runner": "me",
+        },
+    )
     (folder / "tune" / "study.rec").unlink()
     (folder / "tune" / "study.rec").mkdir()  # a folder where the study's definition belongs
     (folder / "run" / "r" / "7.rec").mkdir()  # and where a forward's file does
@@ -413,8 +459,16 @@ def test_a_folder_where_a_file_belongs_leaks_no_descriptor(processes, tmp_path):
     finally:
         os.chdir(here)
     process, address = view(processes, folder)
-    pages = ("/api/study/tune", "/api/studies", "/api/run/r", "/api/run/r/nodes", "/api/machines", "/api/runs",
-             "/api/study/fifo", "/api/study/socket")
+    pages = (
+        "/api/study/tune",
+        "/api/studies",
+        "/api/run/r",
+        "/api/run/r/nodes",
+        "/api/machines",
+        "/api/runs",
+        "/api/study/fifo",
+        "/api/study/socket",
+    )
     for path in pages:
         assert ask(address, path)[0] == 200, path
     open_before = descriptors(process.pid)

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from somatize import FolderStore, Recorder  # noqa: E402
 import somatize.record.recorder as recorder_module  # noqa: E402
-from somatize.record.recorder import chunk_name, chunk_records, records_of  # noqa: E402
 import somatize.view.runs as runs_module  # noqa: E402
+from somatize import FolderStore, Recorder  # noqa: E402
+from somatize.record.recorder import chunk_name, chunk_records, records_of  # noqa: E402
 from somatize.view.runs import POINTS, Runs  # noqa: E402
 
 
@@ -141,8 +141,14 @@ def test_a_chunk_that_is_not_what_a_recorder_writes_is_not_taken(tmp_path, chunk
     store = FolderStore(tmp_path / "store")
     record(store, "r", 12)
     name = chunk_name("r", 0)
-    for junk in (b"not json", b'{"a": 1}', b'[[3, {"x": 1}]]', b'[[42, {"x": "y"}]]',
-                 b'[["3", {"x": "y"}]]', b"[" * 100_000):
+    for junk in (
+        b"not json",
+        b'{"a": 1}',
+        b'[[3, {"x": 1}]]',
+        b'[[42, {"x": "y"}]]',
+        b'[["3", {"x": "y"}]]',
+        b"[" * 100_000,
+    ):
         store.put(name, {"run": "r"}, junk)
         assert chunk_records(store, "r", 0) is None, junk[:40]
     with monkeypatch.context() as patched:  # a chunk bigger than any a recorder writes is never read whole

@@ -28,8 +28,8 @@ from somatize.wire import (
     MAX_SAW,
     MAX_SHAPE_DEPTH,
     MAX_TEXT,
-    REQUESTS,
     MAX_TOTAL,
+    REQUESTS,
     TERMINAL,
     WIRE_VERSION,
     Begin,
@@ -73,22 +73,15 @@ MIB = 1 << 20
 def same(a, b) -> bool:
     """Equal, and of the same types all the way down (arrays compared by value)."""
     if dataclasses.is_dataclass(a):
-        return type(a) is type(b) and all(
-            same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
-        )
+        return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     if isinstance(a, np.ndarray):
-        return (
-            isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and np.array_equal(a, b)
-        )
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     if isinstance(a, (bytes, memoryview)) and isinstance(b, (bytes, memoryview)):
         return bytes(a) == bytes(b)
     if type(a) is not type(b):
         return False
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if type(a) is float:  # by their bits: a NaN is the same NaN, -0.0 is not 0.0
@@ -158,8 +151,10 @@ def messages() -> list:
         Located("w1", "relayed", address="tcp://head:5555", mode="project", ended="killed by SIGKILL"),
         Located("w1", "inprocess"),
         Listed({"w1": "network", "here": "inprocess"}),
-        Listed({"w1": "project", "w2": "network", "here": "inprocess"},
-               {"w1": [], "w2": ["/scratch/job7", "4242-" + "0123456789abcdef" * 2]}),
+        Listed(
+            {"w1": "project", "w2": "network", "here": "inprocess"},
+            {"w1": [], "w2": ["/scratch/job7", "4242-" + "0123456789abcdef" * 2]},
+        ),
         Ready(runtime(), busy_us=2_500_000),
     ]
 
@@ -233,7 +228,18 @@ def test_a_header_is_a_map_with_the_version_the_variant_and_every_field():
     header = header_of(encode(Where("w1")))
     assert header == {"v": WIRE_VERSION, "t": "Where", "host": "w1", "lost": False, "waited_us": 0}
     header = header_of(encode(work()))
-    assert set(header) == {"v", "t", "ref", "recipe", "input", "keys", "placement", "memory", "watched", "recipe_digest"}
+    assert set(header) == {
+        "v",
+        "t",
+        "ref",
+        "recipe",
+        "input",
+        "keys",
+        "placement",
+        "memory",
+        "watched",
+        "recipe_digest",
+    }
     assert header["keys"] == [[1, DIGEST], [2, OTHER]]
     assert header["recipe"]["shape"] == ["seq", [["step", 0], ["par", [["step", 1], ["step", 2]]]]]
 
@@ -312,10 +318,10 @@ def test_a_relay_carries_its_inner_frames_untouched_and_unread():
     inner = as_bytes(encode(work(input=np.zeros(1000))))
     frames = encode(Relay(host="w1", inner=tuple(inner)))
     assert len(frames) == 1 + len(inner)
-    assert all(a is b for a, b in zip(frames[1:], inner))
+    assert all(a is b for a, b in zip(frames[1:], inner, strict=False))
     assert header_of(frames) == {"v": WIRE_VERSION, "t": "Relay", "host": "w1", "exchange": 0, "tenant": "", "lane": 0}
     back = decode(frames)
-    assert type(back.inner) is tuple and all(a is b for a, b in zip(back.inner, inner))
+    assert type(back.inner) is tuple and all(a is b for a, b in zip(back.inner, inner, strict=False))
     assert same(decode(list(back.inner)), work(input=np.zeros(1000)))
     # never decoded: junk inside is the business of whoever opens the envelope
     junk = decode(encode(Relay(exchange=3, inner=(b"\xc1 not a header", b"x"))))
@@ -409,19 +415,48 @@ def _long_way(frames):
     return msg if checked is None else reading._fill(msg, build(checked))
 
 
-_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
-                     st.text(max_size=50), st.binary(max_size=300))
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=50),
+    st.binary(max_size=300),
+)
 _DIGEST = "sha256:" + "ab" * 32
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(value=_SCALARS, ref=st.integers(0, 2**63 - 1), took=st.integers(0, 2**40),
-       keyed=st.booleans(), placed=st.booleans(), watched=st.booleans(),
-       saw=st.lists(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=20), max_size=3), max_size=3),
-       change=st.sampled_from([None, "drop", "add", "twice", "ref", "keys", "value", "saw", "version", "flag",
-                               "digest", "memory", "float", "bin"]))
+@given(
+    value=_SCALARS,
+    ref=st.integers(0, 2**63 - 1),
+    took=st.integers(0, 2**40),
+    keyed=st.booleans(),
+    placed=st.booleans(),
+    watched=st.booleans(),
+    saw=st.lists(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=20), max_size=3), max_size=3),
+    change=st.sampled_from(
+        [
+            None,
+            "drop",
+            "add",
+            "twice",
+            "ref",
+            "keys",
+            "value",
+            "saw",
+            "version",
+            "flag",
+            "digest",
+            "memory",
+            "float",
+            "bin",
+        ]
+    ),
+)
 def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
-        value, ref, took, keyed, placed, watched, saw, change):
+    value, ref, took, keyed, placed, watched, saw, change
+):
     """A ``Work`` naming its recipe by digest and a ``Done``, each of one scalar value, are
     written as the codec would write them and read in one step: the same message as the long way gives, and for a header changed in
     any way (a field dropped, added, given twice, of the wrong type), what the long way makes
@@ -430,8 +465,7 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
     from somatize.wire import short
     from somatize.wire.writing import _written
 
-    work = Work(ref, None, value, {0: _DIGEST} if keyed else {}, {0: "cpu"} if placed else {},
-                None, watched, _DIGEST)
+    work = Work(ref, None, value, {0: _DIGEST} if keyed else {}, {0: "cpu"} if placed else {}, None, watched, _DIGEST)
     from somatize.codec import encode as written
 
     descriptor, its_frames = written(value)  # what the codec writes for it
@@ -443,8 +477,7 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
         if change is None:
             assert same(decode(frames), msg) and same(decode(frames), _long_way(frames))
             plain = not (keyed or placed) if msg is work else not saw  # the call's own: msgspec reads it
-            assert (short.express(frames[0]) is not None) == (plain and not its_frames
-                                                                         and type(descriptor) is not list)
+            assert (short.express(frames[0]) is not None) == (plain and not its_frames and type(descriptor) is not list)
             continue
         pairs = list(header_of(frames).items())
         if change == "drop":
@@ -464,8 +497,9 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
         elif change == "flag":  # a bool where a number goes, a number where a bool goes
             pairs = [(k, 1 if k == "watched" else True if k == "took_us" else v) for k, v in pairs]
         elif change == "digest":  # a line end after it: `$` would take it, `fullmatch` does not
-            pairs = [(k, v + "\n" if k == "recipe_digest" else [{"fact": "ran\n"}] if k == "saw" else v)
-                     for k, v in pairs]
+            pairs = [
+                (k, v + "\n" if k == "recipe_digest" else [{"fact": "ran\n"}] if k == "saw" else v) for k, v in pairs
+            ]
         elif change == "memory":
             pairs = [(k, "/dev/shm/x" if k == "memory" else [[0, "/x"]] if k == "produced" else v) for k, v in pairs]
         elif change == "float":
@@ -484,8 +518,13 @@ def test_a_call_of_one_scalar_reads_the_same_the_short_way_and_the_long_way(
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(which=st.sampled_from(["work", "done"]), value=_SCALARS, at=st.integers(0, 10_000),
-       junk=st.binary(min_size=1, max_size=8), how=st.sampled_from(["put", "insert", "cut"]))
+@given(
+    which=st.sampled_from(["work", "done"]),
+    value=_SCALARS,
+    at=st.integers(0, 10_000),
+    junk=st.binary(min_size=1, max_size=8),
+    how=st.sampled_from(["put", "insert", "cut"]),
+)
 def test_a_header_changed_byte_by_byte_is_read_the_short_way_only_as_the_long_way_reads_it(which, value, at, junk, how):
     """A call's header with bytes overwritten, put in or cut off anywhere: the short way
     (msgspec's decoder) gives None, or the very message the long way gives, and ``decode``
@@ -496,11 +535,11 @@ def test_a_header_changed_byte_by_byte_is_read_the_short_way_only_as_the_long_wa
     head = bytearray(as_bytes(encode(msg))[0])
     at %= len(head)
     if how == "put":
-        head[at:at + len(junk)] = junk
+        head[at : at + len(junk)] = junk
     elif how == "insert":
         head[at:at] = junk
     else:
-        del head[at:at + len(junk)]
+        del head[at : at + len(junk)]
     changed = [bytes(head)]
     fast = short.express(changed[0])
     try:
@@ -520,11 +559,22 @@ def test_a_value_nested_deeper_than_python_recurses_is_refused_not_raised():
 
     for depth in (100, 1_000, 60_000):
         before = [("v", WIRE_VERSION), ("t", "Work"), ("ref", 1)]
-        after = [("recipe", None), ("keys", []), ("placement", []), ("memory", None), ("watched", False),
-                 ("recipe_digest", _DIGEST)]
-        head = (bytes([0x80 + 10]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in before)
-                + msgpack.packb("input") + b"\x91" * depth + b"\xc0"
-                + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in after))
+        after = [
+            ("recipe", None),
+            ("keys", []),
+            ("placement", []),
+            ("memory", None),
+            ("watched", False),
+            ("recipe_digest", _DIGEST),
+        ]
+        head = (
+            bytes([0x80 + 10])
+            + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in before)
+            + msgpack.packb("input")
+            + b"\x91" * depth
+            + b"\xc0"
+            + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in after)
+        )
         assert short.express(head) is None
         refused([head], "could not be read" if depth <= 1_000 else "MessagePack header map")
 
@@ -570,7 +620,15 @@ def test_credit_is_a_stream_and_a_size():
 def test_mounted_names_only_files_the_mount_makes():
     frames = as_bytes(encode(Mounted((MOUNT_FILE,), b"inner header")))
     assert decode(frames).header == b"inner header"
-    for bad in ["../../etc/passwd", "/etc/passwd", MOUNT_FILE + "/x", "." + MOUNT_FILE, MOUNT_FILE.upper(), "x" * 65, ""]:
+    for bad in [
+        "../../etc/passwd",
+        "/etc/passwd",
+        MOUNT_FILE + "/x",
+        "." + MOUNT_FILE,
+        MOUNT_FILE.upper(),
+        "x" * 65,
+        "",
+    ]:
         refused(with_header(frames, files=[bad]), "Mounted.files[0]")
     refused(with_header(frames, files=[MOUNT_FILE] * MAX_FRAMES), "`Mounted.files`", "over the limit")
     refused(with_header(frames, files=MOUNT_FILE), "`Mounted.files`", "tuple")
@@ -694,7 +752,9 @@ def test_a_header_that_is_not_messagepack_is_refused():
 def test_a_different_wire_version_says_who_upgrades():
     frames = encode(Bye())
     newer = WIRE_VERSION + 1
-    why = refused(with_header(frames, v=newer), f"speaks wire version {WIRE_VERSION}", f"version {newer}", "upgrade somatize")
+    why = refused(
+        with_header(frames, v=newer), f"speaks wire version {WIRE_VERSION}", f"version {newer}", "upgrade somatize"
+    )
     assert "(this side)" in why
     why = refused(with_header(frames, v=0), "version 0")
     assert "(the side that sent it)" in why
@@ -725,9 +785,13 @@ def test_missing_extra_and_mistyped_fields_are_refused():
 
 def test_extension_types_are_refused():
     frames = encode(Where("w1"))
-    packed = msgpack.packb({"v": WIRE_VERSION, "t": "Where", "host": msgpack.ExtType(5, b"x"), "lost": False, "waited_us": 0})
+    packed = msgpack.packb(
+        {"v": WIRE_VERSION, "t": "Where", "host": msgpack.ExtType(5, b"x"), "lost": False, "waited_us": 0}
+    )
     refused([packed], "extension")
-    stamp = msgpack.packb({"v": WIRE_VERSION, "t": "Where", "host": msgpack.Timestamp(1, 0), "lost": False, "waited_us": 0})
+    stamp = msgpack.packb(
+        {"v": WIRE_VERSION, "t": "Where", "host": msgpack.Timestamp(1, 0), "lost": False, "waited_us": 0}
+    )
     refused([stamp], "`Where.host`")
     refused(with_header(encode(Saw(1, {"a": "b"})), fact={"a": msgpack.ExtType(1, b"")}), "extension")
     assert decode(frames) == Where("w1")
@@ -762,7 +826,10 @@ def test_fields_over_their_limits_are_refused():
     refused(with_header(encode(Send(1, (DIGEST,))), digests=[DIGEST.upper()]), "lowercase hex")
     refused(with_header(encode(Located("w1", "direct")), path="teleport"), "`Located.path`")
     refused(with_header(encode(Located("w1", "direct")), mode="fast"), "`Located.mode`")
-    refused(with_header(encode(Located("w1", "inprocess")), mount="/x"), "only for the \"mount\", \"relayed\" and \"direct\" paths")
+    refused(
+        with_header(encode(Located("w1", "inprocess")), mount="/x"),
+        'only for the "mount", "relayed" and "direct" paths',
+    )
     refused(with_header(encode(Located("w1", "direct", address="tcp://h:1")), mount="/x"), "`Located.seen`", "token")
     refused(with_header(encode(Listed({"a": "project"})), hosts={"a": "elsewhere"}), "Listed.hosts['a']")
 
@@ -921,7 +988,9 @@ class Reading:
 
 def test_peek_kinds_names_a_kind_this_process_cannot_read():
     kind = "test_wire.Reading"
-    codec(kind, Reading, dump=lambda r: r.value.to_bytes(8, "little"), load=lambda b: Reading(int.from_bytes(b, "little")))
+    codec(
+        kind, Reading, dump=lambda r: r.value.to_bytes(8, "little"), load=lambda b: Reading(int.from_bytes(b, "little"))
+    )
     try:
         frames = as_bytes(encode(work(input={"r": Reading(5)})))
         assert decode(frames).input["r"].value == 5
@@ -954,11 +1023,17 @@ def test_encode_refuses_a_message_built_wrongly():
     with pytest.raises(ValueError, match="never uses node 2"):
         encode(work(recipe=dataclasses.replace(recipe(), shape=("par", (("step", 0), ("step", 1))))))
     with pytest.raises(ValueError, match="arguments"):
-        encode(work(recipe=Recipe((NodeSpec("n", False, "network", DIGEST, (1,)),), ("step", 0)), keys={}, placement={}))
+        encode(
+            work(recipe=Recipe((NodeSpec("n", False, "network", DIGEST, (1,)),), ("step", 0)), keys={}, placement={})
+        )
     with pytest.raises(TypeError, match="args"):
         encode(work(recipe=Recipe((NodeSpec("n", False, "project", "m:N", [1]),), ("step", 0)), keys={}, placement={}))
     with pytest.raises(TypeError, match="kwargs"):
-        encode(work(recipe=Recipe((NodeSpec("n", False, "project", "m:N", (), {1: 2}),), ("step", 0)), keys={}, placement={}))
+        encode(
+            work(
+                recipe=Recipe((NodeSpec("n", False, "project", "m:N", (), {1: 2}),), ("step", 0)), keys={}, placement={}
+            )
+        )
     with pytest.raises(ValueError, match="sha256"):
         encode(Provision("md5:x", b""))
     with pytest.raises(TypeError, match="artifact"):
@@ -994,7 +1069,13 @@ def test_compatible_sides_talk():
 
 
 def test_a_wire_mismatch_says_which_side_upgrades():
-    why = compatible(runtime(), runtime(wire=WIRE_VERSION + 1, somatize="0.3.0"), needs_pickle=False, me="this worker", them="the client")
+    why = compatible(
+        runtime(),
+        runtime(wire=WIRE_VERSION + 1, somatize="0.3.0"),
+        needs_pickle=False,
+        me="this worker",
+        them="the client",
+    )
     assert why is not None
     assert f"this worker speaks wire version {WIRE_VERSION}" in why
     assert f"the client speaks version {WIRE_VERSION + 1} (somatize 0.3.0)" in why
@@ -1117,7 +1198,9 @@ scalars = (
 )
 packable = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(WORDS) | st.text(max_size=6), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(WORDS) | st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=24,
 )
 
@@ -1172,7 +1255,18 @@ def test_the_package_exports_every_public_name_from_one_place():
     import somatize.wire as package
 
     public = {name for name in dir(package) if not name.startswith("_")}
-    modules = {"checks", "counting", "fields", "items", "limits", "messages", "reading", "short", "writing", "annotations"}
+    modules = {
+        "checks",
+        "counting",
+        "fields",
+        "items",
+        "limits",
+        "messages",
+        "reading",
+        "short",
+        "writing",
+        "annotations",
+    }
     assert set(package.__all__) == public - modules
     for name in package.__all__:
         obj = getattr(package, name)

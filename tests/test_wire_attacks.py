@@ -44,7 +44,7 @@ def same(a, b) -> bool:
     if type(a) is float:
         return struct.pack(">d", a) == struct.pack(">d", b)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     return a == b
@@ -121,7 +121,7 @@ def sized_forms(data: bytes, fix: int | None, marks: tuple[int, int, int]) -> li
     n, out = len(data), []
     if fix is not None and n < 32:
         out.append(bytes([fix | n]) + data)
-    for mark, size in zip(marks, (1, 2, 4)):
+    for mark, size in zip(marks, (1, 2, 4), strict=False):
         if n < 1 << (8 * size):
             out.append(bytes([mark]) + n.to_bytes(size, "big") + data)
     return out
@@ -183,8 +183,18 @@ def a_map(pairs, *, count: int | None = None, form: int = 0) -> bytes:
 
 
 def work_pairs(value=5, **changes):
-    p = {"v": limits.WIRE_VERSION, "t": "Work", "ref": 7, "input": value, "recipe": None, "keys": [],
-         "placement": [], "memory": None, "watched": False, "recipe_digest": DIGEST}
+    p = {
+        "v": limits.WIRE_VERSION,
+        "t": "Work",
+        "ref": 7,
+        "input": value,
+        "recipe": None,
+        "keys": [],
+        "placement": [],
+        "memory": None,
+        "watched": False,
+        "recipe_digest": DIGEST,
+    }
     p.update(changes)
     return list(p.items())
 
@@ -315,8 +325,8 @@ HOSTILE_HEADERS = {
     "keys str8": b"\x8a" + b"".join(str_forms(k.encode())[1] + forms(v)[0] for k, v in _W()),
     "keys str32": b"\x87" + b"".join(str_forms(k.encode())[-1] + forms(v)[0] for k, v in _D()),
     "keys bin": b"\x8a" + b"".join(bin_forms(k.encode())[0] + forms(v)[0] for k, v in _W()),
-    "one key bin": b"\x87" + b"".join((bin_forms(k.encode())[0] if k == "saw" else forms(k)[0]) + forms(v)[0]
-                                      for k, v in _D()),
+    "one key bin": b"\x87"
+    + b"".join((bin_forms(k.encode())[0] if k == "saw" else forms(k)[0]) + forms(v)[0] for k, v in _D()),
     "a key nil": b"\x8a" + b"".join(forms(None if k == "memory" else k)[0] + forms(v)[0] for k, v in _W()),
     "a key int": b"\x87" + b"".join(forms(1 if k == "produced" else k)[0] + forms(v)[0] for k, v in _D()),
     "ref twice, digest missing": a_map(_W()[:-1] + [("ref", 7)]),
@@ -355,8 +365,9 @@ def _one_twice_one_gone():
             for twice in range(len(pairs)):
                 if gone != twice:
                     kept = [p for i, p in enumerate(pairs) if i != gone]
-                    yield pytest.param(a_map(kept + [pairs[twice]]), id=f"{pairs[1][1]}-{pairs[gone][0]}-gone-"
-                                                                         f"{pairs[twice][0]}-twice")
+                    yield pytest.param(
+                        a_map(kept + [pairs[twice]]), id=f"{pairs[1][1]}-{pairs[gone][0]}-gone-{pairs[twice][0]}-twice"
+                    )
 
 
 @pytest.mark.parametrize("head", list(_one_twice_one_gone()))
@@ -367,10 +378,26 @@ def test_a_header_with_as_many_entries_as_fields_but_one_twice_is_refused_as_the
     assert_read_as_the_long_way([head])
 
 
-@pytest.mark.parametrize("name", ["v as uint64", "v as int8", "t str8", "ref as uint64 0", "value float32",
-                                  "value float32 sNaN", "value float64 NaN payload", "value -0.0",
-                                  "value -1 as int64", "fields reversed", "fields shuffled", "keys str8",
-                                  "keys str32", "took_us 2**63-1", "value str8 short"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "v as uint64",
+        "v as int8",
+        "t str8",
+        "ref as uint64 0",
+        "value float32",
+        "value float32 sNaN",
+        "value float64 NaN payload",
+        "value -0.0",
+        "value -1 as int64",
+        "fields reversed",
+        "fields shuffled",
+        "keys str8",
+        "keys str32",
+        "took_us 2**63-1",
+        "value str8 short",
+    ],
+)
 def test_the_odd_headers_the_short_way_takes_are_the_long_ways_messages(name):
     """The unusual forms that msgspec does take (so the table above exercised it): each
     one the very message, bit for bit, that the long way builds."""
@@ -383,20 +410,67 @@ def test_the_odd_headers_the_short_way_takes_are_the_long_ways_messages(name):
 # -- reading: headers built field by field, at random -----------------------------------------
 
 _SCALARS = st.one_of(
-    st.none(), st.booleans(),
-    st.sampled_from([0, 1, 127, 128, 255, 256, -1, -32, -33, -128, -129, 2**31, 2**32, 2**63 - 1, 2**63,
-                     2**64 - 1, -(2**63)]),
+    st.none(),
+    st.booleans(),
+    st.sampled_from(
+        [0, 1, 127, 128, 255, 256, -1, -32, -33, -128, -129, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)]
+    ),
     st.integers(-(2**64), 2**65),
-    st.floats(width=64), st.floats(width=32),
+    st.floats(width=64),
+    st.floats(width=32),
     st.sampled_from([float("nan"), -0.0, float("inf"), struct.unpack(">d", bytes.fromhex("7ff0000000000001"))[0]]),
-    st.text(max_size=40), st.binary(max_size=80),
+    st.text(max_size=40),
+    st.binary(max_size=80),
 )
 _HOSTILE_VALUES = [
-    True, False, None, 0, 1, -1, 9, 2**63, 2**64 - 1, -(2**63), 1.0, float("nan"), "", "Work", "Done", "cpu",
-    "/x", DIGEST, DIGEST + "\n", DIGEST.upper(), b"", b"Work", DIGEST.encode(), [], {}, [[0, DIGEST]],
-    [[0, "cpu"]], [[0, 1]], [[0]], [{}], [{"a": "b"}], [{"a": 1}], {"a": 1}, ["T"], ["L", 1], ["B", 0],
-    TS32, TS96_HUGE, EXT5, BAD_UTF8, SURROGATE_UTF8, OVERLONG_UTF8, DEEP, HUGE_ARRAY, HUGE_MAP, HUGE_STR,
-    LIST_KEYED, FACT_TWICE,
+    True,
+    False,
+    None,
+    0,
+    1,
+    -1,
+    9,
+    2**63,
+    2**64 - 1,
+    -(2**63),
+    1.0,
+    float("nan"),
+    "",
+    "Work",
+    "Done",
+    "cpu",
+    "/x",
+    DIGEST,
+    DIGEST + "\n",
+    DIGEST.upper(),
+    b"",
+    b"Work",
+    DIGEST.encode(),
+    [],
+    {},
+    [[0, DIGEST]],
+    [[0, "cpu"]],
+    [[0, 1]],
+    [[0]],
+    [{}],
+    [{"a": "b"}],
+    [{"a": 1}],
+    {"a": 1},
+    ["T"],
+    ["L", 1],
+    ["B", 0],
+    TS32,
+    TS96_HUGE,
+    EXT5,
+    BAD_UTF8,
+    SURROGATE_UTF8,
+    OVERLONG_UTF8,
+    DEEP,
+    HUGE_ARRAY,
+    HUGE_MAP,
+    HUGE_STR,
+    LIST_KEYED,
+    FACT_TWICE,
 ]
 
 
@@ -404,8 +478,11 @@ _HOSTILE_VALUES = [
 def call_headers(draw) -> bytes:
     which = draw(st.sampled_from(["Work", "Done"]))
     value = draw(_SCALARS)
-    fields = dict(work_pairs(value, watched=draw(st.booleans())) if which == "Work"
-                  else done_pairs(value, took_us=draw(st.sampled_from([0, 3, 2**63 - 1]))))
+    fields = dict(
+        work_pairs(value, watched=draw(st.booleans()))
+        if which == "Work"
+        else done_pairs(value, took_us=draw(st.sampled_from([0, 3, 2**63 - 1])))
+    )
     fields["ref"] = draw(st.sampled_from([0, 7, 2**32, 2**63 - 1]))
     for name in draw(st.lists(st.sampled_from([*fields, "extra"]), max_size=2)):
         fields[name] = draw(st.sampled_from(_HOSTILE_VALUES))
@@ -456,8 +533,20 @@ def test_a_header_near_64_kib_is_read_as_the_long_way_reads_it(size):
     assert (short.express(head) is not None) == (size <= SMALL)
 
 
-@pytest.mark.parametrize("kind", ["memoryview cast I", "memoryview cast b", "memoryview cast c", "bytearray",
-                                  "numpy", "zmq.Frame", "tuple", "readonly memoryview", "bytes subclass"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "memoryview cast I",
+        "memoryview cast b",
+        "memoryview cast c",
+        "bytearray",
+        "numpy",
+        "zmq.Frame",
+        "tuple",
+        "readonly memoryview",
+        "bytes subclass",
+    ],
+)
 def test_a_call_in_any_buffer_is_read_as_the_long_way_reads_it(kind):
     for msg in (Work(7, None, 5, {}, {}, None, False, DIGEST), Done(7, "x", {}, 3, ())):
         head = bytes(encode(msg)[0])
@@ -558,32 +647,78 @@ class Dict(dict):
 
 
 def _recipe() -> Recipe:
-    return Recipe((NodeSpec("a", False, "project", "m:A"), NodeSpec("b", True, "network", DIGEST)),
-                  ("seq", (("step", 0), ("step", 1))))
+    return Recipe(
+        (NodeSpec("a", False, "project", "m:A"), NodeSpec("b", True, "network", DIGEST)),
+        ("seq", (("step", 0), ("step", 1))),
+    )
 
 
 def _wrong_works() -> list[Work]:
     w = Work(7, None, 5, {}, {}, None, False, DIGEST)
     r = dataclasses.replace
     return [
-        r(w, ref=True), r(w, ref=Int(7)), r(w, ref=-1), r(w, ref=2**63), r(w, ref=7.0), r(w, ref=np.int64(7)),
-        r(w, ref="7"), r(w, ref=None),
-        r(w, input=Str("x")), r(w, input=Int(5)), r(w, input=Float(1.5)), r(w, input=Bytes(b"x")),
-        r(w, input="\ud800"), r(w, input="x" * (70 << 10)), r(w, input="é" * 10), r(w, input=2**64),
-        r(w, input=-(2**63) - 1), r(w, input=np.float64(1.0)), r(w, input=np.bool_(True)), r(w, input=b"x" * (64 << 10)),
-        r(w, input=b"x" * ((64 << 10) + 1)), r(w, input=bytearray(b"x")), r(w, input=memoryview(b"x")),
-        r(w, input=[1]), r(w, input=(1,)), r(w, input={}), r(w, input=object()),
-        r(w, recipe=_recipe()), r(w, recipe=0), r(w, recipe=False),
-        r(w, recipe_digest=DIGEST + "\n"), r(w, recipe_digest=DIGEST.upper()), r(w, recipe_digest=DIGEST.encode()),
-        r(w, recipe_digest=Str(DIGEST)), r(w, recipe_digest=""), r(w, recipe_digest=None),
-        r(w, recipe_digest=DIGEST + "0" * 2000), r(w, recipe_digest="sha256:" + "ab" * 31 + "a\ud800"),
-        r(w, keys=[]), r(w, keys=None), r(w, keys=Dict()), r(w, keys={0: DIGEST}), r(w, keys={0: "bad"}),
-        r(w, keys={True: DIGEST}), r(w, keys={-1: DIGEST}),
-        r(w, placement=[]), r(w, placement=()), r(w, placement=Dict()), r(w, placement={0: "cpu"}),
+        r(w, ref=True),
+        r(w, ref=Int(7)),
+        r(w, ref=-1),
+        r(w, ref=2**63),
+        r(w, ref=7.0),
+        r(w, ref=np.int64(7)),
+        r(w, ref="7"),
+        r(w, ref=None),
+        r(w, input=Str("x")),
+        r(w, input=Int(5)),
+        r(w, input=Float(1.5)),
+        r(w, input=Bytes(b"x")),
+        r(w, input="\ud800"),
+        r(w, input="x" * (70 << 10)),
+        r(w, input="é" * 10),
+        r(w, input=2**64),
+        r(w, input=-(2**63) - 1),
+        r(w, input=np.float64(1.0)),
+        r(w, input=np.bool_(True)),
+        r(w, input=b"x" * (64 << 10)),
+        r(w, input=b"x" * ((64 << 10) + 1)),
+        r(w, input=bytearray(b"x")),
+        r(w, input=memoryview(b"x")),
+        r(w, input=[1]),
+        r(w, input=(1,)),
+        r(w, input={}),
+        r(w, input=object()),
+        r(w, recipe=_recipe()),
+        r(w, recipe=0),
+        r(w, recipe=False),
+        r(w, recipe_digest=DIGEST + "\n"),
+        r(w, recipe_digest=DIGEST.upper()),
+        r(w, recipe_digest=DIGEST.encode()),
+        r(w, recipe_digest=Str(DIGEST)),
+        r(w, recipe_digest=""),
+        r(w, recipe_digest=None),
+        r(w, recipe_digest=DIGEST + "0" * 2000),
+        r(w, recipe_digest="sha256:" + "ab" * 31 + "a\ud800"),
+        r(w, keys=[]),
+        r(w, keys=None),
+        r(w, keys=Dict()),
+        r(w, keys={0: DIGEST}),
+        r(w, keys={0: "bad"}),
+        r(w, keys={True: DIGEST}),
+        r(w, keys={-1: DIGEST}),
+        r(w, placement=[]),
+        r(w, placement=()),
+        r(w, placement=Dict()),
+        r(w, placement={0: "cpu"}),
         r(w, placement={0: "x" * 101}),
-        r(w, memory=""), r(w, memory="/x"), r(w, memory=3), r(w, memory=b"/x"), r(w, memory="x" * 5000),
-        r(w, memory="\ud800"), r(w, memory=Str("/x")),
-        r(w, watched=1), r(w, watched=0), r(w, watched=None), r(w, watched=np.bool_(True)), r(w, watched="yes"),
+        r(w, memory=""),
+        r(w, memory="/x"),
+        r(w, memory=3),
+        r(w, memory=b"/x"),
+        r(w, memory="x" * 5000),
+        r(w, memory="\ud800"),
+        r(w, memory=Str("/x")),
+        r(w, watched=1),
+        r(w, watched=0),
+        r(w, watched=None),
+        r(w, watched=np.bool_(True)),
+        r(w, watched="yes"),
     ]
 
 
@@ -591,16 +726,44 @@ def _wrong_dones() -> list[Done]:
     d = Done(7, 5, {}, 3, ())
     r = dataclasses.replace
     return [
-        r(d, ref=True), r(d, ref=Int(7)), r(d, ref=-1), r(d, ref=2**63), r(d, ref=7.0), r(d, ref=None),
-        r(d, output=Str("x")), r(d, output=Int(5)), r(d, output="\udfff"), r(d, output="x" * (1 << 20)),
+        r(d, ref=True),
+        r(d, ref=Int(7)),
+        r(d, ref=-1),
+        r(d, ref=2**63),
+        r(d, ref=7.0),
+        r(d, ref=None),
+        r(d, output=Str("x")),
+        r(d, output=Int(5)),
+        r(d, output="\udfff"),
+        r(d, output="x" * (1 << 20)),
         r(d, output="x" * (limits.MAX_HEADER + 1)),
-        r(d, output=2**64), r(d, output=Bytes(b"x")), r(d, output=Float(2.0)), r(d, output=object()),
-        r(d, took_us=True), r(d, took_us=False), r(d, took_us=-1), r(d, took_us=2**63), r(d, took_us=2**63 - 1),
-        r(d, took_us=1.0), r(d, took_us=Int(3)), r(d, took_us=None), r(d, took_us=np.int64(3)),
-        r(d, produced=[]), r(d, produced=None), r(d, produced=Dict()), r(d, produced={0: 1}),
-        r(d, produced={-1: 1}), r(d, produced={True: 1}),
-        r(d, saw=[]), r(d, saw=None), r(d, saw=({"fact": "ran"},)), r(d, saw=({"a": 1},)), r(d, saw=({1: "a"},)),
-        r(d, saw=({"a": "\ud800"},)), r(d, saw=({},) * 65), r(d, saw=type("T", (tuple,), {})()),
+        r(d, output=2**64),
+        r(d, output=Bytes(b"x")),
+        r(d, output=Float(2.0)),
+        r(d, output=object()),
+        r(d, took_us=True),
+        r(d, took_us=False),
+        r(d, took_us=-1),
+        r(d, took_us=2**63),
+        r(d, took_us=2**63 - 1),
+        r(d, took_us=1.0),
+        r(d, took_us=Int(3)),
+        r(d, took_us=None),
+        r(d, took_us=np.int64(3)),
+        r(d, produced=[]),
+        r(d, produced=None),
+        r(d, produced=Dict()),
+        r(d, produced={0: 1}),
+        r(d, produced={-1: 1}),
+        r(d, produced={True: 1}),
+        r(d, saw=[]),
+        r(d, saw=None),
+        r(d, saw=({"fact": "ran"},)),
+        r(d, saw=({"a": 1},)),
+        r(d, saw=({1: "a"},)),
+        r(d, saw=({"a": "\ud800"},)),
+        r(d, saw=({},) * 65),
+        r(d, saw=type("T", (tuple,), {})()),
     ]
 
 
@@ -609,12 +772,50 @@ def test_a_call_built_wrongly_is_written_or_refused_as_the_long_way_does(msg):
     assert_written_as_the_long_way(msg)
 
 
-_EDGE_SCALARS = [None, True, False, 0, -1, -32, -33, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32,
-                 2**63 - 1, 2**63, 2**64 - 1, -(2**31), -(2**31) - 1, -(2**63), 0.0, -0.0, float("inf"),
-                 float("-inf"), float("nan"), struct.unpack(">d", bytes.fromhex("fff0000000000001"))[0],
-                 struct.unpack(">d", bytes.fromhex("7ff8dead00000000"))[0], 5e-324, "", "a" * 31, "a" * 32,
-                 "a" * 255, "a" * 256, "a" * 65535, "a" * 65536, "a\x00b", b"", b"x" * 255, b"x" * 256,
-                 b"x" * 65535, b"x" * 65536]
+_EDGE_SCALARS = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    -32,
+    -33,
+    127,
+    128,
+    255,
+    256,
+    65535,
+    65536,
+    2**32 - 1,
+    2**32,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    -(2**31),
+    -(2**31) - 1,
+    -(2**63),
+    0.0,
+    -0.0,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    struct.unpack(">d", bytes.fromhex("fff0000000000001"))[0],
+    struct.unpack(">d", bytes.fromhex("7ff8dead00000000"))[0],
+    5e-324,
+    "",
+    "a" * 31,
+    "a" * 32,
+    "a" * 255,
+    "a" * 256,
+    "a" * 65535,
+    "a" * 65536,
+    "a\x00b",
+    b"",
+    b"x" * 255,
+    b"x" * 256,
+    b"x" * 65535,
+    b"x" * 65536,
+]
 
 
 @pytest.mark.parametrize("value", _EDGE_SCALARS, ids=lambda v: repr(v)[:20])
@@ -628,10 +829,12 @@ def test_a_call_of_an_edge_scalar_is_written_as_the_long_way_and_read_back_bit_f
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(value=st.one_of(_SCALARS, st.text(alphabet=st.characters(), max_size=20)),
-       ref=st.one_of(st.integers(-2, 2**64), st.sampled_from([True, False, 2**63 - 1, 2**63])),
-       took=st.one_of(st.integers(-2, 2**64), st.sampled_from([True, 2**63 - 1, 2**63])),
-       watched=st.sampled_from([True, False, 1, None]))
+@given(
+    value=st.one_of(_SCALARS, st.text(alphabet=st.characters(), max_size=20)),
+    ref=st.one_of(st.integers(-2, 2**64), st.sampled_from([True, False, 2**63 - 1, 2**63])),
+    took=st.one_of(st.integers(-2, 2**64), st.sampled_from([True, 2**63 - 1, 2**63])),
+    watched=st.sampled_from([True, False, 1, None]),
+)
 def test_random_calls_are_written_as_the_long_way_writes_them(value, ref, took, watched):
     assert_written_as_the_long_way(Work(ref, None, value, {}, {}, None, watched, DIGEST))
     assert_written_as_the_long_way(Done(ref, value, {}, took, ()))
@@ -646,12 +849,18 @@ def _fitted_before(m: Work, recipe: Recipe) -> Work:
     return Work(m.ref, recipe, m.input, m.keys, m.placement, m.memory, m.watched)
 
 
-@pytest.mark.parametrize("msg", _wrong_works()[38:] + [Work(7, None, 5, {}, {}, None, False, DIGEST),
-                                                        Work(7, None, 5, {1: DIGEST}, {1: "cuda:0"}, "/m", True, DIGEST),
-                                                        Work(7, None, 5, {2: DIGEST}, {}, None, True, DIGEST),
-                                                        Work(7, None, 5, {}, {2: "cpu"}, None, True, DIGEST),
-                                                        Work(7, None, 5, Dict({5: DIGEST}), {}, None, True, DIGEST)],
-                         ids=lambda m: "Work")
+@pytest.mark.parametrize(
+    "msg",
+    _wrong_works()[38:]
+    + [
+        Work(7, None, 5, {}, {}, None, False, DIGEST),
+        Work(7, None, 5, {1: DIGEST}, {1: "cuda:0"}, "/m", True, DIGEST),
+        Work(7, None, 5, {2: DIGEST}, {}, None, True, DIGEST),
+        Work(7, None, 5, {}, {2: "cpu"}, None, True, DIGEST),
+        Work(7, None, 5, Dict({5: DIGEST}), {}, None, True, DIGEST),
+    ],
+    ids=lambda m: "Work",
+)
 def test_fitted_refuses_what_it_refused_before(msg):
     recipe = _recipe()
     before = outcome(_fitted_before, msg, recipe)

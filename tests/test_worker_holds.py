@@ -19,12 +19,12 @@ import time
 
 import pytest
 import zmq
-
 from conftest import BROKER, WORKER, env_with_tests
-from peers import FakeWorker, Raw
 from fabric_nodes import Add
 from holds_nodes import Big, Hold, Mark
+from peers import FakeWorker, Raw
 from reliability_support import wait_until
+
 from somatize import Broker, Refused, Worker
 from somatize.fabric import streams
 from somatize.fabric.conversation import ClientExchange, Violation, WorkerSessions
@@ -77,8 +77,9 @@ def broker_played(processes, patience: str, **options):  # noqa: ANN001, ANN201
     hub = socket_of(zmq.ROUTER, **options)
     hub.bind(url)
     try:
-        processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", patience], announce=None,
-                  env=env_with_tests())
+        processes(
+            [*WORKER, "--broker", url, "--offer", "w1", "--patience", patience], announce=None, env=env_with_tests()
+        )
         assert hub.poll(30_000), "the worker never dialed in"
         route, *frames = hub.recv_multipart()
         assert isinstance(decode(frames), Hello)
@@ -128,7 +129,7 @@ def test_a_dialed_workers_keepalive_goes_out_on_time_while_a_flood_fills_its_que
                     answered += 1
             time.sleep(max(0.0, 0.1 - (time.monotonic() - turn)))
         ended = time.monotonic()
-    gaps = [b - a for a, b in zip(keepalives, [*keepalives[1:], ended])]
+    gaps = [b - a for a, b in zip(keepalives, [*keepalives[1:], ended], strict=False)]
     assert answered > 1000, f"the flood was not answered ({answered} answers): nothing was tested"
     assert len(keepalives) - 1 >= 4, f"{len(keepalives) - 1} keepalives in 8 s with a patience of 1 s"
     assert max(gaps) < 4.5, f"the broker heard no keepalive for {max(gaps):.1f} s (gaps {[round(g, 1) for g in gaps]})"
@@ -170,7 +171,9 @@ def test_an_answer_streaming_back_keeps_its_session_while_another_tenant_crowds_
     lost (and the client took that refusal for its answer, greeted again and ran the piece
     again)."""
     hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"], env=env_with_tests())
-    processes([*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--patience", "2"], announce=None, env=env_with_tests())
+    processes(
+        [*WORKER, "--broker", hub.endpoint, "--offer", "w1", "--patience", "2"], announce=None, env=env_with_tests()
+    )
     size = 20 << 20
     victim = Raw(hub.endpoint)
     crowd: list[Raw] = []
@@ -187,8 +190,14 @@ def test_an_answer_streaming_back_keeps_its_session_while_another_tenant_crowds_
             assert isinstance(chunk, Chunk), chunk
             got += inbound.chunk(b"", chunk)[0]
 
-        fat = Runtime(RT.wire, RT.python, RT.somatize, RT.cloudpickle,
-                      tuple(f"k{i:03d}" + "x" * 61 for i in range(1000)), "project")
+        fat = Runtime(
+            RT.wire,
+            RT.python,
+            RT.somatize,
+            RT.cloudpickle,
+            tuple(f"k{i:03d}" + "x" * 61 for i in range(1000)),
+            "project",
+        )
         for _ in range(140):
             raw = Raw(hub.endpoint)
             crowd.append(raw)
@@ -256,11 +265,25 @@ def test_revoking_a_key_ends_its_running_work_and_delivers_nothing_more_of_it(pr
     on to its next node, streamed its `Saw` facts and delivered its `Done` seconds after the
     reload. Now the reload ends it: the client hears `Refused` (no longer allowed) at once,
     the piece runs no further node, and no fact of it arrives after the reload."""
-    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--key", str(keyring["w1_secret"]),
-                        "--allow", str(keyring["allow"]), "--log-level", "info"], env=env_with_tests())
+    worker = processes(
+        [
+            *WORKER,
+            "--listen",
+            "127.0.0.1:0",
+            "--announce",
+            "--key",
+            str(keyring["w1_secret"]),
+            "--allow",
+            str(keyring["allow"]),
+            "--log-level",
+            "info",
+        ],
+        env=env_with_tests(),
+    )
     started, release, finished, marked = (tmp_path / n for n in ("started", "release", "finished", "marked"))
-    graph = (Hold(str(started), str(release), str(finished)).named("hold").at("w1")
-             >> Mark(str(marked)).named("mark").at("w1"))
+    graph = Hold(str(started), str(release), str(finished)).named("hold").at("w1") >> Mark(str(marked)).named(
+        "mark"
+    ).at("w1")
 
     def keyed(who: str) -> Broker:
         keys = Keys.client(keyring[who + "_secret"], server=keyring["w1"])
@@ -270,6 +293,7 @@ def test_revoking_a_key_ends_its_running_work_and_delivers_nothing_more_of_it(pr
     outcome: list = []
     alice = keyed("alice")
     try:
+
         def forward() -> None:
             try:
                 outcome.append(graph.forward(1, broker=alice, watching=[lambda f: facts.append((time.monotonic(), f))]))
@@ -289,6 +313,7 @@ def test_revoking_a_key_ends_its_running_work_and_delivers_nothing_more_of_it(pr
         release.write_text("go")
         wait_until(finished.exists, 30, "the held node returning")
         with keyed("bob") as bob:  # the worker is free again once the abandoned piece is over
+
             def bob_ran() -> bool:
                 try:
                     return Add(1).named("a").at("w1").forward(1, broker=bob) == 2
@@ -325,8 +350,9 @@ def test_a_label_that_reads_like_a_stale_import_neither_forges_advice_nor_floods
         assert isinstance(raw.ask(Work(1, Recipe((spec_of(Add(1).named("a")),), ("step", 0)), 1, watched=False)), Done)
         for ref in range(2, 122):
             target = "fabric_nodes:Nope" if ref % 2 else "fabric_nodes:Boom"
-            answers.append(raw.ask(Work(ref, Recipe((NodeSpec(label, False, "project", target),), ("step", 0)), 1,
-                                        watched=False)))
+            answers.append(
+                raw.ask(Work(ref, Recipe((NodeSpec(label, False, "project", target),), ("step", 0)), 1, watched=False))
+            )
         assert isinstance(raw.ask(Hello(RT)), Ready)  # everything before it was handled
     finally:
         raw.close()
@@ -337,7 +363,6 @@ def test_a_label_that_reads_like_a_stale_import_neither_forges_advice_nor_floods
     assert "older import" not in said
     lines = [line for line in said.splitlines() if line.strip()]
     assert len(lines) <= 30, f"120 bad messages wrote {len(lines)} lines to the worker's log"
-
 
 
 def test_busy_spells_one_after_another_write_one_line_to_the_workers_log(processes, tmp_path):
@@ -352,13 +377,17 @@ def test_busy_spells_one_after_another_write_one_line_to_the_workers_log(process
         assert isinstance(raw.ask(Hello(RT)), Ready)
         with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}) as holder:
             for spell in range(3):
-                started, release, finished = (tmp_path / f"{what}{spell}" for what in ("started", "release", "finished"))
+                started, release, finished = (
+                    tmp_path / f"{what}{spell}" for what in ("started", "release", "finished")
+                )
                 hold = Hold(str(started), str(release), str(finished)).named("hold").at("w1")
                 thread = threading.Thread(target=hold.forward, args=(spell,), kwargs={"broker": holder})
                 thread.start()
                 wait_until(started.exists, 30, "the held piece running")
                 for n in range(2):
-                    work = Work(10 * spell + n + 1, Recipe((spec_of(Add(1).named("a")),), ("step", 0)), 1, watched=False)
+                    work = Work(
+                        10 * spell + n + 1, Recipe((spec_of(Add(1).named("a")),), ("step", 0)), 1, watched=False
+                    )
                     refusals.append(raw.ask(work))
                 release.write_text("go")
                 thread.join(30)
@@ -411,11 +440,16 @@ def test_a_big_message_dropped_for_being_slow_is_refused_naming_its_work(process
     sender waiting until its own deadline, told nothing. Now the worker refuses it at once,
     naming the Work whose header had arrived, so the client ends that call and no other.
     (The worker runs with a grace of 2 s instead of 30, as in test_redteam.)"""
-    quick = ("import sys; import somatize.fabric.streams as s; s.GRACE = 2.0; "
-             "from somatize.worker import main; sys.exit(main(sys.argv[1:]))")
+    quick = (
+        "import sys; import somatize.fabric.streams as s; s.GRACE = 2.0; "
+        "from somatize.worker import main; sys.exit(main(sys.argv[1:]))"
+    )
     hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"])
-    processes([WORKER[0], "-c", quick, "--broker", hub.endpoint, "--offer", "w1", "--patience", "2"],
-              announce=None, env=env_with_tests())
+    processes(
+        [WORKER[0], "-c", quick, "--broker", hub.endpoint, "--offer", "w1", "--patience", "2"],
+        announce=None,
+        env=env_with_tests(),
+    )
     client = Raw(hub.endpoint)
     try:
         wait_until(lambda: isinstance(client.ask(Where("w1"), 2.0), Located), 20, "w1 dialing in")

@@ -23,8 +23,7 @@ def pyarrow_modules(kind: str = "") -> tuple[Any, Any]:
         import pyarrow.ipc
     except ImportError as exc:
         raise Unreadable(
-            f"bytes of kind `{kind}` arrived and pyarrow is not installed here: "
-            f"pip install somatize[arrow]"
+            f"bytes of kind `{kind}` arrived and pyarrow is not installed here: pip install somatize[arrow]"
         ) from exc
     return pyarrow, pyarrow.ipc
 
@@ -61,9 +60,7 @@ def check(kind: str, view: memoryview) -> None:
     except Unreadable:
         raise
     except Exception as exc:
-        raise Unreadable(
-            f"bytes of kind `{kind}` are not a valid Arrow IPC stream ({type(exc).__name__})"
-        ) from exc
+        raise Unreadable(f"bytes of kind `{kind}` are not a valid Arrow IPC stream ({type(exc).__name__})") from exc
 
 
 _SCHEMA, _DICTIONARY_BATCH, _RECORD_BATCH = 1, 2, 3  # Arrow's MessageHeader union
@@ -127,15 +124,11 @@ def load(kind: str, view: memoryview) -> Any:
         else:
             batches = list(reader)
             if len(batches) != 1:
-                raise Unreadable(
-                    f"bytes of kind `{kind}` hold {len(batches)} record batches instead of one"
-                )
+                raise Unreadable(f"bytes of kind `{kind}` hold {len(batches)} record batches instead of one")
             out = batches[0]
         out.validate(full=True)  # do not trust the bytes: offsets, lengths, UTF-8
     except Unreadable:
         raise
     except Exception as exc:
-        raise Unreadable(
-            f"bytes of kind `{kind}` are not a valid Arrow IPC stream ({type(exc).__name__})"
-        ) from exc
+        raise Unreadable(f"bytes of kind `{kind}` are not a valid Arrow IPC stream ({type(exc).__name__})") from exc
     return out

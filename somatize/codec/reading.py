@@ -51,9 +51,7 @@ TAKES_BUFFERS = frozenset({TENSOR})
 
 def _frame_views(frames: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
     if isinstance(frames, (str, bytes, bytearray, memoryview)) or not isinstance(frames, Sequence):
-        raise Unreadable(
-            f"frames have to be a sequence of buffers; they were a `{type(frames).__name__}`"
-        )
+        raise Unreadable(f"frames have to be a sequence of buffers; they were a `{type(frames).__name__}`")
     return [bytes_of(f, f"frame {i}") for i, f in enumerate(frames)]
 
 
@@ -115,8 +113,7 @@ class Checker:
         if t is not list:
             if t not in INLINE_TYPES:
                 raise Unreadable(
-                    f"a descriptor is built of None, bool, int, float, str, bytes and lists; "
-                    f"it held a `{t.__name__}`"
+                    f"a descriptor is built of None, bool, int, float, str, bytes and lists; it held a `{t.__name__}`"
                 )
             self.kinds.add(PLAIN)
             return
@@ -208,8 +205,7 @@ class Checker:
         if dt is None:
             shown = repr(s) if type(s) is str and len(s) <= 16 else f"a `{type(s).__name__}`"
             raise Unreadable(
-                f"the dtype {shown} is not one somatize reads: it reads {DTYPE_WORDS}, "
-                f"in either byte order"
+                f"the dtype {shown} is not one somatize reads: it reads {DTYPE_WORDS}, in either byte order"
             )
         return dt
 
@@ -218,8 +214,7 @@ class Checker:
             raise Unreadable(f"a {what} node points to a frame with something other than an index")
         if self.views is not None and i >= len(self.views):
             raise Unreadable(
-                f"a {what} node points to frame {i}, and there are only {len(self.views)}: "
-                f"frames are missing"
+                f"a {what} node points to frame {i}, and there are only {len(self.views)}: frames are missing"
             )
         if i in self.used:
             raise Unreadable(f"frame {i} is pointed to twice; each frame holds one value")
@@ -240,9 +235,7 @@ class Checker:
         itemsize = tensors.ITEMSIZE.get(name) if type(name) is str else None
         if itemsize is None:
             shown = repr(name) if type(name) is str and len(name) <= 16 else f"a `{type(name).__name__}`"
-            raise Unreadable(
-                f"the tensor dtype {shown} is not one somatize reads: it reads {tensors.WORDS}"
-            )
+            raise Unreadable(f"the tensor dtype {shown} is not one somatize reads: it reads {tensors.WORDS}")
         count = check_shape(d[2], itemsize, "a tensor")
         i = self.frame(d[3], "tensor")
         if self.views is not None:
@@ -255,9 +248,7 @@ class Reader:
 
     __slots__ = ("views", "frames", "codecs", "wanted")
 
-    def __init__(
-        self, views: list[memoryview], frames: Sequence[Any], codecs: dict[str, Entry], wanted: bool
-    ) -> None:
+    def __init__(self, views: list[memoryview], frames: Sequence[Any], codecs: dict[str, Entry], wanted: bool) -> None:
         self.views = views
         self.frames = frames
         self.codecs = codecs
@@ -300,9 +291,7 @@ class Reader:
         try:
             loaded = entry.load(raw)
         except Exception as exc:
-            raise Unreadable(
-                f"the codec for `{kind}` raised {type(exc).__name__} while reading its bytes"
-            ) from exc
+            raise Unreadable(f"the codec for `{kind}` raised {type(exc).__name__} while reading its bytes") from exc
         return Opaque(loaded) if tag == "O" else loaded
 
 
@@ -381,9 +370,7 @@ def kinds_in(descriptor: Any) -> set[str]:
     return checker.kinds
 
 
-def decode(
-    descriptor: Any, frames: Sequence[bytes | bytearray | memoryview], *, views: bool = False
-) -> Any:
+def decode(descriptor: Any, frames: Sequence[bytes | bytearray | memoryview], *, views: bool = False) -> Any:
     """The value ``encode`` wrote as ``(descriptor, frames)``.
 
     The descriptor's nodes are lists (as MessagePack unpacks them with ``use_list=True``;
@@ -430,9 +417,7 @@ def _magic(mv: memoryview, total: int) -> int:
         raise Unreadable("these bytes are not somatize's written form: they do not start with SMZ1")
     end = FIXED.size + FIXED.unpack_from(mv)[1]
     if end > total:
-        raise Unreadable(
-            f"the written form is cut short: its header needs {end} bytes and there are {total}"
-        )
+        raise Unreadable(f"the written form is cut short: its header needs {end} bytes and there are {total}")
     return end
 
 
@@ -450,29 +435,21 @@ def _layout(mv: memoryview, total: int) -> tuple[Any, list[tuple[int, int]]]:
             ext_hook=_no_ext,
         )
     except Exception as exc:
-        raise Unreadable(
-            f"the written form's header is not valid MessagePack ({type(exc).__name__})"
-        ) from exc
+        raise Unreadable(f"the written form's header is not valid MessagePack ({type(exc).__name__})") from exc
     if type(header) is not list or len(header) != 2 or type(header[1]) is not list:
         raise Unreadable("the written form's header is not [descriptor, [frame lengths]]")
     descriptor, lengths = header
     spans = []
     for i, n in enumerate(lengths):
         if type(n) is not int or n < 0:
-            raise Unreadable(
-                f"the written form's header gives frame {i} a length that is not a size"
-            )
+            raise Unreadable(f"the written form's header gives frame {i} a length that is not a size")
         start = end + (-end % ALIGN)
         end = start + n
         if end > total:
-            raise Unreadable(
-                f"the written form is cut short: frame {i} ends at byte {end} and there are {total}"
-            )
+            raise Unreadable(f"the written form is cut short: frame {i} ends at byte {end} and there are {total}")
         spans.append((start, end))
     if end != total:
-        raise Unreadable(
-            f"the written form holds {total - end} bytes more than its header accounts for"
-        )
+        raise Unreadable(f"the written form holds {total - end} bytes more than its header accounts for")
     return descriptor, spans
 
 

@@ -60,9 +60,7 @@ _now = _Registry({}, {})
 _judge: Callable[[Entry | None, Entry | None], None] | None = None
 
 
-def codec(
-    kind: str, type_: type, *, dump: Callable[[T], bytes], load: Callable[[bytes], T]
-) -> None:
+def codec(kind: str, type_: type, *, dump: Callable[[T], bytes], load: Callable[[bytes], T]) -> None:
     """Say how to write a ``type_`` down (``dump``) and read it back (``load``), under ``kind``.
 
     Call it in the module that defines the type, so that whoever can build one can also
@@ -141,8 +139,10 @@ def forget(kind: str) -> None:
     with _lock:
         if _judge is not None and kind in _now.by_kind:
             _judge(None, _now.by_kind[kind])
-        _now = _Registry({k: c for k, c in _now.by_kind.items() if k != kind},
-                         {t: c for t, c in _now.by_type.items() if c.kind != kind})
+        _now = _Registry(
+            {k: c for k, c in _now.by_kind.items() if k != kind},
+            {t: c for t, c in _now.by_type.items() if c.kind != kind},
+        )
 
 
 def _judged_by(judge: Callable[[Entry | None, Entry | None], None] | None) -> Callable | None:
@@ -163,8 +163,9 @@ def _put_back(before: object) -> tuple[str, ...]:
     global _now
     with _lock:
         now = _now
-        changed = {k for k in now.by_kind.keys() | before.by_kind.keys()
-                   if now.by_kind.get(k) is not before.by_kind.get(k)}
+        changed = {
+            k for k in now.by_kind.keys() | before.by_kind.keys() if now.by_kind.get(k) is not before.by_kind.get(k)
+        }
         if not changed:
             return ()
         by_kind = {k: c for k, c in now.by_kind.items() if k not in changed}
@@ -251,8 +252,7 @@ def for_kind(kind: str) -> Entry:
         ) from exc
     except Exception as exc:
         raise Unreadable(
-            f"bytes of kind `{kind}` arrived, and importing `{module}` to read them raised "
-            f"{type(exc).__name__}"
+            f"bytes of kind `{kind}` arrived, and importing `{module}` to read them raised {type(exc).__name__}"
         ) from exc
     entry = _now.by_kind.get(kind)
     if entry is None:

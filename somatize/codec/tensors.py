@@ -81,18 +81,13 @@ def torch_module() -> Any:
 
 def dtypes(torch: Any) -> dict[str, Any]:
     """The dtypes of the list above that this torch has, by name."""
-    return {
-        name: getattr(torch, name)
-        for name in ITEMSIZE
-        if isinstance(getattr(torch, name, None), torch.dtype)
-    }
+    return {name: getattr(torch, name) for name in ITEMSIZE if isinstance(getattr(torch, name, None), torch.dtype)}
 
 
 def little_endian(what: str) -> None:
     if sys.byteorder != "little":
         raise (Unwritable if what == "written down" else Unreadable)(
-            f"somatize writes tensors little-endian, and this machine is big-endian: "
-            f"tensors cannot be {what} here"
+            f"somatize writes tensors little-endian, and this machine is big-endian: tensors cannot be {what} here"
         )
 
 
@@ -122,7 +117,7 @@ def writable(t: Any) -> str:
     if t.is_meta:
         raise Unwritable(
             "a tensor on the `meta` device has a shape and no data, so there is nothing to "
-            "write down. Materialise it first (`torch.zeros_like(t, device=\"cpu\")`, or "
+            'write down. Materialise it first (`torch.zeros_like(t, device="cpu")`, or '
             "load its weights), or send its shape instead"
         )
     name = str(t.dtype).removeprefix("torch.")

@@ -137,8 +137,7 @@ class Writer:
             )
         if a.ndim > MAX_NDIM:
             raise Unwritable(
-                f"a NumPy array with {a.ndim} dimensions cannot be written down: readers accept "
-                f"at most {MAX_NDIM}"
+                f"a NumPy array with {a.ndim} dimensions cannot be written down: readers accept at most {MAX_NDIM}"
             )
         if not a.flags.c_contiguous:
             a = a.copy(order="C")  # the one copy; a contiguous array is sent as it is
@@ -191,17 +190,13 @@ def dump_with(entry: Entry, v: Any) -> memoryview | bytes:
         raise  # the codec's own sentence (a sparse tensor: "call .to_dense()") says it best
     except Exception as exc:
         raise Unwritable(
-            f"the codec for `{entry.kind}` raised {type(exc).__name__} while writing a "
-            f"`{type(v).__name__}` down"
+            f"the codec for `{entry.kind}` raised {type(exc).__name__} while writing a `{type(v).__name__}` down"
         ) from exc
     if type(raw) is bytes:
         return raw
     if isinstance(raw, (bytes, bytearray, memoryview)):
         return byte_view(raw)
-    raise BadCodec(
-        f"the codec for `{entry.kind}` has to return bytes, and it returned a "
-        f"`{type(raw).__name__}`"
-    )
+    raise BadCodec(f"the codec for `{entry.kind}` has to return bytes, and it returned a `{type(raw).__name__}`")
 
 
 def encode(value: Any) -> tuple[Any, list[memoryview | bytes]]:

@@ -49,10 +49,15 @@ class _Line(logging.Formatter):
 
 
 def log_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", choices=LEVELS, default=None, type=str.lower,
-                        help="how much to say on stderr: debug, info (the default: one line per "
-                             "start, stop, reload, host dialing in or leaving, refusal, redial), "
-                             "warning or error")
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default=None,
+        type=str.lower,
+        help="how much to say on stderr: debug, info (the default: one line per "
+        "start, stop, reload, host dialing in or leaving, refusal, redial), "
+        "warning or error",
+    )
 
 
 def configure_log(level: str | None = "info") -> logging.Logger:
@@ -93,18 +98,27 @@ def count(text: str) -> int:
 
 
 def patience_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--patience", type=seconds, default=sockets.PATIENCE, metavar="SECONDS",
-                        help=f"how long a silent peer is waited for before it counts as gone "
-                             f"(default {sockets.PATIENCE:g})")
+    parser.add_argument(
+        "--patience",
+        type=seconds,
+        default=sockets.PATIENCE,
+        metavar="SECONDS",
+        help=f"how long a silent peer is waited for before it counts as gone (default {sockets.PATIENCE:g})",
+    )
 
 
 def key_options(parser: argparse.ArgumentParser, *, workers: bool = False) -> None:
-    parser.add_argument("--key", metavar="FILE.key_secret", help="this side's CURVE key pair (from `python -m somatize keys`)")
+    parser.add_argument(
+        "--key", metavar="FILE.key_secret", help="this side's CURVE key pair (from `python -m somatize keys`)"
+    )
     parser.add_argument("--allow", metavar="DIR", help="the folder of client public keys (.key) allowed in")
     if workers:
-        parser.add_argument("--allow-workers", metavar="DIR",
-                            help="the folder of worker public keys (.key) that may dial in and offer hosts; "
-                                 "a key only in --allow may ask for hosts but never offer one")
+        parser.add_argument(
+            "--allow-workers",
+            metavar="DIR",
+            help="the folder of worker public keys (.key) that may dial in and offer hosts; "
+            "a key only in --allow may ask for hosts but never offer one",
+        )
 
 
 def server_keys(args: argparse.Namespace, who: str) -> Keys | None | bool:
@@ -115,8 +129,11 @@ def server_keys(args: argparse.Namespace, who: str) -> Keys | None | bool:
             return False
         return None
     if args.key is None or args.allow is None:
-        print(f"somatize {who}: --key and --allow go together: a key pair to prove who this is, "
-              f"and the folder of client keys it lets in", file=sys.stderr)
+        print(
+            f"somatize {who}: --key and --allow go together: a key pair to prove who this is, "
+            f"and the folder of client keys it lets in",
+            file=sys.stderr,
+        )
         return False
     try:
         return Keys.server(args.key, allow=args.allow, workers=getattr(args, "allow_workers", None))
@@ -139,8 +156,11 @@ def may_listen(url: str, *, insecure: bool, who: str, risk: str, keyed: bool = F
             file=sys.stderr,
         )
         return False
-    print(f"somatize {who}: WARNING: listening on {url} with no keys (--insecure): {risk} is open "
-          f"to anyone who can reach it", file=sys.stderr)
+    print(
+        f"somatize {who}: WARNING: listening on {url} with no keys (--insecure): {risk} is open "
+        f"to anyone who can reach it",
+        file=sys.stderr,
+    )
     return True
 
 

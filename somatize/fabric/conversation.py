@@ -43,7 +43,8 @@ from ..wire import (
 )
 from .proofs import sealed
 
-__all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]
+# BrokerView comes through this module's __getattr__ (below), from broker/view.py
+__all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]  # noqa: F822
 
 TERMINAL = (Done, Failed, Refusal)
 _CLOSING = (Send, *TERMINAL)  # the answers that close the work they answer

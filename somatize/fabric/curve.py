@@ -46,7 +46,7 @@ def make_pair(folder: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
 
 
 def _certificate(public: bytes, secret: bytes | None) -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     lines = [
         f"#   ****  Generated on {stamp} by somatize  ****",
         "#   ZeroMQ CURVE " + ("**Secret** Certificate: keep it to yourself" if secret else "Public Certificate"),
@@ -123,7 +123,9 @@ class Keys:
         return f"Keys.{role}(public={self.public.decode()!r})"
 
     @classmethod
-    def client(cls, secret_file: str | os.PathLike[str], *, server: str | os.PathLike[str] | bytes | None = None) -> Keys:
+    def client(
+        cls, secret_file: str | os.PathLike[str], *, server: str | os.PathLike[str] | bytes | None = None
+    ) -> Keys:
         """This client's pair, and the server's public key (a ``.key`` file or its Z85 text).
         For ``Broker.at`` the server key is the broker's; the workers' come from the broker."""
         public, secret = read_secret(secret_file)
@@ -378,8 +380,9 @@ def hung_up(event: int, keys: Keys | None, address: str, timeout: float, *, with
     return verdict
 
 
-def handshake_refusal(event: int, *, who: str, keys: Keys | None, server_key: bytes | None,
-                      allow: str, server_key_from: str) -> str:
+def handshake_refusal(
+    event: int, *, who: str, keys: Keys | None, server_key: bytes | None, allow: str, server_key_from: str
+) -> str:
     """Why ``who`` refused this client's handshake, from the monitor ``event`` that said so,
     as a sentence with its fix. ``allow``: where this client's public key must be (and how
     that server reloads it); ``server_key_from``: where the server's key given here came from.
@@ -390,19 +393,27 @@ def handshake_refusal(event: int, *, who: str, keys: Keys | None, server_key: by
     server key given here is not the server's own)."""
     head = f"{who} refused this client's CURVE handshake"
     if keys is None:
-        return (f"{head}: it listens with CURVE keys, and this client has none. This client has no keys: "
-                f"pass `keys=Keys.client(\"me.key_secret\", server=...)` to `Broker.at`, and put `me.key` in {allow}")
+        return (
+            f"{head}: it listens with CURVE keys, and this client has none. This client has no keys: "
+            f'pass `keys=Keys.client("me.key_secret", server=...)` to `Broker.at`, and put `me.key` in {allow}'
+        )
     mine = short(keys.public)
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"{head}: this client's credentials, its public key ({mine}…), are not in its allow "
-                f"folder. Copy this client's `.key` into {allow}")
+        return (
+            f"{head}: this client's credentials, its public key ({mine}…), are not in its allow "
+            f"folder. Copy this client's `.key` into {allow}"
+        )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return (f"{head}: this client has CURVE keys and it listens without any. Drop `keys=` for it, or "
-                f"start it with --key and --allow")
+        return (
+            f"{head}: this client has CURVE keys and it listens without any. Drop `keys=` for it, or "
+            f"start it with --key and --allow"
+        )
     theirs = f" ({short(server_key)}…)" if server_key else ""
-    return (f"{head}: it could not read this client's handshake, so the server key given here{theirs} "
-            f"is not its own. Give its own `.key` ({server_key_from}); then, if it still refuses, check "
-            f"that this client's public key ({mine}…) is in {allow}")
+    return (
+        f"{head}: it could not read this client's handshake, so the server key given here{theirs} "
+        f"is not its own. Give its own `.key` ({server_key_from}); then, if it still refuses, check "
+        f"that this client's public key ({mine}…) is in {allow}"
+    )
 
 
 def as_server(sock: zmq.Socket, keys: Keys) -> None:

@@ -62,21 +62,26 @@ def expand(hosts: dict[str, Worker | Pool]) -> dict[str, Worker]:
     """A host table with each pool laid out as its members; a name is refused where it is
     both a pool's and a host's own (``gpu`` and ``gpu#0`` declared apart)."""
     if not isinstance(hosts, dict):
-        raise TypeError("a host table is a dict of host names to `Worker.spawn(...)`, `Worker.at(...)` "
-                        "or `Worker.inprocess()`")
+        raise TypeError(
+            "a host table is a dict of host names to `Worker.spawn(...)`, `Worker.at(...)` or `Worker.inprocess()`"
+        )
     out: dict[str, Worker] = {}
     for name, declared in hosts.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"a host's name is a non-empty str; got {name!r}")
         if isinstance(declared, Pool):
             if pool_of(name) is not None:
-                raise ValueError(f"a pool's name cannot look like a member's: {name!r} (use {name.rpartition('#')[0]!r})")
+                raise ValueError(
+                    f"a pool's name cannot look like a member's: {name!r} (use {name.rpartition('#')[0]!r})"
+                )
             laid = declared.hosts(name)
         elif isinstance(declared, Worker):
             laid = {name: declared}
         else:
-            raise TypeError(f"host {name!r} is declared as a `{type(declared).__name__}`; use `Worker.spawn(...)`, "
-                            "`Worker.at(...)` or `Worker.inprocess()`")
+            raise TypeError(
+                f"host {name!r} is declared as a `{type(declared).__name__}`; use `Worker.spawn(...)`, "
+                "`Worker.at(...)` or `Worker.inprocess()`"
+            )
         for host, worker in laid.items():
             if host in out:
                 raise ValueError(f"host {host!r} is declared twice: once on its own and once as a pool's member")
@@ -86,8 +91,9 @@ def expand(hosts: dict[str, Worker | Pool]) -> dict[str, Worker]:
 
 def _processes(processes: object) -> int:
     if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= POOL_MOST:
-        raise TypeError(f"`processes=` takes how many workers to start under the one name, 1 to {POOL_MOST:,}; "
-                        f"got {processes!r}")
+        raise TypeError(
+            f"`processes=` takes how many workers to start under the one name, 1 to {POOL_MOST:,}; got {processes!r}"
+        )
     return processes
 
 
@@ -149,17 +155,31 @@ class Worker:
         if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
             raise TypeError(
                 "`Worker.spawn` takes the command as a list of strings, such as "
-                "`[sys.executable, \"-m\", \"somatize.worker\"]`"
+                '`[sys.executable, "-m", "somatize.worker"]`'
             )
         own = mount is None
         if mount is False:
             mount = None
         if own:  # chosen when the child starts (`spawn.Child`): a name taken meanwhile means the socket
             _views(views, _mount.own_folder())
-            return cls("spawn", argv=tuple(argv), mode=_mode(mode), send=tuple(send), own_mount=True,
-                       deadline=_deadline(deadline), views=views)
-        return cls("spawn", argv=tuple(argv), mode=_mode(mode), send=tuple(send), mount=_folder(mount, here=True),
-                   deadline=_deadline(deadline), views=_views(views, mount))
+            return cls(
+                "spawn",
+                argv=tuple(argv),
+                mode=_mode(mode),
+                send=tuple(send),
+                own_mount=True,
+                deadline=_deadline(deadline),
+                views=views,
+            )
+        return cls(
+            "spawn",
+            argv=tuple(argv),
+            mode=_mode(mode),
+            send=tuple(send),
+            mount=_folder(mount, here=True),
+            deadline=_deadline(deadline),
+            views=_views(views, mount),
+        )
 
     @classmethod
     def at(
@@ -183,14 +203,26 @@ class Worker:
         if isinstance(address, (list, tuple)):
             if not address or len(address) > POOL_MOST:
                 raise TypeError(f"`Worker.at` takes 1 to {POOL_MOST:,} addresses for a pool; got {len(address)}")
-            return Pool(tuple(cls.at(a, mode=mode, send=send, mount=mount, keys=keys, deadline=deadline, views=views)
-                              for a in address))
+            return Pool(
+                tuple(
+                    cls.at(a, mode=mode, send=send, mount=mount, keys=keys, deadline=deadline, views=views)
+                    for a in address
+                )
+            )
         if not isinstance(address, str) or not address:
-            raise TypeError("`Worker.at` takes an address such as \"10.0.0.4:7000\"")
+            raise TypeError('`Worker.at` takes an address such as "10.0.0.4:7000"')
         if keys is not None and (not isinstance(keys, Keys) or keys.server_key is None):
             raise TypeError("`keys=` takes `Keys.client(secret_file, server=the worker's .key file)`")
-        return cls("at", address=address, mode=_mode(mode), send=tuple(send), mount=_folder(mount, here=False), keys=keys,
-                   deadline=_deadline(deadline), views=_views(views, mount))
+        return cls(
+            "at",
+            address=address,
+            mode=_mode(mode),
+            send=tuple(send),
+            mount=_folder(mount, here=False),
+            keys=keys,
+            deadline=_deadline(deadline),
+            views=_views(views, mount),
+        )
 
     @classmethod
     def inprocess(cls) -> Worker:
@@ -202,8 +234,8 @@ class Worker:
 def _mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(
-            f"a worker's mode is \"project\" (nodes travel by import name; the worker has "
-            f"your code) or \"network\" (nodes travel as cloudpickle artifacts); got {mode!r}"
+            f'a worker\'s mode is "project" (nodes travel by import name; the worker has '
+            f'your code) or "network" (nodes travel as cloudpickle artifacts); got {mode!r}'
         )
     return mode
 
@@ -214,7 +246,7 @@ def _folder(mount: object, *, here: bool) -> str | None:
     if mount is None:
         return None
     if not isinstance(mount, str) or not mount:
-        raise TypeError("`mount=` takes a directory path both ends can see, such as \"/dev/shm/somatize\"")
+        raise TypeError('`mount=` takes a directory path both ends can see, such as "/dev/shm/somatize"')
     if not here:
         if not os.path.isabs(mount):
             raise ValueError(
@@ -234,7 +266,7 @@ def _views(views: object, mount: object) -> bool:
     if views and mount is None:
         raise ValueError(
             "`views=True` makes answers views of the shared memory of a mount; this worker has none: "
-            "give it `mount=\"/dev/shm/somatize\"` too, or leave `views` out"
+            'give it `mount="/dev/shm/somatize"` too, or leave `views` out'
         )
     return views
 
@@ -243,7 +275,9 @@ def _deadline(deadline: object) -> float | None:
     if deadline is None:
         return None
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
-        raise TypeError(f"`deadline=` takes seconds as a number, like `deadline=30`; it was given a `{type(deadline).__name__}`")
+        raise TypeError(
+            f"`deadline=` takes seconds as a number, like `deadline=30`; it was given a `{type(deadline).__name__}`"
+        )
     if not 0 < deadline < float("inf"):
         raise ValueError(f"`deadline=` takes a positive, finite number of seconds; it was given {deadline!r}")
     return float(deadline)

@@ -97,8 +97,7 @@ def byte_view(frame: Any) -> memoryview:
 
 
 def map_shared(descriptor: int, size: int) -> mmap.mmap:
-    return mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED | _POPULATE,
-                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def open_folder(root: Path) -> int:

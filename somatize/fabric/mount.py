@@ -66,7 +66,10 @@ _lock = threading.Lock()
 
 
 def write(
-    frames: Sequence[bytes | memoryview], folder: str | os.PathLike[str], *, answering: Mounted | None = None,
+    frames: Sequence[bytes | memoryview],
+    folder: str | os.PathLike[str],
+    *,
+    answering: Mounted | None = None,
     seal_key: bytes | None = None,
 ) -> tuple[list, list[Path]]:
     """Write ``frames[1:]`` to files in ``folder``; return the frames of the ``Mounted``
@@ -139,7 +142,9 @@ def private(folder: str | os.PathLike[str]) -> Path:
     except FileExistsError:
         pass  # made meanwhile: checked below like any other
     except OSError as exc:
-        raise Refused(f"the mount folder {root} could not be made: {exc}; give `mount=` a folder you can create") from exc
+        raise Refused(
+            f"the mount folder {root} could not be made: {exc}; give `mount=` a folder you can create"
+        ) from exc
     why = unsafe(root)
     if why:
         raise Refused(why)
@@ -183,21 +188,27 @@ def unsafe(folder: str | os.PathLike[str]) -> str | None:
     try:
         link = os.lstat(root)
         if stat.S_ISLNK(link.st_mode) and link.st_uid != me:
-            return (f"the mount folder {root} is a symbolic link made by user {link.st_uid}, not by you; "
-                    f"give `mount=` a folder of your own")
+            return (
+                f"the mount folder {root} is a symbolic link made by user {link.st_uid}, not by you; "
+                f"give `mount=` a folder of your own"
+            )
         info = os.stat(root)
     except OSError as exc:
         return f"the mount folder {root} cannot be used: {exc}"
     if not stat.S_ISDIR(info.st_mode):
         return f"the mount folder {root} is not a directory; give `mount=` a folder"
     if info.st_uid != me:
-        return (f"the mount folder {root} belongs to user {info.st_uid}, not to you (user {me}): cargo there "
-                f"could be read or replaced by its owner; give `mount=` a folder of your own, such as a new "
-                f"one in /dev/shm, and it is made 0700")
+        return (
+            f"the mount folder {root} belongs to user {info.st_uid}, not to you (user {me}): cargo there "
+            f"could be read or replaced by its owner; give `mount=` a folder of your own, such as a new "
+            f"one in /dev/shm, and it is made 0700"
+        )
     if info.st_mode & 0o022:
-        return (f"the mount folder {root} is writable by {'group and others' if info.st_mode & 0o002 else 'its group'} "
-                f"(mode {stat.S_IMODE(info.st_mode):04o}): anyone who may write there could plant links for the "
-                f"worker to read; run `chmod 700 {root}`, or give `mount=` a new folder and it is made 0700")
+        return (
+            f"the mount folder {root} is writable by {'group and others' if info.st_mode & 0o002 else 'its group'} "
+            f"(mode {stat.S_IMODE(info.st_mode):04o}): anyone who may write there could plant links for the "
+            f"worker to read; run `chmod 700 {root}`, or give `mount=` a new folder and it is made 0700"
+        )
     return None
 
 
@@ -297,7 +308,9 @@ def _owner_prefix(msg: Mounted | None) -> str | None:
     return f"{match.group(1)}-{match.group(2)}" if match else None
 
 
-def opened(directory: int, root: Path, name: str, *, writable: bool = False, need: int = 0) -> tuple[int, os.stat_result]:
+def opened(
+    directory: int, root: Path, name: str, *, writable: bool = False, need: int = 0
+) -> tuple[int, os.stat_result]:
     """A cargo file named in a message, opened (read-only, or read-write for a pooled
     segment) after the checks: a name the mount makes, no link followed, a regular file,
     this user's, one link, at least ``need`` bytes. ``ProtocolError`` otherwise; the caller
@@ -323,8 +336,11 @@ def opened(directory: int, root: Path, name: str, *, writable: bool = False, nee
         if info.st_uid != os.geteuid() or info.st_nlink != 1:
             raise ProtocolError(
                 f"a mounted message names `{name}` in {root}, which "
-                + (f"belongs to user {info.st_uid}, not to this one" if info.st_uid != os.geteuid()
-                   else f"has {info.st_nlink} links (cargo has one)")
+                + (
+                    f"belongs to user {info.st_uid}, not to this one"
+                    if info.st_uid != os.geteuid()
+                    else f"has {info.st_nlink} links (cargo has one)"
+                )
                 + ": refused; the worker and its clients run as one user"
             )
         if info.st_size < need:

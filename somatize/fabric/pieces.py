@@ -62,8 +62,19 @@ def work_of(piece: Piece, ref: int, specs: Sequence[NodeSpec], *, watched: bool,
     placement = {i: s.device for i, s in enumerate(piece.steps) if s.device is not None}
     recipe = None if named else Recipe(tuple(specs), piece.shape)
     # built without the frozen dataclass's __init__: `encode` checks every field as it writes
-    return built(Work, {"ref": ref, "recipe": recipe, "input": piece.value, "keys": dict(piece.keys),
-                        "placement": placement, "memory": None, "watched": watched, "recipe_digest": named})
+    return built(
+        Work,
+        {
+            "ref": ref,
+            "recipe": recipe,
+            "input": piece.value,
+            "keys": dict(piece.keys),
+            "placement": placement,
+            "memory": None,
+            "watched": watched,
+            "recipe_digest": named,
+        },
+    )
 
 
 def outcome_of(done: Done) -> Outcome:
@@ -83,14 +94,25 @@ def piece_of(work: Work, steps: tuple[Step, ...]) -> Piece:
     """The piece a worker runs for ``work``, its steps made by :func:`steps_of` (or kept
     from an earlier call of the same recipe)."""
     # built without the frozen dataclass's __init__: every field is the checked work's
-    return built(Piece, {"host": "", "steps": steps, "shape": work.recipe.shape, "value": work.input,
-                         "keys": dict(work.keys), "deadline": None, "memo": None})
+    return built(
+        Piece,
+        {
+            "host": "",
+            "steps": steps,
+            "shape": work.recipe.shape,
+            "value": work.input,
+            "keys": dict(work.keys),
+            "deadline": None,
+            "memo": None,
+        },
+    )
 
 
 def done_of(ref: int, outcome: Outcome, took_us: int, saw: tuple[dict[str, str], ...] = ()) -> Done:
     # every answer: built without the frozen dataclass's __init__ (`encode` checks each field)
-    return built(Done, {"ref": ref, "output": outcome.output, "produced": outcome.produced, "took_us": took_us,
-                        "saw": saw})
+    return built(
+        Done, {"ref": ref, "output": outcome.output, "produced": outcome.produced, "took_us": took_us, "saw": saw}
+    )
 
 
 def done(ref: int, output: object, took_us: int) -> Done:

@@ -118,8 +118,7 @@ def answer(folder: str, name: str) -> bytes | None:
         os.close(directory)
     try:
         info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1 \
-                or info.st_size != NONCE:
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1 or info.st_size != NONCE:
             return None
         read = os.read(descriptor, NONCE + 1)
     except OSError:

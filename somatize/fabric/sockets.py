@@ -197,7 +197,7 @@ def _accepted_at(conn: socket.socket, endpoint: str) -> bool:
     except OSError:
         return False  # a listening socket, or not a socket: never ours to cut
     if endpoint.startswith("ipc://"):
-        return here == endpoint[len("ipc://"):] and conn.family == socket.AF_UNIX
+        return here == endpoint[len("ipc://") :] and conn.family == socket.AF_UNIX
     if not endpoint.startswith("tcp://") or not there:
         return False
     port = endpoint.rsplit(":", 1)[-1]

@@ -28,10 +28,8 @@ def check_mode(mode: object) -> str:
     return mode  # type: ignore[return-value]
 
 
-
 def short(digest: str) -> str:
     return digest[:19] if isinstance(digest, str) else "?"
-
 
 
 def lookup(obj: Any, qualname: str) -> Any:
@@ -44,7 +42,6 @@ def lookup(obj: Any, qualname: str) -> Any:
         except AttributeError:
             return None
     return obj
-
 
 
 def is_main(module: str) -> bool:

@@ -13,7 +13,6 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-
 from ..code_identity import code_digest
 from ..codec import dumps
 from ..errors import CodecError, NodeFailed, Refused
@@ -41,7 +40,7 @@ _NO_CODE = (
     "this worker runs in project mode and does not accept code by value: it imports nodes "
     "by name from its own installation and never unpickles. Declare the worker with "
     '`mode="network"` to send nodes as artifacts, or install your code on it and use '
-    'project mode on both sides'
+    "project mode on both sides"
 )
 #: Specs whose key a catalog remembers (the specs of recipes named by digest come back
 #: as the same objects), and the most bytes of written arguments one of them may hold.
@@ -117,10 +116,7 @@ class Catalog:
                 self._held.move_to_end(digest)
                 return
         if not isinstance(artifact, (bytes, bytearray, memoryview)):
-            raise Refused(
-                f"the artifact `{short(digest)}…` arrived as a `{type(artifact).__name__}`, "
-                f"not bytes"
-            )
+            raise Refused(f"the artifact `{short(digest)}…` arrived as a `{type(artifact).__name__}`, not bytes")
         actual = digest_of(artifact)
         if actual != digest:
             raise Refused(
@@ -150,9 +146,7 @@ class Catalog:
                 self._held[digest] = (node, size)
                 self.held_bytes += size
             self._held.move_to_end(digest)
-            while len(self._held) > 1 and (
-                len(self._held) > self._max_held or self.held_bytes > self._max_held_bytes
-            ):
+            while len(self._held) > 1 and (len(self._held) > self._max_held or self.held_bytes > self._max_held_bytes):
                 self.held_bytes -= self._held.popitem(last=False)[1][1]
                 self.dropped += 1
 
@@ -233,7 +227,7 @@ class Catalog:
         try:
             written = dumps([list(args), dict(sorted(kwargs.items()))])
         except CodecError as exc:
-            raise Refused(f"`{label}` arrived with arguments that cannot be written down: {exc}")
+            raise Refused(f"`{label}` arrived with arguments that cannot be written down: {exc}") from exc
         key = (target, hashlib.sha256(written).hexdigest())
         if len(written) <= _MEMO_ARGS:  # what the memo holds stays small: 1,024 specs of small arguments
             if len(self._keys) >= _MEMO_SPECS:  # the specs of a few recipes in use: forgotten all at once
@@ -264,9 +258,7 @@ class Catalog:
                 try:
                     slot.node = cls(*args, **kwargs)
                 except Exception as exc:
-                    raise Refused(
-                        f"building `{label}` as `{target}` raised {type(exc).__name__}: {exc}"
-                    ) from exc
+                    raise Refused(f"building `{label}` as `{target}` raised {type(exc).__name__}: {exc}") from exc
                 except BaseException as exc:  # SystemExit and the like: the node's, not the worker's
                     raise _failed(label, f"building `{label}` as `{target}`", exc) from exc
                 slot.cls = cls
@@ -303,9 +295,7 @@ def _same_code(spec: NodeSpec, cls: type[Node] | None, module: str) -> None:
 
 def _check_digest(digest: object) -> None:
     if not isinstance(digest, str) or not _DIGEST.match(digest):
-        raise Refused(
-            'an artifact is named "sha256:" and 64 lowercase hex digits; this one was not'
-        )
+        raise Refused('an artifact is named "sha256:" and 64 lowercase hex digits; this one was not')
 
 
 def _failed(label: str, doing: str, exc: BaseException) -> NodeFailed:
@@ -320,9 +310,7 @@ def _failed(label: str, doing: str, exc: BaseException) -> NodeFailed:
 def _split_target(target: object, label: str) -> tuple[str, str]:
     if isinstance(target, str) and target.count(":") == 1:
         module, qualname = target.split(":")
-        if all(p.isidentifier() for p in module.split(".")) and all(
-            p.isidentifier() for p in qualname.split(".")
-        ):
+        if all(p.isidentifier() for p in module.split(".")) and all(p.isidentifier() for p in qualname.split(".")):
             if is_main(module):
                 raise Refused(
                     f"`{label}` is `{target}`, in a `__main__` module, which a project-mode "
@@ -331,8 +319,7 @@ def _split_target(target: object, label: str) -> tuple[str, str]:
                 )
             return module, qualname
     raise Refused(
-        f'`{label}` arrived naming its class as {target!r}; a project-mode name is "package.module:'
-        f'Qualname"'
+        f'`{label}` arrived naming its class as {target!r}; a project-mode name is "package.module:Qualname"'
         if isinstance(target, str) and len(target) <= 200
         else f'`{label}` arrived without a "package.module:Qualname" naming its class'
     )
@@ -349,8 +336,7 @@ def _node_class(module: str, qualname: str, target: str, label: str) -> type[Nod
         ) from exc
     except Exception as exc:
         raise Refused(
-            f"`{label}` is `{target}`, and importing `{module}` on this worker raised "
-            f"{type(exc).__name__}: {exc}"
+            f"`{label}` is `{target}`, and importing `{module}` on this worker raised {type(exc).__name__}: {exc}"
         ) from exc
     except BaseException as exc:  # SystemExit at import: the module's, not the worker's
         raise _failed(label, f"importing `{module}` for `{label}` (`{target}`)", exc) from exc
@@ -394,18 +380,10 @@ def _open(digest: str, artifact: bytes | bytearray | memoryview) -> tuple[Node, 
         )
     node, codecs = payload.get("node"), payload.get("codecs")
     if not isinstance(node, Node):
-        raise Refused(
-            f"the artifact `{name_of}…` carries a `{type(node).__name__}` where a "
-            f"`somatize.Node` belongs"
-        )
+        raise Refused(f"the artifact `{name_of}…` carries a `{type(node).__name__}` where a `somatize.Node` belongs")
     if not isinstance(codecs, list) or not all(
-        isinstance(c, tuple)
-        and len(c) == 2
-        and isinstance(c[0], str)
-        and isinstance(c[1], (bytes, bytearray))
+        isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], (bytes, bytearray))
         for c in codecs
     ):
-        raise Refused(
-            f"the artifact `{name_of}…` carries its codecs in a shape this worker does not read"
-        )
+        raise Refused(f"the artifact `{name_of}…` carries its codecs in a shape this worker does not read")
     return node, codecs

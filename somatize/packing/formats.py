@@ -44,8 +44,18 @@ DEPTH = 24
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), type(Ellipsis))
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: made by a class statement (or by a C module at run time)
 # Attributes of a class that say where it was written, not what it does.
-_WHERE = frozenset(("__module__", "__qualname__", "__dict__", "__weakref__", "__firstlineno__",
-                    "__static_attributes__", "__slotnames__", "__doc__"))
+_WHERE = frozenset(
+    (
+        "__module__",
+        "__qualname__",
+        "__dict__",
+        "__weakref__",
+        "__firstlineno__",
+        "__static_attributes__",
+        "__slotnames__",
+        "__doc__",
+    )
+)
 
 
 class _Opaque(Exception):
@@ -62,8 +72,7 @@ def format_of(blob: bytes | bytearray | None, type_: type, dump: Any, load: Any)
     try:
         text = _Writer().write((getattr(type_, "__qualname__", "?"), dump, load), 0)
     except Exception:  # noqa: BLE001 - _Opaque, a recursion too deep, an object that will not say
-        text = ("bytes:" + hashlib.sha256(blob).hexdigest() if blob is not None
-                else "unique:" + os.urandom(16).hex())
+        text = "bytes:" + hashlib.sha256(blob).hexdigest() if blob is not None else "unique:" + os.urandom(16).hex()
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -105,16 +114,26 @@ class _Writer:
         if isinstance(value, types.MethodType):
             return f"method({self.write(value.__func__, depth + 1)},{self.write(value.__self__, depth + 1)})"
         if isinstance(value, functools.partial):
-            return (f"partial({self.write(value.func, depth + 1)},{self.write(value.args, depth + 1)},"
-                    f"{self.write(value.keywords, depth + 1)})")
+            return (
+                f"partial({self.write(value.func, depth + 1)},{self.write(value.args, depth + 1)},"
+                f"{self.write(value.keywords, depth + 1)})"
+            )
         if isinstance(value, (staticmethod, classmethod)):
             return f"{type(value).__name__}({self.write(value.__func__, depth + 1)})"
         if isinstance(value, property):
             return f"property({self.write((value.fget, value.fset, value.fdel), depth + 1)})"
         if isinstance(value, type):
             return self._class(value, depth)
-        if isinstance(value, (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
-                              types.MethodDescriptorType, types.ClassMethodDescriptorType)):
+        if isinstance(
+            value,
+            (
+                types.BuiltinFunctionType,
+                types.MethodWrapperType,
+                types.WrapperDescriptorType,
+                types.MethodDescriptorType,
+                types.ClassMethodDescriptorType,
+            ),
+        ):
             raise _Opaque  # bound to an object, or not where its name says: its bytes decide
         return self._instance(value, depth)
 
@@ -129,25 +148,45 @@ class _Writer:
         names = function.__globals__
         # a name its globals lack yet (a module still being imported defines it below) is
         # written as missing, never left out: two codecs alike but for it are not the same
-        used = sorted(f"{name}={self.write(names[name], depth + 1)}" if name in names else f"{name}=?"
-                      for name in sorted(_names(code)))
-        return (f"function({self._code(code, depth + 1)},{self.write(function.__defaults__, depth + 1)},"
-                f"{self.write(function.__kwdefaults__, depth + 1)},cells({','.join(cells)}),"
-                f"globals({','.join(used)}))")
+        used = sorted(
+            f"{name}={self.write(names[name], depth + 1)}" if name in names else f"{name}=?"
+            for name in sorted(_names(code))
+        )
+        return (
+            f"function({self._code(code, depth + 1)},{self.write(function.__defaults__, depth + 1)},"
+            f"{self.write(function.__kwdefaults__, depth + 1)},cells({','.join(cells)}),"
+            f"globals({','.join(used)}))"
+        )
 
     def _code(self, code: types.CodeType, depth: int) -> str:
-        consts = ",".join(self._code(c, depth + 1) if isinstance(c, types.CodeType) else self.write(c, depth + 1)
-                          for c in code.co_consts)
-        return "code(" + ",".join((
-            str(code.co_argcount), str(code.co_posonlyargcount), str(code.co_kwonlyargcount),
-            str(code.co_flags), code.co_code.hex(), repr(code.co_names), repr(code.co_varnames),
-            repr(code.co_freevars), repr(code.co_cellvars), consts,
-        )) + ")"
+        consts = ",".join(
+            self._code(c, depth + 1) if isinstance(c, types.CodeType) else self.write(c, depth + 1)
+            for c in code.co_consts
+        )
+        return (
+            "code("
+            + ",".join(
+                (
+                    str(code.co_argcount),
+                    str(code.co_posonlyargcount),
+                    str(code.co_kwonlyargcount),
+                    str(code.co_flags),
+                    code.co_code.hex(),
+                    repr(code.co_names),
+                    repr(code.co_varnames),
+                    repr(code.co_freevars),
+                    repr(code.co_cellvars),
+                    consts,
+                )
+            )
+            + ")"
+        )
 
     def _class(self, cls: type, depth: int) -> str:
         bases = ",".join(self.write(base, depth + 1) for base in cls.__bases__)
-        body = sorted(f"{name}={self.write(value, depth + 1)}"
-                      for name, value in vars(cls).items() if name not in _WHERE)
+        body = sorted(
+            f"{name}={self.write(value, depth + 1)}" for name, value in vars(cls).items() if name not in _WHERE
+        )
         return f"class({cls.__qualname__},bases({bases}),{','.join(body)})"
 
     def _instance(self, value: Any, depth: int) -> str:

@@ -72,8 +72,7 @@ class Clash(Refused):
 def still(clash: Clash) -> bool:
     """Whether what ``clash`` was judged against is still what the registry holds for its
     kind (then the same bytes would be refused the same way)."""
-    return clash.against is not None and (
-        registered.registered_now().by_kind.get(clash.kind) is clash.against)  # type: ignore[attr-defined]
+    return clash.against is not None and (registered.registered_now().by_kind.get(clash.kind) is clash.against)  # type: ignore[attr-defined]
 
 
 class _Known:
@@ -149,9 +148,11 @@ def _judge(entry: Entry | None, previous: Entry | None) -> None:
     if entry is None:  # forgetting a kind this worker reads
         if previous is None:
             return
-        sentence = (f"{doing} forgot the codec of the kind `{previous.kind}`, which this "
-                    f"worker reads for every client (registered by {_known(previous).how}); "
-                    f"a worker's registry is only added to while it runs")
+        sentence = (
+            f"{doing} forgot the codec of the kind `{previous.kind}`, which this "
+            f"worker reads for every client (registered by {_known(previous).how}); "
+            f"a worker's registry is only added to while it runs"
+        )
     elif previous is None:
         _KNOWN[entry.kind] = _Known(entry, None, how)
         return

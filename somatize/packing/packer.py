@@ -91,10 +91,7 @@ class Packer:
         if isinstance(step, Node):
             step = Step(step)
         if not isinstance(step, Step):
-            raise TypeError(
-                f"Packer.spec takes a declared step or a `somatize.Node`; "
-                f"got a `{type(step).__name__}`"
-            )
+            raise TypeError(f"Packer.spec takes a declared step or a `somatize.Node`; got a `{type(step).__name__}`")
         node = step.node
         if self.mode == "project":
             code = code_digest(type(node)) if step.cache else ""
@@ -103,25 +100,31 @@ class Packer:
             if kept is not None and _importable_as(type(node)):
                 return kept
             target, args, kwargs = _project_recipe(step)
-            return self._keep(node, step, made_of, NodeSpec(
-                label=step.label,
-                cache=step.cache,
-                source="project",
-                target=target,
-                args=args,
-                kwargs=kwargs,
-                # a cached node's: the worker checks it runs the code its key was made from
-                # (whatever `.cached(version=...)` names: a version names a key, not code);
-                # an uncached node's output is kept nowhere, and its bases may differ by
-                # library version from machine to machine, as they always could
-                code=code,
-            ))
+            return self._keep(
+                node,
+                step,
+                made_of,
+                NodeSpec(
+                    label=step.label,
+                    cache=step.cache,
+                    source="project",
+                    target=target,
+                    args=args,
+                    kwargs=kwargs,
+                    # a cached node's: the worker checks it runs the code its key was made from
+                    # (whatever `.cached(version=...)` names: a version names a key, not code);
+                    # an uncached node's output is kept nowhere, and its bases may differ by
+                    # library version from machine to machine, as they always could
+                    code=code,
+                ),
+            )
         digest = self._pack(node, step.label)
         kept = self._kept(node, step, (None, digest))
         if kept is not None:
             return kept
-        return self._keep(node, step, (None, digest), NodeSpec(label=step.label, cache=step.cache, source="network",
-                                                       target=digest))
+        return self._keep(
+            node, step, (None, digest), NodeSpec(label=step.label, cache=step.cache, source="network", target=digest)
+        )
 
     def _kept(self, node: Node, step: Step, made_of: tuple) -> NodeSpec | None:
         """The spec made for this very node and step, from the very same arguments (by
@@ -152,8 +155,7 @@ class Packer:
             found = self._artifacts.get(digest)
         if found is None:
             raise KeyError(
-                f"no artifact `{short(digest)}…` was made by this packer, or the node it "
-                f"was made for is gone"
+                f"no artifact `{short(digest)}…` was made by this packer, or the node it was made for is gone"
             )
         return found
 
@@ -221,15 +223,11 @@ def _module(m: ModuleType | str) -> ModuleType:
                 f"({type(exc).__name__}: {exc}); a module travels by value only from a "
                 f"process that has it"
             ) from exc
-    raise TypeError(
-        f"send= takes modules or their names (str); it was given a `{type(m).__name__}`"
-    )
+    raise TypeError(f"send= takes modules or their names (str); it was given a `{type(m).__name__}`")
 
 
 def _same_registry(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(
-        x is y for ea, eb in zip(a, b) for x, y in zip(ea, eb, strict=True)
-    )
+    return len(a) == len(b) and all(x is y for ea, eb in zip(a, b, strict=False) for x, y in zip(ea, eb, strict=True))
 
 
 def _make_artifact(node: Node, label: str, registry: tuple, send: tuple[ModuleType, ...]) -> bytes:
@@ -298,10 +296,7 @@ def _project_recipe(step: Step) -> tuple[str, tuple, dict]:
         )
     recipe = getattr(node, "_somatize_args", None)
     if not (
-        type(recipe) is tuple
-        and len(recipe) == 2
-        and isinstance(recipe[0], tuple)
-        and isinstance(recipe[1], dict)
+        type(recipe) is tuple and len(recipe) == 2 and isinstance(recipe[0], tuple) and isinstance(recipe[1], dict)
     ):
         raise PlanError(
             f"`{step.label}` does not remember its constructor arguments (`{cls.__name__}` "
@@ -335,5 +330,3 @@ def _check_writable(label: str, cls: type, args: tuple, kwargs: dict) -> None:
         f'constructor arguments, so they have to be plain data or have a codec; use mode="network" '
         f"to send the node object itself"
     ) from first
-
-

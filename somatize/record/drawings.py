@@ -176,15 +176,15 @@ def _scores_figure(Figure: Any, study: str, direction: str | None, rows: list[di
     others = [row for row in rows if row not in done and _finite(row["score"])]
     axes.scatter([r["trial"] for r in done], [r["score"] for r in done], label="score", zorder=3)
     if others:  # pruned, or stopped before the end: their last score, apart
-        axes.scatter([r["trial"] for r in others], [r["score"] for r in others], marker="x",
-                     label="not done", zorder=3)
+        axes.scatter([r["trial"] for r in others], [r["score"] for r in others], marker="x", label="not done", zorder=3)
     steps = [row for row in rows if row["best"] is not None]
     if steps:
-        axes.step([r["trial"] for r in steps], [r["best"] for r in steps], where="post",
-                  label="best so far")
+        axes.step([r["trial"] for r in steps], [r["best"] for r in steps], where="post", label="best so far")
     axes.set_xlabel("trial")
     axes.set_ylabel("score")
-    axes.set_title(f"study {study!r} ({direction or 'direction unknown'})" if rows else f"study {study!r} has no trials yet")
+    axes.set_title(
+        f"study {study!r} ({direction or 'direction unknown'})" if rows else f"study {study!r} has no trials yet"
+    )
     if done or others:
         axes.legend(frameon=False)
     return figure

@@ -19,7 +19,8 @@ from ..facts import Fact
 from ..store import FolderStore, Store
 from .recorder import NUMBER, RUNS, check_run, entry_name, forward_numbers, records_of
 from .reports import latest
-from .shapes import Malformed, left_out, maybe_float, number, read_facts, small_record, whole
+from .shapes import Malformed, left_out, maybe_float, read_facts, small_record, whole
+from .shapes import number as as_number
 
 
 def runs(store: Store) -> list[str]:
@@ -267,11 +268,14 @@ def _rate(items: int, microseconds: int) -> float | None:
 def _float(store: Store, value: str, run: str, at: int, key: str) -> float | None:
     """``value`` as a number, or ``None`` (said once, naming the forward) when it is none:
     that forward is left off the curve, the others are drawn."""
-    found = number(value)
+    found = as_number(value)
     if found is None:
-        left_out(store, entry_name(run, at),
-                 f"its {key} {value[:80]!r} is not a number, so forward {at} is left off the curve "
-                 f"(read it with `facts(store, run={run!r}, forward={at})`)")
+        left_out(
+            store,
+            entry_name(run, at),
+            f"its {key} {value[:80]!r} is not a number, so forward {at} is left off the curve "
+            f"(read it with `facts(store, run={run!r}, forward={at})`)",
+        )
     return found
 
 

@@ -144,9 +144,11 @@ class Recorder:
         numbers = range(k * CHUNK, (k + 1) * CHUNK)
         records = [(n, self._kept.pop(n)) for n in numbers if n in self._kept]
         if len(records) == CHUNK:
-            self._store.put(chunk_name(self._run, k), {"run": self._run, "first": str(k * CHUNK),
-                                                       "count": str(CHUNK)},
-                            json.dumps(records).encode("ascii"))
+            self._store.put(
+                chunk_name(self._run, k),
+                {"run": self._run, "first": str(k * CHUNK), "count": str(CHUNK)},
+                json.dumps(records).encode("ascii"),
+            )
 
 
 class _OneForward:
@@ -239,9 +241,7 @@ def _line(f: Fact) -> bytes:
 
 def _kinds(summarising: object) -> tuple[str, ...]:
     if isinstance(summarising, str) or not isinstance(summarising, Iterable):
-        raise TypeError(
-            f"`summarising=` takes a list of kinds, such as `['loss']`; got {summarising!r}."
-        )
+        raise TypeError(f"`summarising=` takes a list of kinds, such as `['loss']`; got {summarising!r}.")
     kinds: list[str] = []
     for kind in summarising:
         if not isinstance(kind, str) or not _KIND.fullmatch(kind):
@@ -258,9 +258,7 @@ def check_run(run: object, where: str) -> str:
     if not isinstance(run, str):
         raise BadName(f"{where}: a run's name is a str, not a `{type(run).__name__}`.")
     if "/" in run:
-        raise BadName(
-            f"{where}: a run's name is one store name component, with no '/'; got {run!r}."
-        )
+        raise BadName(f"{where}: a run's name is one store name component, with no '/'; got {run!r}.")
     try:
         check_name(entry_name(run, 0))
     except BadName as exc:
@@ -317,11 +315,19 @@ def chunk_records(store: Store, run: str, k: int) -> dict[int, dict[str, str]] |
         return None
     out: dict[int, dict[str, str]] = {}
     for item in items:
-        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
-                and k * CHUNK <= item[0] < (k + 1) * CHUNK and isinstance(item[1], dict)
-                and all(type(v) is str for v in item[1].values())):
-            left_out(store, name, f"an item of it is not [a forward of chunk {k}, a record of text]; "
-                                  "its forwards are read one by one")
+        if not (
+            isinstance(item, list)
+            and len(item) == 2
+            and type(item[0]) is int
+            and k * CHUNK <= item[0] < (k + 1) * CHUNK
+            and isinstance(item[1], dict)
+            and all(type(v) is str for v in item[1].values())
+        ):
+            left_out(
+                store,
+                name,
+                f"an item of it is not [a forward of chunk {k}, a record of text]; its forwards are read one by one",
+            )
             return None
         out[item[0]] = item[1]
     return out

@@ -76,8 +76,10 @@ def read_blob(store: Store, name: str, most: int = BLOB_MOST) -> bytearray | byt
     with opened as file:
         size = os.fstat(file.fileno()).st_size
         if size > most:
-            raise Malformed(f"its file is {size} bytes long, more than the {most} a reader reads "
-                            f"(a sparse file counts by its length)")
+            raise Malformed(
+                f"its file is {size} bytes long, more than the {most} a reader reads "
+                f"(a sparse file counts by its length)"
+            )
         _, room, blob_len = read_head(file, path)
         return _read_blob(file, path, room, blob_len)
 
@@ -99,9 +101,13 @@ def read_facts(store: Store, name: str) -> list[Fact]:
         return []
     found, bad = facts_in(blob)
     if bad:
-        _tell(store, name, f"somatize record: {bad} line{'s' if bad > 1 else ''} of {name} "
-                           f"{'are' if bad > 1 else 'is'} left out: not a fact (a flat JSON object of "
-                           f"text naming its 'fact'); its other {len(found)} are read. {_WHO}")
+        _tell(
+            store,
+            name,
+            f"somatize record: {bad} line{'s' if bad > 1 else ''} of {name} "
+            f"{'are' if bad > 1 else 'is'} left out: not a fact (a flat JSON object of "
+            f"text naming its 'fact'); its other {len(found)} are read. {_WHO}",
+        )
     return found
 
 
@@ -207,8 +213,7 @@ def plain_json(text: str, most: int, *, finite: bool = True, what: str = "it") -
 
 _WHOLE = re.compile(r"[0-9]{1,30}")
 # what repr() writes for a float or int, and the names of the non-finite ones float() reads
-_NUMBER = re.compile(r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)",
-                     re.IGNORECASE)
+_NUMBER = re.compile(r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
 _NUMBER_MOST = 400
 
 

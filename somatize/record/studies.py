@@ -83,9 +83,7 @@ def checked_attempt(record: dict[str, str]) -> Checked:
             raise ValueError("its intermediate values are not [whole step, number] pairs")
         intermediate.append((point[0], float(point[1])))
     attrs = _json(record, "sampler_attrs", "{}", _DEPTH_MAX, finite=False)
-    if not isinstance(attrs, dict) or not all(
-        isinstance(attrs.get(side, {}), dict) for side in ("trial", "study")
-    ):
+    if not isinstance(attrs, dict) or not all(isinstance(attrs.get(side, {}), dict) for side in ("trial", "study")):
         raise ValueError("its sampler_attrs are not a JSON object of 'trial' and 'study' objects")
     sides = {side: dict(attrs.get(side, {})) for side in ("trial", "study")}
     return Checked(state, score, config, intermediate, sides)
@@ -205,15 +203,16 @@ def direction_of(store: Store, study: str, definition: Mapping[str, str]) -> str
     direction = definition.get("direction", "minimize")
     if direction in _DIRECTIONS:
         return direction
-    left_out(store, definition_name(study),
-             f"its direction {direction[:40]!r} is neither 'minimize' nor 'maximize', so no trial is "
-             f"called best until it says one")
+    left_out(
+        store,
+        definition_name(study),
+        f"its direction {direction[:40]!r} is neither 'minimize' nor 'maximize', so no trial is "
+        f"called best until it says one",
+    )
     return None
 
 
-def _rows(
-    store: Store, name: str, scanned: Iterable[tuple[str, dict[str, str]]], prefix: str
-) -> list[dict[str, Any]]:
+def _rows(store: Store, name: str, scanned: Iterable[tuple[str, dict[str, str]]], prefix: str) -> list[dict[str, Any]]:
     attempts: dict[int, dict[int, tuple[dict[str, str], Checked]]] = {}
     for key, record in scanned:
         parts = key[len(prefix) :].split("/")

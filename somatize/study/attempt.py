@@ -404,9 +404,7 @@ def _said_value(key: str, value: object) -> object:
         pass
     if hasattr(value, "__float__"):  # numpy and torch scalars
         return float(value)  # type: ignore[arg-type]
-    raise TypeError(
-        f"trial.say({key}=...) takes text, numbers or booleans; got a `{type(value).__name__}`."
-    )
+    raise TypeError(f"trial.say({key}=...) takes text, numbers or booleans; got a `{type(value).__name__}`.")
 
 
 def _point(values: Mapping[str, object]) -> tuple[int, float] | None:

@@ -33,9 +33,7 @@ class RebuiltCmaEs(optuna.samplers.CmaEsSampler):
         if self._asked is None:
             return None
         search_space, direction = self._asked
-        trans = _SearchSpaceTransform(
-            search_space, transform_step=not self._with_margin, transform_0_1=True
-        )
+        trans = _SearchSpaceTransform(search_space, transform_step=not self._with_margin, transform_0_1=True)
         optimizer = self._init_optimizer(trans, direction)
         sign = 1.0 if direction == StudyDirection.MINIMIZE else -1.0
         for _ in range(len(completed_trials)):  # each pass tells one generation: bounded

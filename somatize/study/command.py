@@ -29,24 +29,26 @@ from .watching import watch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store", metavar="DIR", required=True, help="the study's folder, shared by every runner"
-    )
+    parser.add_argument("--store", metavar="DIR", required=True, help="the study's folder, shared by every runner")
     parser.add_argument("name", metavar="NAME", help="the study's name, as given to Study(...)")
     parser.add_argument("--show", action="store_true", help="print the trials as a table and exit")
     parser.add_argument(
-        "--watch", metavar="SECONDS", nargs="?", type=float, const=2.0,
+        "--watch",
+        metavar="SECONDS",
+        nargs="?",
+        type=float,
+        const=2.0,
         help="say the study's progress every SECONDS (default 2) until every trial has finished; runs nothing",
     )
+    parser.add_argument("--runner", metavar="ID", help="this runner's name in the records (default: host-pid-random)")
     parser.add_argument(
-        "--runner", metavar="ID", help="this runner's name in the records (default: host-pid-random)"
-    )
-    parser.add_argument(
-        "--sampler", metavar="NAME",
+        "--sampler",
+        metavar="NAME",
         help="run only if the study's definition names this sampler (who may write the folder may change it)",
     )
     parser.add_argument(
-        "--objective", metavar="MODULE:FUNCTION",
+        "--objective",
+        metavar="MODULE:FUNCTION",
         help="run only if the study's definition names this objective",
     )
 
@@ -58,9 +60,7 @@ def command(args: argparse.Namespace) -> int:
         print(f"somatize study: there is no folder {args.store}; give the study's store.", file=sys.stderr)
         return 2
     try:
-        study = Study.open(
-            FolderStore(args.store), args.name, sampler=args.sampler, objective=args.objective
-        )
+        study = Study.open(FolderStore(args.store), args.name, sampler=args.sampler, objective=args.objective)
         if args.show:
             print(table(study))
             return 0
@@ -79,9 +79,11 @@ def command(args: argparse.Namespace) -> int:
         print(f"somatize study: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a folder this user cannot read or write, a full disk
-        print(f"somatize study: cannot use the store {args.store}: {exc.strerror or exc}"
-              f"{f' ({exc.filename})' if exc.filename else ''}; give a folder this user can read and write",
-              file=sys.stderr)
+        print(
+            f"somatize study: cannot use the store {args.store}: {exc.strerror or exc}"
+            f"{f' ({exc.filename})' if exc.filename else ''}; give a folder this user can read and write",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130
@@ -147,7 +149,10 @@ def table(study: Study) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [head]
     for row in rows:
-        cells = [cell.rjust(w) if i in (0, 2) else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        cells = [
+            cell.rjust(w) if i in (0, 2) else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=False))
+        ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 

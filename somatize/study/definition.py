@@ -246,7 +246,9 @@ def import_name(objective: object) -> str:
         "and pass objective='myproject.train:objective'."
     )
     if not module or not qualname or "<" in qualname:
-        raise TypeError(f"The objective {objective!r} has no import name (a lambda, or a function defined inside another). {fix}")
+        raise TypeError(
+            f"The objective {objective!r} has no import name (a lambda, or a function defined inside another). {fix}"
+        )
     if module == "__main__":
         raise TypeError(
             f"The objective {qualname} is defined in __main__ (a script or a notebook), "
@@ -361,9 +363,7 @@ def _choice(what: str, value: object, names: tuple[str, ...]) -> str:
 
 
 def _patience(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and value > 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise ValueError(
             f"patience= is how many seconds an attempt may go unwritten before another "
             f"runner takes it over: a positive number; got {value!r}."

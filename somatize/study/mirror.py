@@ -126,7 +126,9 @@ class Mirror:
             return False
         if have.state.is_finished():  # a finished copy never changes: the same, or replaced
             return (have.state, have.values, have.intermediate_values) == (
-                made.state, made.values, made.intermediate_values
+                made.state,
+                made.values,
+                made.intermediate_values,
             ) and all(have.system_attrs.get(k) == v for k, v in made.system_attrs.items())
         for key, value in made.system_attrs.items():
             if have.system_attrs.get(key) != value:
@@ -215,9 +217,7 @@ def _frozen(definition: Definition, attempt: Attempt, attrs: dict[str, Any]) -> 
         state, value = "failed", None
     elif state != "done":
         value = None
-    kind = {"done": states.COMPLETE, "failed": states.FAIL, "pruned": states.PRUNED}.get(
-        state, states.RUNNING
-    )
+    kind = {"done": states.COMPLETE, "failed": states.FAIL, "pruned": states.PRUNED}.get(state, states.RUNNING)
     try:
         return optuna.trial.create_trial(
             state=kind,

@@ -177,7 +177,9 @@ class Judge:
 # -- what a reader makes of them -----------------------------------------------------------
 
 
-def blocked_trials(store: ClaimingStore, study: str, count: int, attempts: int, trials: Iterable[Any]) -> dict[int, str]:
+def blocked_trials(
+    store: ClaimingStore, study: str, count: int, attempts: int, trials: Iterable[Any]
+) -> dict[int, str]:
     """The trials below ``count`` that runners count as blocked, by number, each with why;
     ``trials`` are the study's trials as one scan read them (``history.TrialHistory``).
 
@@ -203,7 +205,10 @@ def blocked_trials(store: ClaimingStore, study: str, count: int, attempts: int, 
             found[trial.number] = f"something else holds every attempt's name after attempt {last}"
     present = _numbers_present(store, study)
     if present is None:  # the trial folder itself is held by something else
-        return {**found, **{n: "something else holds the study's trial folder" for n in range(count) if n not in read_ones}}
+        return {
+            **found,
+            **{n: "something else holds the study's trial folder" for n in range(count) if n not in read_ones},
+        }
     for number in sorted(present - read_ones):
         if number >= count:
             continue

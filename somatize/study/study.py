@@ -223,7 +223,9 @@ class Study:
         self._poll = min(max(self.patience / 4, 0.05), 5.0)
         self._judged: float | None = None  # when this runner last judged (its monotonic clock)
         view = View(
-            self._store, self._name, self.trials,
+            self._store,
+            self._name,
+            self.trials,
             blocked=lambda number, why: tell(f"trial {number}: blocked ({why}); this runner leaves it alone"),
         )
         self._judge = names.Judge(self._store, self._name, me)
@@ -248,11 +250,13 @@ class Study:
                 self._mirror = None
                 if view.finished():
                     blocked = sorted(n for n in view.blocked if n < self.trials)
-                    tell(f"study {self._name!r}: all {self.trials} trials have finished"
-                         if not blocked else
-                         f"study {self._name!r}: all {self.trials} trials have finished or are blocked "
-                         f"({len(blocked)} blocked: trial {', '.join(map(str, blocked[:10]))}"
-                         f"{', ...' if len(blocked) > 10 else ''})")
+                    tell(
+                        f"study {self._name!r}: all {self.trials} trials have finished"
+                        if not blocked
+                        else f"study {self._name!r}: all {self.trials} trials have finished or are blocked "
+                        f"({len(blocked)} blocked: trial {', '.join(map(str, blocked[:10]))}"
+                        f"{', ...' if len(blocked) > 10 else ''})"
+                    )
                     return counts
             self._in_hand = None
             try:
@@ -380,8 +384,9 @@ class Study:
         give_up = max(self.attempts, last.attempt + 1)
         for after in range(last.attempt + 1, give_up + 1):
             if after == give_up:
-                got = names.create(self._store, attempt_name(self._name, trial.number, after),
-                                   self._gave_up(last, me, after))
+                got = names.create(
+                    self._store, attempt_name(self._name, trial.number, after), self._gave_up(last, me, after)
+                )
                 if got == names.MADE:
                     tell(f"trial {trial.number}: failed, {_abandoned_times(after)}")
                 if got != names.BLOCKED:
@@ -486,8 +491,7 @@ def _execute(running: Running, objective: Callable[..., Any], tell: Progress) ->
     finally:
         running.stop()
     if outcome == "superseded" and running.blocked:
-        tell(f"{where}: something else holds its name now, so it cannot be written; what it did "
-             f"here does not count")
+        tell(f"{where}: something else holds its name now, so it cannot be written; what it did here does not count")
     elif outcome == "superseded":
         tell(f"{where}: taken over by another runner; what it did here does not count")
     elif outcome == "done":
@@ -505,8 +509,7 @@ def _score(result: object) -> tuple[str, str]:
     """The score as text, or why the result is not one."""
     if isinstance(result, (bool, str, bytes)) or not hasattr(result, "__float__"):
         return "", (
-            f"the objective returned a `{type(result).__name__}`, not a number; it must "
-            f"return the score (a float)"
+            f"the objective returned a `{type(result).__name__}`, not a number; it must return the score (a float)"
         )
     score = float(result)  # type: ignore[arg-type]
     if score != score:

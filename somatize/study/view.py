@@ -138,9 +138,7 @@ class View:
     def _advance(self) -> bool:
         """Move the frontier past numbers already read claimed; whether one is left below
         ``trials``."""
-        while self._frontier < self._count and (
-            self._frontier in self.trials or self._frontier in self.blocked
-        ):
+        while self._frontier < self._count and (self._frontier in self.trials or self._frontier in self.blocked):
             self._frontier += 1
         return self._frontier < self._count
 

@@ -112,7 +112,7 @@ class Trainer:
             )
             if step.host is not None:
                 raise PlanError(
-                    f"{what}, but it is placed on `{step.host}` with `.at(\"{step.host}\")`: what "
+                    f'{what}, but it is placed on `{step.host}` with `.at("{step.host}")`: what '
                     f"comes back from another host is a leaf, so its parameters would never get "
                     f"a gradient. Mark it `.frozen()` if it should not train, or keep it local "
                     f"(drop the `.at()`) so that it does."
@@ -182,7 +182,11 @@ class Trainer:
         output = self.graph.forward(x, broker=self.broker, store=self.store, watching=self.watching)
         loss = self.objective(output, y)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shown = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a `{type(loss).__name__}`"
+            shown = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else f"a `{type(loss).__name__}`"
+            )
             raise TypeError(
                 f"the objective has to return the loss as a tensor with one element, and at "
                 f"step {self.step} it returned {shown}. Reduce it, e.g. with `.mean()`."
@@ -243,6 +247,7 @@ def _batches(batches: Any, epochs: int) -> Callable[[], Iterable[Any]]:
             )
         return lambda: batches
     if callable(batches):
+
         def fresh() -> Iterable[Any]:
             made = batches()
             if not isinstance(made, Iterable):

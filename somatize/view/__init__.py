@@ -30,10 +30,17 @@ __all__ = ["add_arguments", "command", "main"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", metavar="DIR", required=True, help="the store whose record to show")
-    parser.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:8765",
-                        help="where to listen (default 127.0.0.1:8765; port 0 picks a free one)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="no token: anyone who reaches the port may read the record (loopback only)")
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        default="127.0.0.1:8765",
+        help="where to listen (default 127.0.0.1:8765; port 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no token: anyone who reaches the port may read the record (loopback only)",
+    )
     parser.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -44,8 +51,11 @@ def command(args: argparse.Namespace) -> int:
         from .app import make_app
         from .guard import Guarded, host_check
     except ImportError as exc:
-        print(f"somatize view: needs the view extra ({exc.name} is missing): "
-              f"pip install '.[view]' from a clone of somatize", file=sys.stderr)
+        print(
+            f"somatize view: needs the view extra ({exc.name} is missing): "
+            f"pip install '.[view]' from a clone of somatize",
+            file=sys.stderr,
+        )
         return 2
     from ..fabric.sockets import is_loopback
     from ..store import FolderStore
@@ -59,14 +69,17 @@ def command(args: argparse.Namespace) -> int:
         print(f"somatize view: --listen is HOST:PORT, such as 127.0.0.1:8765; got {args.listen!r}", file=sys.stderr)
         return 2
     if args.insecure and not is_loopback(f"tcp://{host}:0"):
-        print(f"somatize view: listening on {host} without a token would show the record to anyone "
-              f"who reaches this machine; drop --insecure (a token is printed) or listen on 127.0.0.1",
-              file=sys.stderr)
+        print(
+            f"somatize view: listening on {host} without a token would show the record to anyone "
+            f"who reaches this machine; drop --insecure (a token is printed) or listen on 127.0.0.1",
+            file=sys.stderr,
+        )
         return 2
     token = None if args.insecure else secrets.token_urlsafe(24)
     try:
-        listener = socket.create_server((host, int(port_text)),
-                                        family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener = socket.create_server(
+            (host, int(port_text)), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        )
     except OSError as exc:
         print(f"somatize view: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -39,15 +39,17 @@ EXAMPLES = 5
 _SHOWN = 60  # characters of each of those values
 
 
-def by_parameter(rows: list[dict[str, Any]], space: str | None,
-                 thin: Callable[[list], list]) -> dict[str, Any]:
+def by_parameter(rows: list[dict[str, Any]], space: str | None, thin: Callable[[list], list]) -> dict[str, Any]:
     """The score of each done trial against each parameter's value: ``drawn``, a chart per
     numeric parameter (``name``, ``points`` as ``[value, score]`` in order of value, thinned
     by ``thin``, ``count`` before thinning, ``log`` where the space says so), ``not_drawn``
     (``name``, ``values``: a few of its distinct values, ``distinct``: how many), and
     ``more``, how many parameters were left out past :data:`PARAMETERS`."""
-    done = [row for row in rows if row["state"] == "done" and isinstance(row["score"], float)
-            and math.isfinite(row["score"])]
+    done = [
+        row
+        for row in rows
+        if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])
+    ]
     kinds = _space(space)
     values: dict[str, list[tuple[Any, float]]] = {name: [] for name in kinds}
     for row in done:
@@ -61,7 +63,8 @@ def by_parameter(rows: list[dict[str, Any]], space: str | None,
         numeric = all(_numeric(value) for value, _ in pairs)
         if numeric and not pairs:  # no trial has finished with it yet: its space says
             numeric = kinds[name].get("name") != "CategoricalDistribution" or all(
-                _numeric(choice) for choice in _choices(kinds[name]) or [None])
+                _numeric(choice) for choice in _choices(kinds[name]) or [None]
+            )
         if numeric:
             points = sorted(((float(value), score) for value, score in pairs), key=lambda p: p[0])
             log = kinds.get(name, {}).get("attributes", {}).get("log") is True and all(p[0] > 0 for p in points)
@@ -70,8 +73,9 @@ def by_parameter(rows: list[dict[str, Any]], space: str | None,
             distinct = list(dict.fromkeys(json.dumps(value) for value, _ in pairs))
             if not distinct:  # a categorical parameter no trial has finished with yet
                 distinct = list(dict.fromkeys(json.dumps(choice) for choice in _choices(kinds[name])))
-            not_drawn.append({"name": name, "values": [v[:_SHOWN] for v in distinct[:EXAMPLES]],
-                              "distinct": len(distinct)})
+            not_drawn.append(
+                {"name": name, "values": [v[:_SHOWN] for v in distinct[:EXAMPLES]], "distinct": len(distinct)}
+            )
     return {"drawn": drawn, "not_drawn": not_drawn, "more": max(0, len(names) - PARAMETERS)}
 
 
@@ -83,8 +87,14 @@ def running(store: Any, study: str, rows: list[dict[str, Any]]) -> dict[str, Any
     live = [row for row in rows if row["state"] == "running"]
     out = []
     for row in live[:RUNNING]:
-        item = {"trial": row["trial"], "runner": row["runner"], "attempts": row["attempts"],
-                "config": row["config"], "running_s": None, "written_s_ago": None}
+        item = {
+            "trial": row["trial"],
+            "runner": row["runner"],
+            "attempts": row["attempts"],
+            "config": row["config"],
+            "running_s": None,
+            "written_s_ago": None,
+        }
         # attempts are numbered from 0, each created only once the one before it was there
         written, took_us = _written(store, attempt_name(study, row["trial"], row["attempts"] - 1), row["runner"])
         if written is not None:

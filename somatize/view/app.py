@@ -25,7 +25,14 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import (
+    FileResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from ..errors import BadName, SomatizeError
@@ -43,8 +50,10 @@ from .watching import Watcher
 
 STATIC = Path(__file__).parent / "static"
 _FILES = {  # what the page is made of, and nothing else from the disk
-    "app.js": "text/javascript", "style.css": "text/css",
-    "uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css",
+    "app.js": "text/javascript",
+    "style.css": "text/css",
+    "uPlot.iife.min.js": "text/javascript",
+    "uPlot.min.css": "text/css",
 }
 #: How many rows of a table one answer holds at most (a page asks for the next ones).
 PAGE = 500
@@ -97,16 +106,23 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
                 return JSONResponse({"error": str(exc)}, status_code=400, headers=_HEADERS)
             except (OSError, SomatizeError) as exc:
                 return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=404, headers=_HEADERS)
-            return Response(json.dumps(_plain(body), allow_nan=False), media_type="application/json",
-                            headers=_HEADERS)
+            return Response(json.dumps(_plain(body), allow_nan=False), media_type="application/json", headers=_HEADERS)
+
         return answer
 
     def read_runs(request: Request) -> Any:
         out = []
         for run in changes.runs():
             count, last = changes.last_forward(run)  # a listing and one record, not a scan of the run
-            out.append({"run": run, "forwards": count, "state": last.get("state", ""),
-                        "took_us": whole(last.get("took_us")), "loss": _number(last.get("loss.value"))})
+            out.append(
+                {
+                    "run": run,
+                    "forwards": count,
+                    "state": last.get("state", ""),
+                    "took_us": whole(last.get("took_us")),
+                    "loss": _number(last.get("loss.value")),
+                }
+            )
         return sorted(out, key=lambda row: row["run"], reverse=True)
 
     def read_run(request: Request) -> Any:
@@ -125,9 +141,15 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         order = runs_by_last_write(changes)  # the run written last first: the one shown unless asked
         newest = order[0] if order else ""
         run = request.query_params.get("run") or newest
-        return {"said": said, "ages": report_ages(store, list(said)), "run": run, "newest": newest,
-                "runs": order[:PAGE], "runs_count": len(order),
-                "fleet": fleet(store, run, last=100) if run else {}}
+        return {
+            "said": said,
+            "ages": report_ages(store, list(said)),
+            "run": run,
+            "newest": newest,
+            "runs": order[:PAGE],
+            "runs_count": len(order),
+            "fleet": fleet(store, run, last=100) if run else {},
+        }
 
     def read_studies(request: Request) -> Any:
         return studies(store)
@@ -138,13 +160,24 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         start = _whole(request.query_params.get("from"), 0)
         definition = studies(store, only=name)
         direction = direction_of(store, name, definition)  # None, said once, when it is neither
-        scores = [(row["trial"], row["score"]) for row in rows
-                  if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])]
-        return {"study": name, "count": len(rows), "from": start, "trials": rows[start:start + PAGE],
-                "best": best_of(rows, direction), "direction": direction or "direction unknown", "scores": scores,
-                # from the same rows: the score against each parameter, and what runs now
-                "parameters": by_parameter(rows, definition.get("space"), _thinned),
-                "running": running(store, name, rows), "patience": _number(definition.get("patience"))}
+        scores = [
+            (row["trial"], row["score"])
+            for row in rows
+            if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])
+        ]
+        return {
+            "study": name,
+            "count": len(rows),
+            "from": start,
+            "trials": rows[start : start + PAGE],
+            "best": best_of(rows, direction),
+            "direction": direction or "direction unknown",
+            "scores": scores,
+            # from the same rows: the score against each parameter, and what runs now
+            "parameters": by_parameter(rows, definition.get("space"), _thinned),
+            "running": running(store, name, rows),
+            "patience": _number(definition.get("patience")),
+        }
 
     async def events(request: Request) -> Response:
         """Server-Sent Events: one ``changed`` whenever what ``subject`` shows has changed
@@ -154,8 +187,11 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         if refused is not None:
             return refused
         if streaming[0] >= STREAMS:
-            return PlainTextResponse(f"this view serves {STREAMS} live streams at once, and as many are open: "
-                                     "close a tab of it", status_code=429, headers={**_HEADERS, "Retry-After": "5"})
+            return PlainTextResponse(
+                f"this view serves {STREAMS} live streams at once, and as many are open: close a tab of it",
+                status_code=429,
+                headers={**_HEADERS, "Retry-After": "5"},
+            )
         streaming[0] += 1
         try:
             subject = await watcher.follow(request.query_params.get("subject", "runs"))
@@ -184,8 +220,12 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
             streaming[0] -= 1
             watcher.leave(subject)
 
-        return _Stream(stream(), done, media_type="text/event-stream",
-                       headers={**_HEADERS, "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        return _Stream(
+            stream(),
+            done,
+            media_type="text/event-stream",
+            headers={**_HEADERS, "Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
 
     routes = [
         Route("/", index),
@@ -205,7 +245,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
 # nothing of the page may come from elsewhere, be framed, or be guessed as another type
 _HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
-                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
@@ -222,6 +262,7 @@ class _Stream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             async with anyio.create_task_group() as group:
+
                 async def streamed() -> None:
                     try:
                         await self.stream_response(send)

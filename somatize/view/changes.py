@@ -126,6 +126,8 @@ def _study_names(root: Path) -> list[str]:
             check_name(f"{entry.name}/study")
         except BadName:
             continue
-        if os.path.isfile(os.path.join(entry.path, "study.rec")) and not os.path.islink(os.path.join(entry.path, "study.rec")):
+        if os.path.isfile(os.path.join(entry.path, "study.rec")) and not os.path.islink(
+            os.path.join(entry.path, "study.rec")
+        ):
             found.append(entry.name)
     return found

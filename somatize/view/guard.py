@@ -96,7 +96,9 @@ class Guarded:
                 refused = PlainTextResponse(
                     f"this view answers requests to {self.shown} alone (its own address); this one was "
                     f"sent to {(hosts[0] if hosts else 'no address')[:80]!r}, as a page reaching it under "
-                    "another name would (DNS rebinding)", status_code=421)
+                    "another name would (DNS rebinding)",
+                    status_code=421,
+                )
                 if scope["type"] == "http":
                     await refused(scope, receive, send)
                 else:

@@ -152,7 +152,9 @@ class ViewStore(FolderStore):
         record_len = int(matched[1], 16)
         blob_len = None if matched[2].startswith(b"-") else int(matched[2], 16)
         if record_len > MOST_RECORD:
-            self._blocked(path, f"declares a record of {record_len} bytes; the view reads {MOST_RECORD} at most", planted)
+            self._blocked(
+                path, f"declares a record of {record_len} bytes; the view reads {MOST_RECORD} at most", planted
+            )
         if _HEADER_SIZE + record_len + (blob_len or 0) != size:
             self._blocked(path, f"is {size} bytes long, not what its header declares", planted)
         try:
@@ -163,21 +165,32 @@ class ViewStore(FolderStore):
             return record, None
         most = _most_blob(name)
         if blob_len > most:
-            tell_once(path, f"somatize view: {path} holds a blob of {blob_len} bytes; the view reads "
-                            f"{most} at most there, so it shows none (someone who may write the store wrote it)", planted)
+            tell_once(
+                path,
+                f"somatize view: {path} holds a blob of {blob_len} bytes; the view reads "
+                f"{most} at most there, so it shows none (someone who may write the store wrote it)",
+                planted,
+            )
             return record, None
         data = _read_at(fd, blob_len, _HEADER_SIZE + record_len)
         if data is None:
             self._blocked(path, "ended early while it was read", planted)
         if _is_forward(name) and not _facts_shape(data):
-            tell_once(path, f"somatize view: {path} holds facts that are not one JSON object of text per "
-                            "line, as a recorder writes them; the view shows none for it", planted)
+            tell_once(
+                path,
+                f"somatize view: {path} holds facts that are not one JSON object of text per "
+                "line, as a recorder writes them; the view shows none for it",
+                planted,
+            )
             return record, None
         return record, data
 
     def _blocked(self, path: Path, why: str, planted: object = None) -> NoReturn:
-        tell_once(path, f"somatize view: {path} {why}; it is read as nothing stored "
-                        "(someone who may write the store put it there)", planted)
+        tell_once(
+            path,
+            f"somatize view: {path} {why}; it is read as nothing stored (someone who may write the store put it there)",
+            planted,
+        )
         raise Blocked(f"{path} {why}.")
 
 

@@ -21,9 +21,8 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import Missing, SomatizeError
-from ..record import forwards
+from ..record import forwards, recorder
 from ..record.readers import forward_row
-from ..record import recorder
 from ..record.recorder import CHUNKS, check_run, chunk_name, chunk_records, entry_name
 from ..record.shapes import left_out
 from .answers import runs_by_last_write
@@ -66,11 +65,12 @@ class Runs:
             if known.drawn is None:
                 known.ordered = [known.rows[n] for n in sorted(known.rows)]
                 known.drawn = _drawn(known.ordered)
-            return {"run": run, "from": start, "forwards": known.ordered[start:start + size], **known.drawn}
+            return {"run": run, "from": start, "forwards": known.ordered[start : start + size], **known.drawn}
 
     def warm(self, newest: int = 2) -> threading.Thread:
         """Read the ``newest`` runs (by their folders' stamps) on a thread of their own, so
         that the first look at a long run does not wait for its scan; returns the thread."""
+
         def read() -> None:
             for run in runs_by_last_write(self.changes)[:newest]:
                 try:
@@ -121,9 +121,12 @@ class Runs:
         if chunks_at and len(chunks_at) * recorder.CHUNK >= len(forwards_at) // 2:
             for k, chunk in chunks_at.items():
                 if chunk.st_size > MOST_CHUNK:  # not what a recorder writes: its forwards are read one by one
-                    left_out(self.store, chunk_name(run, k),
-                             f"its file is {chunk.st_size} bytes long (a sparse file counts by its length), "
-                             f"more than the {MOST_CHUNK} a view reads of a chunk; its forwards are read one by one")
+                    left_out(
+                        self.store,
+                        chunk_name(run, k),
+                        f"its file is {chunk.st_size} bytes long (a sparse file counts by its length), "
+                        f"more than the {MOST_CHUNK} a view reads of a chunk; its forwards are read one by one",
+                    )
                     continue
                 for number, record in (chunk_records(self.store, run, k) or {}).items():
                     at = forwards_at.get(number)
@@ -161,8 +164,13 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
             took.append((number, row["took_us"]))
     loss = points.get("loss.value", [])
     others = [k for k in sorted(points) if k != "loss.value" and points[k]][:SERIES]
-    return {"count": len(rows), "kinds": sorted(points), "curve": thinned(loss), "took": thinned(took),
-            "series": {k: thinned(points[k]) for k in others}}
+    return {
+        "count": len(rows),
+        "kinds": sorted(points),
+        "curve": thinned(loss),
+        "took": thinned(took),
+        "series": {k: thinned(points[k]) for k in others},
+    }
 
 
 def thinned(points: list) -> list:
@@ -174,7 +182,7 @@ def thinned(points: list) -> list:
     out: list = []
     start = 0.0
     while int(start) < len(points):
-        chunk = points[int(start):int(start + step)] or points[int(start):int(start) + 1]
+        chunk = points[int(start) : int(start + step)] or points[int(start) : int(start) + 1]
         low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
         out.extend(sorted({low, high}, key=lambda p: p[0]))
         start += step

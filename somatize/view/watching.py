@@ -89,8 +89,11 @@ class Folder:
 
     def _list(self, fd: int) -> None:
         with os.scandir(fd) as entries:
-            names = sorted(itertools.islice(
-                (e.name for e in entries if e.name not in self.skip and e.is_dir(follow_symlinks=False)), LISTED))
+            names = sorted(
+                itertools.islice(
+                    (e.name for e in entries if e.name not in self.skip and e.is_dir(follow_symlinks=False)), LISTED
+                )
+            )
         kept = set(names)
         self.seen = {name: at for name, at in self.seen.items() if name in kept}
         for name in [n for n in self.hot if n not in kept]:
@@ -223,8 +226,10 @@ class Watcher:
             try:
                 changed = await asyncio.to_thread(self._look, followed)
             except Exception as exc:  # noqa: BLE001 - one bad look never ends the watching
-                tell_once(self.root / ".view-watcher", f"somatize view: a look at the store failed ({exc!r}); "
-                          "the view goes on looking")
+                tell_once(
+                    self.root / ".view-watcher",
+                    f"somatize view: a look at the store failed ({exc!r}); the view goes on looking",
+                )
                 continue
             for subject in changed:
                 subject.version += 1
@@ -233,4 +238,3 @@ class Watcher:
 
     def _look(self, subjects: list[Subject]) -> list[Subject]:
         return [subject for subject in subjects if subject.look(self.root)]
-

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from . import limits
 from .fields import Bad, shown
 from .fields import a_type as _a
@@ -24,6 +23,7 @@ from .fields import qualname as _qualname
 from .fields import ref as _ref
 from .fields import text as _text
 from .messages import (
+    VARIANTS,
     Begin,
     Bye,
     Chunk,
@@ -44,7 +44,6 @@ from .messages import (
     Runtime,
     Saw,
     Send,
-    VARIANTS,
     Where,
     Work,
     built,
@@ -171,12 +170,29 @@ def fitted(m: Work, recipe: Recipe) -> Work:
     earlier Work of the same peer, checked when it came) in its place, once its keys and
     placement are checked against that recipe's nodes. ``Bad`` names what does not fit."""
     keys, placement = m.keys, m.placement
-    if (type(keys) is not dict or keys or type(placement) is not dict or placement or m.memory is not None
-            or type(m.watched) is not bool):  # else there is nothing to check (most calls)
+    if (
+        type(keys) is not dict
+        or keys
+        or type(placement) is not dict
+        or placement
+        or m.memory is not None
+        or type(m.watched) is not bool
+    ):  # else there is nothing to check (most calls)
         _work_rest(m, len(recipe.nodes))
     # built directly: `dataclasses.replace` costs more than the rest of this, every call
-    return built(Work, {"ref": m.ref, "recipe": recipe, "input": m.input, "keys": m.keys, "placement": m.placement,
-                        "memory": m.memory, "watched": m.watched, "recipe_digest": ""})
+    return built(
+        Work,
+        {
+            "ref": m.ref,
+            "recipe": recipe,
+            "input": m.input,
+            "keys": m.keys,
+            "placement": m.placement,
+            "memory": m.memory,
+            "watched": m.watched,
+            "recipe_digest": "",
+        },
+    )
 
 
 def _work_rest(m: Work, n: int) -> None:
@@ -206,8 +222,10 @@ def _node(n: Any, where: str) -> None:
         _qualname(n.target, f"{where}.target")
     code = n.code  # the class's digest, project only; "" says nothing
     if type(code) is not str or (code and (n.source != "project" or not limits.CODE.fullmatch(code))):
-        raise Bad(f'`{where}.code` is "", or in project mode "code:" and 32 lowercase hex digits; '
-                  f"it is {shown(code)}", ValueError if type(code) is str else TypeError)
+        raise Bad(
+            f'`{where}.code` is "", or in project mode "code:" and 32 lowercase hex digits; it is {shown(code)}',
+            ValueError if type(code) is str else TypeError,
+        )
     if not isinstance(n.args, (Slot, tuple)):
         raise Bad(f"`{where}.args` has to be a tuple, and it is {_a(n.args)}", TypeError)
     if not isinstance(n.kwargs, Slot):
@@ -230,10 +248,7 @@ def _shape(s: Any, n: int, depth: int, used: set[int], count: list[int]) -> None
     if count[0] > limits.MAX_SHAPE:
         raise Bad(f"`{where}` has over {limits.MAX_SHAPE:,} pieces")
     if not isinstance(s, (tuple, list)) or len(s) != 2 or s[0] not in ("step", "seq", "par"):
-        raise Bad(
-            f'`{where}` is built of ("step", i), ("seq", (...)) and ("par", (...)); it holds '
-            f"something else"
-        )
+        raise Bad(f'`{where}` is built of ("step", i), ("seq", (...)) and ("par", (...)); it holds something else')
     kind, inner = s
     if kind == "step":
         if type(inner) is not int or not 0 <= inner < n:
@@ -322,9 +337,7 @@ def _check_mounted(m: Mounted) -> None:
     if not isinstance(m.files, (tuple, list)):
         raise Bad(f"`Mounted.files` has to be a tuple of file names, and it is {_a(m.files)}", TypeError)
     if len(m.files) >= limits.MAX_FRAMES:
-        raise Bad(
-            f"`Mounted.files` names {len(m.files):,} files, over the limit of {limits.MAX_FRAMES - 1:,}"
-        )
+        raise Bad(f"`Mounted.files` names {len(m.files):,} files, over the limit of {limits.MAX_FRAMES - 1:,}")
     for i, name in enumerate(m.files):
         _text(name, f"Mounted.files[{i}]", limits.MAX_FILE_NAME)
         if not limits.MOUNT_FILE.fullmatch(name):
@@ -343,7 +356,9 @@ def _check_mounted(m: Mounted) -> None:
     for i, span in enumerate(m.spans):
         where = f"Mounted.spans[{i}]"
         if not isinstance(span, (tuple, list)) or len(span) != 3:
-            raise Bad(f"`{where}` has to be (file, offset, length), three whole numbers; it is {shown(span)}", TypeError)
+            raise Bad(
+                f"`{where}` has to be (file, offset, length), three whole numbers; it is {shown(span)}", TypeError
+            )
         _int(span[0], f"{where}[0]", 0, len(m.files) - 1)
         _int(span[1], f"{where}[1]", 0, limits.MAX_TOTAL)
         _int(span[2], f"{where}[2]", 0, limits.MAX_FRAME)
@@ -371,9 +386,7 @@ def _sid(x: Any, where: str) -> None:
 
 def _buffer(x: Any, where: str) -> None:
     # bytes, a memoryview, or a zmq.Frame (its ``buffer``), as a socket received it
-    if not isinstance(x, (bytes, bytearray, memoryview)) and not isinstance(
-        getattr(x, "buffer", None), memoryview
-    ):
+    if not isinstance(x, (bytes, bytearray, memoryview)) and not isinstance(getattr(x, "buffer", None), memoryview):
         raise Bad(f"`{where}` has to be bytes or a memoryview, and it is {_a(x)}", TypeError)
 
 
@@ -407,8 +420,7 @@ def _check_done(m: Done) -> None:
     for i in m.produced:
         if type(i) is not int or not 0 <= i < limits.MAX_NODES:
             raise Bad(
-                f"`Done.produced` is keyed by node index (0 to {limits.MAX_NODES - 1}), and one key "
-                f"is {shown(i)}"
+                f"`Done.produced` is keyed by node index (0 to {limits.MAX_NODES - 1}), and one key is {shown(i)}"
             )
     _int(m.took_us, "Done.took_us", 0, limits.MAX_REF)
     if not isinstance(m.saw, tuple):

@@ -53,8 +53,10 @@ def flag(x: Any, where: str) -> None:
 def printable(x: str, where: str) -> None:
     """A host's name is one line of text: no newline, escape or NUL to forge a log line with."""
     if not x.isprintable():
-        raise Bad(f"`{where}` holds a character that is not printable (a newline, an escape, a NUL): "
-                  f"a host's name is one line of text")
+        raise Bad(
+            f"`{where}` holds a character that is not printable (a newline, an escape, a NUL): "
+            f"a host's name is one line of text"
+        )
 
 
 def text(x: Any, where: str, limit: int, *, empty: bool = False) -> str:

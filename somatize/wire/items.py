@@ -13,9 +13,7 @@ from .checks import Bad, shown
 
 def msgpack_type(x: Any) -> str:
     """The MessagePack name of a header item's type, for a sentence."""
-    return {bytes: "bin", list: "array", dict: "map", str: "str", type(None): "nil"}.get(
-        type(x), type(x).__name__
-    )
+    return {bytes: "bin", list: "array", dict: "map", str: "str", type(None): "nil"}.get(type(x), type(x).__name__)
 
 
 def text_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
@@ -25,10 +23,7 @@ def text_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if type(key) is not str:
-            raise Bad(
-                f"a map in the header has a key that is `{msgpack_type(key)}`; the wire's maps "
-                f"are keyed by text"
-            )
+            raise Bad(f"a map in the header has a key that is `{msgpack_type(key)}`; the wire's maps are keyed by text")
         if key in out:
             raise Bad(f"a map in the header holds the key {shown(key)} twice")
         out[key] = value
@@ -38,10 +33,7 @@ def text_map(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
 def index_pairs(x: Any, where: str) -> dict[int, Any]:
     """``[[index, value], ...]`` as a dict, refusing anything else."""
     if type(x) is not list:
-        raise Bad(
-            f"`{where}` has to be an array of [index, value] pairs, and it is a "
-            f"`{msgpack_type(x)}`"
-        )
+        raise Bad(f"`{where}` has to be an array of [index, value] pairs, and it is a `{msgpack_type(x)}`")
     out: dict[int, Any] = {}
     for pair in x:
         if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not int:

@@ -18,6 +18,7 @@ from typing import Any
 from ..codec import readable_kinds
 from .limits import MODES, WIRE_VERSION
 
+
 @dataclass(frozen=True)
 class Runtime:
     """What a side states about itself in ``Hello`` and ``Ready``."""
@@ -40,8 +41,7 @@ class Runtime:
         """This process's runtime; ``mode`` is the packing mode it works in, if any."""
         if mode not in MODES:
             raise ValueError(
-                f'a runtime\'s mode is "project", "network" or "" (none); it was given '
-                f"{reprlib.repr(mode)}"
+                f'a runtime\'s mode is "project", "network" or "" (none); it was given {reprlib.repr(mode)}'
             )
         return cls(
             wire=WIRE_VERSION,

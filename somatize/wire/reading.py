@@ -28,8 +28,8 @@ from ..codec import check as check_values
 from ..errors import ProtocolError, Unreadable
 from . import limits, short
 from .checks import Bad, Pieces, Slot, check, fitted, shown
-from .items import index_pairs, msgpack_type, text_map
 from .counting import count_items
+from .items import index_pairs, msgpack_type, text_map
 from .messages import (
     FIELDS,
     IN_FRAMES,
@@ -132,8 +132,7 @@ def variant_of(frames: Sequence[Any]) -> type:
     """
     if isinstance(frames, (str, bytes, bytearray, memoryview)) or not isinstance(frames, Sequence):
         raise TypeError(
-            f"variant_of takes the frames of one message as a list of buffers; it was given a "
-            f"`{type(frames).__name__}`"
+            f"variant_of takes the frames of one message as a list of buffers; it was given a `{type(frames).__name__}`"
         )
     if not frames:
         raise ProtocolError("a message has at least one frame, its header; this one has none")
@@ -181,9 +180,7 @@ def _version_and_variant(frame: Any, *, also: str = "") -> dict[str, Any]:
         pairs = unpacker.read_map_header()
         for _ in range(min(pairs, _PEEKED_KEYS)):
             if view[unpacker.tell()] not in _STR_MARKS:
-                raise Bad(
-                    "a map in the header has a key that is not text; the wire's maps are keyed by text"
-                )
+                raise Bad("a map in the header has a key that is not text; the wire's maps are keyed by text")
             key = unpacker.unpack()
             if also and key == also:
                 found[key] = unpacker.unpack() if view[unpacker.tell()] in _INT_MARKS else unpacker.skip()
@@ -238,9 +235,7 @@ def _read(frames: Sequence[Any], *, values: bool) -> tuple[Any, Checked | None]:
         return msg, None
     if not descriptors:
         if after:
-            raise ProtocolError(
-                f"a `{name}` is one frame, its header; this one has {after} more, which nothing uses"
-            )
+            raise ProtocolError(f"a `{name}` is one frame, its header; this one has {after} more, which nothing uses")
         return msg, None
     try:
         checked = check_values(["T", *descriptors], buffers[1:] if values else None)
@@ -270,10 +265,7 @@ def _with_frames(msg: Any, buffers: list[Any]) -> Any:
     after = len(buffers) - 1
     if cls is Relay:
         if after < 1:
-            raise Bad(
-                "a `Relay` is its header and then the frames of the message it carries; this "
-                "one carries none"
-            )
+            raise Bad("a `Relay` is its header and then the frames of the message it carries; this one carries none")
         return dataclasses.replace(msg, inner=tuple(buffers[1:]))
     what = IN_FRAMES[cls]
     if after != 1:
@@ -289,16 +281,13 @@ def _with_frames(msg: Any, buffers: list[Any]) -> Any:
 def _buffers(frames: Sequence[Any]) -> list[Any]:
     if isinstance(frames, (str, bytes, bytearray, memoryview)) or not isinstance(frames, Sequence):
         raise TypeError(
-            f"decode takes the frames of one message as a list of buffers; it was given a "
-            f"`{type(frames).__name__}`"
+            f"decode takes the frames of one message as a list of buffers; it was given a `{type(frames).__name__}`"
         )
     n = len(frames)
     if n == 0:
         raise ProtocolError("a message has at least one frame, its header; this one has none")
     if n > limits.MAX_FRAMES:
-        raise ProtocolError(
-            f"a message has at most {limits.MAX_FRAMES:,} frames, and this one has {n:,}"
-        )
+        raise ProtocolError(f"a message has at most {limits.MAX_FRAMES:,} frames, and this one has {n:,}")
     out: list[Any] = []
     total = 0
     for i, f in enumerate(frames):
@@ -310,8 +299,7 @@ def _buffers(frames: Sequence[Any]) -> list[Any]:
                 raw = memoryview(raw)
             except TypeError:
                 raise TypeError(
-                    f"frame {i} is a `{type(f).__name__}`, not a buffer (bytes, a memoryview, "
-                    f"a zmq.Frame)"
+                    f"frame {i} is a `{type(f).__name__}`, not a buffer (bytes, a memoryview, a zmq.Frame)"
                 ) from None
             if raw.ndim != 1 or raw.format != "B":
                 if not raw.c_contiguous:
@@ -321,14 +309,10 @@ def _buffers(frames: Sequence[Any]) -> list[Any]:
         limit = limits.MAX_HEADER if i == 0 else limits.MAX_FRAME
         if size > limit:
             what = "the header (frame 0)" if i == 0 else f"frame {i}"
-            raise ProtocolError(
-                f"{what} is {size:,} bytes, over the {limit:,} this side accepts"
-            )
+            raise ProtocolError(f"{what} is {size:,} bytes, over the {limit:,} this side accepts")
         total += size
         if total > limits.MAX_TOTAL:
-            raise ProtocolError(
-                f"this message is over {limits.MAX_TOTAL:,} bytes in all, more than this side accepts"
-            )
+            raise ProtocolError(f"this message is over {limits.MAX_TOTAL:,} bytes in all, more than this side accepts")
         out.append(raw)
     return out
 
@@ -357,25 +341,19 @@ def _header(frame: Any) -> dict[str, Any]:
         ) from None
     if type(header) is not dict:
         raise Bad(
-            f"a message must start with a MessagePack header map; frame 0 holds a "
-            f"`{msgpack_type(header)}` instead"
+            f"a message must start with a MessagePack header map; frame 0 holds a `{msgpack_type(header)}` instead"
         )
     return header
 
 
 def _no_ext(code: int, data: bytes) -> Any:
-    raise Bad(
-        f"the header holds a MessagePack extension (type {code}); the wire uses none"
-    )
+    raise Bad(f"the header holds a MessagePack extension (type {code}); the wire uses none")
 
 
 def _variant(header: dict[str, Any]) -> type:
     v = header.get("v")
     if type(v) is not int:
-        raise Bad(
-            "the header has no wire version `v` (a whole number): the sender does not speak "
-            "somatize's wire"
-        )
+        raise Bad("the header has no wire version `v` (a whole number): the sender does not speak somatize's wire")
     if v != limits.WIRE_VERSION:
         which = "this side" if v > limits.WIRE_VERSION else "the side that sent it"
         version = str(v) if abs(v) < 10**6 else "a far larger one"
@@ -414,7 +392,7 @@ def _take(m: Any, cls: type, where: str) -> list[Any]:
 
 def _parse_flat(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Any:
     values = _take(h, cls, cls.__name__)
-    kwargs = dict(zip(header_fields(cls), values))
+    kwargs = dict(zip(header_fields(cls), values, strict=False))
     if cls is Hello or cls is Ready:
         kwargs["runtime"] = _parse_runtime(kwargs["runtime"], f"{cls.__name__}.runtime")
     elif cls is Send:
@@ -433,7 +411,7 @@ def _parse_flat(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Any:
 
 
 def _parse_runtime(m: Any, where: str) -> Runtime:
-    values = dict(zip(FIELDS[Runtime], _take(m, Runtime, where)))
+    values = dict(zip(FIELDS[Runtime], _take(m, Runtime, where), strict=False))
     values["kinds"] = _tupled(values["kinds"])
     return Runtime(**values)
 
@@ -458,9 +436,7 @@ def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
         for k in range(1, len(kwargs), 2):
             if type(kwargs[k]) is not str:
                 raise Bad(f"`{where}.kwargs` has a key that is not a str")
-        nodes.append(
-            NodeSpec(label, cache, source, target, _slot(args, descriptors), _slot(kwargs, descriptors), code)
-        )
+        nodes.append(NodeSpec(label, cache, source, target, _slot(args, descriptors), _slot(kwargs, descriptors), code))
     return Work(
         ref,
         Recipe(tuple(nodes), _tupled(shape, depth=0, count=[0])),
@@ -530,8 +506,7 @@ def _tupled(x: Any, depth: int = 0, count: list[int] | None = None) -> Any:
         count[0] += len(x)
         if depth > 2 * limits.MAX_SHAPE_DEPTH + 1 or count[0] > 2 * limits.MAX_SHAPE:
             raise Bad(
-                f"`Work.recipe.shape` is over {limits.MAX_SHAPE_DEPTH} groups deep or over "
-                f"{limits.MAX_SHAPE:,} pieces"
+                f"`Work.recipe.shape` is over {limits.MAX_SHAPE_DEPTH} groups deep or over {limits.MAX_SHAPE:,} pieces"
             )
         return tuple(_tupled(v, depth + 1, count) for v in x)
     return tuple(x)
@@ -540,11 +515,18 @@ def _tupled(x: Any, depth: int = 0, count: list[int] | None = None) -> Any:
 def _fill(msg: Any, values: tuple[Any, ...]) -> Any:
     if isinstance(msg, Work):
         if msg.recipe is None:  # the repeated call's Work: built directly, not replaced
-            return Work(msg.ref, None, values[msg.input.index], msg.keys, msg.placement,
-                        msg.memory, msg.watched, msg.recipe_digest)
+            return Work(
+                msg.ref,
+                None,
+                values[msg.input.index],
+                msg.keys,
+                msg.placement,
+                msg.memory,
+                msg.watched,
+                msg.recipe_digest,
+            )
         nodes = tuple(
-            dataclasses.replace(n, args=values[n.args.index], kwargs=values[n.kwargs.index])
-            for n in msg.recipe.nodes
+            dataclasses.replace(n, args=values[n.args.index], kwargs=values[n.kwargs.index]) for n in msg.recipe.nodes
         )
         recipe = dataclasses.replace(msg.recipe, nodes=nodes)
         return dataclasses.replace(msg, recipe=recipe, input=values[msg.input.index])

@@ -123,11 +123,28 @@ def express(head: Any) -> Work | Done | None:
         return None
     if cls is Work:
         value = h.input
-        if (type(value) not in INLINE_TYPES or h.keys or h.placement or h.memory is not None
-                or not _digest(h.recipe_digest) or len(h.recipe_digest) > limits.MAX_NAME):
+        if (
+            type(value) not in INLINE_TYPES
+            or h.keys
+            or h.placement
+            or h.memory is not None
+            or not _digest(h.recipe_digest)
+            or len(h.recipe_digest) > limits.MAX_NAME
+        ):
             return None
-        return built(Work, {"ref": h.ref, "recipe": None, "input": value, "keys": {}, "placement": {},
-                            "memory": None, "watched": h.watched, "recipe_digest": h.recipe_digest})
+        return built(
+            Work,
+            {
+                "ref": h.ref,
+                "recipe": None,
+                "input": value,
+                "keys": {},
+                "placement": {},
+                "memory": None,
+                "watched": h.watched,
+                "recipe_digest": h.recipe_digest,
+            },
+        )
     value = h.output
     if type(value) not in INLINE_TYPES or h.produced or h.saw or h.took_us > limits.MAX_REF:
         return None
@@ -141,16 +158,30 @@ def written_express(msg: Work | Done) -> list[bytes] | None:
     wrong). The bytes are the ones ``encode`` writes."""
     if type(msg) is Work:
         keys, placement = msg.keys, msg.placement
-        if (msg.recipe is not None or type(keys) is not dict or keys or type(placement) is not dict or placement
-                or msg.memory is not None):
+        if (
+            msg.recipe is not None
+            or type(keys) is not dict
+            or keys
+            or type(placement) is not dict
+            or placement
+            or msg.memory is not None
+        ):
             return None
         return work_frames(msg.ref, msg.input, msg.watched, msg.recipe_digest)
     if type(msg) is not Done:
         return None
     produced, saw, ref, value, took = msg.produced, msg.saw, msg.ref, msg.output, msg.took_us
-    if (type(produced) is not dict or produced or type(saw) is not tuple or saw or type(took) is not int
-            or not 0 <= took <= limits.MAX_REF or type(ref) is not int or not 0 <= ref <= limits.MAX_REF
-            or not _itself(value)):
+    if (
+        type(produced) is not dict
+        or produced
+        or type(saw) is not tuple
+        or saw
+        or type(took) is not int
+        or not 0 <= took <= limits.MAX_REF
+        or type(ref) is not int
+        or not 0 <= ref <= limits.MAX_REF
+        or not _itself(value)
+    ):
         return None
     written = _WRITE(_DoneHead(limits.WIRE_VERSION, "Done", ref, value, [], took, []))
     return [written] if _fits(len(written)) else None  # over a limit: `encode` says which
@@ -161,8 +192,15 @@ def work_frames(ref: int, value: Any, watched: bool, digest: str) -> list[bytes]
     ``value`` and nothing else (no keys, no placement), without building the ``Work``: the
     bytes ``encode`` writes for it. None when a field is not as ``check`` would pass it, or
     the value is not one the codec writes as itself (``encode`` writes it, or says why not)."""
-    if (type(ref) is not int or not 0 <= ref <= limits.MAX_REF or type(watched) is not bool or type(digest) is not str
-            or len(digest) > limits.MAX_NAME or not _digest(digest) or not _itself(value)):
+    if (
+        type(ref) is not int
+        or not 0 <= ref <= limits.MAX_REF
+        or type(watched) is not bool
+        or type(digest) is not str
+        or len(digest) > limits.MAX_NAME
+        or not _digest(digest)
+        or not _itself(value)
+    ):
         return None
     written = _WRITE(_WorkHead(limits.WIRE_VERSION, "Work", ref, value, None, [], [], None, watched, digest))
     return [written] if _fits(len(written)) else None  # over a limit: `encode` says which
@@ -215,10 +253,10 @@ def told(frames: Sequence[Any]) -> type | None:
         first = frames[0]
         first = getattr(first, "buffer", first) if type(first) is not bytes else first
         n = len(_HEAD)
-        if not (0x82 <= first[0] <= 0x8F and first[1:1 + n] == _HEAD):
+        if not (0x82 <= first[0] <= 0x8F and first[1 : 1 + n] == _HEAD):
             return None
         size = first[1 + n] - 0xA0
-        cls = _TOLD.get(bytes(first[2 + n:2 + n + size])) if 0 < size < 32 else None
+        cls = _TOLD.get(bytes(first[2 + n : 2 + n + size])) if 0 < size < 32 else None
         return cls if cls is not None and first[0] - 0x80 >= len(_FIELDS_OF[cls]) else None  # a key for each field
     except (IndexError, TypeError, KeyError, ValueError, NotImplementedError):  # a view of another shape
         return None
@@ -253,8 +291,9 @@ def _inline(buffers: list, cls: type) -> Work | Done | None:
             output, produced, saw = header["output"], header["produced"], header["saw"]
             if type(output) not in INLINE_TYPES or type(produced) is not list or produced or type(saw) is not list:
                 return None
-            if saw and (len(saw) > limits.MAX_SAW or any(type(f) is not dict for f in saw)
-                        or not _each_key_once(buffers[0])):
+            if saw and (
+                len(saw) > limits.MAX_SAW or any(type(f) is not dict for f in saw) or not _each_key_once(buffers[0])
+            ):
                 return None  # the long way says what is wrong with it
             msg: Any = Done(header["ref"], output, {}, header["took_us"], tuple(saw))
         else:
@@ -263,8 +302,16 @@ def _inline(buffers: list, cls: type) -> Work | Done | None:
                 return None
             keys = index_pairs(header["keys"], "Work.keys")
             placement = index_pairs(header["placement"], "Work.placement")
-            msg = Work(header["ref"], None, value, keys, placement, header["memory"], header["watched"],
-                       header["recipe_digest"])
+            msg = Work(
+                header["ref"],
+                None,
+                value,
+                keys,
+                placement,
+                header["memory"],
+                header["watched"],
+                header["recipe_digest"],
+            )
         check(msg)
     except Bad:
         return None
@@ -331,8 +378,9 @@ def keep_written(msg: Hello | Ready | Bye, frames: list) -> None:
 
 def _once(msg: Any) -> bool:
     """A greeting that is never the same twice: not worth remembering."""
-    return getattr(msg, "offering", None) is not None or bool(getattr(msg, "prove", "")) \
-        or bool(getattr(msg, "proof", ""))
+    return (
+        getattr(msg, "offering", None) is not None or bool(getattr(msg, "prove", "")) or bool(getattr(msg, "proof", ""))
+    )
 
 
 def _each_key_once(head: Any) -> bool:

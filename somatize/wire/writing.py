@@ -106,8 +106,7 @@ def _fitted(name: str, packed: bytes, frames: list) -> list:
             )
     if total > limits.MAX_TOTAL:
         raise ValueError(
-            f"this `{name}` is {total:,} bytes, over the {limits.MAX_TOTAL:,} one message may be: "
-            f"split the work"
+            f"this `{name}` is {total:,} bytes, over the {limits.MAX_TOTAL:,} one message may be: split the work"
         )
     return [packed, *frames]
 
@@ -124,8 +123,14 @@ def _relay(msg: Relay) -> list:
     """A checked ``Relay``'s frames: its header (a map of scalars, written as ``encode``
     writes any header) and the frames it carries, untouched."""
     packed = msgpack.packb(
-        {"v": limits.WIRE_VERSION, "t": "Relay", "host": msg.host, "exchange": msg.exchange,
-         "tenant": msg.tenant, "lane": msg.lane},
+        {
+            "v": limits.WIRE_VERSION,
+            "t": "Relay",
+            "host": msg.host,
+            "exchange": msg.exchange,
+            "tenant": msg.tenant,
+            "lane": msg.lane,
+        },
         use_bin_type=True,
     )
     return _fitted("Relay", packed, [_byte_view(f) for f in msg.inner])

@@ -39,7 +39,12 @@ class Admitting:
         """Read up to ``most`` messages, each through the admission step (`_admit`, or
         `_unread` for a peer that does not read its answers) before anything else is done
         with it. Never left queued in ZeroMQ: see `bind`."""
-        front, severed, waiting, offers = self._front, self._admission.severed, self._outbox.waiting, self.view.offers_index
+        front, severed, waiting, offers = (
+            self._front,
+            self._admission.severed,
+            self._outbox.waiting,
+            self.view.offers_index,
+        )
         receive, noblock = sockets.receive_part, sockets.NOBLOCK
         for _ in range(most):
             try:  # raised once a turn, not asked of every message: a flood is read at the least cost
@@ -65,8 +70,9 @@ class Admitting:
         decoded, at the least cost this loop can pay (a flood of them costs a read and a count)."""
         admission = self._admission
         now = time.monotonic()
-        cut = admission.behind(now) and admission.admit(route, self._user(frames[0]) or None, size_of(frames), True,
-                                                        False, now)
+        cut = admission.behind(now) and admission.admit(
+            route, self._user(frames[0]) or None, size_of(frames), True, False, now
+        )
         if cut:
             self._cut(route, frames[0], cut)
         else:
@@ -79,8 +85,15 @@ class Admitting:
         the connection. Only while ZeroMQ still has its route (the refusal that says why is
         sent, or finds its queue full), so the connection cut is the one ``frame`` came from."""
         try:
-            self._front.send_multipart([route, *encode(Refusal(
-                f"the broker closed this connection: {why}; send less often, and read its answers"))], zmq.NOBLOCK)
+            self._front.send_multipart(
+                [
+                    route,
+                    *encode(
+                        Refusal(f"the broker closed this connection: {why}; send less often, and read its answers")
+                    ),
+                ],
+                zmq.NOBLOCK,
+            )
         except zmq.Again:
             pass
         except zmq.ZMQError:

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Iterator, MutableMapping
 from pathlib import Path
 
 from ...wire import MAX_NAME
-from ..hosts import pool_of
 from ...wire.limits import Z85
+from ..hosts import pool_of
 
 
 def check_folder(path: Path) -> None:
@@ -63,7 +63,9 @@ def read(path: Path) -> dict[str, str]:
     try:
         table = json.loads(text)
     except ValueError as exc:
-        raise ValueError(f"{path} is not the bindings file this broker writes (a JSON map of host to key): {exc}") from exc
+        raise ValueError(
+            f"{path} is not the bindings file this broker writes (a JSON map of host to key): {exc}"
+        ) from exc
     if not isinstance(table, dict) or not all(
         isinstance(h, str) and 0 < len(h) <= MAX_NAME and isinstance(k, str) and len(k) == 40 and set(k) <= Z85
         for h, k in table.items()

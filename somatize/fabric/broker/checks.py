@@ -18,9 +18,10 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -149,29 +150,41 @@ def check(child: Child, deadline: float | None, runtime: Runtime, patience: floa
         return child.ended()
     look = probe(child.address, runtime, min(PROBE, patience), keys=child.checker)
     answer = look.answer
-    if answer is not None and (not isinstance(answer, Ready) or deadline is None
-                               or answer.busy_us <= deadline * 1_000_000):
+    if answer is not None and (
+        not isinstance(answer, Ready) or deadline is None or answer.busy_us <= deadline * 1_000_000
+    ):
         return None  # it answered: alive (a refusal too: one whose sessions are full is busy, not stuck)
     child.settle(0.1)
     if not child.running:
         return child.ended()
     if isinstance(answer, Ready):
-        why = (f"was still running one piece of work after {answer.busy_us / 1e6:.0f} s, "
-               f"past its deadline of {deadline:g} s")
+        why = (
+            f"was still running one piece of work after {answer.busy_us / 1e6:.0f} s, "
+            f"past its deadline of {deadline:g} s"
+        )
     elif child.stopped:
         why = "stopped answering while still running: its process is stopped (SIGSTOP)"
     elif look.reached:
-        why = ("stopped answering while still running: it took the broker's connection and said "
-               f"nothing within {min(PROBE, patience):g} s")
+        why = (
+            "stopped answering while still running: it took the broker's connection and said "
+            f"nothing within {min(PROBE, patience):g} s"
+        )
     else:
         more = _unreached.more()
         if more is not None:
-            said = ("it refused the check's handshake (its allow folder does not hold the key the broker "
-                    "checks it with)" if look.refused
-                    else f"its handshake did not complete within {min(PROBE, patience):g} s")
-            log.warning("a client said it lost `%s`; the broker could not check it at %s: %s. It is left "
-                        "running: a check that cannot reach a worker stops nothing%s",
-                        child.host, child.address, said, more)
+            said = (
+                "it refused the check's handshake (its allow folder does not hold the key the broker checks it with)"
+                if look.refused
+                else f"its handshake did not complete within {min(PROBE, patience):g} s"
+            )
+            log.warning(
+                "a client said it lost `%s`; the broker could not check it at %s: %s. It is left "
+                "running: a check that cannot reach a worker stops nothing%s",
+                child.host,
+                child.address,
+                said,
+                more,
+            )
         return None
     child.kill()  # the next forward starts afresh
     return why

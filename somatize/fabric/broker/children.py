@@ -28,8 +28,9 @@ class Spawned:
     message)`` sends an answer from the serving thread (a helper job's result is delivered
     there)."""
 
-    def __init__(self, helper: Helper, answer: Callable[[bytes, Any], None], *, runtime: Runtime, patience: float,
-                 private: bool) -> None:
+    def __init__(
+        self, helper: Helper, answer: Callable[[bytes, Any], None], *, runtime: Runtime, patience: float, private: bool
+    ) -> None:
         self.children: dict[str, Child] = {}
         self._helper = helper
         self._answer = answer
@@ -47,8 +48,14 @@ class Spawned:
         with self._lock:
             child = self.children.get(host)
             if child is None:
-                child = self.children[host] = Child(host, declared.argv, mode=declared.mode, mount=declared.mount,
-                                                    own=declared.own_mount, reach=self.reach)
+                child = self.children[host] = Child(
+                    host,
+                    declared.argv,
+                    mode=declared.mode,
+                    mount=declared.mount,
+                    own=declared.own_mount,
+                    reach=self.reach,
+                )
         kind = "check" if where.lost else "start"
         if kind == "start" and child.running and not self._helper.busy(host):
             return child.located(host, declared.mode)
@@ -58,7 +65,9 @@ class Spawned:
             self._pending[tenant] = self._pending.get(tenant, 0) + 1
             return None
         if self._pending.get(tenant, 0) >= MAX_PENDING:
-            return Refusal(f"you already have {MAX_PENDING} questions waiting at this broker; ask again when they are answered")
+            return Refusal(
+                f"you already have {MAX_PENDING} questions waiting at this broker; ask again when they are answered"
+            )
         self._waiting[(host, kind)] = [(route, tenant)]
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         if where.lost:
@@ -82,7 +91,9 @@ class Spawned:
                 if isinstance(result, Refused):
                     self._answer(asker, Refusal(str(result)))
                 elif isinstance(result, Exception):
-                    self._answer(asker, Refusal(f"the broker could not start `{host}`: {type(result).__name__}: {result}"))
+                    self._answer(
+                        asker, Refusal(f"the broker could not start `{host}`: {type(result).__name__}: {result}")
+                    )
                 else:
                     ended = result if kind == "check" else None
                     self._answer(asker, child.located(host, declared.mode, ended))

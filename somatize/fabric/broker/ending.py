@@ -51,9 +51,13 @@ class Ending:
                 self._bye(exchange)
             else:
                 self._outbox.forget(exchange.client, str(exchange.number))
-                self._tell_client(exchange, Refusal(
-                    f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
-                    f"taken out of the allow-list): the work sent to it there ended"))
+                self._tell_client(
+                    exchange,
+                    Refusal(
+                        f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
+                        f"taken out of the allow-list): the work sent to it there ended"
+                    ),
+                )
         self.view.revoked = []
         self._keep_bindings()
 
@@ -63,8 +67,12 @@ class Ending:
         revoke()
         for host, owner in sorted(before.items()):
             if host not in self.view.bindings:
-                log.info("host `%s` is free again %s: its key %s is no longer in --allow-workers",
-                         host, when, peer_name(b"", owner))
+                log.info(
+                    "host `%s` is free again %s: its key %s is no longer in --allow-workers",
+                    host,
+                    when,
+                    peer_name(b"", owner),
+                )
         self._keep_bindings()
 
     def _tell_ended(self) -> None:
@@ -77,11 +85,15 @@ class Ending:
                 self._bye(exchange)
         for exchange in cut:  # its client waits on an answer that will never come: it is told
             self._outbox.forget(exchange.client, str(exchange.number))
-            self._tell_client(exchange, Refusal(
-                f"this broker ended the exchange with `{exchange.host}` while the work sent there was "
-                f"open: one client's connections hold at most {self.view.max_exchanges:,} exchanges (this "
-                f"broker {self.view.max_open:,} in all), the least recently used ended first; use fewer hosts "
-                f"at once, or more clients"))
+            self._tell_client(
+                exchange,
+                Refusal(
+                    f"this broker ended the exchange with `{exchange.host}` while the work sent there was "
+                    f"open: one client's connections hold at most {self.view.max_exchanges:,} exchanges (this "
+                    f"broker {self.view.max_open:,} in all), the least recently used ended first; use fewer hosts "
+                    f"at once, or more clients"
+                ),
+            )
 
     def _tell_client(self, exchange: Exchange, refusal: Refusal) -> None:
         if exchange.lane:  # to the channel it came from, among the client's many
@@ -91,5 +103,6 @@ class Ending:
 
     def _bye(self, exchange: Exchange) -> None:
         """The worker of ``exchange`` hears a Bye in it: that session is over."""
-        self._deliver(exchange.worker, passed_on(_BYE, exchange=exchange.number, tenant=exchange.tenant),
-                      exchange.tenant)
+        self._deliver(
+            exchange.worker, passed_on(_BYE, exchange=exchange.number, tenant=exchange.tenant), exchange.tenant
+        )

@@ -54,7 +54,9 @@ class Admission:
     """Counts what each connection and key sends; says whose connection is to be cut."""
 
     def __init__(self) -> None:
-        self._counts: dict[str | bytes, list] = {}  # key or route -> [second it began, messages, questions, bytes, refused]
+        self._counts: dict[
+            str | bytes, list
+        ] = {}  # key or route -> [second it began, messages, questions, bytes, refused]
         self._severed: OrderedDict[bytes, None] = OrderedDict()
         self._behind_since = 0.0  # when the loop last fell behind what arrives (0: caught up)
 
@@ -96,8 +98,9 @@ class Admission:
         if mine[_QUESTIONS] > CHATTY:
             return f"it asked more than {CHATTY} questions in a second while the broker was behind"
         if mine[_MESSAGES] > (BUSY_WORKER if worker else BUSY):
-            return (f"it sent more than {BUSY_WORKER if worker else BUSY} messages in a second while the "
-                    f"broker was behind")
+            return (
+                f"it sent more than {BUSY_WORKER if worker else BUSY} messages in a second while the broker was behind"
+            )
         if mine[_BYTES] > FLOW:
             return f"it sent more than {FLOW >> 20} MiB in a second while the broker was behind"
         return ""
@@ -107,8 +110,10 @@ class Admission:
         """Why a message of ``size`` bytes is refused, or ""."""
         if size <= LARGEST:
             return ""
-        return (f"a message of {size} bytes is more than the {LARGEST} a broker takes; "
-                f"a bigger one travels as a stream (Begin, Chunk)")
+        return (
+            f"a message of {size} bytes is more than the {LARGEST} a broker takes; "
+            f"a bigger one travels as a stream (Begin, Chunk)"
+        )
 
     def refused(self, route: bytes, key: str | None, worker: bool, now: float) -> str:
         """Count a refused message from ``route``, or one that opened or ended nothing: why

@@ -30,24 +30,39 @@ from typing import Any
 import zmq
 
 from ...errors import ProtocolError
-from ...wire import (Bye, Hello, Hosts, Listed, Located, Ready, Refusal, Relay, Runtime, Where, compatible, decode,
-                     encode, ref_of, variant_of)
-from . import answers as _answers
-from . import bindings as _bindings
+from ...wire import (
+    Bye,
+    Hello,
+    Hosts,
+    Listed,
+    Located,
+    Ready,
+    Refusal,
+    Relay,
+    Runtime,
+    Where,
+    compatible,
+    decode,
+    encode,
+    ref_of,
+    variant_of,
+)
 from .. import sockets
-from .checks import Helper
-from .children import Spawned
-from .floods import Admission
-from .probes import Probes
-from .quiet import Quiet
-from .outbox import DROPPED, GONE, LARGEST, PIPED, Outbox
 from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name
+from ..hosts import Worker
+from . import answers as _answers
+from . import bindings as _bindings
+from .admitting import Admitting, size_of
+from .checks import Helper
+from .children import Spawned
+from .ending import Ending
+from .floods import Admission
+from .outbox import DROPPED, GONE, LARGEST, PIPED, Outbox
+from .probes import Probes
+from .quiet import Quiet
 from .spawn import Child, Reach
 from .view import IDLE_SILENCE
-from .admitting import Admitting, size_of
-from .ending import Ending
-from ..hosts import Worker
 
 #: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
 #: worker key may serve at once (a SLURM job of that many nodes on one key; `--max-hosts-per-key`).
@@ -247,8 +262,12 @@ class BrokerLoop(Admitting, Ending):
         elif said == DROPPED and self._outbox.dropped_for(route) in (1, 1000, 100_000):
             more = self._losses.more()
             if more is not None:
-                log.info("%s does not read what it is sent: %d messages for it dropped so far%s",
-                         peer_name(route), self._outbox.dropped_for(route), more)
+                log.info(
+                    "%s does not read what it is sent: %d messages for it dropped so far%s",
+                    peer_name(route),
+                    self._outbox.dropped_for(route),
+                    more,
+                )
 
     def _answer(self, route: Any, message: Any) -> None:
         try:
@@ -276,8 +295,12 @@ class BrokerLoop(Admitting, Ending):
         offering = route in self.view.offers_index
         if offering:
             kept = self._keepalives.get(route)
-            if kept is not None and now - kept[2] >= self.patience / 10 and kept[1] == size_of(frames) \
-                    and kept[0] == hash(b"".join(f.bytes for f in frames)):
+            if (
+                kept is not None
+                and now - kept[2] >= self.patience / 10
+                and kept[1] == size_of(frames)
+                and kept[0] == hash(b"".join(f.bytes for f in frames))
+            ):
                 # the very Hello it said before, at a keepalive's pace: nothing to count or decode
                 self._keepalives[route] = (kept[0], kept[1], now)
                 self.view.heard(route, now)
@@ -306,8 +329,13 @@ class BrokerLoop(Admitting, Ending):
         if user and not self._connected(user, route, now, most):
             if not self._refusal(route, user, frames[0], now):
                 self._refused(route, user, f"this key already has {most} connections open here")
-                self._answer(route, Refusal(f"this key already has {most} connections open at this broker; "
-                                            f"use fewer, or wait {CONNECTION_IDLE:g} s after closing some"))
+                self._answer(
+                    route,
+                    Refusal(
+                        f"this key already has {most} connections open at this broker; "
+                        f"use fewer, or wait {CONNECTION_IDLE:g} s after closing some"
+                    ),
+                )
             return
         relay = None
         try:
@@ -379,7 +407,8 @@ class BrokerLoop(Admitting, Ending):
             return
         try:
             said = self.view.hello(route, user, roles, hello, now)
-        except Violation as exc:
+        except Violation as refused:
+            exc: Violation | None = refused
             if not self._still_served(hello.offering):  # its old connection is gone: the name is free
                 try:
                     said = self.view.hello(route, user, roles, hello, now)
@@ -394,8 +423,13 @@ class BrokerLoop(Admitting, Ending):
         if said == "offered":
             more = self._comings.more()
             if more is not None:
-                log.info("host `%s` dialed in (%s, %s mode)%s", hello.offering, peer_name(route, user),
-                         hello.runtime.mode or "project", more)
+                log.info(
+                    "host `%s` dialed in (%s, %s mode)%s",
+                    hello.offering,
+                    peer_name(route, user),
+                    hello.runtime.mode or "project",
+                    more,
+                )
         self._keep_bindings()
         if said != "keepalive":
             self._answer(route, Ready(self.runtime))
@@ -460,10 +494,14 @@ class BrokerLoop(Admitting, Ending):
         orphaned, self.view.orphaned = self.view.orphaned, []
         for exchange in orphaned:
             self._outbox.forget(exchange.client, str(exchange.number))
-            self._tell_client(exchange, Refusal(
-                f"the worker serving `{exchange.host}` was lost while the work sent there was open (silent "
-                f"past this broker's patience, or its connection dropped) and has dialed in again since: no "
-                f"answer to that work can come through; forward again"))
+            self._tell_client(
+                exchange,
+                Refusal(
+                    f"the worker serving `{exchange.host}` was lost while the work sent there was open (silent "
+                    f"past this broker's patience, or its connection dropped) and has dialed in again since: no "
+                    f"answer to that work can come through; forward again"
+                ),
+            )
 
     def _prune(self) -> None:
         """Forget what was kept of routes that serve nothing any more (offers expired or
@@ -505,15 +543,24 @@ class BrokerLoop(Admitting, Ending):
             offer = self.view.offers.get(host)
             if offer is None:
                 return Refusal(f"this broker knows no host `{host}` (it knows: {_some(self._listing())})")
-            return Located(host, "relayed", address=self.endpoint, mode=offer.runtime.mode or "project",
-                           mount=offer.mount, seen=offer.token)
+            return Located(
+                host,
+                "relayed",
+                address=self.endpoint,
+                mode=offer.runtime.mode or "project",
+                mount=offer.mount,
+                seen=offer.token,
+            )
         if declared.how == "inprocess":
             return Located(host, "inprocess")
         path = "mount" if declared.mount else "direct"
         if declared.how == "at":
             return Located(
-                host, path, address=sockets.tcp_url(declared.address), mode=declared.mode,
-                mount=declared.mount, key=declared.server_key(),
+                host,
+                path,
+                address=sockets.tcp_url(declared.address),
+                mode=declared.mode,
+                mount=declared.mount,
+                key=declared.server_key(),
             )
         return self._spawned.where(host, declared, where, route, tenant)
-

@@ -64,8 +64,15 @@ class _Peer:
 class Outbox:
     """Sends on a ROUTER ``front`` and never blocks; see the module's docstring."""
 
-    def __init__(self, front: zmq.Socket, *, held: int = HELD, peer_bytes: int = PEER_BYTES,
-                 all_bytes: int = ALL_BYTES, piped: int = PIPED) -> None:
+    def __init__(
+        self,
+        front: zmq.Socket,
+        *,
+        held: int = HELD,
+        peer_bytes: int = PEER_BYTES,
+        all_bytes: int = ALL_BYTES,
+        piped: int = PIPED,
+    ) -> None:
         self.front = front
         self.held, self.peer_bytes, self.all_bytes = held, peer_bytes, all_bytes
         self.piped = piped
@@ -103,8 +110,11 @@ class Outbox:
                 self._piped(peer, size)
                 return SENT
         queue = peer.queues.get(tenant)
-        if (queue is not None and len(queue) >= self.held) or peer.bytes + peer.piped + size > self.peer_bytes \
-                or self._bytes + size > self.all_bytes:
+        if (
+            (queue is not None and len(queue) >= self.held)
+            or peer.bytes + peer.piped + size > self.peer_bytes
+            or self._bytes + size > self.all_bytes
+        ):
             return self._lost(route)
         if queue is None:
             queue = peer.queues[tenant] = deque()

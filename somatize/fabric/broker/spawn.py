@@ -57,8 +57,16 @@ _DIRECTORY = re.compile(r"somatize-(\d+)-[a-z0-9_]+")
 class Child:
     """One spawned worker process for one host."""
 
-    def __init__(self, host: str, argv: tuple[str, ...], *, mode: str, mount: str | None, own: bool = False,
-                 reach: Reach | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        argv: tuple[str, ...],
+        *,
+        mode: str,
+        mount: str | None,
+        own: bool = False,
+        reach: Reach | None = None,
+    ) -> None:
         self.host = host
         self.argv = argv
         self.mode = mode
@@ -120,14 +128,14 @@ class Child:
             raise Refused(f"the worker for `{self.host}` could not be started from {list(self.argv)}: {exc}") from exc
         self.process = process
         line = _first_line(process, START_DEADLINE)
-        if line is not None and self.reach is not None and _on_interface(line[len(ANNOUNCE):], self.reach.interface):
-            url = line[len(ANNOUNCE):]  # the port it was given: the system's choice
+        if line is not None and self.reach is not None and _on_interface(line[len(ANNOUNCE) :], self.reach.interface):
+            url = line[len(ANNOUNCE) :]  # the port it was given: the system's choice
         if line is None or line != ANNOUNCE + url:
             ended = self.ended() if process.poll() is not None else None
             self.stop()
             if line is not None and line.startswith(ANNOUNCE):
                 raise Refused(
-                    f"the worker for `{self.host}` listens on {line[len(ANNOUNCE):]}, not on the private "
+                    f"the worker for `{self.host}` listens on {line[len(ANNOUNCE) :]}, not on the private "
                     f"socket {url} it was given: {list(self.argv)} has to pass `--listen` on to "
                     f"`python -m somatize.worker`"
                 )
@@ -137,7 +145,9 @@ class Child:
                 + "; check that it runs `python -m somatize.worker`"
             )
         self.address = url if self.reach is None else self.reach.address(url)
-        threading.Thread(target=_relay_output, args=(process, self.host), daemon=True, name=f"somatize-{self.host}-out").start()
+        threading.Thread(
+            target=_relay_output, args=(process, self.host), daemon=True, name=f"somatize-{self.host}-out"
+        ).start()
         return self.address
 
     def _own_folder(self) -> str | None:
@@ -152,9 +162,13 @@ class Child:
                 pass  # taken between the look and the make: the socket, as below
         if not self._warned:
             self._warned = True
-            print(f"somatize: {_mount.own_path()} is not this user's safe folder (another user may have made it): "
-                  f"cargo for `{self.host}` goes through its socket instead. Remove that folder, or give the "
-                  f"host `mount=` a folder of your own", file=sys.stderr, flush=True)
+            print(
+                f"somatize: {_mount.own_path()} is not this user's safe folder (another user may have made it): "
+                f"cargo for `{self.host}` goes through its socket instead. Remove that folder, or give the "
+                f"host `mount=` a folder of your own",
+                file=sys.stderr,
+                flush=True,
+            )
         return None
 
     def _allowing(self) -> Path:
@@ -230,10 +244,25 @@ class Child:
         """Where this child's host is: its socket, and the folder it was started with (chosen
         at each start when none was named), if any."""
         if self.seen:  # the default folder, for the clients that see it (`mount.sees`)
-            return Located(host, "direct", address=self.address, mode=mode, mount=self.mount, seen=self.seen,
-                           ended=ended, key=self.key)
-        return Located(host, "mount" if self.mount else "direct", address=self.address, mode=mode,
-                       mount=self.mount, ended=ended, key=self.key)
+            return Located(
+                host,
+                "direct",
+                address=self.address,
+                mode=mode,
+                mount=self.mount,
+                seen=self.seen,
+                ended=ended,
+                key=self.key,
+            )
+        return Located(
+            host,
+            "mount" if self.mount else "direct",
+            address=self.address,
+            mode=mode,
+            mount=self.mount,
+            ended=ended,
+            key=self.key,
+        )
 
     def reload(self) -> None:
         """Its broker's allow folder was read again: its copy is made anew, and read again

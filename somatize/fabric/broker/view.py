@@ -14,13 +14,27 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...errors import ProtocolError
-from ...wire import (Begin, Bye, Done, Failed, Hello, Hosts, Mounted, Ready, Refusal, Relay, Runtime, Send, Where, Work,
-                     variant_of)
+from ...wire import (
+    Begin,
+    Bye,
+    Done,
+    Failed,
+    Hello,
+    Hosts,
+    Mounted,
+    Ready,
+    Refusal,
+    Relay,
+    Runtime,
+    Send,
+    Where,
+    Work,
+    variant_of,
+)
 from ...wire.writing import passed_on
 from ..conversation import KEEPALIVE, LEFT, Stale, Violation
 from ..hosts import pool_of
 from .bindings import Bindings
-
 
 CLIENT, WORKER = "client", "worker"
 
@@ -29,6 +43,7 @@ class Void(Stale):
     """A message that opens nothing and ends nothing (a client's relayed ``Bye`` for an
     exchange not open): nobody is owed a word, and the broker counts it as refused (a flood
     of them has its connection cut, `floods`)."""
+
 
 #: Patiences an offer with no exchange open may be silent (three keepalives missed).
 IDLE_SILENCE = 3 * KEEPALIVE
@@ -182,19 +197,29 @@ class BrokerView:
                 f"public key in the broker's folder of worker keys (--allow-workers)"
             )
         if host in self.declared:
-            raise self._refuse(f"host `{host}` is declared on this broker's table; a worker cannot dial in under its name")
+            raise self._refuse(
+                f"host `{host}` is declared on this broker's table; a worker cannot dial in under its name"
+            )
         owner = self.identity(route, key)
         member = pool_of(host)
-        if member is None and (host in self._declared_pools or any(
+        if member is None and (
+            host in self._declared_pools
+            or any(
                 o != owner and (not owner.startswith("route:") or not o.startswith("route:"))
-                for o in self.bindings.pool_owners(host))):
-            raise self._refuse(f"`{host}` is the name of a pool served on this broker (`{host}#0`...); a worker "
-                               f"cannot dial in under it: offer another name")
+                for o in self.bindings.pool_owners(host)
+            )
+        ):
+            raise self._refuse(
+                f"`{host}` is the name of a pool served on this broker (`{host}#0`...); a worker "
+                f"cannot dial in under it: offer another name"
+            )
         if member is not None:  # a pool's members are one key's: nobody else's worker joins it
             pool = member[0]
             if pool in self._declared_pools:
-                raise self._refuse(f"`{host}` would join the pool `{pool}` declared on this broker's table; a worker "
-                                   f"cannot dial in to it")
+                raise self._refuse(
+                    f"`{host}` would join the pool `{pool}` declared on this broker's table; a worker "
+                    f"cannot dial in to it"
+                )
             keyed = not owner.startswith("route:")
             if any(o != owner and (keyed or not o.startswith("route:")) for o in self.bindings.pool_owners(pool)):
                 raise self._refuse(
@@ -417,7 +442,9 @@ class BrokerView:
                 return Deliver(exchange.client, passed_on(relay.inner, lane=exchange.lane))
             return Deliver(exchange.client, list(relay.inner))
         if relay.exchange:
-            raise self._refuse("only a worker that offered a host here answers an exchange; say Hello with `offering` first")
+            raise self._refuse(
+                "only a worker that offered a host here answers an exchange; say Hello with `offering` first"
+            )
         offer = self.offers.get(relay.host)
         if offer is None:
             raise self._refuse(
@@ -510,8 +537,12 @@ class BrokerView:
         pair = (exchange.client, exchange.host, exchange.lane)
         if self._by_pair.get(pair) == number:
             del self._by_pair[pair]
-        for index, at in ((self._of_route, exchange.client), (self._of_route, exchange.worker),
-                          (self._of_host, exchange.host), (self._of_tenant, exchange.tenant)):
+        for index, at in (
+            (self._of_route, exchange.client),
+            (self._of_route, exchange.worker),
+            (self._of_host, exchange.host),
+            (self._of_tenant, exchange.tenant),
+        ):
             numbers = index.get(at)
             if numbers is not None and number in numbers:
                 if isinstance(numbers, dict):

@@ -104,8 +104,17 @@ class Asking:
         sock.connect(self.url)
         return sock, watch
 
-    def _asked(self, control: zmq.Socket, watch: zmq.Socket, message: Any, until: float, timeout: float,
-               late: str | None, *, shared: bool) -> Any:
+    def _asked(
+        self,
+        control: zmq.Socket,
+        watch: zmq.Socket,
+        message: Any,
+        until: float,
+        timeout: float,
+        late: str | None,
+        *,
+        shared: bool,
+    ) -> Any:
         """``_ask`` on ``control`` (``shared``: the control socket, held): every wait, the
         handshake's probe included, ends by ``until``."""
         linked = self._linked if shared else False
@@ -116,8 +125,10 @@ class Asking:
                 if self._ended.is_set():  # closed from another thread: this question ends now
                     if shared:
                         self._close_control()
-                    raise Closed("this broker was closed (`close()`, from another thread) while it was asked "
-                                 f"a question: the broker at {self.url} was not waited for")
+                    raise Closed(
+                        "this broker was closed (`close()`, from another thread) while it was asked "
+                        f"a question: the broker at {self.url} was not waited for"
+                    )
                 while not refused and time.monotonic() < until and sockets.readable(watch):
                     event = int.from_bytes(watch.recv_multipart()[0][:2], "little")
                     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -125,8 +136,9 @@ class Asking:
                     elif event == zmq.EVENT_DISCONNECTED:
                         linked = False  # the broker's end closed: it went away
                     else:
-                        verdict = hung_up(event, self.keys, self.url, min(self.patience, PROBE),
-                                          within=until - time.monotonic())
+                        verdict = hung_up(
+                            event, self.keys, self.url, min(self.patience, PROBE), within=until - time.monotonic()
+                        )
                         if verdict is None:
                             break  # the time ran out while the probe asked
                         if verdict:
@@ -144,12 +156,16 @@ class Asking:
             if shared:
                 self._close_control()
             if refused:
-                raise KeysRefused(handshake_refusal(
-                    refused, who=f"the broker at {self.url}", keys=self.keys,
-                    server_key=self.keys.server_key if self.keys is not None else None,
-                    allow="the broker's allow folder (then `systemctl reload somatize-broker`)",
-                    server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
-                ))
+                raise KeysRefused(
+                    handshake_refusal(
+                        refused,
+                        who=f"the broker at {self.url}",
+                        keys=self.keys,
+                        server_key=self.keys.server_key if self.keys is not None else None,
+                        allow="the broker's allow folder (then `systemctl reload somatize-broker`)",
+                        server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
+                    )
+                )
             if late is not None:
                 raise PastDeadline(late)
             if linked:  # connected, handshake done: something is there and says nothing

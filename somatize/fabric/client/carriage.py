@@ -222,8 +222,13 @@ class Carriage:
                     continue
                 if event & _HANDSHAKE_FAILED:
                     # the probe is a wait of this call's too: within what its deadline leaves
-                    verdict = hung_up(event, self.keys, self.address, min(self.patience, PROBE),
-                                      within=None if deadline is None else deadline.left())
+                    verdict = hung_up(
+                        event,
+                        self.keys,
+                        self.address,
+                        min(self.patience, PROBE),
+                        within=None if deadline is None else deadline.left(),
+                    )
                     if verdict is None or (deadline is not None and deadline.left() < 0):
                         self.exchange.give_up()
                         raise PastDeadline(waiting)
@@ -259,8 +264,15 @@ class Carriage:
 
     def _refusal(self, event: int) -> str:
         """Why the handshake failed, with the fix, from whose keys this channel used."""
-        return handshake_failed(event, host=self.host, address=self.address, relayed=self.relayed, keys=self.keys,
-                                server_key=self.server_key, declared=bool(self.located.key))
+        return handshake_failed(
+            event,
+            host=self.host,
+            address=self.address,
+            relayed=self.relayed,
+            keys=self.keys,
+            server_key=self.server_key,
+            declared=bool(self.located.key),
+        )
 
     def _decode_lent(self, frames: list) -> Any:
         """An answer read from the segments: its values copied out (the segments go back to

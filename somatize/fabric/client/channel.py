@@ -56,18 +56,18 @@ from ...wire import (
     short,
 )
 from .. import leases as _leases
-from . import lending as _lending
 from .. import mount as _mount
 from .. import proofs as _proofs
 from .. import sockets
-from .carriage import LOOK_EVERY_MS, Carriage
-from .refusals import TurnedAway, refusal, unreadable
-from .link import Lane
 from .. import streams as _streams
 from ..conversation import ClientExchange
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import Keys, as_client
 from ..pieces import outcome_of, specs_of, work_of
+from . import lending as _lending
+from .carriage import LOOK_EVERY_MS, Carriage
+from .link import Lane
+from .refusals import TurnedAway, refusal, unreadable
 
 _refs = itertools.count(1)
 
@@ -222,14 +222,16 @@ class Channel(Carriage):
         mine = self._mine
         if isinstance(answer, Refusal):
             if answer.why.startswith("busy:"):
-                raise TurnedAway(f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}")
+                raise TurnedAway(
+                    f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}"
+                )
             raise refusal(answer.why, f"{self._refuser()} refused this client a channel to `{self.host}`")
         self.reads = frozenset(answer.runtime.kinds)
         why = compatible(mine, answer.runtime, needs_pickle=self.packer.mode == "network")
         if why is None and self.packer.mode == "network" and answer.runtime.mode != "network":
             why = (
                 f"the worker for `{self.host}` runs in {answer.runtime.mode or 'project'} mode and "
-                f"takes no code by value; declare it with mode=\"project\", or start it with --mode network"
+                f'takes no code by value; declare it with mode="project", or start it with --mode network'
             )
         if why is not None:
             raise Refused(why)
@@ -252,7 +254,9 @@ class Channel(Carriage):
         named = digest if digest is not None and digest in self.held else ""
         written_with = registered_now()
         frames = encode(work_of(piece, ref, specs, watched=watched, named=named))
-        code = tuple(dict.fromkeys(s.target for s in specs if s.source == "network" and s.target not in self.provisioned))
+        code = tuple(
+            dict.fromkeys(s.target for s in specs if s.source == "network" and s.target not in self.provisioned)
+        )
         if self._greeting is not None and not self._may_follow_hello(frames, code):
             self._greeted(deadline)
         if self._greeting is None:
@@ -306,8 +310,18 @@ class Channel(Carriage):
             if self.lending is not None:
                 self._end_lending()
 
-    def _settle(self, piece: Piece, ref: int, specs: tuple[NodeSpec, ...], digest: str | None, named: str,
-                frames: list, answer: Any, watch: Any, deadline: Deadline | None) -> Outcome:
+    def _settle(
+        self,
+        piece: Piece,
+        ref: int,
+        specs: tuple[NodeSpec, ...],
+        digest: str | None,
+        named: str,
+        frames: list,
+        answer: Any,
+        watch: Any,
+        deadline: Deadline | None,
+    ) -> Outcome:
         """Send the Work (``frames``, its recipe ``named`` by ``digest`` or in full) and take
         its answers until its outcome; with ``answer``, it was sent already and that came
         back first. A request for code is met, a worker that forgot this channel greeted again
@@ -505,9 +519,18 @@ class Channel(Carriage):
             return self._outcome(answer, piece)
         if isinstance(answer, Failed):
             node = answer.node or ", ".join(s.label for s in piece.steps)
-            where = f"node `{answer.node}` on `{self.host}` raised" if answer.node else f"the work on `{self.host}` ({node}) failed:"
-            raise NodeFailed(f"{where} {answer.why}", node=node, error=answer.error, host=self.host,
-                             remote_traceback=answer.traceback or None)
+            where = (
+                f"node `{answer.node}` on `{self.host}` raised"
+                if answer.node
+                else f"the work on `{self.host}` ({node}) failed:"
+            )
+            raise NodeFailed(
+                f"{where} {answer.why}",
+                node=node,
+                error=answer.error,
+                host=self.host,
+                remote_traceback=answer.traceback or None,
+            )
         # the conversation let through only Done, Failed or Refusal here
         if answer.why.startswith("busy:"):
             raise TurnedAway(f"the worker for `{self.host}` is busy and took no new work: {answer.why[5:].strip()}")

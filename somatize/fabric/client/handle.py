@@ -47,23 +47,23 @@ from typing import Any
 import zmq
 
 from ...engine import Deadline, Outcome, Piece, run_piece
-from ...pieces import changed
 from ...errors import Broken, Busy, Closed, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
 from ...packing import Packer
+from ...pieces import changed
 from ...wire import Hosts, Listed, Located, Refusal, Where, encode
-from . import lending as _lending
 from .. import sockets
 from ..broker.loop import BrokerLoop
-from .carriage import Dropped, PastDeadline, bounded
-from .channel import Channel
-from .asking import Asking
-from .pool import Pool
-from .link import Link
-from .refusals import NobodyThere, TurnedAway
-from .turns import Turns
 from ..curve import Keys, as_client
 from ..hosts import Pool as WorkerPool
 from ..hosts import Worker, expand, pool_of
+from . import lending as _lending
+from .asking import Asking
+from .carriage import Dropped, PastDeadline, bounded
+from .channel import Channel
+from .link import Link
+from .pool import Pool
+from .refusals import NobodyThere, TurnedAway
+from .turns import Turns
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
 START_ALLOWANCE = 30.0
@@ -96,10 +96,18 @@ class Broker(Asking, Pool):
     another thread then ends ``Closed`` within a moment (the work may go on where it runs).
     """
 
-    def __init__(self, url: str, *, patience: float = sockets.PATIENCE, server: BrokerLoop | None = None,
-                 send: dict[str, tuple] | None = None, keys: Keys | None = None,
-                 host_keys: dict[str, Keys] | None = None,
-                 deadlines: dict[str, float] | None = None, views: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        patience: float = sockets.PATIENCE,
+        server: BrokerLoop | None = None,
+        send: dict[str, tuple] | None = None,
+        keys: Keys | None = None,
+        host_keys: dict[str, Keys] | None = None,
+        deadlines: dict[str, float] | None = None,
+        views: frozenset[str] = frozenset(),
+    ) -> None:
         self.url = url
         self.patience = patience
         self.keys = keys
@@ -178,9 +186,14 @@ class Broker(Asking, Pool):
         if keys is not None and (not isinstance(keys, Keys) or keys.server_key is None):
             raise TypeError("`keys=` takes `Keys.client(secret_file, server=the broker's .key file)`")
         if isinstance(views, str) or not all(isinstance(h, str) for h in views):
-            raise TypeError("`views=` takes host names, such as `views=[\"w1\"]`")
-        return cls(sockets.tcp_url(url), patience=patience, send={h: tuple(m) for h, m in (send or {}).items()}, keys=keys,
-                   views=frozenset(views))
+            raise TypeError('`views=` takes host names, such as `views=["w1"]`')
+        return cls(
+            sockets.tcp_url(url),
+            patience=patience,
+            send={h: tuple(m) for h, m in (send or {}).items()},
+            keys=keys,
+            views=frozenset(views),
+        )
 
     def __enter__(self) -> Broker:
         return self
@@ -326,7 +339,7 @@ class Broker(Asking, Pool):
             member = self._turns.choose(members, tried | lost if len(tried | lost) < len(members) else tried)
             tried.add(member)
             ticket = [True]  # still counted as on its way to the member: `take` counts it there
-            said = _member_said(watch, member[len(piece.host):])
+            said = _member_said(watch, member[len(piece.host) :])
             try:
                 try:  # a member whose worker cannot be had (it would not start) is passed over
                     self._locate(member, piece.deadline)
@@ -377,14 +390,24 @@ class Broker(Asking, Pool):
                 return run_piece(piece, watch)
             except NodeFailed as exc:
                 cause = exc.__cause__ or exc
-                raise NodeFailed(f"node `{exc.node}` on `{piece.host}` raised {type(cause).__name__}: {cause}",
-                                 node=exc.node, error=exc.error, host=piece.host) from cause
+                raise NodeFailed(
+                    f"node `{exc.node}` on `{piece.host}` raised {type(cause).__name__}: {cause}",
+                    node=exc.node,
+                    error=exc.error,
+                    host=piece.host,
+                ) from cause
         chosen = ticket is not None
         if chosen:
             ticket[0] = False  # `take` counts it from here
         try:  # this client's forwards to one host take turns there (turns.py)
-            return self._turns.take(piece.host, lambda: self._send(piece, watch, located, deadline), TurnedAway,
-                                    deadline, lost=(Broken, Unreachable, Closed), chosen=chosen)
+            return self._turns.take(
+                piece.host,
+                lambda: self._send(piece, watch, located, deadline),
+                TurnedAway,
+                deadline,
+                lost=(Broken, Unreachable, Closed),
+                chosen=chosen,
+            )
         except PastDeadline as late:  # waiting for a turn: nothing of it was run
             raise self._overdue(piece, deadline, late, None) from None
         except TurnedAway as busy:  # someone else's work fills the worker
@@ -423,15 +446,24 @@ class Broker(Asking, Pool):
             return None
         return lambda: Deadline.after(seconds, f"host `{host}`'s")
 
-    def _overdue(self, piece: Piece, deadline: Deadline | None, late: PastDeadline, located: Located | None,
-                 *, asked: bool = False) -> Overdue:
+    def _overdue(
+        self,
+        piece: Piece,
+        deadline: Deadline | None,
+        late: PastDeadline,
+        located: Located | None,
+        *,
+        asked: bool = False,
+    ) -> Overdue:
         """The sentence for a piece past its deadline; a worker that may be stuck is
         forgotten here and reported to the broker, which checks it (and may restart it).
         ``asked``: the broker was asked already (a ``Where(lost)`` the deadline cut short)."""
         host = piece.host
         running = ", ".join(f"`{s.label}`" for s in piece.steps)
         took = "" if deadline is None else f" ({deadline.seconds - deadline.left():.1f} s had passed)"
-        text = f"{running} on `{host}` did not finish within {deadline}{took}: this client stopped waiting {late.waiting}"
+        text = (
+            f"{running} on `{host}` did not finish within {deadline}{took}: this client stopped waiting {late.waiting}"
+        )
         if located is None:
             return Overdue(f"{text}. Nothing of it ran on `{host}`; give the forward a longer deadline")
         self._forget(host)
@@ -479,8 +511,9 @@ class Broker(Asking, Pool):
             self._checking[host] = thread
         thread.start()
 
-    def _lost(self, piece: Piece, located: Located, exc: Broken, deadline: Deadline | None = None,
-              waited: float = 0.0) -> Broken | Closed | Overdue:
+    def _lost(
+        self, piece: Piece, located: Located, exc: Broken, deadline: Deadline | None = None, waited: float = 0.0
+    ) -> Broken | Closed | Overdue:
         """The sentence for a piece whose worker, or broker, went away: whichever it was, and
         the fix for that one (a spawned worker is started again; any other is restarted where
         it runs). Or this client was closed under it, by another thread: ``Closed``. The
@@ -511,8 +544,11 @@ class Broker(Asking, Pool):
             # the broker probes the worker before it answers (see `_check_on`): give it the
             # time, as far as the deadline leaves it
             if deadline is not None and deadline.left() < self.patience * 2:
-                answer = self._ask(Where(host, lost=True), deadline.left(),
-                                   late=f"for the broker's word on the worker, which went away ({exc})")
+                answer = self._ask(
+                    Where(host, lost=True),
+                    deadline.left(),
+                    late=f"for the broker's word on the worker, which went away ({exc})",
+                )
             else:
                 answer = self._ask(Where(host, lost=True), self.patience * 2)
         except PastDeadline as late:
@@ -568,8 +604,12 @@ class Broker(Asking, Pool):
         if dialed is not None:  # the listing said what `Where` would: a dialed host, through the broker
             mode, folder = dialed
             located = self._located[host] = Located(
-                host, "relayed", address=self.url, mode=mode,
-                mount=folder[0] if folder else None, seen=folder[1] if folder else "",
+                host,
+                "relayed",
+                address=self.url,
+                mode=mode,
+                mount=folder[0] if folder else None,
+                seen=folder[1] if folder else "",
             )
             return located
         timeout = self.patience + START_ALLOWANCE

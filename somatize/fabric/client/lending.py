@@ -32,8 +32,8 @@ import numpy as np
 from ...errors import ProtocolError, Refused
 from ...wire import Mounted, encode
 from .. import mount as _mount
+from ..leases import MAKE, aligned, anchor_at, byte_view, map_shared, open_folder, size_for
 from ..proofs import seal as _seal
-from ..leases import aligned, anchor_at, byte_view, MAKE, map_shared, open_folder, size_for
 
 IDLE_COUNT = 8
 IDLE_BYTES = 1 << 30
@@ -163,8 +163,12 @@ class Pool:
         unlink the files a worker made for this process in it, which nothing will adopt."""
         with self.lock:
             for name in msg.files:
-                if isinstance(name, str) and _mount.NAME.fullmatch(name) and name.startswith(self.prefix) \
-                        and name not in self.known:
+                if (
+                    isinstance(name, str)
+                    and _mount.NAME.fullmatch(name)
+                    and name.startswith(self.prefix)
+                    and name not in self.known
+                ):
                     with contextlib.suppress(OSError):
                         os.unlink(self.root / name)
 
@@ -319,7 +323,7 @@ class Lending:
         spans = []
         offset = 0
         for v in views:
-            seg.view[offset:offset + v.nbytes] = v
+            seg.view[offset : offset + v.nbytes] = v
             spans.append((0, offset, v.nbytes))
             offset += aligned(v.nbytes)
         spare = self.pool.spares(SPARE, self.worker)
@@ -327,8 +331,13 @@ class Lending:
             self.mine[s.name] = s
         header = frames[0] if isinstance(frames[0], (bytes, memoryview)) else byte_view(frames[0])
         files, spares = (seg.name,), tuple(s.name for s in spare)
-        self.sent = Mounted(files, header=header, spans=tuple(spans), spare=spares,
-                            seal=_seal(seal_key, files, spares) if seal_key is not None else "")
+        self.sent = Mounted(
+            files,
+            header=header,
+            spans=tuple(spans),
+            spare=spares,
+            seal=_seal(seal_key, files, spares) if seal_key is not None else "",
+        )
         return encode(self.sent)
 
     @staticmethod
@@ -365,8 +374,7 @@ class Lending:
             seg = segs[i]
             if offset + length > seg.size:
                 raise ProtocolError(
-                    f"the answer reads {length:,} bytes at {offset:,} of `{seg.name}`, which has "
-                    f"{seg.size:,}: refused"
+                    f"the answer reads {length:,} bytes at {offset:,} of `{seg.name}`, which has {seg.size:,}: refused"
                 )
             frames.append(memoryview(self._hold(seg, offset, length)))
         return frames

@@ -277,8 +277,13 @@ class Link:
         refused = False
         if event & _HANDSHAKE_FAILED:
             bound = self._bound
-            verdict = hung_up(event, self.keys, self.address, min(self.patience, PROBE),
-                              within=None if bound is None else bound - time.monotonic())
+            verdict = hung_up(
+                event,
+                self.keys,
+                self.address,
+                min(self.patience, PROBE),
+                within=None if bound is None else bound - time.monotonic(),
+            )
             if verdict is None:
                 return  # not known in the holder's time: ZeroMQ tries again, and fails again, soon
             refused = not verdict

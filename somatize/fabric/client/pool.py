@@ -75,10 +75,16 @@ class Pool:
         address = self.url if relayed else located.address
         keys, server_key = self._keys_for(located)
         channel = Channel(
-            located, address, self._packer(located.host, located.mode), provisioned, self.patience,
-            keys=keys, server_key=server_key,
+            located,
+            address,
+            self._packer(located.host, located.mode),
+            provisioned,
+            self.patience,
+            keys=keys,
+            server_key=server_key,
             still_there=(lambda timeout: self._still_there(located.host, timeout)) if relayed else None,
-            deadline=deadline, lane=self._relay_link().lane(located.host) if relayed else None,
+            deadline=deadline,
+            lane=self._relay_link().lane(located.host) if relayed else None,
         )
         channel.views = located.host in self._views
         channel.ended = self._ended
@@ -90,7 +96,9 @@ class Pool:
         with self._lock:
             if self._closed:
                 raise Closed("this broker was closed; make a new one")
-            stale = self._link if self._link is not None and (self._link.refused is not None or self._link.closed) else None
+            stale = (
+                self._link if self._link is not None and (self._link.refused is not None or self._link.closed) else None
+            )
             if self._link is None or stale is not None:
                 self._link = Link(self.url, self.patience, self.keys)
         if stale is not None:
@@ -118,7 +126,7 @@ class Pool:
             if self.keys is None:
                 raise Refused(
                     f"the worker for `{located.host}` listens with CURVE keys and this client has "
-                    f"none: pass `keys=Keys.client(\"me.key_secret\", server=...)` to `Broker.at`"
+                    f'none: pass `keys=Keys.client("me.key_secret", server=...)` to `Broker.at`'
                 )
             return self.keys, located.key.encode()
         return None, None
@@ -131,7 +139,9 @@ class Pool:
                 closing.append(channel)
             else:
                 self._idle.setdefault(channel.host, []).append(channel)
-                order, most = (self._idle_lanes, MAX_IDLE_LANES) if channel.lane is not None else (self._idle_order, MAX_IDLE)
+                order, most = (
+                    (self._idle_lanes, MAX_IDLE_LANES) if channel.lane is not None else (self._idle_order, MAX_IDLE)
+                )
                 order[id(channel)] = channel
                 while len(order) > most:
                     _, oldest = order.popitem(last=False)

@@ -29,7 +29,7 @@ class NobodyThere(Refused):
 def refusal(why: str, said: str) -> Refused:
     """The error for a refusal whose reason is ``why``, as ``said`` (who refused what)."""
     if why.startswith(LEFT):
-        return NobodyThere(f"{said}: {why[len(LEFT):]}")
+        return NobodyThere(f"{said}: {why[len(LEFT) :]}")
     return Refused(f"{said}: {why}")
 
 
@@ -43,7 +43,7 @@ def unreadable(missing: Sequence[str], host: str) -> Refused:
     else:
         fix = (
             f"make a module the worker imports (the module of a node it runs) call "
-            f"`codec(\"{kind}\", ...)`, or declare `{host}` with mode=\"network\" so "
+            f'`codec("{kind}", ...)`, or declare `{host}` with mode="network" so '
             f"the codec travels with the nodes"
         )
     others = f" (and {', '.join(f'`{k}`' for k in missing[1:])})" if len(missing) > 1 else ""
@@ -53,13 +53,17 @@ def unreadable(missing: Sequence[str], host: str) -> Refused:
     )
 
 
-def handshake_failed(event: int, *, host: str, address: str, relayed: bool, keys: Keys | None,
-                     server_key: bytes | None, declared: bool) -> str:
+def handshake_failed(
+    event: int, *, host: str, address: str, relayed: bool, keys: Keys | None, server_key: bytes | None, declared: bool
+) -> str:
     """Why a channel's handshake failed (``event``), with the fix. ``relayed``: the channel
     is to the broker; ``declared``: the broker's table gave the worker's public key."""
     if relayed:
         return handshake_refusal(
-            event, who=f"the broker at {address}", keys=keys, server_key=server_key,
+            event,
+            who=f"the broker at {address}",
+            keys=keys,
+            server_key=server_key,
             allow="the broker's allow folder (then `systemctl reload somatize-broker`)",
             server_key_from="the broker's `broker.key`, as `server=` of `Keys.client`",
         )
@@ -67,11 +71,14 @@ def handshake_failed(event: int, *, host: str, address: str, relayed: bool, keys
         return (
             f"the worker for `{host}` at {address} refused this client's CURVE "
             f"handshake: it listens with keys, and the broker's host table gives no `key =` "
-            f"for `{host}`, so this client had none to offer. Add `key = \"keys/{host}.key\"` "
+            f'for `{host}`, so this client had none to offer. Add `key = "keys/{host}.key"` '
             f"(that worker's public key) to [hosts.{host}] in the broker's table and restart the broker"
         )
     return handshake_refusal(
-        event, who=f"the worker for `{host}` at {address}", keys=keys, server_key=server_key,
+        event,
+        who=f"the worker for `{host}` at {address}",
+        keys=keys,
+        server_key=server_key,
         allow="that worker's allow folder (then `systemctl reload somatize-worker` there)",
         server_key_from=f"the `key =` of [hosts.{host}] in the broker's table",
     )

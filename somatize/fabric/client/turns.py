@@ -105,9 +105,16 @@ class Turns:
                 if state.idle():
                     del self._hosts[host]
 
-    def take(self, host: str, attempt: Callable[[], T], turned_away: type[BaseException],
-             deadline: Deadline | None, lost: tuple[type[BaseException], ...] = (), *,
-             chosen: bool = False) -> T:
+    def take(
+        self,
+        host: str,
+        attempt: Callable[[], T],
+        turned_away: type[BaseException],
+        deadline: Deadline | None,
+        lost: tuple[type[BaseException], ...] = (),
+        *,
+        chosen: bool = False,
+    ) -> T:
         """``attempt()`` (one forward to ``host``), sent again each time the worker turns it
         away as busy (``turned_away``) while a forward of this client runs there; raises
         ``turned_away`` when none does (someone else's work fills the worker), and

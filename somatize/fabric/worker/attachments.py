@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
 from ...errors import ProtocolError, Refused
 from ...wire import Mounted, encode
 from .. import mount as _mount
-from ..leases import address_of, aligned, anchor_at, byte_view, MAKE, map_shared, open_folder, size_for
+from ..leases import MAKE, address_of, aligned, anchor_at, byte_view, map_shared, open_folder, size_for
 
 ATTACHED = 16
 
@@ -61,8 +60,14 @@ class Attachments:
                     info = os.stat(self.root / name, follow_symlinks=False)
                 except OSError:
                     info = None
-                if info is not None and info.st_ino == found.inode and info.st_size == found.size \
-                        and info.st_nlink == 1 and stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                if (
+                    info is not None
+                    and info.st_ino == found.inode
+                    and info.st_size == found.size
+                    and info.st_nlink == 1
+                    and stat.S_ISREG(info.st_mode)
+                    and info.st_uid == os.geteuid()
+                ):
                     self.maps.move_to_end(name)
                     if found.size < need:
                         raise ProtocolError(
@@ -223,7 +228,7 @@ class Taken:
                 offset = 0
                 i = slot(name)
                 for k, v in copies:
-                    view[offset:offset + v.nbytes] = v
+                    view[offset : offset + v.nbytes] = v
                     spans[k] = (i, offset, v.nbytes)
                     offset += aligned(v.nbytes)
             finally:

@@ -93,8 +93,12 @@ class Dialing:
         refusal. It goes ahead of every answer waiting; a newer one replaces one not yet out."""
         self._next_hello = now + (self._backoff or self.patience * (KEEPALIVE if self._accepted else 1))
         self._control = [m for m in self._control if m[0] != "hello"]
-        hello = Hello(self.runtime, offering=self._offer, seen=self._seen,
-                      mount=os.path.abspath(self.mount) if self.mount is not None else None)
+        hello = Hello(
+            self.runtime,
+            offering=self._offer,
+            seen=self._seen,
+            mount=os.path.abspath(self.mount) if self.mount is not None else None,
+        )
         self._control.append(("hello", encode(hello)))
         self._push_control()
 
@@ -164,17 +168,25 @@ class Dialing:
                 if not self._refused_keys:  # once per spell: ZeroMQ tries again every few seconds
                     self._refused_keys = True
                     if self._keyed:
-                        log.error("the broker at %s refused this worker's CURVE handshake: is this worker's "
-                                  "public key in the broker's --allow-workers folder (then reload the broker), "
-                                  "and is --broker-key the broker's own `.key`? Dialing again meanwhile",
-                                  self._broker)
+                        log.error(
+                            "the broker at %s refused this worker's CURVE handshake: is this worker's "
+                            "public key in the broker's --allow-workers folder (then reload the broker), "
+                            "and is --broker-key the broker's own `.key`? Dialing again meanwhile",
+                            self._broker,
+                        )
                     elif speaks_curve(self._broker, PROBE):  # no keys, and the broker asks for them
-                        log.error("the broker at %s listens with CURVE keys and this worker has none: start "
-                                  "it with --key and --broker-key, and put its public key in the broker's "
-                                  "--allow-workers folder. Dialing again meanwhile", self._broker)
+                        log.error(
+                            "the broker at %s listens with CURVE keys and this worker has none: start "
+                            "it with --key and --broker-key, and put its public key in the broker's "
+                            "--allow-workers folder. Dialing again meanwhile",
+                            self._broker,
+                        )
                     else:  # no keys: a handshake that failed is a broker too busy, or not a broker
-                        log.warning("the handshake with the broker at %s failed (is it overloaded, or is "
-                                    "something else listening there?); dialing again", self._broker)
+                        log.warning(
+                            "the handshake with the broker at %s failed (is it overloaded, or is "
+                            "something else listening there?); dialing again",
+                            self._broker,
+                        )
             elif event == zmq.EVENT_DISCONNECTED and not self._lost:
                 self._accepted, self._lost = False, True
                 log.warning("lost the broker at %s; dialing again", self._broker)
@@ -188,7 +200,7 @@ class Dialing:
                 relay = decode(parts)  # its header only: the inner message is opened by _take
                 if relay.exchange > 0:
                     peer = b"relay:%d" % relay.exchange
-                    tenant = relay.tenant or "exchange:%d" % relay.exchange
+                    tenant = relay.tenant or f"exchange:{relay.exchange}"
                     self._take(To(peer, tenant, exchange=relay.exchange), list(relay.inner))
                 return
             if variant is Located:  # its answer to our oldest mark: it read what came before
@@ -198,8 +210,9 @@ class Dialing:
                 raise ProtocolError(f"a broker does not send a worker a `{variant.__name__}`")
             message = decode(parts)
         except ProtocolError as exc:
-            self._lines.say(logging.WARNING, "the broker at %s sent what this worker does not take: %s",
-                           self._broker, exc.why)
+            self._lines.say(
+                logging.WARNING, "the broker at %s sent what this worker does not take: %s", self._broker, exc.why
+            )
             return
         now = time.monotonic()
         if isinstance(message, Ready):
@@ -215,8 +228,13 @@ class Dialing:
             self._refused_at = now
             self._backoff = min(MAX_BACKOFF, max(0.5, self._backoff * 2))
             self._next_hello = min(self._next_hello, now + self._backoff)
-            self._lines.say(logging.WARNING, "the broker at %s refused this worker: %s; saying Hello again in %g s",
-                           self._broker, message.why, self._backoff)
+            self._lines.say(
+                logging.WARNING,
+                "the broker at %s refused this worker: %s; saying Hello again in %g s",
+                self._broker,
+                message.why,
+                self._backoff,
+            )
         else:
             # the broker checking on us: control, like a keepalive
             self._control = [m for m in self._control if m[0] != "ready"]  # one is enough

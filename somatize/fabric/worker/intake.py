@@ -44,10 +44,10 @@ from ...wire import (
     short,
     variant_of,
 )
-from . import attachments as _attachments
 from .. import mount as _mount
 from .. import proofs as _proofs
 from ..conversation import Unheld, Unknown, Violation
+from . import attachments as _attachments
 from .outbox import To
 
 _CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)

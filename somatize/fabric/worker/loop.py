@@ -405,8 +405,9 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
     # -- requests ----------------------------------------------------------------------
     def _provision(self, to: To, message: Provision) -> None:
         if self.mode == "network":
-            why = compatible(self.runtime, self.sessions.runtime(to.peer), needs_pickle=True,
-                             me="this worker", them="the client")
+            why = compatible(
+                self.runtime, self.sessions.runtime(to.peer), needs_pickle=True, me="this worker", them="the client"
+            )
             if why is not None:
                 self._reply(to, Refusal(why))
                 return

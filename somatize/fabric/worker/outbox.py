@@ -169,8 +169,10 @@ class Outbox:
             if self._send(parts) and pacer.sent_one():
                 self._mark()
         elif not pacer.hold(to.tenant, parts):
-            self._dropped(f"tenant {to.tenant or '?'} has {TENANT_QUEUE} answers waiting for the broker to read "
-                          f"what this worker sent before them (a flood's, most likely)")
+            self._dropped(
+                f"tenant {to.tenant or '?'} has {TENANT_QUEUE} answers waiting for the broker to read "
+                f"what this worker sent before them (a flood's, most likely)"
+            )
 
     def _pump_paced(self, now: float) -> None:
         """Answers that waited for the window leave, one per tenant in turn, while it is open
@@ -242,8 +244,10 @@ class Outbox:
             return True
         except zmq.Again:
             if self._broker:  # a dialed worker's one peer: the broker, reached or not
-                self._dropped(f"the broker at {self._broker} is not taking messages (not connected yet, "
-                              f"its handshake refused, or its queue full)")
+                self._dropped(
+                    f"the broker at {self._broker} is not taking messages (not connected yet, "
+                    f"its handshake refused, or its queue full)"
+                )
             else:
                 self._dropped("its client is not reading its answers (its queue is full)")
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the client is gone; say so, never silently
@@ -260,10 +264,16 @@ class Outbox:
         """Streams past their lifetime, or that nobody has moved for a while, are dropped."""
         for dropped in self._inbound.expire(now):  # its sender would wait to its deadline: tell it
             if dropped.reply is not None:
-                self._reply(dropped.reply, Refusal(
-                    f"this worker dropped the big message you were sending (stream {dropped.sid}): it came "
-                    f"slower than {_streams.MIN_RATE >> 20} MiB/s after a grace of {_streams.GRACE:g} s; "
-                    f"send it again, over a faster link or as a smaller value", ref=dropped.ref), refusing=True)
+                self._reply(
+                    dropped.reply,
+                    Refusal(
+                        f"this worker dropped the big message you were sending (stream {dropped.sid}): it came "
+                        f"slower than {_streams.MIN_RATE >> 20} MiB/s after a grace of {_streams.GRACE:g} s; "
+                        f"send it again, over a faster link or as a smaller value",
+                        ref=dropped.ref,
+                    ),
+                    refusing=True,
+                )
         idle = 3 * self.patience
         for key in [k for k, (_, out) in self._outgoing.items() if now - out.touched > idle]:
             self._settle(*key)

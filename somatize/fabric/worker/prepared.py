@@ -57,8 +57,9 @@ class Prepared:
         self.catalog = catalog
         self.most = most
         self._dropped = catalog.dropped
-        self._kept: OrderedDict[int, tuple[Recipe, tuple[Node, ...], tuple[Step, ...], tuple[Guarded, ...], Step | None]] = (
-            OrderedDict())
+        self._kept: OrderedDict[
+            int, tuple[Recipe, tuple[Node, ...], tuple[Step, ...], tuple[Guarded, ...], Step | None]
+        ] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -69,8 +70,9 @@ class Prepared:
         placement. ``keep=False`` (a piece in a slot): made for this piece alone."""
         return self.prepare(work, nodes, job, keep=keep)[0]
 
-    def prepare(self, work: Work, nodes: Sequence[Node], job: Job, *,
-                keep: bool = True) -> tuple[tuple[Step, ...], Step | None]:
+    def prepare(
+        self, work: Work, nodes: Sequence[Node], job: Job, *, keep: bool = True
+    ) -> tuple[tuple[Step, ...], Step | None]:
         """``steps``, and the one step the recipe is (``engine.lone_step``) when its steps are
         kept here (None otherwise: a piece in a slot or with a placement takes the walk)."""
         recipe = work.recipe

@@ -126,8 +126,10 @@ class Running:
             node, seconds = oldest.node, time.monotonic() - oldest.started
         slots = f"{self.jobs} piece{'s' if self.jobs > 1 else ''} of work at once"
         took = f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2g} s"
-        why = (f"busy: running `{node}` for {took}; this worker runs {slots} and takes "
-               f"new work once one returns (start it with --jobs N to run more at once)")
+        why = (
+            f"busy: running `{node}` for {took}; this worker runs {slots} and takes "
+            f"new work once one returns (start it with --jobs N to run more at once)"
+        )
         if work.watched:
             said = fact("said", kind="busy", node=node, running_us=int(seconds * 1e6), jobs=self.jobs)
             self._reply(to, Saw(work.ref, said))
@@ -156,6 +158,7 @@ class Running:
         def sent(fact: dict[str, str]) -> None:  # one fact as a Saw of its own, into the outbox
             saw = Saw(ref, fact)
             self._post(to, saw, encode(saw))
+
         # what the piece says is held while it is young, to travel inside its Done (`.held`)
         held = job.held = Held(sent) if work.watched else None
         watch = held.told if held is not None else None  # nobody on the other side looks: no facts at all
@@ -178,8 +181,12 @@ class Running:
                 answer = done(work.ref, run_lone(lone, work.input), microseconds(time.perf_counter_ns() - started))
             else:
                 outcome = run_piece(piece_of(work, steps), watch)
-                answer = done_of(work.ref, outcome, microseconds(time.perf_counter_ns() - started),
-                                 held.take() if held is not None else ())
+                answer = done_of(
+                    work.ref,
+                    outcome,
+                    microseconds(time.perf_counter_ns() - started),
+                    held.take() if held is not None else (),
+                )
         except NodeFailed as exc:
             cause = exc.__cause__ or exc
             if isinstance(cause, NodeExit):
@@ -218,7 +225,9 @@ class Running:
             try:
                 mounted.write(frames)
             except (OSError, Refused, ProtocolError) as exc:
-                mounted.write(encode(failed_answer(ref, exc, why=f"the answer could not be written to the shared folder: {exc}")))
+                mounted.write(
+                    encode(failed_answer(ref, exc, why=f"the answer could not be written to the shared folder: {exc}"))
+                )
             if hasattr(answer, "produced"):  # a Done: the conversation needs only its kind and ref
                 answer = dataclasses.replace(answer, output=None, produced={})
             work = frames = outcome = cause = None  # noqa: F841 (the input, the output)
@@ -227,7 +236,9 @@ class Running:
             try:  # named for the client, which removes them once read
                 frames, _ = _mount.write(frames, self.mount, answering=mounted)
             except (OSError, Refused) as exc:
-                answer = failed_answer(work.ref, exc, why=f"the answer could not be written to the shared folder: {exc}")
+                answer = failed_answer(
+                    work.ref, exc, why=f"the answer could not be written to the shared folder: {exc}"
+                )
                 frames = encode(answer)
         if self._slots is not None:
             with self._running_lock:

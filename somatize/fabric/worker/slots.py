@@ -80,9 +80,7 @@ class Slots:
 
     def __init__(self, n: int) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._take, daemon=True, name=f"somatize-job-{i}") for i in range(n)
-        ]
+        self._threads = [threading.Thread(target=self._take, daemon=True, name=f"somatize-job-{i}") for i in range(n)]
         for thread in self._threads:
             thread.start()
 

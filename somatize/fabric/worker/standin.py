@@ -116,8 +116,11 @@ class StandIn:
         """The pieces in slots whose facts are still held (`.held`), each with when it will
         have run ``STAND_IN_AFTER``."""
         with self._running_lock:
-            return [(job.started + STAND_IN_AFTER, job.held) for job in self._running.values()
-                    if job.held is not None and job.held.holding]
+            return [
+                (job.started + STAND_IN_AFTER, job.held)
+                for job in self._running.values()
+                if job.held is not None and job.held.holding
+            ]
 
     def _young_until(self) -> float:
         """When the first piece in a slot whose facts are held will have run long."""
