@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+#: The helpers the tests share (played peers, harnesses, nodes workers import by name): on the
+#: path of the tests and of every process they start (`env_with_tests`).
+SUPPORT = TESTS / "support"
+sys.path.insert(0, str(SUPPORT))
 WORKER = [sys.executable, "-m", "somatize.worker"]
 BROKER = [sys.executable, "-m", "somatize.broker"]
 #: Run what follows as another local user, `nobody`, with no groups of ours.
@@ -154,9 +158,9 @@ def python_for_nobody():
 
 
 def env_with_tests() -> dict:
-    """This environment, with the tests folder importable (for project-mode workers)."""
+    """This environment, with the tests' helpers importable (for project-mode workers)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH", "")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), str(TESTS), env.get("PYTHONPATH", "")]))
     return env
 
 
@@ -261,6 +265,53 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"FAILED: the suite left {len(left)} entries in /dev/shm: {', '.join(left[:20])}", red=True
         )
+
+
+# -- pure tests: no process, no socket ------------------------------------------------------
+def pytest_ignore_collect(collection_path, config):
+    """With ``-m pure``, a test file with no pure test in it is not even imported: importing
+    every file (torch, Optuna, Playwright) takes longer than running the pure tests."""
+    if config.getoption("markexpr", "") != "pure" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "mark.pure" not in collection_path.read_text() or None
+
+
+class Impure(AssertionError):
+    """A test marked ``pure`` started a process or opened a socket."""
+
+
+@pytest.fixture(autouse=True)
+def _pure_guard(request, monkeypatch):
+    """A test marked ``pure`` (``python -m pytest -m pure``: the I/O-free set, in seconds)
+    may start no process and open no socket, ZeroMQ's or the system's: each attempt fails
+    it, even one the code under test catches. ``SOMATIZE_FIND_PURE=1`` guards every test,
+    to find which could be marked."""
+    if request.node.get_closest_marker("pure") is None and not os.environ.get("SOMATIZE_FIND_PURE"):
+        yield
+        return
+    import socket
+
+    import zmq
+
+    tried: list[str] = []
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            tried.append(what)
+            raise Impure(f"a pure test {what}: mark it otherwise, or take the I/O out")
+
+        return refused
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("started a process"))
+    monkeypatch.setattr(os, "fork", refuse("forked"))
+    monkeypatch.setattr(os, "posix_spawn", refuse("started a process"))
+    monkeypatch.setattr(socket.socket, "__init__", refuse("opened a socket"))
+    monkeypatch.setattr(zmq.Context, "socket", refuse("opened a ZeroMQ socket"))
+    yield
+    if tried:
+        raise Impure(f"a pure test {tried[0]} ({len(tried)} attempts)")
 
 
 # -- the client's express way ------------------------------------------------------------

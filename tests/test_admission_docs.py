@@ -59,6 +59,7 @@ def limits_table() -> dict[str, str]:
     return rows
 
 
+@pytest.mark.pure
 def test_security_states_each_limit_once_as_the_code_has_it():
     table = limits_table()
     for start, constants in ROWS.items():
@@ -71,6 +72,7 @@ def test_security_states_each_limit_once_as_the_code_has_it():
 
 
 @pytest.mark.parametrize("page", ["security.md", "conversation.md"])
+@pytest.mark.pure
 def test_no_page_states_the_per_key_names_again(page):
     """The names a key may serve and hold are said once, in the limits table."""
     text = (DOCS / page).read_text()
@@ -80,6 +82,7 @@ def test_no_page_states_the_per_key_names_again(page):
         raise AssertionError(f"{page} states the names a key serves at once again ({said}): link the limits")
 
 
+@pytest.mark.pure
 def test_conversation_states_the_brokers_bounds_as_the_code_has_them():
     page = " ".join((DOCS / "conversation.md").read_text().split())  # sentences across lines
     said = {

@@ -199,6 +199,7 @@ def compressed_ipc(mib: int, compression: str = "zstd") -> bytes:
 
 
 @pytest.mark.parametrize("compression", ["zstd", "lz4"])
+@pytest.mark.pure
 def test_compressed_arrow_ipc_is_refused_before_anything_is_decompressed(compression):
     data = compressed_ipc(8, compression)
     assert len(data) < 64 << 10
@@ -212,6 +213,7 @@ def test_compressed_arrow_ipc_is_refused_before_anything_is_decompressed(compres
         decode([frames[0], data])
 
 
+@pytest.mark.pure
 def test_a_compressed_dictionary_batch_is_refused_too():
     ipc = pytest.importorskip("pyarrow.ipc")
     column = pa.array(["a", "b"] * 1000).dictionary_encode()
@@ -257,6 +259,7 @@ def hello_with(kinds: list[str]) -> list[bytes]:
     return [msgpack.packb(header)]
 
 
+@pytest.mark.pure
 def test_a_runtime_names_a_bounded_number_of_kinds():
     with pytest.raises(ProtocolError, match=f"over the limit of {MAX_KINDS:,}"):
         decode(hello_with([f"k{i}" for i in range(MAX_KINDS + 1)]))
@@ -295,6 +298,7 @@ def test_forty_hellos_of_the_most_kinds_allowed_keep_little():
 # frames used) and once in the codec's decode.
 
 
+@pytest.mark.pure
 def test_decode_checks_each_descriptor_once():
     init = importlib.import_module("somatize.codec.reading").Checker.__init__.__code__
     walks = []

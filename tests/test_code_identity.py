@@ -202,6 +202,7 @@ CHANGED = {
 
 
 @pytest.mark.parametrize("edit", list(KEPT))
+@pytest.mark.pure
 def test_comments_and_layout_do_not_change_the_key(tmp_path, edit):
     assert identity(tmp_path, "before", {"cid_feature.py": BEFORE}) == identity(
         tmp_path, "after", {"cid_feature.py": KEPT[edit]}
@@ -209,6 +210,7 @@ def test_comments_and_layout_do_not_change_the_key(tmp_path, edit):
 
 
 @pytest.mark.parametrize("edit", list(CHANGED))
+@pytest.mark.pure
 def test_every_other_edit_of_the_class_changes_the_key(tmp_path, edit):
     before = identity(tmp_path, "before", {"cid_feature.py": BEFORE})
     assert before != identity(tmp_path, "after", {"cid_feature.py": CHANGED[edit]})
@@ -233,6 +235,7 @@ class Feature(Scaling, Node):
 """
 
 
+@pytest.mark.pure
 def test_a_base_class_outside_somatize_is_part_of_the_code(tmp_path):
     before = identity(tmp_path, "before", {"cid_base.py": BASE, "cid_feature.py": ON_BASE})
     same = identity(tmp_path, "same", {"cid_base.py": BASE + "\n# a note\n", "cid_feature.py": ON_BASE})
@@ -243,6 +246,7 @@ def test_a_base_class_outside_somatize_is_part_of_the_code(tmp_path):
     assert before != edited
 
 
+@pytest.mark.pure
 def test_a_helper_called_by_name_is_part_of_the_code_and_one_reached_as_an_attribute_is_not(tmp_path):
     # said in the docs: a function of the project that forward loads as a global is followed
     # (issue 39); what it reaches as an attribute of a module is not
@@ -263,6 +267,7 @@ def test_a_helper_called_by_name_is_part_of_the_code_and_one_reached_as_an_attri
     assert before == after
 
 
+@pytest.mark.pure
 def test_the_version_replaces_the_code_in_the_identity():
     class Doubled(Node):
         def forward(self, x):
@@ -296,6 +301,7 @@ def test_a_method_replaced_in_place_is_read_again(tmp_path):
         sys.modules.pop("cid_reloaded", None)
 
 
+@pytest.mark.pure
 def test_an_edit_after_the_import_does_not_give_old_code_the_new_key(tmp_path):
     # A process imported the module, then the file was edited and not reloaded: the process
     # still runs the old code, so its key is the old code's, not the file's.

@@ -187,10 +187,12 @@ def test_plain_descriptors_hold_only_scalars_and_lists(value):
     ],
     ids=lambda v: type(v).__name__,
 )
+@pytest.mark.pure
 def test_plain_edges(trip, value):
     assert same(trip(value), value)
 
 
+@pytest.mark.pure
 def test_bytearray_and_memoryview_come_back_as_bytes():
     assert same(through_bytes(bytearray(b"abc")), b"abc")
     assert same(through_bytes(memoryview(b"abcdef")[::2]), b"ace")
@@ -200,6 +202,7 @@ def test_bytearray_and_memoryview_come_back_as_bytes():
     assert same(decode(descriptor, frames), bytes(big))
 
 
+@pytest.mark.pure
 def test_big_bytes_go_to_a_frame_not_the_header():
     big = b"x" * 1_000_000
     descriptor, frames = encode(["a", big])
@@ -207,11 +210,13 @@ def test_big_bytes_go_to_a_frame_not_the_header():
     assert frames[0] is big
 
 
+@pytest.mark.pure
 def test_a_str_with_a_lone_surrogate_is_unwritable():
     with pytest.raises(Unwritable, match="surrogate"):
         encode("\ud800")
 
 
+@pytest.mark.pure
 def test_nesting_up_to_the_limit_and_not_past_it():
     deep = 0
     for _ in range(MAX_DEPTH):
@@ -225,11 +230,13 @@ def test_nesting_up_to_the_limit_and_not_past_it():
         encode(selfish)
 
 
+@pytest.mark.pure
 def test_too_many_pieces_is_unwritable():
     with pytest.raises(Unwritable, match="NumPy array"):
         encode([0] * MAX_NODES)
 
 
+@pytest.mark.pure
 def test_tuple_dict_keys_are_refused():
     with pytest.raises(Unwritable, match="`tuple`") as caught:
         encode({(1, 2): "secret"})
@@ -248,6 +255,7 @@ class Name(str):
 
 
 @pytest.mark.parametrize(("value", "base"), [(Color.RED, "int"), (Point(1, 2), "tuple"), (Name("secret"), "str")])
+@pytest.mark.pure
 def test_subclasses_of_builtins_are_not_silently_flattened(value, base):
     with pytest.raises(Unwritable) as caught:
         encode(value)
@@ -257,6 +265,7 @@ def test_subclasses_of_builtins_are_not_silently_flattened(value, base):
     assert "secret" not in text
 
 
+@pytest.mark.pure
 def test_a_subclass_of_a_builtin_crosses_with_its_own_codec(kind):
     name = kind("tests.Point")
     codec(
@@ -285,11 +294,13 @@ def test_arrays_come_back_exactly(trip, array, view):
 
 @settings(max_examples=50, deadline=None)
 @given(array=arrays)
+@pytest.mark.pure
 def test_arrays_inside_containers(array):
     value = {"a": [array, (array[()] if array.ndim == 0 else array[:1],)], 1: None}
     assert same(through_bytes(value), value)
 
 
+@pytest.mark.pure
 def test_every_allowed_dtype_in_both_byte_orders():
     assert {"|b1", "|i1", "|u1", ">i4", "<i4", ">f2", "<c16", ">c8", ">u8"} <= set(ALLOWED)
     for s in ALLOWED:
@@ -298,6 +309,7 @@ def test_every_allowed_dtype_in_both_byte_orders():
         assert back.dtype.str == s and same(back, a)
 
 
+@pytest.mark.pure
 def test_contiguous_arrays_are_not_copied_when_encoded():
     a = np.arange(1000, dtype=np.float64)
     descriptor, frames = encode(a)
@@ -305,6 +317,7 @@ def test_contiguous_arrays_are_not_copied_when_encoded():
     assert np.shares_memory(np.frombuffer(frames[0], np.uint8), a)
 
 
+@pytest.mark.pure
 def test_non_contiguous_arrays_are_made_contiguous_once():
     a = np.arange(20, dtype=np.int32).reshape(4, 5).T
     descriptor, frames = encode(a)
@@ -313,6 +326,7 @@ def test_non_contiguous_arrays_are_made_contiguous_once():
     assert same(decode(descriptor, frames), a)
 
 
+@pytest.mark.pure
 def test_arrays_from_read_only_frames_are_writable_copies():
     a = np.arange(10, dtype=np.int16)
     descriptor, frames = encode(a)
@@ -326,6 +340,7 @@ def test_arrays_from_read_only_frames_are_writable_copies():
     assert back.flags.writeable and same(back, a)
 
 
+@pytest.mark.pure
 def test_arrays_from_writable_frames_are_views_of_them():
     a = np.arange(10, dtype=np.int16)
     descriptor, frames = encode(a)
@@ -341,6 +356,7 @@ def test_arrays_from_writable_frames_are_views_of_them():
     assert same(second, a + 1)
 
 
+@pytest.mark.pure
 def test_arrays_are_views_of_read_only_frames_when_asked_for_and_then_read_only():
     a = np.arange(10, dtype=np.int16)
     descriptor, frames = encode(a)
@@ -371,6 +387,7 @@ def test_arrays_are_views_of_read_only_frames_when_asked_for_and_then_read_only(
     ],
 )
 @pytest.mark.parametrize("trip", ROUND_TRIPS)
+@pytest.mark.pure
 def test_numpy_scalars_come_back_as_the_same_scalar_type(trip, scalar):
     back = trip(scalar)
     assert type(back) is type(scalar)
@@ -390,12 +407,14 @@ def test_numpy_scalars_come_back_as_the_same_scalar_type(trip, scalar):
         np.zeros(2, dtype="V4"),
     ],
 )
+@pytest.mark.pure
 def test_unsupported_dtypes_are_unwritable(array):
     with pytest.raises(Unwritable, match="dtype") as caught:
         encode(array)
     assert "secret" not in str(caught.value)
 
 
+@pytest.mark.pure
 def test_unsupported_numpy_scalars_and_array_subclasses_are_unwritable():
     with pytest.raises(Unwritable):
         encode(np.datetime64("2024-01-01"))
@@ -427,6 +446,7 @@ def reading_codec():
 
 
 @pytest.mark.parametrize("trip", ROUND_TRIPS)
+@pytest.mark.pure
 def test_the_seed_reading_crosses_with_its_codec(trip, reading_codec):
     one = Reading(hz=50.0, samples=[1.0, 2.5])
     assert "myproject.Reading" in codecs_registered()
@@ -439,6 +459,7 @@ def test_the_seed_reading_crosses_with_its_codec(trip, reading_codec):
     assert kinds_in(encode([one])[0]) == {"plain", "myproject.Reading"}
 
 
+@pytest.mark.pure
 def test_without_a_codec_a_value_is_unwritable_with_the_fix():
     with pytest.raises(Unwritable) as caught:
         encode(Reading(hz=12345.0, samples=[]))
@@ -450,6 +471,7 @@ def test_without_a_codec_a_value_is_unwritable_with_the_fix():
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, CodecError)
 
 
+@pytest.mark.pure
 def test_codecs_registered_is_sorted_and_lists_the_registry_only(kind):
     before = codecs_registered()
     assert before == sorted(before)
@@ -461,6 +483,7 @@ def test_codecs_registered_is_sorted_and_lists_the_registry_only(kind):
     assert now == sorted(now) and {a, b} <= set(now)
 
 
+@pytest.mark.pure
 def test_a_dump_that_does_not_return_bytes_is_a_bad_codec(kind):
     name = kind("bad")
     codec(name, Reading, dump=lambda one: "text", load=lambda raw: None)
@@ -471,6 +494,7 @@ def test_a_dump_that_does_not_return_bytes_is_a_bad_codec(kind):
     assert isinstance(caught.value, TypeError)
 
 
+@pytest.mark.pure
 def test_a_dump_may_return_bytearray_or_memoryview(kind):
     codec(kind(), Reading, dump=lambda one: bytearray(b"12"), load=lambda raw: raw)
     assert through_bytes(Reading(1.0, [])) == b"12"
@@ -479,6 +503,7 @@ def test_a_dump_may_return_bytearray_or_memoryview(kind):
     assert through_frames(Reading(1.0, [])) == np.arange(3, dtype="<i4").tobytes()
 
 
+@pytest.mark.pure
 def test_a_dump_or_load_that_raises_names_the_kind(kind):
     name = kind()
 
@@ -494,6 +519,7 @@ def test_a_dump_or_load_that_raises_names_the_kind(kind):
     assert isinstance(caught.value.__cause__, KeyError)
 
 
+@pytest.mark.pure
 def test_registering_again_replaces(kind):
     name = kind()
     codec(name, Reading, dump=lambda one: b"", load=lambda raw: 1)
@@ -502,6 +528,7 @@ def test_registering_again_replaces(kind):
     assert through_bytes(Reading(1.0, [])) == 2
 
 
+@pytest.mark.pure
 def test_the_registry_walks_the_mro(kind):
     class Base:
         pass
@@ -514,6 +541,7 @@ def test_the_registry_walks_the_mro(kind):
 
 
 @pytest.mark.parametrize("taken", ["arrow.RecordBatch", "arrow.Table", "plain", "numpy.ndarray", "numpy.generic"])
+@pytest.mark.pure
 def test_built_in_kinds_cannot_be_registered(taken):
     with pytest.raises(BadCodec, match="built-in"):
         codec(taken, Reading, dump=bytes, load=bytes)
@@ -529,11 +557,13 @@ def test_built_in_kinds_cannot_be_registered(taken):
         (("k.x", Opaque), "type it wraps"),
     ],
 )
+@pytest.mark.pure
 def test_codec_checks_its_arguments(args, words):
     with pytest.raises(BadCodec, match=words):
         codec(*args, dump=bytes, load=bytes)
 
 
+@pytest.mark.pure
 def test_codec_needs_callables():
     with pytest.raises(BadCodec, match="`dump` to be callable"):
         codec("k.x", Reading, dump=None, load=bytes)
@@ -542,6 +572,7 @@ def test_codec_needs_callables():
     assert "k.x" not in codecs_registered()
 
 
+@pytest.mark.pure
 def test_registering_from_many_threads(kind):
     names = [kind() for _ in range(32)]
     classes = [type(f"T{i}", (), {}) for i in range(32)]
@@ -564,6 +595,7 @@ class Connection:
         return isinstance(other, Connection) and other.address == self.address
 
 
+@pytest.mark.pure
 def test_opaque_crosses_through_a_codec(kind):
     name = kind("tests.Connection")
     codec(
@@ -581,6 +613,7 @@ def test_opaque_crosses_through_a_codec(kind):
     assert kinds_in(descriptor) == {name}
 
 
+@pytest.mark.pure
 def test_opaque_without_a_codec_is_unwritable():
     with pytest.raises(Unwritable) as caught:
         encode(Opaque(Connection("tcp://secret:5555")))
@@ -589,6 +622,7 @@ def test_opaque_without_a_codec_is_unwritable():
     assert "secret" not in text
 
 
+@pytest.mark.pure
 def test_opaque_uses_only_the_registry():
     # Plain data and arrays have built-in writers, but an Opaque promises one-process-only.
     for inner in (3, "x", np.zeros(2)):
@@ -596,6 +630,7 @@ def test_opaque_uses_only_the_registry():
             encode(Opaque(inner))
 
 
+@pytest.mark.pure
 def test_opaque_repr_and_equality():
     one = Opaque(["the", "secret"])
     assert repr(one) == "Opaque(<list>)"
@@ -607,6 +642,7 @@ def test_opaque_repr_and_equality():
 # -- the package -----------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_the_codec_package_is_a_module_that_registers_when_called(kind):
     import types
 
@@ -649,6 +685,7 @@ def test_checking_a_descriptor_with_a_tensor_in_it_does_not_import_torch(tmp_pat
 # -- kinds ------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_readable_kinds_lists_built_ins_registry_and_own_kinds(kind):
     name = kind()
     codec(name, Reading, dump=bytes, load=bytes)
@@ -657,6 +694,7 @@ def test_readable_kinds_lists_built_ins_registry_and_own_kinds(kind):
     assert {"plain", "numpy.ndarray", "numpy.generic", "torch.Tensor", name} <= set(kinds)
 
 
+@pytest.mark.pure
 def test_kinds_in_a_mixed_value(kind):
     name = kind()
     codec(name, Reading, dump=lambda one: b"r", load=bytes)
@@ -665,6 +703,7 @@ def test_kinds_in_a_mixed_value(kind):
     assert kinds_in(encode(np.zeros(2))[0]) == {"numpy.ndarray"}
 
 
+@pytest.mark.pure
 def test_an_unknown_kind_is_unreadable_with_the_fix():
     # "torch.Tensor" would summon somatize.torch, which does not exist yet; a kind that is
     # not the library's own is never imported by guesswork.
@@ -676,6 +715,7 @@ def test_an_unknown_kind_is_unreadable_with_the_fix():
     assert "only imports its own codecs" in text
 
 
+@pytest.mark.pure
 def test_the_library_s_own_kinds_are_summoned_by_name(tmp_path, monkeypatch, kind):
     name = kind("own")
     module = f"summoned_{uuid.uuid4().hex[:8]}"
@@ -695,6 +735,7 @@ def test_the_library_s_own_kinds_are_summoned_by_name(tmp_path, monkeypatch, kin
         sys.modules.pop(module, None)
 
 
+@pytest.mark.pure
 def test_an_own_kind_whose_module_is_missing_says_what_to_install(monkeypatch):
     monkeypatch.setitem(
         importlib.import_module("somatize.codec.registered").OWN_KINDS, "own.Missing", "somatize.nowhere_to_be_found"
@@ -706,6 +747,7 @@ def test_an_own_kind_whose_module_is_missing_says_what_to_install(monkeypatch):
 # -- malformed input ---------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_huge_shape_with_a_tiny_frame_is_refused_without_allocating():
     start = time.perf_counter()
     for shape in ([2**62, 2**62], [2**31] * 3, [10**30], [0, 2**62]):
@@ -764,17 +806,20 @@ def test_a_huge_shape_with_a_tiny_frame_is_refused_without_allocating():
     ],
     ids=lambda d: "object()" if type(d) is object else repr(d),  # the same id in every process (pytest-xdist)
 )
+@pytest.mark.pure
 def test_malformed_descriptors_are_unreadable(descriptor):
     with pytest.raises(Unreadable):
         decode(descriptor, [b"12345678"])
 
 
+@pytest.mark.pure
 def test_kinds_in_refuses_what_decode_refuses():
     for bad in (["Z"], ["A", "|O", [1], 0], ["A", "<f8", [-1], 0], {"a": 1}, ["O", "plain", 0]):
         with pytest.raises(Unreadable):
             kinds_in(bad)
 
 
+@pytest.mark.pure
 def test_too_deep_and_too_many_are_unreadable():
     deep: list = ["L", 0]
     for _ in range(MAX_DEPTH):
@@ -785,6 +830,7 @@ def test_too_deep_and_too_many_are_unreadable():
         decode(["L"] + [0] * MAX_NODES, [])
 
 
+@pytest.mark.pure
 def test_frames_that_are_not_buffers_are_unreadable():
     with pytest.raises(Unreadable, match="frame 0"):
         decode(["B", 0], [12])
@@ -793,6 +839,7 @@ def test_frames_that_are_not_buffers_are_unreadable():
 
 
 @pytest.mark.parametrize("value", [None, [1, "two", 3.0], np.arange(5), {"a": np.zeros((2, 2))}])
+@pytest.mark.pure
 def test_cut_or_padded_written_forms_are_unreadable(value):
     data = dumps(value)
     for n in range(len(data)):
@@ -803,6 +850,7 @@ def test_cut_or_padded_written_forms_are_unreadable(value):
 
 
 @pytest.mark.parametrize("value", [None, [1, "two", 3.0], np.arange(5), {"a": np.zeros((2, 2))}, b"x" * 100_000])
+@pytest.mark.pure
 def test_the_start_of_a_written_form_is_judged_against_its_length(value):
     """``check_start`` passes the first bytes of every good written form at its true length
     and refuses it at any other (a sparse file declaring more than it holds), and refuses
@@ -819,6 +867,7 @@ def test_the_start_of_a_written_form_is_judged_against_its_length(value):
         check_start(b"SMZ1" + (2**31).to_bytes(4, "little"), 4096)
 
 
+@pytest.mark.pure
 def test_a_header_longer_than_the_start_is_left_to_loads():
     value = ["x" * 60_000, "y" * 60_000]  # inline strings: a header longer than START_BYTES
     data = dumps(value)
@@ -828,6 +877,7 @@ def test_a_header_longer_than_the_start_is_left_to_loads():
     assert loads(data) == value
 
 
+@pytest.mark.pure
 def test_loads_refuses_what_is_not_bytes():
     with pytest.raises(Unreadable, match="`str`"):
         loads("SMZ1")
@@ -853,6 +903,7 @@ def written_forms_with_extensions_or_maps():
 
 
 @pytest.mark.parametrize("data", written_forms_with_extensions_or_maps())
+@pytest.mark.pure
 def test_odd_headers_are_unreadable(data):
     with pytest.raises(Unreadable):
         loads(data)
@@ -867,6 +918,7 @@ def read_or_refuse(data):
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=200) | st.binary(max_size=200).map(lambda b: b"SMZ1" + b))
+@pytest.mark.pure
 def test_loads_of_random_bytes_gives_a_value_or_unreadable(data):
     read_or_refuse(data)
 
@@ -922,6 +974,7 @@ def test_decode_of_any_descriptor_gives_a_value_or_unreadable(descriptor, frames
 
 
 @pytest.mark.parametrize("trip", ROUND_TRIPS)
+@pytest.mark.pure
 def test_arrow_record_batches_and_tables_cross(trip):
     pa = pytest.importorskip("pyarrow")
     batch = pa.record_batch({"n": [1, 2, None], "s": ["a", "bé", None], "f": [0.5, 1.5, 2.5]})
@@ -939,6 +992,7 @@ def test_arrow_record_batches_and_tables_cross(trip):
     assert {"arrow.RecordBatch", "arrow.Table"} <= set(readable_kinds())
 
 
+@pytest.mark.pure
 def test_arrow_junk_is_unreadable():
     pa = pytest.importorskip("pyarrow")
     with pytest.raises(Unreadable, match="arrow.Table"):
@@ -954,12 +1008,14 @@ def test_arrow_junk_is_unreadable():
         decode(["C", "arrow.RecordBatch", 0], [bytes(raw)])
 
 
+@pytest.mark.pure
 def test_other_arrow_values_are_unwritable():
     pa = pytest.importorskip("pyarrow")
     with pytest.raises(Unwritable, match="`Int64Array`"):
         encode(pa.array([1, 2]))
 
 
+@pytest.mark.pure
 def test_arrow_metadata_that_points_outside_itself_is_unreadable():
     pa = pytest.importorskip("pyarrow")
     _, frames = encode(pa.record_batch({"n": [1, 2, 3]}))
@@ -980,6 +1036,7 @@ def test_arrow_metadata_that_points_outside_itself_is_unreadable():
 # -- check, then build: a reader that checks first reads each value once -------------------
 
 
+@pytest.mark.pure
 def test_check_then_build_reads_a_value_once_checked():
     value = {"a": np.arange(6).reshape(2, 3), "b": [1, "two", b"x" * 70_000], "c": np.float32(1.5)}
     descriptor, frames = encode(value)

@@ -113,6 +113,7 @@ def test_a_claim_given_back_without_the_entry_is_taken_again(tmp_path):
     assert [f["fact"] for f in facts if f["fact"] in ("recalled", "kept")] == ["kept"]
 
 
+@pytest.mark.pure
 def test_a_claim_planted_as_junk_makes_nobody_wait(tmp_path):
     """A writer of the folder puts a FIFO where a claim belongs: a forward computes at once,
     as it would with no claims, and never blocks on opening it."""

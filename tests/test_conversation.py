@@ -63,6 +63,7 @@ def ready_client() -> ClientExchange:
     return c
 
 
+@pytest.mark.pure
 def test_a_client_exchange_runs_hello_work_saw_done():
     c = ClientExchange()
     assert c.state == "new"
@@ -79,6 +80,7 @@ def test_a_client_exchange_runs_hello_work_saw_done():
 
 
 @pytest.mark.parametrize("end", [done(3), Failed(3, "x", None, "E", ""), Refusal("no", ref=3), Refusal("no")])
+@pytest.mark.pure
 def test_every_terminal_answer_ends_the_work(end):
     c = ready_client()
     c.work_sent(3)
@@ -86,6 +88,7 @@ def test_every_terminal_answer_ends_the_work(end):
     assert c.state == "ready"
 
 
+@pytest.mark.pure
 def test_send_returns_to_ready_for_provisioning_then_the_work_again():
     c = ready_client()
     c.work_sent(4)
@@ -99,6 +102,7 @@ def test_send_returns_to_ready_for_provisioning_then_the_work_again():
 
 
 @pytest.mark.parametrize("stale", [done(99), Saw(99, {"fact": "ran"}), Failed(99, "x", None, "E", ""), Send(99, ())])
+@pytest.mark.pure
 def test_an_answer_for_an_exchange_that_is_not_open_is_dropped_and_counted(stale):
     c = ready_client()
     c.work_sent(5)
@@ -109,6 +113,7 @@ def test_an_answer_for_an_exchange_that_is_not_open_is_dropped_and_counted(stale
 
 
 @pytest.mark.parametrize("odd", [done(1), Saw(1, {}), Send(1, ()), Hello(RT), work(1)])
+@pytest.mark.pure
 def test_an_answer_nobody_asked_for_closes_the_channel(odd):
     c = ready_client()
     with pytest.raises(Violation):
@@ -118,6 +123,7 @@ def test_an_answer_nobody_asked_for_closes_the_channel(odd):
         c.work_sent(1)
 
 
+@pytest.mark.pure
 def test_a_client_sends_nothing_out_of_turn():
     c = ClientExchange()
     with pytest.raises(Violation):
@@ -129,6 +135,7 @@ def test_a_client_sends_nothing_out_of_turn():
     assert c.state == "closed"
 
 
+@pytest.mark.pure
 def test_a_work_sent_right_behind_the_hello_has_the_hellos_answer_first():
     c = ClientExchange()
     c.hello_sent()
@@ -153,6 +160,7 @@ def test_a_work_sent_right_behind_the_hello_has_the_hellos_answer_first():
         c.work_sent(9)
 
 
+@pytest.mark.pure
 def test_hello_answered_with_done_is_a_violation():
     c = ClientExchange()
     c.hello_sent()
@@ -163,6 +171,7 @@ def test_hello_answered_with_done_is_a_violation():
 # -- the worker's side --------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_worker_wants_hello_first():
     w = WorkerSessions(WORKER_RT)
     with pytest.raises(Violation, match="say Hello first"):
@@ -175,6 +184,7 @@ def test_a_worker_wants_hello_first():
     assert w.receive(b"a", work(1)).ref == 1
 
 
+@pytest.mark.pure
 def test_recall_gives_what_receive_would_or_nothing_and_changes_nothing():
     """The express way in asks `recall` first: it gives the work with its recipe, opened,
     exactly when `receive` would, and otherwise None, leaving `receive` to say why."""
@@ -199,6 +209,7 @@ def test_recall_gives_what_receive_would_or_nothing_and_changes_nothing():
     assert w.refused == 1  # only what `receive` refused counts
 
 
+@pytest.mark.pure
 def test_a_worker_answers_only_open_work_of_that_peer():
     w = WorkerSessions(WORKER_RT)
     w.receive(b"a", Hello(RT))
@@ -212,6 +223,7 @@ def test_a_worker_answers_only_open_work_of_that_peer():
     assert w.running() == 0
 
 
+@pytest.mark.pure
 def test_the_same_ref_twice_while_open_is_refused():
     w = WorkerSessions(WORKER_RT)
     w.receive(b"a", Hello(RT))
@@ -221,6 +233,7 @@ def test_the_same_ref_twice_while_open_is_refused():
 
 
 @pytest.mark.parametrize("odd", [Where("w1"), Hosts(), done(1), Ready(RT), Hello(RT, offering="w1")])
+@pytest.mark.pure
 def test_a_worker_refuses_what_is_not_for_a_worker(odd):
     w = WorkerSessions(WORKER_RT)
     w.receive(b"a", Hello(RT))
@@ -228,6 +241,7 @@ def test_a_worker_refuses_what_is_not_for_a_worker(odd):
         w.receive(b"a", odd)
 
 
+@pytest.mark.pure
 def test_an_incompatible_hello_is_refused_with_the_fix():
     w = WorkerSessions(WORKER_RT)
     other = dataclasses.replace(RT, wire=RT.wire + 1)
@@ -236,6 +250,7 @@ def test_an_incompatible_hello_is_refused_with_the_fix():
     assert not w.greeted(b"a")
 
 
+@pytest.mark.pure
 def test_bye_forgets_the_peer():
     w = WorkerSessions(WORKER_RT)
     w.receive(b"a", Hello(RT))
@@ -243,6 +258,7 @@ def test_bye_forgets_the_peer():
     assert not w.greeted(b"a")
 
 
+@pytest.mark.pure
 def test_what_a_worker_keeps_per_peer_is_bounded_in_bytes():
     w = WorkerSessions(WORKER_RT, max_bytes=200_000)
     fat = dataclasses.replace(RT, kinds=tuple(f"kind.{i}.{'x' * 900}" for i in range(100)))
@@ -253,6 +269,7 @@ def test_what_a_worker_keeps_per_peer_is_bounded_in_bytes():
     assert not w.greeted(b"p0")
 
 
+@pytest.mark.pure
 def test_running_work_is_never_forgotten_to_make_room():
     w = WorkerSessions(WORKER_RT, max_peers=2)
     w.receive(b"busy", Hello(RT))
@@ -263,6 +280,7 @@ def test_running_work_is_never_forgotten_to_make_room():
     assert w.answering(b"busy", done(1))
 
 
+@pytest.mark.pure
 def test_busy_us_is_the_age_of_the_oldest_running_work():
     w = WorkerSessions(WORKER_RT)
     assert w.busy_us() == 0
@@ -279,6 +297,7 @@ def offering(host: str) -> Hello:
     return Hello(WORKER_RT, offering=host)
 
 
+@pytest.mark.pure
 def test_a_host_is_bound_to_the_key_that_offered_it_first():
     b = BrokerView()
     assert b.hello(b"r1", "KEY-A", EVERYONE, offering("node017"), 0.0) == "offered"
@@ -294,6 +313,7 @@ def test_a_host_is_bound_to_the_key_that_offered_it_first():
     assert b.offers["node017"].route == b"r3"
 
 
+@pytest.mark.pure
 def test_without_keys_a_name_is_bound_to_its_connection_while_it_stays():
     b = BrokerView()
     b.hello(b"r1", "", EVERYONE, offering("w"), 0.0)
@@ -304,6 +324,7 @@ def test_without_keys_a_name_is_bound_to_its_connection_while_it_stays():
     assert b.hello(b"r2", "", EVERYONE, offering("w"), 0.0) == "offered"
 
 
+@pytest.mark.pure
 def test_a_second_hello_from_the_same_route_is_a_keepalive():
     b = BrokerView()
     b.hello(b"r1", "K", EVERYONE, offering("w"), 0.0)
@@ -311,6 +332,7 @@ def test_a_second_hello_from_the_same_route_is_a_keepalive():
     assert b.offers["w"].seen == 5.0
 
 
+@pytest.mark.pure
 def test_a_client_key_may_ask_but_not_offer():
     b = BrokerView()
     assert b.hello(b"r1", "C", CLIENTS, Hello(RT), 0.0) == "client"
@@ -318,6 +340,7 @@ def test_a_client_key_may_ask_but_not_offer():
         b.hello(b"r1", "C", CLIENTS, offering("w"), 0.0)
 
 
+@pytest.mark.pure
 def test_one_key_cannot_squat_every_name():
     b = BrokerView(max_offers=16)
     for n in range(16):
@@ -327,6 +350,7 @@ def test_one_key_cannot_squat_every_name():
     assert b.hello(b"real", "REAL", EVERYONE, offering("node999"), 0.0) == "offered"
 
 
+@pytest.mark.pure
 def test_a_declared_host_cannot_be_offered():
     b = BrokerView({"gpu1"})
     with pytest.raises(Violation, match="declared"):
@@ -337,6 +361,7 @@ def relay_from_client(b: BrokerView, client: bytes, key: str, host: str, payload
     return b.relay(client, key, Relay(host=host, inner=(payload,)), now)
 
 
+@pytest.mark.pure
 def test_a_relayed_answer_reaches_only_the_client_that_sent_that_work():
     b = BrokerView()
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
@@ -348,6 +373,7 @@ def test_a_relayed_answer_reaches_only_the_client_that_sent_that_work():
     assert back.route == b"alice" and [bytes(f) for f in back.frames] == [b"answer"]
 
 
+@pytest.mark.pure
 def test_a_worker_cannot_answer_an_exchange_it_was_not_sent():
     b = BrokerView()
     b.hello(b"victim-worker", "V", EVERYONE, offering("w1"), 0.0)
@@ -358,6 +384,7 @@ def test_a_worker_cannot_answer_an_exchange_it_was_not_sent():
             b.relay(b"evil-worker", "E", Relay(exchange=number, inner=(b"forged",)), 0.0)
 
 
+@pytest.mark.pure
 def test_a_client_cannot_address_an_exchange_by_number():
     b = BrokerView()
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
@@ -366,6 +393,7 @@ def test_a_client_cannot_address_an_exchange_by_number():
         b.relay(b"mallory", "M", Relay(exchange=sent.exchange, inner=(b"x",)), 0.0)
 
 
+@pytest.mark.pure
 def test_each_client_gets_its_own_exchange_with_a_host():
     b = BrokerView()
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
@@ -375,6 +403,7 @@ def test_each_client_gets_its_own_exchange_with_a_host():
     assert a == a_again and a != m
 
 
+@pytest.mark.pure
 def test_exchanges_per_tenant_are_bounded():
     b = BrokerView(max_exchanges=4)
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
@@ -383,6 +412,7 @@ def test_exchanges_per_tenant_are_bounded():
     assert sum(1 for e in b.exchanges.values() if e.tenant == "SAME") == 4
 
 
+@pytest.mark.pure
 def test_a_worker_that_left_has_its_exchanges_ended():
     b = BrokerView()
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
@@ -393,6 +423,7 @@ def test_a_worker_that_left_has_its_exchanges_ended():
         relay_from_client(b, b"alice", "A", "w1")
 
 
+@pytest.mark.pure
 def test_revoking_a_key_forgets_its_hosts():
     b = BrokerView()
     b.hello(b"r1", "GONE", EVERYONE, offering("w1"), 0.0)
@@ -402,6 +433,7 @@ def test_revoking_a_key_forgets_its_hosts():
     assert "w1" not in b.bindings
 
 
+@pytest.mark.pure
 def test_an_idle_offer_expires_after_three_keepalives_of_silence():
     """Its connection's pings say an idle worker is there (ZeroMQ drops a connection silent
     past their time to live); its keepalive, every KEEPALIVE patiences, is the net beneath."""
@@ -411,6 +443,7 @@ def test_an_idle_offer_expires_after_three_keepalives_of_silence():
     assert b.expire(IDLE_SILENCE + 0.5) == ["w1"]
 
 
+@pytest.mark.pure
 def test_a_host_clients_wait_on_is_checked_after_a_patience_and_gone_after_one_and_a_half():
     """A stopped worker with work open is noticed in one and a half patiences, counted from
     when it was last heard or when its first exchange opened, whichever is later; silent for
@@ -428,6 +461,7 @@ def test_a_host_clients_wait_on_is_checked_after_a_patience_and_gone_after_one_a
     assert not b.exchanges and "w2" in b.offers  # the idle one is held to its keepalive
 
 
+@pytest.mark.pure
 def test_only_a_host_a_client_waits_on_is_held_closer():
     """Clients that hold exchanges open with a fleet, between calls, cost the broker nothing
     per host: it holds a host closer (checked after a patience of silence, gone after one
@@ -460,6 +494,7 @@ def test_only_a_host_a_client_waits_on_is_held_closer():
     assert b.expire(31.6) == ["w1"] and b.stalled == {"w1"}
 
 
+@pytest.mark.pure
 def test_exchanges_opened_again_and_again_never_keep_a_silent_host():
     """Each first exchange of a host starts its closer watch anew; a client that opens and
     ends them without end still cannot keep a silent host past the idle bound."""
@@ -474,6 +509,7 @@ def test_exchanges_opened_again_and_again_never_keep_a_silent_host():
     assert "w1" not in b.offers and now <= IDLE_SILENCE + 1.0
 
 
+@pytest.mark.pure
 def test_an_envelope_round_trips_without_decoding_its_inner_frames():
     inner = encode(work(9))
     frames = encode(Relay(host="w1", inner=tuple(inner)))
@@ -482,6 +518,7 @@ def test_an_envelope_round_trips_without_decoding_its_inner_frames():
     assert isinstance(decode(list(back.inner)), Work)
 
 
+@pytest.mark.pure
 def test_a_quiet_exchange_is_never_ended_for_being_quiet():
     b = BrokerView(patience=0.1)
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
@@ -492,6 +529,7 @@ def test_a_quiet_exchange_is_never_ended_for_being_quiet():
     assert back.route == b"alice"
 
 
+@pytest.mark.pure
 def test_exchanges_in_all_are_bounded():
     b = BrokerView(max_open=10)
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
@@ -505,6 +543,7 @@ def test_exchanges_in_all_are_bounded():
     assert len(b.exchanges) == 10
 
 
+@pytest.mark.pure
 def test_a_key_whose_nodes_come_and_go_keeps_offering_new_names():
     """A batch job's key serves node001..node004 today and others tomorrow: it lets go of
     names it no longer serves, oldest first, never of one it serves."""
@@ -522,6 +561,7 @@ def test_a_key_whose_nodes_come_and_go_keeps_offering_new_names():
         b.hello(b"now3", "SLURM", EVERYONE, offering("node99"), 9.0)
 
 
+@pytest.mark.pure
 def test_a_client_that_leaves_has_its_exchanges_ended():
     """A client's channel says Bye as it closes: what it had open ends now, not when 64 newer
     exchanges of its tenant crowd it out."""
@@ -534,6 +574,7 @@ def test_a_client_that_leaves_has_its_exchanges_ended():
     assert [e.client for e in b.exchanges.values()] == [b"bob"] and kept in b.exchanges
 
 
+@pytest.mark.pure
 def test_one_route_serving_thousands_of_names_is_heard_at_the_cost_of_one():
     b = BrokerView(patience=1.0)
     names = [f"node{n:04d}" for n in range(2000)]
@@ -544,6 +585,7 @@ def test_one_route_serving_thousands_of_names_is_heard_at_the_cost_of_one():
     assert sorted(b.expire(2 * IDLE_SILENCE)) == names  # silent past three keepalives: all of them go
 
 
+@pytest.mark.pure
 def test_the_views_indexes_follow_every_change():
     """What the view keeps to answer in constant time (hosts per key, names per key,
     exchanges per route, host and tenant) always equals what a walk over everything finds."""

@@ -54,6 +54,7 @@ class Collect(list):
 # -- waves --------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_branches_of_a_wave_run_at_the_same_time():
     barrier = threading.Barrier(2, timeout=5)  # raises BrokenBarrierError if run one after the other
     g = Meet(barrier).named("left") & Meet(barrier).named("right")
@@ -67,6 +68,7 @@ def test_two_sleeping_branches_take_the_time_of_one():
     assert time.perf_counter() - started < 0.55  # serially it would be 0.6 at least
 
 
+@pytest.mark.pure
 def test_a_long_chain_runs_in_order():
     g = Add(1).named("n0")
     for i in range(1, 200):
@@ -77,6 +79,7 @@ def test_a_long_chain_runs_in_order():
 # -- facts --------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_facts_are_dicts_of_text_with_whole_microseconds():
     seen = Collect()
     (Add().named("a") >> Add().named("b")).forward(1, watching=seen)
@@ -88,12 +91,14 @@ def test_facts_are_dicts_of_text_with_whole_microseconds():
     assert "host" not in seen[0] and "device" not in seen[0]  # local, nothing undeclared
 
 
+@pytest.mark.pure
 def test_an_unnamed_node_is_called_by_its_class_in_facts():
     seen = Collect()
     (Add() >> Add()).forward(1, watching=seen)
     assert seen[0]["node"] == "Add"
 
 
+@pytest.mark.pure
 def test_print_shows_exactly_what_a_watcher_is_handed(capsys):
     seen = Collect()
     (Add().named("a") & Add(2).named("b")).forward(1, watching=[print, seen])
@@ -101,12 +106,14 @@ def test_print_shows_exactly_what_a_watcher_is_handed(capsys):
     assert printed == [repr(f) for f in seen]
 
 
+@pytest.mark.pure
 def test_a_list_of_watchers_is_each_told_everything():
     one, two = Collect(), Collect()
     Add().named("a").forward(1, watching=[one, two])
     assert one == two and one.kinds() == ["ran", "finished"]
 
 
+@pytest.mark.pure
 def test_a_failing_node_says_failed_then_broke_and_raises_with_its_name():
     seen = Collect()
     g = Add().named("first") >> Boom().named("boom") >> Add().named("never")
@@ -119,6 +126,7 @@ def test_a_failing_node_says_failed_then_broke_and_raises_with_its_name():
     assert info.value.node == "boom" and info.value.host is None
 
 
+@pytest.mark.pure
 def test_a_failing_branch_lets_the_other_finish_and_starts_nothing_after():
     seen = Collect()
     log: list = []
@@ -136,6 +144,7 @@ def test_a_failing_branch_lets_the_other_finish_and_starts_nothing_after():
     assert seen.kinds()[-1] == "broke"
 
 
+@pytest.mark.pure
 def test_a_watcher_that_raises_does_not_break_the_forward(capsys):
     def grumpy(fact):
         raise RuntimeError("no")
@@ -149,6 +158,7 @@ def test_a_watcher_that_raises_does_not_break_the_forward(capsys):
 # -- the cache ----------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_cached_frozen_node_is_kept_then_recalled(tmp_path):
     store = FolderStore(tmp_path)
     calls: list = []
@@ -167,6 +177,7 @@ def test_a_cached_frozen_node_is_kept_then_recalled(tmp_path):
     assert [name for name, _ in store.scan("cache/")] == ["cache/" + kept["key"]]
 
 
+@pytest.mark.pure
 def test_a_kept_entry_of_another_kind_than_its_record_says_is_a_miss_and_runs_again(tmp_path, capfd):
     store = FolderStore(tmp_path)
     calls: list = []
@@ -190,6 +201,7 @@ def test_a_kept_entry_of_another_kind_than_its_record_says_is_a_miss_and_runs_ag
     assert third.kinds() == ["recalled", "finished"] and calls == [2, 2]
 
 
+@pytest.mark.pure
 def test_bytes_likes_kept_come_back_as_bytes_and_are_recalled(tmp_path):
     class Raw(Node):
         def forward(self, x):
@@ -203,6 +215,7 @@ def test_bytes_likes_kept_come_back_as_bytes_and_are_recalled(tmp_path):
     assert seen.kinds() == ["recalled", "finished"]
 
 
+@pytest.mark.pure
 def test_another_input_is_another_key(tmp_path):
     store = FolderStore(tmp_path)
     calls: list = []
@@ -213,12 +226,14 @@ def test_another_input_is_another_key(tmp_path):
     assert calls == [1, 2]
 
 
+@pytest.mark.pure
 def test_changing_a_constructor_argument_changes_the_key(tmp_path):
     store = FolderStore(tmp_path)
     assert Add(1).named("a").cached().frozen().forward(1, store=store) == 2
     assert Add(5).named("a").cached().frozen().forward(1, store=store) == 6
 
 
+@pytest.mark.pure
 def test_a_hit_in_one_branch_leaves_the_other_running(tmp_path):
     store = FolderStore(tmp_path)
     calls: list = []
@@ -231,6 +246,7 @@ def test_a_hit_in_one_branch_leaves_the_other_running(tmp_path):
     assert out[1] == 102
 
 
+@pytest.mark.pure
 def test_a_value_that_cannot_be_written_down_is_computed_not_kept(tmp_path, capsys):
     class Reading:
         def __init__(self, hz):
@@ -252,6 +268,7 @@ def test_a_value_that_cannot_be_written_down_is_computed_not_kept(tmp_path, caps
     assert list(store.scan("cache/")) == []
 
 
+@pytest.mark.pure
 def test_a_codec_makes_the_same_value_keepable(tmp_path):
     class Reading:
         def __init__(self, hz):
@@ -273,6 +290,7 @@ def test_a_codec_makes_the_same_value_keepable(tmp_path):
         forget("tests.Reading")
 
 
+@pytest.mark.pure
 def test_an_unwritable_input_runs_everything_and_says_so(tmp_path, capsys):
     class Thing:
         pass

@@ -61,6 +61,7 @@ class FakeBroker:
 # -- declarations ------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_suffixes_return_declarations_holding_the_same_node():
     node = Add(3)
     step = node.named("add").at("w1").on("cpu").cached().frozen()
@@ -70,6 +71,7 @@ def test_suffixes_return_declarations_holding_the_same_node():
     assert node.forward(1) == 4  # the node's own forward is untouched
 
 
+@pytest.mark.pure
 def test_a_suffix_leaves_the_declaration_it_came_from_alone():
     plain = Add().named("a")
     cached = plain.cached()
@@ -78,6 +80,7 @@ def test_a_suffix_leaves_the_declaration_it_came_from_alone():
         plain.name = "b"  # declarations are immutable
 
 
+@pytest.mark.pure
 def test_suffix_arguments_must_be_words():
     with pytest.raises(TypeError, match=r"\.named\(\)"):
         Add().named("")
@@ -85,6 +88,7 @@ def test_suffix_arguments_must_be_words():
         Add().at(7)
 
 
+@pytest.mark.pure
 def test_composition_shapes():
     a, b, c = Add(1), Double(), Add(10)
     seq = a >> b >> c
@@ -95,6 +99,7 @@ def test_composition_shapes():
     assert len(nested.parts) == 2 and isinstance(nested.parts[1], Parallel)
 
 
+@pytest.mark.pure
 def test_sequence_and_parallel_compute():
     assert (Add(1) >> Double()).forward(3) == 8
     assert (Add(1) & Double()).forward(3) == (4, 6)
@@ -108,17 +113,20 @@ class Sum(Node):
         return sum(pair)
 
 
+@pytest.mark.pure
 def test_a_lone_declared_node_runs_as_a_one_node_graph():
     assert Double().named("d").forward(21) == 42
     assert Step(Double()).forward(4) == 8
 
 
+@pytest.mark.pure
 def test_composites_take_placement_for_all_their_steps():
     g = (Add().named("a") >> Double().named("b")).at("w1").frozen()
     assert [s.host for s in g.steps] == ["w1", "w1"]
     assert all(s.freeze for s in g.steps)
 
 
+@pytest.mark.pure
 def test_only_nodes_and_graphs_compose():
     with pytest.raises(TypeError, match="Node"):
         Add() >> (lambda x: x)
@@ -127,6 +135,7 @@ def test_only_nodes_and_graphs_compose():
 # -- checks, before anything runs ---------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_unsettled_is_raised_before_any_node_runs(tmp_path):
     from somatize import FolderStore
 
@@ -137,11 +146,13 @@ def test_unsettled_is_raised_before_any_node_runs(tmp_path):
     assert log == []
 
 
+@pytest.mark.pure
 def test_unsettled_names_the_cached_node_itself():
     with pytest.raises(Unsettled, match="`d` is cached, but it is not frozen"):
         Double().named("d").cached().forward(1, store=None)
 
 
+@pytest.mark.pure
 def test_nameless_is_raised_before_any_node_runs(tmp_path):
     from somatize import FolderStore
 
@@ -154,6 +165,7 @@ def test_nameless_is_raised_before_any_node_runs(tmp_path):
         Double().cached().frozen().forward(1, store=FolderStore(tmp_path))
 
 
+@pytest.mark.pure
 def test_cached_without_a_store_is_refused_before_running():
     log: list = []
     g = Spy(log).named("s").frozen() >> Double().named("d").cached().frozen()
@@ -162,6 +174,7 @@ def test_cached_without_a_store_is_refused_before_running():
     assert log == []
 
 
+@pytest.mark.pure
 def test_a_host_with_no_broker_is_named():
     log: list = []
     g = Spy(log).named("s") >> Double().named("d").at("gpu-box")
@@ -170,12 +183,14 @@ def test_a_host_with_no_broker_is_named():
     assert log == []
 
 
+@pytest.mark.pure
 def test_a_host_the_broker_does_not_know_is_named():
     g = Double().named("d").at("w9")
     with pytest.raises(UnknownHost, match=r"does not know `w9` \(it knows: `w1`, `w2`\)"):
         g.forward(1, broker=FakeBroker("w1", "w2"))
 
 
+@pytest.mark.pure
 def test_a_watcher_that_cannot_be_called_is_refused_before_running():
     log: list = []
     g = Spy(log).named("s")
@@ -188,6 +203,7 @@ def test_a_watcher_that_cannot_be_called_is_refused_before_running():
     assert log == []
 
 
+@pytest.mark.pure
 def test_two_different_nodes_with_one_name_are_refused():
     with pytest.raises(DuplicateName, match="`x`"):
         (Add().named("x") >> Double().named("x")).forward(1)
@@ -198,6 +214,7 @@ def test_two_different_nodes_with_one_name_are_refused():
 # -- grouping -----------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_five_consecutive_nodes_on_one_host_are_one_remote_group():
     g = (
         Add().named("in")
@@ -217,6 +234,7 @@ def test_five_consecutive_nodes_on_one_host_are_one_remote_group():
     assert [plan.steps[i].name for i in remote.step_indices] == ["a", "b", "c", "d", "e"]
 
 
+@pytest.mark.pure
 def test_a_parallel_wholly_on_one_host_joins_the_group():
     g = Add().named("a").at("w1") >> (Add().named("b").at("w1") & Double().named("c").at("w1"))
     (remote,) = make(g).remotes
@@ -224,11 +242,13 @@ def test_a_parallel_wholly_on_one_host_joins_the_group():
     assert make(g).ops == (remote,)
 
 
+@pytest.mark.pure
 def test_a_change_of_host_splits_groups():
     g = Add().named("a").at("w1") >> Add().named("b").at("w2") >> Add().named("c").at("w1")
     assert [r.host for r in make(g).remotes] == ["w1", "w2", "w1"]
 
 
+@pytest.mark.pure
 def test_mixed_parallel_branches_group_separately():
     g = Add().named("a") >> (Add().named("b").at("w1") & Double().named("c").at("w2"))
     plan = make(g)

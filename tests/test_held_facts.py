@@ -192,6 +192,7 @@ def test_a_worker_whose_done_carries_facts_that_should_be_refused_breaks_the_cha
         fake.close()
 
 
+@pytest.mark.pure
 def test_what_one_done_carries_is_bounded_by_count_and_by_size_and_nothing_is_lost():
     """Held itself (pure Python, real threads): past MAX_SAW facts or HELD_BYTES of text,
     what is held goes out first, in order, then each fact as it is said; facts said from

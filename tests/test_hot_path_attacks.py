@@ -442,6 +442,7 @@ def test_keys_naming_the_one_step_take_the_walk_and_keep_what_the_walk_keeps(spa
         assert answer.produced == ({0: 11} if cache else {}), answer
 
 
+@pytest.mark.pure
 def test_an_abandoned_job_stops_its_lone_node_before_it_runs(tmp_path):
     """Attack: revocation. A recipe's kept steps are guarded; once the job they report to is
     abandoned (its peer's key revoked), the lone run must refuse to run the node, as the walk

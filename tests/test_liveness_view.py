@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from somatize.fabric.broker.view import LOST_FOR, BrokerView
 from somatize.fabric.conversation import CLIENT, WORKER
 from somatize.packing import Packer
@@ -24,6 +26,7 @@ def sent(b: BrokerView, client: bytes, message, now: float) -> int:
     return decode(b.relay(client, "A", Relay(host="w1", inner=tuple(encode(message))), now).frames).exchange
 
 
+@pytest.mark.pure
 def test_work_open_when_its_worker_expired_is_told_once_the_host_is_offered_again():
     b = BrokerView(patience=1.0)
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)
@@ -36,6 +39,7 @@ def test_work_open_when_its_worker_expired_is_told_once_the_host_is_offered_agai
     assert [e.number for e in b.orphaned] == [waiting]  # bob's work had ended: nothing to tell
 
 
+@pytest.mark.pure
 def test_work_open_when_its_workers_connection_dropped_is_told_when_it_dials_again():
     b = BrokerView(patience=1.0)
     b.hello(b"old", "W", EVERYONE, offering("w1"), 0.0)
@@ -46,6 +50,7 @@ def test_work_open_when_its_workers_connection_dropped_is_told_when_it_dials_aga
     assert [e.number for e in b.orphaned] == [waiting]
 
 
+@pytest.mark.pure
 def test_work_open_on_a_connection_its_worker_left_for_a_new_one_is_told_at_once():
     b = BrokerView(patience=1.0)
     b.hello(b"old", "W", EVERYONE, offering("w1"), 0.0)
@@ -54,6 +59,7 @@ def test_work_open_on_a_connection_its_worker_left_for_a_new_one_is_told_at_once
     assert [e.number for e in b.orphaned] == [waiting] and not b.exchanges
 
 
+@pytest.mark.pure
 def test_losses_are_forgotten_once_every_client_has_looked():
     b = BrokerView(patience=1.0)
     b.hello(b"worker", "W", EVERYONE, offering("w1"), 0.0)

@@ -77,6 +77,7 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 # -- modes -------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_modes_are_checked_with_a_sentence():
     for bad in ("Project", "pickle", None, 3):
         with pytest.raises(ValueError, match='"project".*"network"'):
@@ -87,6 +88,7 @@ def test_modes_are_checked_with_a_sentence():
     assert Catalog("network").mode == "network"
 
 
+@pytest.mark.pure
 def test_send_is_for_network_mode_and_takes_importable_modules():
     with pytest.raises(ValueError, match="network mode"):
         Packer("project", send=[packing_nodes])
@@ -101,6 +103,7 @@ def test_send_is_for_network_mode_and_takes_importable_modules():
 # -- project mode ------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_project_spec_is_a_name_and_plain_arguments():
     spec = Packer("project").spec(Add(2, scale=3).named("add").cached())
     assert spec == NodeSpec(
@@ -116,6 +119,7 @@ def test_project_spec_is_a_name_and_plain_arguments():
     assert Packer("project").spec(Add(1)).label == "Add"
 
 
+@pytest.mark.pure
 def test_project_catalog_builds_what_the_client_has():
     spec = Packer("project").spec(Add(2, scale=3).named("add"))
     node = Catalog("project").build(spec)
@@ -124,6 +128,7 @@ def test_project_catalog_builds_what_the_client_has():
     assert Catalog("project").build(Packer("project").spec(Outer.Inner())).forward(4) == -4
 
 
+@pytest.mark.pure
 def test_project_instances_are_built_once_per_class_and_arguments():
     catalog = Catalog("project")
     a = catalog.build(project("packing_nodes:Add", 2, scale=3))
@@ -133,6 +138,7 @@ def test_project_instances_are_built_once_per_class_and_arguments():
     assert Catalog("project").build(project("packing_nodes:Add", 2, scale=3)) is not a
 
 
+@pytest.mark.pure
 def test_a_spec_built_again_is_checked_once_and_its_code_every_time(monkeypatch):
     """A recipe a worker keeps comes back with the same spec objects on every Work that
     names it by digest: its name and arguments are checked and written down once (a memo
@@ -162,6 +168,7 @@ def test_a_spec_built_again_is_checked_once_and_its_code_every_time(monkeypatch)
         catalog.build(changed)  # and again, now that its key is remembered
 
 
+@pytest.mark.pure
 def test_project_instances_are_built_once_under_concurrency():
     catalog = Catalog("project")
     before = Slow.built
@@ -179,6 +186,7 @@ def test_project_instances_are_built_once_under_concurrency():
     assert len(got) == 8 and all(n is got[0] for n in got)
 
 
+@pytest.mark.pure
 def test_project_refuses_main_and_local_classes_on_the_client():
     class Local(Node):
         def forward(self, x):
@@ -193,12 +201,14 @@ def test_project_refuses_main_and_local_classes_on_the_client():
         assert 'mode="network"' in text and "importable module" in text
 
 
+@pytest.mark.pure
 def test_project_refuses_a_class_its_name_does_not_lead_back_to():
     ghost = type("Ghost", (Node,), {"__module__": "packing_nodes", "forward": lambda self, x: x})
     with pytest.raises(PlanError, match="does not lead back"):
         Packer("project").spec(ghost())
 
 
+@pytest.mark.pure
 def test_a_node_packed_again_unchanged_gets_the_same_spec_and_a_changed_one_a_new_one(monkeypatch):
     """Packing is done once per node, label and arguments: packed again (a graph made anew
     for every call), the node gets the very same spec, so its recipe's digest is found,
@@ -226,6 +236,7 @@ def test_a_node_packed_again_unchanged_gets_the_same_spec_and_a_changed_one_a_ne
         Packer("project").spec(node.named("a"))
 
 
+@pytest.mark.pure
 def test_project_refuses_arguments_that_cannot_be_written_down():
     class Model:
         pass
@@ -251,6 +262,7 @@ def test_project_refuses_arguments_that_cannot_be_written_down():
         ("pathlib:Path.touch", lambda p: (str(p),)),
     ],
 )
+@pytest.mark.pure
 def test_project_catalog_calls_nothing_that_is_not_a_node(tmp_path, target, make_args):
     sentinel = tmp_path / "sentinel"
     for mode in ("project", "network"):
@@ -259,6 +271,7 @@ def test_project_catalog_calls_nothing_that_is_not_a_node(tmp_path, target, make
     assert not sentinel.exists()
 
 
+@pytest.mark.pure
 def test_project_catalog_refuses_bad_names_with_a_sentence():
     catalog = Catalog("project")
     with pytest.raises(Refused, match="cannot import `no_such_module_xyz`.*install"):
@@ -272,6 +285,7 @@ def test_project_catalog_refuses_bad_names_with_a_sentence():
         catalog.build(project("packing_nodes:Add"))  # missing its argument
 
 
+@pytest.mark.pure
 def test_project_catalog_never_unpickles(tmp_path):
     sentinel = tmp_path / "sentinel"
     evil = pickle.dumps(Evil(sentinel))
@@ -289,6 +303,7 @@ def test_project_catalog_never_unpickles(tmp_path):
 # -- network mode, in one process --------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_network_catalog_refuses_bytes_that_do_not_match_their_digest(tmp_path):
     sentinel = tmp_path / "sentinel"
     evil = pickle.dumps(Evil(sentinel))
@@ -303,6 +318,7 @@ def test_network_catalog_refuses_bytes_that_do_not_match_their_digest(tmp_path):
     assert catalog.missing([network(other)]) == (other,)
 
 
+@pytest.mark.pure
 def test_network_catalog_refuses_what_is_not_an_artifact():
     catalog = Catalog("network")
     not_a_node = {"format": ARTIFACT_FORMAT, "node": 3, "codecs": []}
@@ -321,6 +337,7 @@ def test_network_catalog_refuses_what_is_not_an_artifact():
         catalog.provision(digest_of(b"not a pickle"), b"not a pickle")
 
 
+@pytest.mark.pure
 def test_network_round_trip_in_one_process():
     packer = Packer("network")
     step = Add(2, scale=3).named("add").cached()
@@ -344,6 +361,7 @@ def test_network_round_trip_in_one_process():
     assert catalog.build(project("packing_nodes:Add", 1)).forward(1) == 2
 
 
+@pytest.mark.pure
 def test_network_catalog_holds_a_bounded_number_of_artifacts():
     packer = Packer("network")
     nodes = [Add(i) for i in range(3)]  # the packer keeps an artifact while its node lives
@@ -354,6 +372,7 @@ def test_network_catalog_holds_a_bounded_number_of_artifacts():
     assert catalog.missing(specs) == (specs[0].target,)
 
 
+@pytest.mark.pure
 def test_network_catalog_holds_a_bounded_number_of_artifact_bytes():
     packer = Packer("network")
     nodes = [Add(i) for i in range(3)]
@@ -369,6 +388,7 @@ def test_network_catalog_holds_a_bounded_number_of_artifact_bytes():
     assert alone.missing(specs[:1]) == ()
 
 
+@pytest.mark.pure
 def test_project_instances_are_bounded_by_the_bytes_of_their_arguments():
     catalog = Catalog("project", built_bytes=5000)
     specs = [project("packing_nodes:Add", str(i) * 2000) for i in range(3)]
@@ -380,6 +400,7 @@ def test_project_instances_are_bounded_by_the_bytes_of_their_arguments():
     assert catalog.build(specs[0]) is catalog.build(specs[0])
 
 
+@pytest.mark.pure
 def test_project_refuses_main_modules_on_both_sides():
     script = type("Script", (Node,), {"__module__": "tool.__main__", "forward": lambda self, x: x})
     with pytest.raises(PlanError, match=r"`tool.__main__`"):
@@ -391,6 +412,7 @@ def test_project_refuses_main_modules_on_both_sides():
     assert "unittest.__main__" not in sys.modules  # refused before anything was imported
 
 
+@pytest.mark.pure
 def test_what_an_import_or_a_constructor_raises_fails_the_node_not_the_worker(tmp_path, monkeypatch):
     (tmp_path / "quits_at_import.py").write_text("raise SystemExit(2)\n")
     (tmp_path / "quits_when_built.py").write_text(
@@ -419,12 +441,14 @@ class Exits:
         return (sys.exit, (3,))
 
 
+@pytest.mark.pure
 def test_an_artifact_that_exits_when_unpickled_is_refused():
     payload = cloudpickle.dumps(Exits())
     with pytest.raises(Refused, match=r"could not be unpickled here \(SystemExit: 3\)"):
         Catalog("network").provision(digest_of(payload), payload)
 
 
+@pytest.mark.pure
 def test_a_node_is_pickled_once_and_again_after_a_new_codec():
     packer = Packer("network")
     node = Add(1)
@@ -451,6 +475,7 @@ def test_a_node_is_pickled_once_and_again_after_a_new_codec():
         codec_module.forget("tests.packing.Extra")
 
 
+@pytest.mark.pure
 def test_an_artifact_is_let_go_with_its_node():
     packer = Packer("network")
     node = Add(7)
@@ -462,6 +487,7 @@ def test_an_artifact_is_let_go_with_its_node():
         packer.artifact(digest)
 
 
+@pytest.mark.pure
 def test_send_is_undone_even_when_pickling_fails():
     class Holds(Node):
         def __init__(self):
@@ -706,6 +732,7 @@ def _format(codec_parts) -> str:
     return format_of(blob, *pickle.loads(blob))
 
 
+@pytest.mark.pure
 def test_a_codec_holding_an_object_with_a_c_base_is_judged_by_its_bytes():
     """A ``dict`` subclass keeps its items where no attribute shows them: two codecs whose
     tables differ must not be written down alike (their bytes decide, and they differ)."""
@@ -725,6 +752,7 @@ def test_a_codec_holding_an_object_with_a_c_base_is_judged_by_its_bytes():
 SCALE_FOR_FORMAT = 2.0
 
 
+@pytest.mark.pure
 def test_a_codec_is_written_down_by_the_globals_it_reads_not_by_attribute_names():
     """``r.SCALE_FOR_FORMAT`` is an attribute, not the module's global of that name: changing
     the global does not change the codec that only reads the attribute; changing a global
@@ -746,6 +774,7 @@ def test_a_codec_is_written_down_by_the_globals_it_reads_not_by_attribute_names(
     assert before[1] != after[1]
 
 
+@pytest.mark.pure
 def test_a_subclass_of_a_plain_type_is_not_written_as_its_plain_value():
     """A ``str`` subclass may answer its methods otherwise: two codecs holding the same text
     in two classes of one name whose ``upper`` differs are not the same codec."""

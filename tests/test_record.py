@@ -122,6 +122,7 @@ def test_a_node_that_ran_says_which_one_how_long_and_where_and_nothing_about_a_d
     assert [f for f in facts(store, run="r", forward=0) if f["fact"] == "ran"] == ran
 
 
+@pytest.mark.pure
 def test_a_duration_is_whole_microseconds_and_not_a_float(store):
     g = Nap().named("a") & Nap().named("b")
     g.forward(1, watching=Recorder(store, run="r"))
@@ -146,6 +147,7 @@ def test_what_happened_elsewhere_comes_out_as_a_host_field_and_not_as_a_tree(sto
     ]
 
 
+@pytest.mark.pure
 def test_a_fact_that_crossed_two_machines_keeps_its_route_in_order(store):
     deep = elsewhere(elsewhere(fact("ran", node="deep", took_us=5), "w2"), "w1")
     assert deep == {"fact": "ran", "node": "deep", "took_us": "5", "host": "w1/w2"}
@@ -161,6 +163,7 @@ def test_a_fact_that_crossed_two_machines_keeps_its_route_in_order(store):
     }
 
 
+@pytest.mark.pure
 def test_the_two_facts_that_end_a_run_say_so_and_a_node_failing_is_not_one_of_them(store):
     assert CLOSING == {"finished", "broke"} and "failed" in ENGINE and "failed" not in CLOSING
     rec = Recorder(store, run="r")
@@ -173,6 +176,7 @@ def test_the_two_facts_that_end_a_run_say_so_and_a_node_failing_is_not_one_of_th
 # -- written down ------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_nothing_is_written_until_the_forward_is_over(store):
     inside: list[list[str]] = []
 
@@ -189,6 +193,7 @@ def test_nothing_is_written_until_the_forward_is_over(store):
     assert names(store, "r") == ["run/r/0", "run/r/1"]
 
 
+@pytest.mark.pure
 def test_a_scan_says_how_it_went_without_reading_a_single_blob(counting):
     rec = Recorder(counting, run="r", summarising=["loss"])
     for step in range(3):
@@ -205,6 +210,7 @@ def test_a_scan_says_how_it_went_without_reading_a_single_blob(counting):
     assert [row["loss.value"] for row in rows] == [1.0, 0.5, 1 / 3]
 
 
+@pytest.mark.pure
 def test_the_detail_is_in_the_blob_in_the_order_it_arrived(store):
     seen = Collect()
     chain().forward(1, watching=[seen, Recorder(store, run="r")])
@@ -214,6 +220,7 @@ def test_the_detail_is_in_the_blob_in_the_order_it_arrived(store):
     assert [f["fact"] for f in seen] == ["ran", "ran", "ran", "finished"]
 
 
+@pytest.mark.pure
 def test_each_forward_is_its_own_record_numbered_from_zero(store):
     rec = Recorder(store, run="r")
     for step in range(12):
@@ -225,6 +232,7 @@ def test_each_forward_is_its_own_record_numbered_from_zero(store):
     assert store.record("run/r/10")["forward"] == "10"
 
 
+@pytest.mark.pure
 def test_one_that_broke_says_so_where_a_scan_can_see_it(counting):
     rec = Recorder(counting, run="r")
     chain().forward(1, watching=rec)
@@ -238,6 +246,7 @@ def test_one_that_broke_says_so_where_a_scan_can_see_it(counting):
     assert rows[1]["nodes"] == 1  # `a` ran; `boom` failed
 
 
+@pytest.mark.pure
 def test_a_run_can_be_given_the_name_it_already_has_and_gets_one_if_not(store):
     for _ in range(2):
         rec = Recorder(store, run="tuesday")
@@ -256,6 +265,7 @@ def test_a_run_can_be_given_the_name_it_already_has_and_gets_one_if_not(store):
             Recorder(store, run=bad)
 
 
+@pytest.mark.pure
 def test_what_level_2_says_lands_in_the_forward_it_belongs_to_rewriting_it(store):
     rec = Recorder(store, run="r", summarising=["loss"])
     chain().forward(1, watching=rec)
@@ -271,6 +281,7 @@ def test_what_level_2_says_lands_in_the_forward_it_belongs_to_rewriting_it(store
     assert names(store, "r") == ["run/r/0"]
 
 
+@pytest.mark.pure
 def test_and_the_next_forward_still_starts_a_new_record(store):
     rec = Recorder(store, run="r", summarising=["loss"])
     chain().forward(1, watching=rec)
@@ -284,6 +295,7 @@ def test_and_the_next_forward_still_starts_a_new_record(store):
     assert [f["fact"] for f in facts(store, run="r", forward=1)] == ["ran", "ran", "ran", "finished", "loss"]
 
 
+@pytest.mark.pure
 def test_rewriting_says_the_same_thing_about_the_same_facts(tmp_path):
     first = FolderStore(tmp_path / "first")
     rec = Recorder(first, run="r", summarising=["loss"])
@@ -302,6 +314,7 @@ def test_rewriting_says_the_same_thing_about_the_same_facts(tmp_path):
     assert again.entry("run/r/0") == first.entry("run/r/0")
 
 
+@pytest.mark.pure
 def test_a_fact_said_before_any_forward_closed_waits_for_the_first(store):
     rec = Recorder(store, run="r", summarising=["said"])
     rec({"fact": "said", "kind": "load", "load1": "0.50"})  # fact()'s own `kind` is taken
@@ -314,6 +327,7 @@ def test_a_fact_said_before_any_forward_closed_waits_for_the_first(store):
 # -- from Python -------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_fact_is_a_dict_of_text_and_what_is_printed_is_what_is_written(store, capsys):
     g = chain()
     g.forward(1, watching=[print, Recorder(store, run="r")])
@@ -327,6 +341,7 @@ def test_a_fact_is_a_dict_of_text_and_what_is_printed_is_what_is_written(store, 
     assert len(runs(store)) == 2
 
 
+@pytest.mark.pure
 def test_a_list_of_watchers_is_told_and_something_that_is_not_callable_is_refused(store):
     chain().forward(1, watching=[Recorder(store, run="one"), Recorder(store, run="two")])
     assert facts(store, run="one", forward=0) == facts(store, run="two", forward=0)
@@ -337,6 +352,7 @@ def test_a_list_of_watchers_is_told_and_something_that_is_not_callable_is_refuse
     assert runs(store) == ["one", "two"]  # refused before anything ran
 
 
+@pytest.mark.pure
 def test_a_recorder_refuses_what_is_not_a_fact(store):
     rec = Recorder(store, run="r")
     with pytest.raises(TypeError, match="fact"):
@@ -354,6 +370,7 @@ def test_a_recorder_refuses_what_is_not_a_fact(store):
     assert names(store, "r") == []
 
 
+@pytest.mark.pure
 def test_a_recorder_nobody_named_is_still_findable(store):
     rec = Recorder(store)
     chain().forward(1, watching=rec)
@@ -389,6 +406,7 @@ def wide():
     return g
 
 
+@pytest.mark.pure
 def test_facts_from_the_threads_of_a_wave_land_whole_in_their_forward(store):
     rec = Recorder(store, run="r")
     g = wide()
@@ -402,6 +420,7 @@ def test_facts_from_the_threads_of_a_wave_land_whole_in_their_forward(store):
         assert kinds == ["ran"] * WIDTH + ["finished"]
 
 
+@pytest.mark.pure
 def test_forwards_from_several_threads_into_one_recorder_each_keep_their_own_facts(store):
     rec = Recorder(store, run="r")
     g = wide()
@@ -451,6 +470,7 @@ def record_run(store, run, steps, *, summarising=("loss",)):
     return rec
 
 
+@pytest.mark.pure
 def test_runs_is_one_scan_and_sorted(counting):
     for run in ["b", "a", "c"]:
         record_run(counting, run, 1)
@@ -460,6 +480,7 @@ def test_runs_is_one_scan_and_sorted(counting):
     assert (counting.scans, counting.fetches) == (1, 0)
 
 
+@pytest.mark.pure
 def test_curve_answers_from_one_scan_when_the_kind_was_summarised(counting):
     record_run(counting, "r", 5)
     counting.reset()
@@ -470,6 +491,7 @@ def test_curve_answers_from_one_scan_when_the_kind_was_summarised(counting):
     assert (counting.scans, counting.fetches) == (1, 0)
 
 
+@pytest.mark.pure
 def test_without_a_summary_curve_still_answers_and_says_it_fetched(counting):
     record_run(counting, "r", 5, summarising=())
     counting.reset()
@@ -485,6 +507,7 @@ def test_without_a_summary_curve_still_answers_and_says_it_fetched(counting):
     assert counting.fetches == 0
 
 
+@pytest.mark.pure
 def test_a_curve_of_text_says_which_forward_is_not_a_number(store, capfd):
     rec = Recorder(store, run="r", summarising=["loss"])
     chain().forward(1, watching=rec)
@@ -500,6 +523,7 @@ def test_a_curve_of_text_says_which_forward_is_not_a_number(store, capfd):
     assert forwards(store, run="r")[0]["loss.value"] == "plenty"
 
 
+@pytest.mark.pure
 def test_facts_of_one_forward_are_one_fetch(counting):
     record_run(counting, "r", 3)
     counting.reset()
@@ -510,6 +534,7 @@ def test_facts_of_one_forward_are_one_fetch(counting):
         facts(counting, run="r", forward=7)
 
 
+@pytest.mark.pure
 def test_nodes_adds_up_who_spent_the_time_over_the_last_n(counting):
     rec = Recorder(counting, run="r")
     for step in range(4):
@@ -538,6 +563,7 @@ def test_nodes_adds_up_who_spent_the_time_over_the_last_n(counting):
         nodes(counting, run="r", last=-1)
 
 
+@pytest.mark.pure
 def test_fleet_waiting_is_the_round_trip_less_what_ran_there_never_below_zero(store):
     rec = Recorder(store, run="r")
     rec(fact("ran", node="local", took_us=7))
@@ -566,6 +592,7 @@ def fleet_run(store):
     rec(fact("finished", took_us=700))
 
 
+@pytest.mark.pure
 def test_machines_draws_the_fleet_as_text(store, capsys):
     fleet_run(store)
     chart = machines(store, run="cheap", as_text=True)
@@ -580,6 +607,7 @@ def test_machines_draws_the_fleet_as_text(store, capsys):
     assert capsys.readouterr().out == ""  # never prints by itself
 
 
+@pytest.mark.pure
 def test_machines_as_text_prints_no_escape_sequence_a_record_holds(store):
     """Host and machine names come from facts other processes wrote: one holding an escape
     sequence reached the terminal that printed the chart."""
@@ -593,6 +621,7 @@ def test_machines_as_text_prints_no_escape_sequence_a_record_holds(store):
     assert "w?[2J1" in chart and "gpu?]0;owned?box" in chart
 
 
+@pytest.mark.pure
 def test_machines_without_matplotlib_is_a_text_chart(store, monkeypatch):
     fleet_run(store)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
@@ -614,6 +643,7 @@ def test_machines_draws_a_figure_when_matplotlib_is_there(store, capsys):
 # -- machines speaking for themselves ----------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_machine_reports_itself_and_latest_keeps_the_last(counting):
     report(counting, "w1", {"kind": "load", "slices": "1"})
     report(counting, "w1", {"kind": "load", "slices": "2"})
@@ -631,6 +661,7 @@ def test_a_machine_reports_itself_and_latest_keeps_the_last(counting):
         report(counting, "a/b", {})
 
 
+@pytest.mark.pure
 def test_a_worker_says_about_itself_in_plain_text():
     said = self_report(3)
     assert said["kind"] == "load" and said["slices"] == "3"
@@ -715,6 +746,7 @@ def test_a_worker_reports_to_the_store_on_its_clock_and_down_an_open_connection(
 # -- the layout ---------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_the_record_is_a_package_whose_modules_no_function_shadows():
     import importlib
     import pkgutil
@@ -764,6 +796,7 @@ def items_said(value):
     return ran.get("items")
 
 
+@pytest.mark.pure
 def test_a_node_whose_output_is_a_batch_says_how_many_items_it_handled():
     import collections
 
@@ -788,6 +821,7 @@ def test_a_node_whose_output_is_a_batch_says_how_many_items_it_handled():
     assert "items" not in ENGINE  # a field of `ran`, not a kind of its own
 
 
+@pytest.mark.pure
 def test_a_tensor_and_an_arrow_batch_say_their_rows():
     torch = pytest.importorskip("torch")
     arrow = pytest.importorskip("pyarrow")
@@ -798,6 +832,7 @@ def test_a_tensor_and_an_arrow_batch_say_their_rows():
     assert items_said(arrow.Table.from_batches([batch, batch])) == "10"
 
 
+@pytest.mark.pure
 def test_nothing_is_counted_when_nobody_watches():
     counted: list[int] = []
 
@@ -823,6 +858,7 @@ def test_items_come_back_from_a_worker_on_its_ran(store):
     assert ran["add"]["items"] == "3"
 
 
+@pytest.mark.pure
 def test_nodes_shows_items_per_second_for_a_node_that_handled_batches(store):
     rec = Recorder(store, run="r")
     for _step in range(2):
@@ -850,6 +886,7 @@ def test_nodes_shows_items_per_second_for_a_node_that_handled_batches(store):
 # -- the fleet, as the workers measured it -------------------------------------------------
 
 
+@pytest.mark.pure
 def test_fleet_takes_a_trip_s_time_from_what_the_worker_measured(store):
     rec = Recorder(store, run="r")
     # two branches of 200 ms side by side on w1: 400 ms of nodes in 201 ms of the worker's
@@ -865,6 +902,7 @@ def test_fleet_takes_a_trip_s_time_from_what_the_worker_measured(store):
     }
 
 
+@pytest.mark.pure
 def test_a_trip_that_never_came_back_still_counts_what_ran_there(store):
     rec = Recorder(store, run="r")
     rec(fact("ran", node="a", took_us=70, host="w1"))
@@ -887,6 +925,7 @@ def test_two_parallel_branches_on_a_real_worker_count_once(store):
     assert w1["took_us"] + w1["waiting_us"] == int(left[0]["took_us"])  # the wire and the queue
 
 
+@pytest.mark.pure
 def test_a_host_is_joined_to_its_machine_by_the_name_its_worker_said(store):
     rec = Recorder(store, run="r")
     rec(elsewhere(fact("said", **self_report(4, machine="gpu-box-1")), "w1"))
@@ -908,6 +947,7 @@ def test_a_host_is_joined_to_its_machine_by_the_name_its_worker_said(store):
     assert w1.endswith("  on gpu-box-1") and "on " not in w2
 
 
+@pytest.mark.pure
 def test_a_worker_says_the_name_it_was_given():
     assert self_report(0, machine="gpu-box-1")["machine"] == "gpu-box-1"
     assert self_report(0)["machine"]  # this computer's name, without one
@@ -973,6 +1013,7 @@ def a_study(store, study="tune", direction="minimize"):
     attempt(store, study, 6, 2, state="abandoned")  # out of attempts
 
 
+@pytest.mark.pure
 def test_trials_tells_each_trial_from_one_scan_and_no_fetch(counting):
     a_study(counting)
     attempt(counting, "other", 0, 0, state="done", score=0.0)  # another study is not read
@@ -1006,6 +1047,7 @@ def test_trials_tells_each_trial_from_one_scan_and_no_fetch(counting):
     assert trials(counting, study="nothing-here") == []
 
 
+@pytest.mark.pure
 def test_the_highest_attempt_counts_whatever_a_late_one_wrote(store):
     define(store, "tune")
     attempt(store, "tune", 0, 1, state="done", score=0.5, runner="r2")
@@ -1015,6 +1057,7 @@ def test_the_highest_attempt_counts_whatever_a_late_one_wrote(store):
     assert best(store, study="tune")["score"] == 0.5
 
 
+@pytest.mark.pure
 def test_best_is_the_best_done_trial_by_the_study_s_direction_from_one_scan(counting):
     a_study(counting)
     counting.reset()
@@ -1035,6 +1078,7 @@ def test_best_is_the_best_done_trial_by_the_study_s_direction_from_one_scan(coun
     assert best(counting, study="fresh") is None
 
 
+@pytest.mark.pure
 def test_best_of_a_study_that_is_not_there_says_so(store, capfd):
     attempt(store, "orphan", 0, 0, state="done", score=1.0)
     with pytest.raises(Missing, match="no study 'orphan'"):
@@ -1051,6 +1095,7 @@ def test_best_of_a_study_that_is_not_there_says_so(store, capfd):
             trials(store, study=bad)
 
 
+@pytest.mark.pure
 def test_a_record_that_is_not_what_a_trial_writes_is_named_and_left_out(store, capfd):
     define(store, "tune")
     attempt(store, "tune", 0, 0, state="done", score=1.0)
@@ -1085,6 +1130,7 @@ def test_a_history_of_a_thousand_trials_is_one_scan(counting):
     assert (counting.scans, counting.fetches) == (2, 0)
 
 
+@pytest.mark.pure
 def test_scores_draws_each_trial_and_the_best_so_far_as_text(counting, capsys):
     a_study(counting)
     counting.reset()
@@ -1106,6 +1152,7 @@ def test_scores_draws_each_trial_and_the_best_so_far_as_text(counting, capsys):
     assert capsys.readouterr().out == ""  # never prints by itself
 
 
+@pytest.mark.pure
 def test_one_diverged_trial_does_not_flatten_the_others_bars(store):
     """Scores from 0.93 to 0.978 were all drawn as full bars because one trial scored 0.48:
     the bars spanned every score. Now they span the scores but those far out."""
@@ -1120,6 +1167,7 @@ def test_one_diverged_trial_does_not_flatten_the_others_bars(store):
     assert len(bars[0.93]) < len(bars[0.94]) < len(bars[0.95]) < len(bars[0.96]) < len(bars[0.978])
 
 
+@pytest.mark.pure
 def test_scores_without_matplotlib_is_the_text_chart(store, monkeypatch):
     a_study(store)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -1140,6 +1188,7 @@ def test_scores_draws_a_figure_when_matplotlib_is_there(store):
     assert "maximize" in axes.get_title()
 
 
+@pytest.mark.pure
 def test_a_machine_report_that_says_a_load_no_worker_says_is_named_and_left_out(store, capfd):
     """Attack: a writer files ``machine/box`` with a load of ``nan``, a count of ``²`` or
     another machine's name; ``latest`` leaves each out with one line, and keeps the rest."""

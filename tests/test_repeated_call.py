@@ -89,6 +89,7 @@ def test_a_graph_run_wholly_here_never_asks_the_broker(unused_tcp_port):
         assert time.monotonic() - started < 1.0
 
 
+@pytest.mark.pure
 def test_a_forward_with_a_store_still_plans_for_what_it_recalls(tmp_path):
     calls = tmp_path / "calls"
     store = FolderStore(tmp_path / "store")
@@ -104,6 +105,7 @@ def test_a_forward_with_a_store_still_plans_for_what_it_recalls(tmp_path):
 # -- an InProcess host's steps are the walk's own --------------------------------------------
 
 
+@pytest.mark.pure
 def test_an_inprocess_group_compiles_to_tagged_local_steps_closed_by_its_last():
     g = Add(1).named("a").at("w1") >> Add(1).named("b").at("w1") >> Add(1).named("c")
     ops = make(g, here=frozenset({"w1"})).ops
@@ -208,6 +210,7 @@ def _piece(steps, shape, value):
     return Piece("", tuple(steps), shape, value, {})
 
 
+@pytest.mark.pure
 def test_pieces_of_one_shape_share_a_compiled_plan_and_run_their_own_nodes():
     shape = ("seq", (("step", 0), ("step", 1)))
     mine = [Step(Add(1), name="a"), Step(Add(10), name="b")]
@@ -219,6 +222,7 @@ def test_pieces_of_one_shape_share_a_compiled_plan_and_run_their_own_nodes():
     assert _piece_plans[shape][0] is template
 
 
+@pytest.mark.pure
 def test_a_piece_whose_shape_uses_more_steps_than_it_has_is_refused():
     shape = ("seq", (("step", 0), ("step", 1), ("step", 2)))
     run_piece(_piece([Step(Add(1))] * 3, shape, 0))
@@ -226,6 +230,7 @@ def test_a_piece_whose_shape_uses_more_steps_than_it_has_is_refused():
         run_piece(_piece([Step(Add(1))] * 2, shape, 0))
 
 
+@pytest.mark.pure
 def test_a_shape_that_cannot_be_kept_is_still_run():
     shape = ("seq", [("step", 0), ("step", 1)])  # a list inside: not hashable, not kept
     assert run_piece(_piece([Step(Add(1)), Step(Add(2))], shape, 0)).output == 3
@@ -236,6 +241,7 @@ def _work(recipe, value, **fields):
     return Work(1, recipe, value, watched=False, **fields)
 
 
+@pytest.mark.pure
 def test_a_recipe_run_again_keeps_its_steps_and_swaps_their_job():
     a, b = Add(1).named("a"), Add(10).named("b")
     recipe = Recipe(
@@ -256,6 +262,7 @@ def test_a_recipe_run_again_keeps_its_steps_and_swaps_their_job():
     assert isinstance(failed.value.__cause__, Abandoned)
 
 
+@pytest.mark.pure
 def test_a_recipe_built_with_other_nodes_or_placed_gets_steps_of_its_own():
     a = Add(1).named("a")
     recipe = Recipe((Packer("project").spec(a),), ("step", 0))
@@ -276,6 +283,7 @@ def test_a_recipe_built_with_other_nodes_or_placed_gets_steps_of_its_own():
     assert len(prepared) == 2
 
 
+@pytest.mark.pure
 def test_kept_steps_let_their_nodes_go_when_the_catalog_does():
     catalog = Catalog("project", built=1)
     one, two = (Packer("project").spec(Add(n).named("a")) for n in (1, 2))
@@ -294,6 +302,7 @@ def test_kept_steps_let_their_nodes_go_when_the_catalog_does():
 # -- a worker runs a lone node without a walk -----------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_lone_step_is_found_only_for_a_piece_that_is_that_step_alone():
     a, b = Step(Add(1), name="a"), Step(Add(2), name="b")
     assert lone_step((a,), ("step", 0)) is a
@@ -302,6 +311,7 @@ def test_a_lone_step_is_found_only_for_a_piece_that_is_that_step_alone():
     assert run_lone(a, 1) == run_piece(_piece([a], ("step", 0), 1)).output == 2
 
 
+@pytest.mark.pure
 def test_a_lone_step_fails_as_the_walk_says_it_fails():
     step = Step(Boom(), name="boom")
     with pytest.raises(NodeFailed) as walked:
@@ -314,6 +324,7 @@ def test_a_lone_step_fails_as_the_walk_says_it_fails():
         assert isinstance(failed.__cause__, ValueError)
 
 
+@pytest.mark.pure
 def test_kept_steps_say_which_step_a_recipe_is_alone():
     a, b = Add(1).named("a"), Add(10).named("b")
     one = Recipe((Packer("project").spec(a),), ("step", 0))

@@ -70,6 +70,7 @@ def _reap(procs: list[subprocess.Popen[str]]) -> None:
 # -- round trips ------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_put_scan_fetch_round_trip(tmp_path: Path) -> None:
     store = FolderStore(tmp_path / "s")
     store.put("cache/sha256:ab12", {"kind": "numpy", "frames": "2"}, b"\x00\x01payload")
@@ -87,6 +88,7 @@ def test_put_scan_fetch_round_trip(tmp_path: Path) -> None:
     assert "run/tuesday/0" in store and "run/tuesday/1" not in store
 
 
+@pytest.mark.pure
 def test_empty_blob_is_not_no_blob(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     store.put("a", {}, b"")
@@ -94,6 +96,7 @@ def test_empty_blob_is_not_no_blob(tmp_path: Path) -> None:
     assert store.fetch("a") == bytearray() and store.fetch("b") is None
 
 
+@pytest.mark.pure
 def test_put_replaces(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     store.put("m/gpu-box-1", {"v": "1"}, b"one")
@@ -102,6 +105,7 @@ def test_put_replaces(tmp_path: Path) -> None:
     assert list(store.scan("m/")) == [("m/gpu-box-1", {"v": "2"})]
 
 
+@pytest.mark.pure
 def test_blob_kinds_are_written_in_order(tmp_path: Path) -> None:
     import array
 
@@ -119,6 +123,7 @@ def test_blob_kinds_are_written_in_order(tmp_path: Path) -> None:
     assert store.fetch("none") == b""
 
 
+@pytest.mark.pure
 def test_big_blob_round_trips(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     big = bytearray(random.Random(1).randbytes(1 << 20)) * 24  # 24 MiB
@@ -129,6 +134,7 @@ def test_big_blob_round_trips(tmp_path: Path) -> None:
     assert store.fetch("big") == big
 
 
+@pytest.mark.pure
 def test_entry_lets_admit_refuse_a_blob_before_room_is_made_for_it(tmp_path: Path) -> None:
     """``admit`` sees the blob's first 64 KiB and its declared length; what it raises comes
     out of ``entry`` before a buffer of the blob's size exists, and what it passes reads whole."""
@@ -161,6 +167,7 @@ def test_entry_lets_admit_refuse_a_blob_before_room_is_made_for_it(tmp_path: Pat
     assert seen[-1] == (3, 3)
 
 
+@pytest.mark.pure
 def test_missing(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     store.put("run/a", {})
@@ -176,6 +183,7 @@ def test_missing(tmp_path: Path) -> None:
     assert "run/a" not in store and list(store.scan("")) == []
 
 
+@pytest.mark.pure
 def test_folder_store_basics(tmp_path: Path) -> None:
     store = FolderStore(tmp_path / "deep" / "er")  # PathLike, parents created
     assert store.path == (tmp_path / "deep" / "er").resolve() and store.path.is_dir()
@@ -188,6 +196,7 @@ def test_folder_store_basics(tmp_path: Path) -> None:
         FolderStore(tmp_path / "file")
 
 
+@pytest.mark.pure
 def test_file_is_readable_by_hand(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     store.put("run/t/0", {"z": "1", "a": "ü"}, b"BLOB")
@@ -204,6 +213,7 @@ def test_file_is_readable_by_hand(tmp_path: Path) -> None:
     record=st.dictionaries(st.text(max_size=20), st.text(max_size=40), max_size=6),
     blob=st.none() | st.binary(max_size=300),
 )
+@pytest.mark.pure
 def test_any_record_round_trips(tmp_path_factory, record, blob) -> None:  # type: ignore[no-untyped-def]
     store = FolderStore(tmp_path_factory.mktemp("rt"))
     store.put("x", record, blob)
@@ -211,6 +221,7 @@ def test_any_record_round_trips(tmp_path_factory, record, blob) -> None:  # type
     assert list(store.scan("")) == [("x", record)]
 
 
+@pytest.mark.pure
 def test_lone_surrogates_round_trip(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     store.put("s", {"k\ud800": "v\udfff"})
@@ -248,6 +259,7 @@ BAD_NAMES = [
 
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+@pytest.mark.pure
 def test_bad_names_refused(tmp_path: Path, name: object) -> None:
     store = FolderStore(tmp_path)
     for verb in (
@@ -268,6 +280,7 @@ def test_bad_names_refused(tmp_path: Path, name: object) -> None:
     "name",
     ["cache/sha256:ab12", "run/tuesday/0", "machine/gpu-box-1", "a@b+c=d", "v1.2.3", "-x", "x" * 200],
 )
+@pytest.mark.pure
 def test_good_names_accepted(tmp_path: Path, name: str) -> None:
     store = FolderStore(tmp_path)
     store.put(name, {"n": name}, b"1")
@@ -276,6 +289,7 @@ def test_good_names_accepted(tmp_path: Path, name: str) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(name=st.text(alphabet="ab.:/-_ é\\\x00", max_size=12))
+@pytest.mark.pure
 def test_a_name_is_stored_or_refused(tmp_path_factory, name: str) -> None:  # type: ignore[no-untyped-def]
     store = FolderStore(tmp_path_factory.mktemp("names"))
     try:
@@ -287,6 +301,7 @@ def test_a_name_is_stored_or_refused(tmp_path_factory, name: str) -> None:  # ty
     assert list(store.scan("")) == [(name, {"n": name})]
 
 
+@pytest.mark.pure
 def test_records_must_be_str_to_str(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     with pytest.raises(TypeError, match="bytes under 'token'") as caught:
@@ -312,6 +327,7 @@ def test_records_must_be_str_to_str(tmp_path: Path) -> None:
 # -- scan -------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_prefix_semantics(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     names = ["run/a/1", "run/a", "cache/x", "run/ab", "run/a/0", "run/a-b", "run/b/0", "run/a/0/z"]
@@ -336,6 +352,7 @@ def test_prefix_semantics(tmp_path: Path) -> None:
             list(store.scan(bad))
 
 
+@pytest.mark.pure
 def test_scan_ignores_what_is_not_an_entry(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     store.put("run/a", {"n": "a"}, b"A")
@@ -348,6 +365,7 @@ def test_scan_ignores_what_is_not_an_entry(tmp_path: Path) -> None:
     assert store.fetch("run/a") == b"A"
 
 
+@pytest.mark.pure
 def test_scan_never_reads_a_blob(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     record = {"state": "ok", "took_us": "12"}
@@ -366,6 +384,7 @@ def test_scan_never_reads_a_blob(tmp_path: Path) -> None:
 # -- damage -----------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_damaged_files_are_refused(tmp_path: Path, capfd) -> None:
     store = FolderStore(tmp_path)
     store.put("d", {"state": "ok"}, b"payload")
@@ -596,6 +615,7 @@ def test_threads_read_whole_old_or_whole_new(tmp_path: Path) -> None:
 # -- create and stamp: what studies claim and judge with -----------------------------------
 
 
+@pytest.mark.pure
 def test_create_writes_only_when_nothing_is_there(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     assert isinstance(store, ClaimingStore)
@@ -614,6 +634,7 @@ def test_create_writes_only_when_nothing_is_there(tmp_path: Path) -> None:
     assert "x" not in store
 
 
+@pytest.mark.pure
 def test_a_three_verb_store_is_a_store_but_cannot_claim() -> None:
     class Plain:
         def put(self, name, record, blob=None): ...
@@ -625,6 +646,7 @@ def test_a_three_verb_store_is_a_store_but_cannot_claim() -> None:
     assert isinstance(Plain(), Store) and not isinstance(Plain(), ClaimingStore)
 
 
+@pytest.mark.pure
 def test_stamp_is_the_stores_and_moves_with_each_write(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     with pytest.raises(Missing, match="judge/a"):
@@ -673,6 +695,7 @@ def test_processes_creating_the_same_names_each_get_exactly_one(tmp_path: Path) 
     assert _temps(tmp_path) == []
 
 
+@pytest.mark.pure
 def test_names_lists_what_a_scan_finds_without_opening_an_entry(tmp_path):
     """``names`` is the listing a scan starts from: the same names, in the same order, links
     left out, and nothing opened (a damaged entry is listed; a scan leaves it out)."""
@@ -692,6 +715,7 @@ def test_names_lists_what_a_scan_finds_without_opening_an_entry(tmp_path):
     assert store.names("nothing/") == []
 
 
+@pytest.mark.pure
 def test_what_sits_at_a_folders_name_is_named_once_and_read_as_nothing(tmp_path: Path, capfd) -> None:
     """Attack: a writer puts a file, or a FIFO, where a folder belongs (``run/r`` of a run's
     forwards); a scan and a listing read it as nothing there and say so once, naming it."""
@@ -708,6 +732,7 @@ def test_what_sits_at_a_folders_name_is_named_once_and_read_as_nothing(tmp_path:
     assert err.count(f"{tmp_path}/run/s is not a regular file (a FIFO") == 1, err
 
 
+@pytest.mark.pure
 def test_each_thing_planted_at_a_name_is_named_not_only_the_first(tmp_path: Path, capfd) -> None:
     """Attack: a long-lived reader (the view) names a planted name once; the writer then
     swaps what is there, kind after kind. Each new plant gets its line; the same one, none."""

@@ -1,7 +1,7 @@
 """Studies over one real folder, with real runner processes killed, paused and misled for real.
 
 Runners are `python -m somatize study` processes importing the objectives of
-tests/study_objectives.py by name. Every wait is for a fact in the folder (an attempt's
+tests/support/study_objectives.py by name. Every wait is for a fact in the folder (an attempt's
 record, a judge's entry, a process's exit), with a deadline; every process is reaped by the
 `processes` fixture. Patience is a second or two, so a takeover takes about that long.
 """

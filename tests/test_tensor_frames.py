@@ -132,6 +132,7 @@ def through_the_wire(v, frames=lambda f: f):
 
 
 @pytest.mark.parametrize("name, kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
+@pytest.mark.pure
 def test_every_dtype_and_layout_round_trips_exactly_through_every_path(name, kind):
     t = shapes_of(getattr(torch, name))[kind]
     backs = [
@@ -192,6 +193,7 @@ def test_every_dtype_and_layout_crosses_every_path_and_back_exactly(path, proces
     assert seen == [("Tensor", str(t.dtype), list(t.shape), "cpu", True) for t in sent]
 
 
+@pytest.mark.pure
 def test_complex_conjugates_and_negative_views_are_resolved_on_the_way_out():
     z = torch.randn(5, dtype=torch.complex128)
     for v in (z.conj(), torch.randn(4, dtype=torch.complex64).conj().t(), z._neg_view()):
@@ -199,6 +201,7 @@ def test_complex_conjugates_and_negative_views_are_resolved_on_the_way_out():
         assert same(through_frames(v, read_only), v.resolve_conj().resolve_neg())
 
 
+@pytest.mark.pure
 def test_a_tensor_that_required_grad_comes_back_a_leaf_without_its_graph():
     w = torch.randn(3, requires_grad=True)
     for v in (w, w * 2, torch.nn.Parameter(torch.ones(2)), (w * 3)[1:]):
@@ -207,6 +210,7 @@ def test_a_tensor_that_required_grad_comes_back_a_leaf_without_its_graph():
             assert torch.equal(back, v.detach())
 
 
+@pytest.mark.pure
 def test_tensors_inside_containers_and_beside_arrays():
     value = {"x": [torch.ones(2, dtype=torch.bfloat16), np.arange(3)], "y": (torch.tensor(True),)}
     back = loads(dumps(value))
@@ -229,6 +233,7 @@ def tensors(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tensors(), st.sampled_from(["as is", "read-only", "writable", "read-only views"]))
+@pytest.mark.pure
 def test_any_tensor_round_trips_exactly(t, how):
     frames = {"as is": lambda f: f, "read-only": read_only, "writable": writable, "read-only views": read_only}[how]
     back = through_frames(t, frames, views=how.endswith("views"))
@@ -238,6 +243,7 @@ def test_any_tensor_round_trips_exactly(t, how):
 # -- copies ----------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_contiguous_cpu_tensor_goes_out_as_a_view_of_its_own_memory():
     big = torch.randn(64, 1024)
     for t in (big, big[10:20], big[5], torch.randn(300, dtype=torch.bfloat16), torch.tensor(2.5)):
@@ -253,6 +259,7 @@ def test_a_contiguous_cpu_tensor_goes_out_as_a_view_of_its_own_memory():
         )
 
 
+@pytest.mark.pure
 def test_a_tensor_that_is_not_contiguous_is_copied_once():
     t = torch.randn(8, 6).t()
     (frame,) = encode(t)[1]
@@ -260,6 +267,7 @@ def test_a_tensor_that_is_not_contiguous_is_copied_once():
     assert len(frame) == t.numel() * 4
 
 
+@pytest.mark.pure
 def test_a_writable_frame_is_used_in_place_and_a_read_only_one_copied_once():
     t = torch.arange(1000, dtype=torch.float64)
     descriptor, frames = encode(t)
@@ -275,6 +283,7 @@ def test_a_writable_frame_is_used_in_place_and_a_read_only_one_copied_once():
     assert np.frombuffer(sent, np.float64)[0] == 0.0
 
 
+@pytest.mark.pure
 def test_a_frame_whose_elements_are_not_aligned_is_copied_rather_than_viewed():
     t = torch.arange(4, dtype=torch.float64)
     descriptor, frames = encode(t)
@@ -287,6 +296,7 @@ def test_a_frame_whose_elements_are_not_aligned_is_copied_rather_than_viewed():
         assert back.data_ptr() != address(odd)
 
 
+@pytest.mark.pure
 def test_views_of_read_only_frames_when_asked_for():
     t = torch.arange(256, dtype=torch.int32)
     a = np.arange(256, dtype=np.int32)
@@ -305,6 +315,7 @@ def test_views_of_read_only_frames_when_asked_for():
     assert np.shares_memory(viewed[1], np.frombuffer(written, np.uint8))
 
 
+@pytest.mark.pure
 def test_a_view_keeps_its_frame_alive_after_everything_else_lets_go():
     descriptor, frames = encode(torch.arange(100_000, dtype=torch.int64))
     sent = [bytes(f) for f in frames]
@@ -344,6 +355,7 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("descriptor, frames", MALFORMED.values(), ids=MALFORMED.keys())
+@pytest.mark.pure
 def test_malformed_tensor_nodes_are_refused_before_anything_is_allocated(descriptor, frames, monkeypatch):
     def no(*args, **kwargs):
         raise AssertionError("allocated before the node was checked")
@@ -387,11 +399,13 @@ def test_checking_a_tensor_node_imports_nothing_and_reading_one_without_torch_sa
     assert "torch is not installed here" in done.stdout and "pip install somatize[torch]" in done.stdout
 
 
+@pytest.mark.pure
 def test_a_peer_says_it_reads_tensors_when_torch_is_there():
     assert "torch.Tensor" in readable_kinds()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch's: complex32 is experimental
+@pytest.mark.pure
 def test_what_is_not_dense_is_refused_with_the_fix():
     for t, says in (
         (torch.randn(3).to_sparse(), "`t.to_dense()`"),
@@ -415,6 +429,7 @@ def written(descriptor, frames) -> bytes:
     return out
 
 
+@pytest.mark.pure
 def test_a_tensor_kept_in_a_store_before_tensors_were_built_in_still_reads(tmp_path):
     store = FolderStore(tmp_path / "store")
     old = {"bf16": torch.randn(4, 3, dtype=torch.bfloat16), "strided": torch.randn(6, 5)[::2].t()}
@@ -431,6 +446,7 @@ def test_a_tensor_kept_in_a_store_before_tensors_were_built_in_still_reads(tmp_p
     assert leaf_on_cpu(back["bf16"])
 
 
+@pytest.mark.pure
 def test_an_opaque_tensor_crosses_through_the_registered_codec():
     t = torch.randn(3, 2)
     descriptor, frames = encode(Opaque(t))
@@ -442,6 +458,7 @@ class Scaled(torch.Tensor):
     """A tensor subclass of a project's own, with a codec of its own."""
 
 
+@pytest.mark.pure
 def test_a_codec_registered_for_a_tensor_subclass_comes_before_the_built_in_kind():
     name = "tests.tensor_frames.Scaled"
     codec(name, Scaled, dump=lambda t: b"scaled", load=lambda raw: raw.decode())

@@ -56,6 +56,7 @@ def line_up(turns: Turns, slot: Slot, take, first, names: str) -> list[threading
     return threads
 
 
+@pytest.mark.pure
 def test_turned_away_with_nothing_of_ours_running_is_busy_at_once_and_leaves_nothing():
     turns, slot = Turns(), Slot()
     slot.lock.acquire()  # someone else's work holds the worker
@@ -64,6 +65,7 @@ def test_turned_away_with_nothing_of_ours_running_is_busy_at_once_and_leaves_not
     assert slot.refused == ["mine"] and turns._hosts == {}
 
 
+@pytest.mark.pure
 def test_the_forwards_turned_away_go_in_the_order_they_were_turned_away():
     turns, slot, hold = Turns(), Slot(), threading.Event()
     results: dict[str, object] = {}
@@ -81,6 +83,7 @@ def test_the_forwards_turned_away_go_in_the_order_they_were_turned_away():
     assert turns._hosts == {}
 
 
+@pytest.mark.pure
 def test_one_of_ours_that_ended_after_this_was_sent_is_what_the_worker_was_busy_with():
     """Turned away, and no forward of ours runs there now, but one ended since this one was
     sent: the worker was busy with ours, so it is sent again rather than called Busy."""
@@ -100,6 +103,7 @@ def test_one_of_ours_that_ended_after_this_was_sent_is_what_the_worker_was_busy_
     assert len(tries) == 2 and turns._hosts == {}
 
 
+@pytest.mark.pure
 def test_when_someone_elses_work_takes_the_worker_as_ours_ends_every_waiting_forward_hears_busy():
     """Someone else's work takes the worker as ours ends: the one whose turn it was is turned
     away again and, none of ours running there now, told Busy; it hands the turn on, so the
@@ -128,6 +132,7 @@ def test_when_someone_elses_work_takes_the_worker_as_ours_ends_every_waiting_for
     assert slot.refused == ["b", "b", "c"] and turns._hosts == {}  # c went behind b in line, unsent
 
 
+@pytest.mark.pure
 def test_a_forward_waiting_for_a_turn_past_its_deadline_stops_waiting():
     turns, slot, hold = Turns(), Slot(), threading.Event()
     first = threading.Thread(target=turns.take, args=("w1", slot.attempt("first", hold), TurnedAway, None))
@@ -143,6 +148,7 @@ def test_a_forward_waiting_for_a_turn_past_its_deadline_stops_waiting():
     assert turns._hosts == {}
 
 
+@pytest.mark.pure
 def test_a_new_forward_goes_behind_the_ones_waiting_so_a_loop_cannot_starve_them():
     """A thread forwarding in a loop sent its next forward as its last ended, before the one
     whose turn it had handed on could: that one waited for as long as the loop went on.
@@ -167,6 +173,7 @@ class Lost(Exception):
     """The worker went away (what `Broken` or `Unreachable` says)."""
 
 
+@pytest.mark.pure
 def test_a_lost_worker_hands_every_waiting_forward_its_turn_at_once():
     """The forward the others waited on found its worker gone: each waiting one found that
     out in turn, one patience after another. Now all of them are sent again at once."""

@@ -47,6 +47,7 @@ def record(store, run: str, count: int, first: int = 0) -> None:  # noqa: ANN001
         recorder({"fact": "loss", "value": repr(1.0 / (number + 1))})
 
 
+@pytest.mark.pure
 def test_a_run_is_read_once_and_then_only_what_is_new(tmp_path):
     store = Counted(tmp_path / "store")
     record(store, "r", 30)
@@ -72,6 +73,7 @@ def test_a_run_is_read_once_and_then_only_what_is_new(tmp_path):
     assert store.records == 6 and store.scans == 0
 
 
+@pytest.mark.pure
 def test_a_link_among_a_runs_forwards_is_never_read(tmp_path):
     """Records are written by other people's processes: a link planted as a forward's file
     is left out, by the listing as by the scan."""
@@ -85,6 +87,7 @@ def test_a_link_among_a_runs_forwards_is_never_read(tmp_path):
     assert runs.page("r", 0, 10)["count"] == 3 and store.records == 0
 
 
+@pytest.mark.pure
 def test_a_run_folder_that_is_a_link_is_not_listed(tmp_path):
     """A writer of the shared folder replaces the store's `run` folder (or a run's) with a
     link to a folder of its choosing: the view lists nothing through it."""
@@ -118,6 +121,7 @@ def chunks_of_ten(monkeypatch):
     monkeypatch.setattr(recorder_module, "CHUNK", 10)
 
 
+@pytest.mark.pure
 def test_a_recorder_writes_each_chunk_once_it_is_whole(tmp_path, chunks_of_ten):
     """Chunk k is written when forward (k + 1) * CHUNK closes: by then no fact can be filed
     into its forwards any more (a loss said after `finished` is filed into the forward that
@@ -135,6 +139,7 @@ def test_a_recorder_writes_each_chunk_once_it_is_whole(tmp_path, chunks_of_ten):
     assert chunk_records(store, "r", 2) is None and chunk_records(store, "r", 3) is None
 
 
+@pytest.mark.pure
 def test_a_chunk_that_is_not_what_a_recorder_writes_is_not_taken(tmp_path, chunks_of_ten, monkeypatch):
     """Chunks are read from a shared folder: anything but forwards of that chunk with records
     of text spoils it, and its forwards are read one by one."""
@@ -161,6 +166,7 @@ def test_a_chunk_that_is_not_what_a_recorder_writes_is_not_taken(tmp_path, chunk
     assert page["count"] == 12 and page["forwards"][3]["state"] == "planted"  # a chunk's word, checked
 
 
+@pytest.mark.pure
 def test_the_first_look_at_a_long_run_reads_its_chunks_not_every_forward(tmp_path, chunks_of_ten):
     store = Counted(tmp_path / "store")
     record(store, "r", 35)
@@ -174,6 +180,7 @@ def test_the_first_look_at_a_long_run_reads_its_chunks_not_every_forward(tmp_pat
     assert (store.scans, store.fetches, store.records) == (0, 3, 6)
 
 
+@pytest.mark.pure
 def test_every_summarised_number_is_drawn_not_only_the_loss(tmp_path):
     store = FolderStore(tmp_path / "store")
     recorder = Recorder(store, run="r", summarising=("loss", "acc"))

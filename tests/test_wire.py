@@ -205,6 +205,7 @@ def refused(frames, *words: str) -> str:
 
 
 @pytest.mark.parametrize("msg", messages() + carriers(), ids=lambda m: type(m).__name__)
+@pytest.mark.pure
 def test_every_message_round_trips(msg):
     frames = encode(msg)
     assert isinstance(frames, list) and frames
@@ -214,6 +215,7 @@ def test_every_message_round_trips(msg):
     assert same(msg, decode(as_bytes(frames)))
 
 
+@pytest.mark.pure
 def test_every_variant_is_a_request_or_an_answer():
     names = {type(m).__name__ for m in messages()}
     assert names == {cls.__name__ for cls in REQUESTS + ANSWERS}
@@ -224,6 +226,7 @@ def test_every_variant_is_a_request_or_an_answer():
     assert not set(CARRIERS) & set(REQUESTS + ANSWERS)
 
 
+@pytest.mark.pure
 def test_a_header_is_a_map_with_the_version_the_variant_and_every_field():
     header = header_of(encode(Where("w1")))
     assert header == {"v": WIRE_VERSION, "t": "Where", "host": "w1", "lost": False, "waited_us": 0}
@@ -244,6 +247,7 @@ def test_a_header_is_a_map_with_the_version_the_variant_and_every_field():
     assert header["recipe"]["shape"] == ["seq", [["step", 0], ["par", [["step", 1], ["step", 2]]]]]
 
 
+@pytest.mark.pure
 def test_arrays_travel_as_frames_and_never_inside_the_header():
     big = np.random.default_rng(0).integers(0, 255, MIB, dtype=np.uint8)
     frames = encode(work(input={"image": big}))
@@ -262,6 +266,7 @@ def test_arrays_travel_as_frames_and_never_inside_the_header():
     assert same(done, back)
 
 
+@pytest.mark.pure
 def test_an_artifact_is_frame_one_as_it_is():
     artifact = bytes(range(256)) * 4096
     frames = encode(Provision(DIGEST, artifact))
@@ -272,6 +277,7 @@ def test_an_artifact_is_frame_one_as_it_is():
     assert "artifact" not in repr(back)
 
 
+@pytest.mark.pure
 def test_frames_may_be_memoryviews_bytearrays_or_frame_objects():
     class Frame:  # what pyzmq hands over with copy=False
         def __init__(self, data):
@@ -288,6 +294,7 @@ def test_frames_may_be_memoryviews_bytearrays_or_frame_objects():
         decode([frames[0], 3])
 
 
+@pytest.mark.pure
 def test_a_shape_from_a_graph_round_trips():
     class A(Node):
         def forward(self, x):
@@ -299,6 +306,7 @@ def test_a_shape_from_a_graph_round_trips():
     assert back.recipe.shape == g.shape
 
 
+@pytest.mark.pure
 def test_runtime_here_states_this_process():
     here = Runtime.here()
     assert here.wire == WIRE_VERSION
@@ -314,6 +322,7 @@ def test_runtime_here_states_this_process():
 # -- carriers: a message around another one, or a piece of one --------------------------
 
 
+@pytest.mark.pure
 def test_a_relay_carries_its_inner_frames_untouched_and_unread():
     inner = as_bytes(encode(work(input=np.zeros(1000))))
     frames = encode(Relay(host="w1", inner=tuple(inner)))
@@ -340,6 +349,7 @@ def test_a_relay_carries_its_inner_frames_untouched_and_unread():
         encode(Relay(inner=(b"x", "text")))
 
 
+@pytest.mark.pure
 def test_a_relay_header_is_checked():
     frames = as_bytes(encode(Relay(host="w1", inner=(b"x",))))
     refused(with_header(frames, host="h" * (MAX_NAME + 1)), "`Relay.host`", "over the limit")
@@ -356,6 +366,7 @@ def _raw_map(pairs) -> bytes:
     return bytes([0x80 + len(pairs)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in pairs)
 
 
+@pytest.mark.pure
 def test_a_fact_with_a_key_twice_is_refused_the_short_way_as_the_long_way():
     """A `Done` of one scalar is read the short way; a fact in its `saw` holding a key twice
     (which `unpackb` would merge quietly, the last value winning) is refused there as the
@@ -372,6 +383,7 @@ def test_a_fact_with_a_key_twice_is_refused_the_short_way_as_the_long_way():
     assert decode(fine).saw == ({"fact": "ran", "node": "a"},) and same(decode(fine), _long_way(fine))
 
 
+@pytest.mark.pure
 def test_a_relay_is_read_in_one_step_and_refused_as_the_long_way_refuses_it():
     """The envelope every relayed hop passes on has a short way in: ``variant_of`` tells it by
     its first bytes, ``decode`` builds it in one step (and ``encode`` writes it so): the same
@@ -552,6 +564,7 @@ def test_a_header_changed_byte_by_byte_is_read_the_short_way_only_as_the_long_wa
     assert same(decode(changed), taken)
 
 
+@pytest.mark.pure
 def test_a_value_nested_deeper_than_python_recurses_is_refused_not_raised():
     """A call's one value, nested thousands of arrays deep in a header that otherwise reads
     the short way: refused as the long way refuses it, never a ``RecursionError``."""
@@ -579,6 +592,7 @@ def test_a_value_nested_deeper_than_python_recurses_is_refused_not_raised():
         refused([head], "could not be read" if depth <= 1_000 else "MessagePack header map")
 
 
+@pytest.mark.pure
 def test_a_stream_begins_with_sizes_inside_the_limits():
     frames = as_bytes(encode(Begin(9, (100, 200))))
     refused(with_header(frames, sid=0), "`Begin.sid`", "from 1")
@@ -596,6 +610,7 @@ def test_a_stream_begins_with_sizes_inside_the_limits():
         encode(Begin(0, (1,)))
 
 
+@pytest.mark.pure
 def test_a_chunk_is_its_header_and_one_frame_of_data():
     data = bytes(range(256)) * 100
     frames = encode(Chunk(7, data))
@@ -609,6 +624,7 @@ def test_a_chunk_is_its_header_and_one_frame_of_data():
     assert isinstance(view, memoryview) and bytes(view) == data
 
 
+@pytest.mark.pure
 def test_credit_is_a_stream_and_a_size():
     frames = as_bytes(encode(Credit(7, 1 << 20)))
     refused(with_header(frames, amount=-1), "`Credit.amount`")
@@ -617,6 +633,7 @@ def test_credit_is_a_stream_and_a_size():
     refused(with_header(frames, sid=0), "`Credit.sid`")
 
 
+@pytest.mark.pure
 def test_mounted_names_only_files_the_mount_makes():
     frames = as_bytes(encode(Mounted((MOUNT_FILE,), b"inner header")))
     assert decode(frames).header == b"inner header"
@@ -638,12 +655,14 @@ def test_mounted_names_only_files_the_mount_makes():
         encode(Mounted(("passwd",), b""))
 
 
+@pytest.mark.pure
 def test_mounted_carries_a_header_no_bigger_than_a_header(monkeypatch):
     frames = as_bytes(encode(Mounted((MOUNT_FILE,), b"h" * 101)))
     monkeypatch.setattr(wire.limits, "MAX_HEADER", 100)
     refused(frames, "frame 1", "101 bytes")
 
 
+@pytest.mark.pure
 def test_ready_says_how_long_the_oldest_work_has_run():
     assert Ready(runtime()).busy_us == 0
     frames = as_bytes(encode(Ready(runtime(), busy_us=7)))
@@ -659,11 +678,13 @@ def test_ready_says_how_long_the_oldest_work_has_run():
 
 
 @pytest.mark.parametrize("msg", messages() + carriers(), ids=lambda m: type(m).__name__)
+@pytest.mark.pure
 def test_variant_of_names_every_message(msg):
     assert variant_of(encode(msg)) is type(msg)
     assert variant_of(encode(msg)[:1]) is type(msg)  # frame 0 alone
 
 
+@pytest.mark.pure
 def test_variant_of_reads_no_value_and_no_other_field():
     frames = as_bytes(encode(work()))
     lying = with_header(frames, input=["A", "<f8", [10**9], 0], ref=-1, recipe="not one")
@@ -675,6 +696,7 @@ def test_variant_of_reads_no_value_and_no_other_field():
     assert variant_of([huge]) is Work
 
 
+@pytest.mark.pure
 def test_variant_of_refuses_what_is_not_a_header():
     def no(frames, *words):
         with pytest.raises(ProtocolError) as info:
@@ -705,6 +727,7 @@ def test_variant_of_refuses_what_is_not_a_header():
 # -- frames missing, extra, out of order -------------------------------------------------
 
 
+@pytest.mark.pure
 def test_frames_fed_piecemeal_are_refused_until_the_message_is_whole():
     msg = work(input=np.zeros(1000), recipe=recipe())
     frames = as_bytes(encode(msg))
@@ -717,6 +740,7 @@ def test_frames_fed_piecemeal_are_refused_until_the_message_is_whole():
     assert same(msg, decode(frames))
 
 
+@pytest.mark.pure
 def test_an_extra_frame_is_refused():
     frames = as_bytes(encode(work()))
     refused(frames + [b"stray"], "belongs to no value")
@@ -725,12 +749,14 @@ def test_an_extra_frame_is_refused():
     refused(encode(Provision(DIGEST, b"a"))[:1], "two frames")
 
 
+@pytest.mark.pure
 def test_frames_out_of_order_are_refused():
     frames = as_bytes(encode(work(input=np.zeros(1000))))
     refused([frames[0], frames[2], frames[1]], "needs")
     refused(frames[1:] + frames[:1])
 
 
+@pytest.mark.pure
 def test_a_frame_no_value_uses_is_refused_even_when_the_count_is_right():
     frames = as_bytes(encode(Done(1, np.zeros(3), {}, 0)))
     header = header_of(frames)
@@ -741,6 +767,7 @@ def test_a_frame_no_value_uses_is_refused_even_when_the_count_is_right():
 # -- the header ------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_header_that_is_not_messagepack_is_refused():
     why = refused([b"\xc1\xc1\xc1"], "MessagePack header map", "3 bytes")
     assert why.startswith("a message must start")
@@ -749,6 +776,7 @@ def test_a_header_that_is_not_messagepack_is_refused():
     refused([msgpack.packb({"v": 1, "t": "Bye"}) + b"\x00"], "MessagePack")
 
 
+@pytest.mark.pure
 def test_a_different_wire_version_says_who_upgrades():
     frames = encode(Bye())
     newer = WIRE_VERSION + 1
@@ -762,12 +790,14 @@ def test_a_different_wire_version_says_who_upgrades():
     refused(with_header(frames, v="1"), "wire version `v`")
 
 
+@pytest.mark.pure
 def test_an_unknown_variant_is_refused():
     refused(with_header(encode(Bye()), t="Launch"), "'Launch'", "Bye")
     refused(with_header(encode(Bye()), t=3), "`t`")
     refused([msgpack.packb({"v": WIRE_VERSION})], "`t`")
 
 
+@pytest.mark.pure
 def test_missing_extra_and_mistyped_fields_are_refused():
     frames = encode(Where("w1"))
     header = header_of(frames)
@@ -783,6 +813,7 @@ def test_missing_extra_and_mistyped_fields_are_refused():
     refused(with_header(encode(Refusal("x", 1)), ref=True), "whole number")
 
 
+@pytest.mark.pure
 def test_extension_types_are_refused():
     frames = encode(Where("w1"))
     packed = msgpack.packb(
@@ -797,6 +828,7 @@ def test_extension_types_are_refused():
     assert decode(frames) == Where("w1")
 
 
+@pytest.mark.pure
 def test_map_keys_that_are_not_text_are_refused():
     refused([msgpack.packb({b"v": 1, "t": "Bye"}, use_bin_type=True)], "keyed by text")
     refused([msgpack.packb({1: 1, "v": 1, "t": "Bye"})], "MessagePack")
@@ -808,6 +840,7 @@ def test_map_keys_that_are_not_text_are_refused():
     refused([twice], "twice")
 
 
+@pytest.mark.pure
 def test_fields_over_their_limits_are_refused():
     refused(with_header(encode(Where("w1")), host="h" * (MAX_NAME + 1)), "`Where.host`", "over the limit")
     refused(with_header(encode(Refusal("x")), why="w" * (MAX_TEXT + 1)), "`Refusal.why`")
@@ -834,6 +867,7 @@ def test_fields_over_their_limits_are_refused():
     refused(with_header(encode(Listed({"a": "project"})), hosts={"a": "elsewhere"}), "Listed.hosts['a']")
 
 
+@pytest.mark.pure
 def test_a_listing_says_of_dialed_hosts_only_what_where_would():
     """``Listed.dialed`` lets a client skip ``Where`` for a dialed host: what it says is held
     to what a relayed ``Located`` may say, and names only hosts the listing has as a worker's."""
@@ -856,6 +890,7 @@ def test_a_listing_says_of_dialed_hosts_only_what_where_would():
     refused(with_header(encode(Located("w1", "relayed")), seen={}), "`Located.seen` has to be a str")
 
 
+@pytest.mark.pure
 def test_a_runtime_is_checked_field_by_field():
     frames = encode(Hello(runtime()))
     header = header_of(frames)
@@ -873,6 +908,7 @@ def test_a_runtime_is_checked_field_by_field():
     refused([msgpack.packb(header)], "Hello.runtime", "`mode`")
 
 
+@pytest.mark.pure
 def test_too_many_frames_or_too_big_a_header_are_refused_before_reading(monkeypatch):
     refused([encode(Bye())[0]] + [b""] * MAX_FRAMES, f"at most {MAX_FRAMES:,} frames")
     monkeypatch.setattr(wire.limits, "MAX_HEADER", 100)
@@ -903,6 +939,7 @@ def deep_shape(depth: int) -> list:
     return shape
 
 
+@pytest.mark.pure
 def test_a_recipe_shape_is_checked_all_the_way_down():
     nodes = header_of(encode(work()))["recipe"]["nodes"]
     one = nodes[:1]
@@ -930,6 +967,7 @@ def test_a_recipe_shape_is_checked_all_the_way_down():
     refused(shaped(["step", 0], nodes=[]), "1 to")
 
 
+@pytest.mark.pure
 def test_a_recipe_node_is_checked():
     frames = as_bytes(encode(work()))
 
@@ -954,6 +992,7 @@ def test_a_recipe_node_is_checked():
     refused([msgpack.packb(header, use_bin_type=True), *frames[1:]], "needs the field `kwargs`")
 
 
+@pytest.mark.pure
 def test_keys_placement_and_memory_are_checked():
     frames = as_bytes(encode(work()))
     refused(with_header(frames, keys=[[0, "md5:abc"]]), "`Work.keys[0]`", "sha256")
@@ -967,6 +1006,7 @@ def test_keys_placement_and_memory_are_checked():
     refused(with_header(frames, ref=-5), "`Work.ref`")
 
 
+@pytest.mark.pure
 def test_a_value_descriptor_that_lies_is_refused():
     frames = as_bytes(encode(work(input=np.zeros(10))))
     header = header_of(frames)
@@ -986,6 +1026,7 @@ class Reading:
         self.value = value
 
 
+@pytest.mark.pure
 def test_peek_kinds_names_a_kind_this_process_cannot_read():
     kind = "test_wire.Reading"
     codec(
@@ -1013,6 +1054,7 @@ def test_peek_kinds_names_a_kind_this_process_cannot_read():
 # -- encode: a message built wrongly here is the caller's fault -----------------------------
 
 
+@pytest.mark.pure
 def test_encode_refuses_a_message_built_wrongly():
     with pytest.raises(ValueError, match="`Work.ref`"):
         encode(work(ref=-1))
@@ -1046,6 +1088,7 @@ def test_encode_refuses_a_message_built_wrongly():
         encode(Located("w1", "mount"))
 
 
+@pytest.mark.pure
 def test_encode_lets_the_codecs_own_errors_through():
     class Unregistered:
         pass
@@ -1059,6 +1102,7 @@ def test_encode_lets_the_codecs_own_errors_through():
 # -- compatible ------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_compatible_sides_talk():
     assert compatible(runtime(), runtime(), needs_pickle=False) is None
     assert compatible(runtime(), runtime(), needs_pickle=True) is None
@@ -1068,6 +1112,7 @@ def test_compatible_sides_talk():
     assert compatible(runtime(), runtime(python="3.12", cloudpickle="3.0.0"), needs_pickle=False) is None
 
 
+@pytest.mark.pure
 def test_a_wire_mismatch_says_which_side_upgrades():
     why = compatible(
         runtime(),
@@ -1084,6 +1129,7 @@ def test_a_wire_mismatch_says_which_side_upgrades():
     assert why.endswith("upgrade somatize on the other side, the older one")
 
 
+@pytest.mark.pure
 def test_network_mode_needs_the_same_python_and_cloudpickle():
     worker = runtime(python="3.12", cloudpickle="3.1.1")
     client = runtime(python="3.11", cloudpickle="3.0.0")
@@ -1127,6 +1173,7 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 @FUZZ
 @given(st.lists(st.binary(max_size=64), max_size=5))
+@pytest.mark.pure
 def test_random_frames_decode_or_are_refused(frames):
     decodes_or_refuses(frames)
     names_or_refuses(frames)
@@ -1251,6 +1298,7 @@ def test_headers_with_fields_replaced_decode_or_are_refused(frames, changes):
 # -- the package: one public surface, modules that import nothing private from each other ----
 
 
+@pytest.mark.pure
 def test_the_package_exports_every_public_name_from_one_place():
     import somatize.wire as package
 
@@ -1275,6 +1323,7 @@ def test_the_package_exports_every_public_name_from_one_place():
     assert {"Relay", "Begin", "Chunk", "Credit", "Mounted", "CARRIERS", "variant_of"} <= set(package.__all__)
 
 
+@pytest.mark.pure
 def test_no_module_of_the_wire_imports_a_private_name():
     import ast
     from pathlib import Path
@@ -1288,6 +1337,7 @@ def test_no_module_of_the_wire_imports_a_private_name():
                 assert not private, f"{path.name} imports {private} from {node.module}"
 
 
+@pytest.mark.pure
 def test_a_lower_limit_in_limits_holds_for_reading_and_writing(monkeypatch):
     monkeypatch.setattr(wire.limits, "MAX_NAME", 3)
     with pytest.raises(ValueError, match="over the limit of 3"):
@@ -1339,6 +1389,7 @@ def test_with_few_items_allowed_decode_still_refuses_only_with_protocol_errors(f
         decodes_or_refuses(frames)
 
 
+@pytest.mark.pure
 def test_greetings_are_remembered_by_their_bytes_and_only_so_many():
     """Every channel opens with a Hello and its Ready, the same bytes from one installation
     every time: read once the long way (checked whole), the same bytes are the same message
@@ -1361,6 +1412,7 @@ def test_greetings_are_remembered_by_their_bytes_and_only_so_many():
     assert bytes(offered[0]) not in short._KNOWN  # a dialing worker's Hello names its host: not kept
 
 
+@pytest.mark.pure
 def test_every_variant_is_told_by_its_first_bytes_as_the_long_way_tells_it():
     from somatize.wire.messages import header_fields
     from somatize.wire.reading import _buffers, _variant, _version_and_variant

@@ -350,6 +350,7 @@ HOSTILE_HEADERS = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_HEADERS))
+@pytest.mark.pure
 def test_a_hostile_header_is_read_as_the_long_way_reads_it(name):
     """Every hostile call header: the short way takes only what the long way takes, as the
     very same message; anything else is refused with the long way's sentence."""
@@ -371,6 +372,7 @@ def _one_twice_one_gone():
 
 
 @pytest.mark.parametrize("head", list(_one_twice_one_gone()))
+@pytest.mark.pure
 def test_a_header_with_as_many_entries_as_fields_but_one_twice_is_refused_as_the_long_way(head):
     """msgspec keeps the last of a key given twice: as many entries as fields, one of them
     twice, is refused only because another field is then missing (none may have a default)."""
@@ -398,6 +400,7 @@ def test_a_header_with_as_many_entries_as_fields_but_one_twice_is_refused_as_the
         "value str8 short",
     ],
 )
+@pytest.mark.pure
 def test_the_odd_headers_the_short_way_takes_are_the_long_ways_messages(name):
     """The unusual forms that msgspec does take (so the table above exercised it): each
     one the very message, bit for bit, that the long way builds."""
@@ -527,6 +530,7 @@ def _done_header_of(size: int) -> bytes:
 
 
 @pytest.mark.parametrize("size", [SMALL - 1, SMALL, SMALL + 1, SMALL + 9])
+@pytest.mark.pure
 def test_a_header_near_64_kib_is_read_as_the_long_way_reads_it(size):
     head = _done_header_of(size)
     assert_read_as_the_long_way([head])
@@ -547,6 +551,7 @@ def test_a_header_near_64_kib_is_read_as_the_long_way_reads_it(size):
         "bytes subclass",
     ],
 )
+@pytest.mark.pure
 def test_a_call_in_any_buffer_is_read_as_the_long_way_reads_it(kind):
     for msg in (Work(7, None, 5, {}, {}, None, False, DIGEST), Done(7, "x", {}, 3, ())):
         head = bytes(encode(msg)[0])
@@ -575,6 +580,7 @@ def _work_head() -> bytes:
     return bytes(encode(Work(7, None, 5, {}, {}, None, False, DIGEST))[0])
 
 
+@pytest.mark.pure
 def test_a_call_in_a_strided_memoryview_is_read_as_the_long_way_reads_it():
     """msgspec raises BufferError on a view that is not contiguous: the short way hands it on."""
     head = _work_head()
@@ -582,11 +588,13 @@ def test_a_call_in_a_strided_memoryview_is_read_as_the_long_way_reads_it():
     assert_read_as_the_long_way([strided])
 
 
+@pytest.mark.pure
 def test_a_zero_dimensional_memoryview_is_refused_not_raised():
     """A 0-dim view has no length and no first byte: refused as the long way refuses it."""
     assert_read_as_the_long_way([memoryview(np.array(0x8A, np.uint8))])
 
 
+@pytest.mark.pure
 def test_a_call_in_a_two_dimensional_memoryview_is_read_as_the_long_way_reads_it():
     """Indexing a 2-D view raises NotImplementedError: neither short way looks at one."""
     head = _work_head()
@@ -604,6 +612,7 @@ _LOWERED = {"MAX_HEADER": 100, "MAX_ITEMS": 5, "MAX_TOTAL": 100, "MAX_NAME": 10,
 
 
 @pytest.mark.parametrize("name", list(_LOWERED))
+@pytest.mark.pure
 def test_a_lower_limit_holds_for_a_calls_header_read(monkeypatch, name):
     """A limit lowered after import (as `limits` allows) holds on the short way in too."""
     for msg in _CALLS:
@@ -615,6 +624,7 @@ def test_a_lower_limit_holds_for_a_calls_header_read(monkeypatch, name):
 
 
 @pytest.mark.parametrize("name", list(_LOWERED))
+@pytest.mark.pure
 def test_a_lower_limit_holds_for_a_call_written(monkeypatch, name):
     """...and on the short way out: a call over a lowered limit is refused as the long way refuses it."""
     monkeypatch.setattr(limits, name, _LOWERED[name])
@@ -768,6 +778,7 @@ def _wrong_dones() -> list[Done]:
 
 
 @pytest.mark.parametrize("msg", _wrong_works() + _wrong_dones(), ids=lambda m: f"{type(m).__name__}")
+@pytest.mark.pure
 def test_a_call_built_wrongly_is_written_or_refused_as_the_long_way_does(msg):
     assert_written_as_the_long_way(msg)
 
@@ -819,6 +830,7 @@ _EDGE_SCALARS = [
 
 
 @pytest.mark.parametrize("value", _EDGE_SCALARS, ids=lambda v: repr(v)[:20])
+@pytest.mark.pure
 def test_a_call_of_an_edge_scalar_is_written_as_the_long_way_and_read_back_bit_for_bit(value):
     for msg in (Work(2**63 - 1, None, value, {}, {}, None, True, DIGEST), Done(0, value, {}, 2**63 - 1, ())):
         assert short.written_express(msg) is not None
@@ -861,6 +873,7 @@ def _fitted_before(m: Work, recipe: Recipe) -> Work:
     ],
     ids=lambda m: "Work",
 )
+@pytest.mark.pure
 def test_fitted_refuses_what_it_refused_before(msg):
     recipe = _recipe()
     before = outcome(_fitted_before, msg, recipe)

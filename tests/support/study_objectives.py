@@ -1,4 +1,4 @@
-"""Objectives the study tests run, imported by name by runner processes (PYTHONPATH=tests).
+"""Objectives the study tests run, imported by name by runner processes (PYTHONPATH=tests/support).
 
 Where a test needs to see what happened inside a runner, the objective appends a line to
 the file named by ``STUDY_TEST_LOG``.

@@ -50,7 +50,6 @@ from typing import Any
 
 from somatize import Node
 
-HERE = Path(__file__).resolve().parent
 SETPRIV = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 
 # -- the bounds a piece keeps, whatever it meets --------------------------------------------

@@ -26,7 +26,8 @@ import msgpack
 import numpy as np
 from conftest import Process
 
-TESTS = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parent
+TESTS = SUPPORT.parent
 ROOT = TESTS.parent
 
 
@@ -65,7 +66,7 @@ def key_ring(folder: Path, *, clients: tuple[str, ...], workers: tuple[str, ...]
 def child_env() -> dict:
     """This environment, with somatize and the tests folder importable in a child."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(SUPPORT), str(TESTS), env.get("PYTHONPATH", "")]))
     return env
 
 
