@@ -236,7 +236,11 @@ def claim(
         if key in claims.held or claims.take(key, label(index)):
             continue
         started = time.monotonic_ns()
-        if claims.wait(key, label(index), lambda i=index, k=key: fetch(i, k), until) == "found":
+
+        def found(i: int = index, k: str = key) -> bool:
+            return fetch(i, k)
+
+        if claims.wait(key, label(index), found, until) == "found":
             waited[index] = (time.monotonic_ns() - started) // 1000
             return True
     return False

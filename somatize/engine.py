@@ -141,9 +141,10 @@ def run_piece(piece: Piece, watch: Any = None) -> Outcome:
     started = time.perf_counter_ns()
     plan = piece_plan(piece.steps, piece.shape)
     watchers = _NOBODY if watch is None else watch if isinstance(watch, Watchers) else Watchers(watch)
-    walk = _Walk(plan, watchers, keys=piece.keys, produced={})
+    produced: dict[int, Any] = {}
+    walk = _Walk(plan, watchers, keys=piece.keys, produced=produced)
     output = walk.run(piece.value)
-    return _outcome(output, walk.produced, microseconds(time.perf_counter_ns() - started))
+    return _outcome(output, produced, microseconds(time.perf_counter_ns() - started))
 
 
 def lone_step(steps: tuple[Step, ...], shape: Any) -> Step | None:
@@ -267,6 +268,7 @@ class _Walk:
         if not keys:
             return cls(_plan_of(graph, here), watch, keys=keys, store=store, broker=broker, deadline=deadline)
         shape = prune(graph.shape, steps, keys, recall)
+        waited: dict[int, int]
         claims, waited = None, {}
         if missed and claiming(store):
             # one forward computes a missing entry, the others wait for it (`computing`)
@@ -299,11 +301,11 @@ class _Walk:
             len(ops) == 1
             and self.deadline is None
             and type(ops[0]) in (Run, Remote)
-            and ops[0].source == 0
+            and ops[0].source == 0  # type: ignore[union-attr]  # a Run or a Remote, as the line above says
             and ops[0].target == output
         ):
             # one node, or one trip to a host (most pieces, most calls): nothing to wire or wait for
-            return self._remote(ops[0], x) if type(ops[0]) is Remote else self._run(ops[0], x)
+            return self._remote(ops[0], x) if type(ops[0]) is Remote else self._run(ops[0], x)  # type: ignore[arg-type]  # else a Run
         wiring = wiring_of(plan)
         sources_of, consumers = wiring.sources, wiring.consumers
         values: dict[int, Any] = {0: x}
@@ -604,10 +606,11 @@ def _place(value: Any, device: str) -> Any:
     if isinstance(value, tuple):
         if type(value) is tuple:
             return tuple(_place(v, device) for v in value)
-        if callable(getattr(type(value), "to", None)):  # PackedSequence moves itself
-            return value.to(device)
-        if hasattr(value, "_fields"):  # a namedtuple stays one
-            return type(value)._make(_place(v, device) for v in value)
+        kin: Any = value  # a subclass of tuple, which may have more than a tuple's attributes
+        if callable(getattr(type(kin), "to", None)):  # PackedSequence moves itself
+            return kin.to(device)
+        if hasattr(kin, "_fields"):  # a namedtuple stays one
+            return type(kin)._make(_place(v, device) for v in kin)
         return tuple(_place(v, device) for v in value)
     if isinstance(value, list):
         return [_place(v, device) for v in value]

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .code_identity import code_digest, noted
 
@@ -93,7 +93,7 @@ class Graph:
     def __and__(self, other: Composable) -> Parallel:
         # only the left side is flattened: `a & b & c` yields a 3-tuple, while an
         # explicit `a & (b & c)` keeps its nesting and yields (a(x), (b(x), c(x)))
-        left = self.parts if type(self) is Parallel else (self,)  # type: ignore[attr-defined]
+        left = self.parts if type(self) is Parallel else (self,)
         return Parallel((*left, as_graph(other)))
 
     def __rand__(self, other: Composable) -> Parallel:
@@ -201,7 +201,7 @@ class Graph:
                 steps.append(g)
                 return ("step", len(steps) - 1)
             kind = "seq" if isinstance(g, Sequence) else "par"
-            return (kind, tuple(shape(part) for part in g.parts))
+            return (kind, tuple(shape(part) for part in cast(_Composite, g).parts))  # not a Step: a composite
 
         root = shape(self)
         return tuple(steps), root

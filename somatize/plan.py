@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from . import keys as _keys
 from .errors import DuplicateName, Nameless, NoStore, UnknownHost, Unsettled
@@ -406,10 +406,13 @@ def compile(
                 start = len(ops)
                 target = emit(inner, source, where)
                 for at in range(start, len(ops)):
-                    if isinstance(ops[at], Run) and ops[at].source == source:
-                        ops[at] = dataclasses.replace(ops[at], opens=groups[0])
-                # the operation giving a shape's value is always the last one emitted for it
-                ops[-1] = dataclasses.replace(ops[-1], closes=Closes(where, groups[0], tuple(_indices(inner))))
+                    op = ops[at]
+                    if isinstance(op, Run) and op.source == source:
+                        ops[at] = dataclasses.replace(op, opens=groups[0])
+                # the operation giving a shape's value is always the last one emitted for it: a
+                # group holds steps, sequences and parallels (`host_of`), so a Run or a Join
+                last = cast("Run | Join", ops[-1])
+                ops[-1] = dataclasses.replace(last, closes=Closes(where, groups[0], tuple(_indices(inner))))
                 return target
             target = fresh()
             ops.append(Remote(where, inner, source, target))

@@ -9,7 +9,7 @@ every forward: the engine (:mod:`somatize.engine`) asks here before it walks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from .graph import Graph, Step
 from .plan import Plan, Remote, compile, group
@@ -81,7 +81,7 @@ def trip_of(graph: Graph, here: frozenset[str], store: Any) -> tuple[str, tuple[
     trips = graph.__dict__.get("_somatize_trips")
     if trips is None:
         trips = graph.__dict__["_somatize_trips"] = {}
-    trip = trips.get(here)
+    trip: tuple[str, tuple[Step, ...], Any, dict] | Literal[False] | None = trips.get(here)  # False: no one trip
     if trip is None:
         found = one_trip(graph, here, None)
         trip = False if found is None else (found[1].host, steps_of(*found), found[1].local_shape, memo_of(found[1]))

@@ -79,7 +79,7 @@ def blob_parts(name: str, blob: object) -> list[memoryview] | None:
                 "(bytes, bytearray, memoryview) or a list/tuple of those. Encode the text first."
             )
         try:
-            view = memoryview(item)  # type: ignore[arg-type]
+            view = memoryview(item)
         except TypeError:
             raise TypeError(
                 f"The blob for {name!r} holds a {type(item).__name__}; a blob is bytes-like "

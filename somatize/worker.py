@@ -117,18 +117,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         where_text = f"dialed {args.broker} offering `{args.offer}`"
     else:
         url = sockets.tcp_url(args.listen or "127.0.0.1:7000")
-        keys = command.server_keys(args, "worker")
-        if keys is False:
+        served = command.server_keys(args, "worker")
+        if served is False:
             return 2
+        keys = served
         risk = "send work here" + (" and run code by value" if args.mode == "network" else "")
         if not command.may_listen(url, insecure=args.insecure, who="worker", risk=risk, keyed=keys is not None):
             return 2
         server = _loop(args)
         if server is None:
             return 2
-        endpoint = command.bind(server, url, who="worker", keys=keys)
-        if endpoint is None:
+        bound = command.bind(server, url, who="worker", keys=keys)
+        if bound is None:
             return 2
+        endpoint = bound  # a str, for `ready` (which announces it only here, with no --broker)
         where_text = f"listening on {endpoint}"
 
     def ready() -> None:

@@ -75,6 +75,8 @@ class Checker:
         """Each frame holds what its node says: an array's or a tensor's size and bools,
         Arrow's streams."""
         views = self.views
+        if views is None:  # no frames to hold against: nothing was noted (`holds` is empty)
+            return
         for hold in self.holds:
             if hold[0] == "X":
                 _, name, shape, count, i = hold

@@ -33,7 +33,7 @@ OWN_KINDS = {TENSOR: "somatize.torch"}
 class Entry:
     kind: str
     type: type
-    dump: Callable[[Any], bytes]
+    dump: Callable[[Any], bytes | bytearray | memoryview]
     load: Callable[[bytes], Any]
 
 
@@ -60,7 +60,9 @@ _now = _Registry({}, {})
 _judge: Callable[[Entry | None, Entry | None], None] | None = None
 
 
-def codec(kind: str, type_: type, *, dump: Callable[[T], bytes], load: Callable[[bytes], T]) -> None:
+def codec(
+    kind: str, type_: type, *, dump: Callable[[T], bytes | bytearray | memoryview], load: Callable[[bytes], T]
+) -> None:
     """Say how to write a ``type_`` down (``dump``) and read it back (``load``), under ``kind``.
 
     Call it in the module that defines the type, so that whoever can build one can also
@@ -125,7 +127,7 @@ def registered_now() -> object:
     return _now
 
 
-def registry() -> tuple[tuple[str, type, Callable[[Any], bytes], Callable[[bytes], Any]], ...]:
+def registry() -> tuple[tuple[str, type, Callable[[Any], bytes | bytearray | memoryview], Callable[[bytes], Any]], ...]:
     """The registered codecs as ``(kind, type, dump, load)``, in registration order (for
     packing, which carries them to a network-mode worker, and which compares two of these
     item by item with ``is`` to tell whether the registry changed in between)."""

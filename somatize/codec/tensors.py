@@ -185,6 +185,8 @@ class _Pinned:
     array, the array keeps this)."""
 
     __slots__ = ("__array_interface__", "owner")
+    __array_interface__: dict[str, Any]
+    owner: memoryview
 
 
 def _address(view: memoryview) -> int:

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import BadKeys
 from . import sockets
@@ -121,7 +121,7 @@ def key_options(parser: argparse.ArgumentParser, *, workers: bool = False) -> No
         )
 
 
-def server_keys(args: argparse.Namespace, who: str) -> Keys | None | bool:
+def server_keys(args: argparse.Namespace, who: str) -> Keys | Literal[False] | None:
     """The keys to listen with, None for none, or False after saying why they cannot be used."""
     if args.key is None and args.allow is None:
         if getattr(args, "allow_workers", None) is not None:

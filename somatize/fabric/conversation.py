@@ -266,7 +266,7 @@ class WorkerSessions:
         """The runtime ``peer`` stated in its Hello."""
         return self._sessions[peer].runtime
 
-    def receive(self, peer: bytes, msg: object, tenant: str = "") -> object:
+    def receive(self, peer: bytes, msg: object, tenant: str = "") -> Hello | Bye | Provision | Work:
         try:
             return self._receive(peer, msg, tenant)
         except Violation:
@@ -293,7 +293,7 @@ class WorkerSessions:
         session.open[work.ref] = time.monotonic()
         return opened
 
-    def _receive(self, peer: bytes, msg: object, tenant: str) -> object:
+    def _receive(self, peer: bytes, msg: object, tenant: str) -> Hello | Bye | Provision | Work:
         if isinstance(msg, Hello):
             if msg.offering is not None:
                 raise Violation("a worker takes no offers: `offering` is for a worker saying Hello to a broker")
@@ -402,9 +402,9 @@ class WorkerSessions:
     def _greet(self, peer: bytes, runtime: Runtime, tenant: str) -> None:
         old = self._sessions.pop(peer, None)
         # a Hello renews a session: what it has in flight stays its own, and nobody else's
-        mine = old is not None and old.tenant == tenant
-        opened = old.open if mine else {}
-        streams = old.streams if mine else set()
+        mine = old if old is not None and old.tenant == tenant else None
+        opened = mine.open if mine is not None else {}
+        streams = mine.streams if mine is not None else set()
         if old is not None:
             self._bytes -= old.cost
         cost = _runtime_cost(runtime)

@@ -231,6 +231,7 @@ class Guard:
         where = str(self.keys.allow)
         if self.keys.workers is not None:
             where = f"{where} for a client, {self.keys.workers} for a worker that dials in"
+        assert self.log is not None  # asked only with a log (`callback`)
         self.log.info("refused key %s…: its CURVE key is not in the allow folders (%s)", short(key), where)
 
     def reload(self) -> tuple[int, int]:
@@ -366,10 +367,12 @@ def hung_up(event: int, keys: Keys | None, address: str, timeout: float, *, with
         known = _PROBED.get(address)
     if known is not None and now < known[0]:
         return known[1]
-    cut = within is not None and within < timeout
-    if cut and within <= 0:
-        return None
-    said, late = _greeting(address, within if cut else timeout)
+    probe, cut = timeout, False  # how long the probe may take; cut: the caller's time bounds it
+    if within is not None and within < timeout:
+        if within <= 0:
+            return None
+        probe, cut = within, True
+    said, late = _greeting(address, probe)
     if cut and late:
         return None  # the caller's deadline, not the peer, ended the probe
     verdict = said is not True

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -58,7 +58,7 @@ class Pool:
         return len(self.members)
 
 
-def expand(hosts: dict[str, Worker | Pool]) -> dict[str, Worker]:
+def expand(hosts: Mapping[str, Worker | Pool]) -> dict[str, Worker]:
     """A host table with each pool laid out as its members; a name is refused where it is
     both a pool's and a host's own (``gpu`` and ``gpu#0`` declared apart)."""
     if not isinstance(hosts, dict):

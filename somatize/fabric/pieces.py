@@ -84,22 +84,26 @@ def outcome_of(done: Done) -> Outcome:
 
 def steps_of(work: Work, nodes: Sequence[object]) -> tuple[Step, ...]:
     """The steps a worker runs for ``work``, with ``nodes`` built from its recipe's specs."""
+    recipe = work.recipe
+    assert recipe is not None  # a Work that named its recipe by digest has it back before it runs
     return tuple(
         Step(node, name=spec.label, cache=spec.cache, device=work.placement.get(index))  # type: ignore[arg-type]
-        for index, (node, spec) in enumerate(zip(nodes, work.recipe.nodes, strict=True))
+        for index, (node, spec) in enumerate(zip(nodes, recipe.nodes, strict=True))
     )
 
 
 def piece_of(work: Work, steps: tuple[Step, ...]) -> Piece:
     """The piece a worker runs for ``work``, its steps made by :func:`steps_of` (or kept
     from an earlier call of the same recipe)."""
+    recipe = work.recipe
+    assert recipe is not None  # a Work that named its recipe by digest has it back before it runs
     # built without the frozen dataclass's __init__: every field is the checked work's
     return built(
         Piece,
         {
             "host": "",
             "steps": steps,
-            "shape": work.recipe.shape,
+            "shape": recipe.shape,
             "value": work.input,
             "keys": dict(work.keys),
             "deadline": None,

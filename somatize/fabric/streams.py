@@ -62,6 +62,7 @@ class Outgoing:
         self._chunks = self._cut()
         self._next: memoryview | None = None
         self.finished = False
+        self.begun = False  # its Begin has left (a worker's outbox sends it when there is room)
         self.touched = time.monotonic()
 
     def begin(self) -> Begin:
@@ -117,7 +118,7 @@ class _Receiving:
     def complete(self) -> bool:
         return self._frame >= len(self.sizes)
 
-    def add(self, data: memoryview) -> int:
+    def add(self, data: bytes | memoryview) -> int:
         data = memoryview(data).cast("B")
         if self.complete or self._offset + data.nbytes > self.sizes[self._frame]:
             raise Violation("a stream sent a chunk that does not fit the sizes it announced")
@@ -213,4 +214,4 @@ def _joined(chunks: list[memoryview], size: int) -> memoryview:
     for chunk in chunks:
         whole[at : at + chunk.nbytes] = np.frombuffer(chunk, np.uint8)
         at += chunk.nbytes
-    return memoryview(whole)
+    return whole.data  # memoryview(whole)

@@ -25,7 +25,7 @@ def check_mode(mode: object) -> str:
             if isinstance(mode, (str, type(None)))
             else f'mode has to be "project" or "network"; it was given a `{type(mode).__name__}`'
         )
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 def short(digest: str) -> str:

@@ -11,7 +11,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..code_identity import code_digest
 from ..codec import dumps
@@ -215,6 +215,7 @@ class Catalog:
                 return slot.node
         label, target = getattr(spec, "label", "?"), getattr(spec, "target", None)
         module, qualname = _split_target(target, label)
+        target = cast(str, target)  # `_split_target` refuses anything else
         args, kwargs = getattr(spec, "args", ()), getattr(spec, "kwargs", {})
         if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
             raise Refused(

@@ -36,6 +36,7 @@ import pickle
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from ..codec import codec, registered
 from ..codec.registered import Entry
@@ -225,7 +226,7 @@ def carry(codecs: list[tuple[str, bytes | bytearray]], judging: _Judging) -> Non
     a format nobody checked was the client's.
     """
     doing = judging.doing
-    taken: dict[str, tuple[type, object, object, str, str]] = {}
+    taken: dict[str, tuple[type, Any, Any, str, str]] = {}  # dump and load as unpickled: `codec` checks them
     for kind, blob in codecs:
         now = registered.registered_now().by_kind  # type: ignore[attr-defined]
         held = now.get(kind)

@@ -183,7 +183,11 @@ class Packer:
                 if old is not None:
                     self._release(old.digest)
                 dead = self._dead
-                ref = weakref.ref(node, lambda _r, dead=dead, key=key: dead.append(key))
+
+                def forget(_r: object, dead: list[int] = dead, key: int = key) -> None:
+                    dead.append(key)
+
+                ref = weakref.ref(node, forget)
                 self._packed[key] = _Packed(ref, codecs, digest)
             return digest
 

@@ -399,11 +399,11 @@ def _said_value(key: str, value: object) -> object:
     if isinstance(value, (str, bool, int, float)):
         return value
     try:
-        return operator.index(value)  # numpy integers: a step stays a whole number
+        return operator.index(value)  # type: ignore[arg-type]  # numpy integers: a step stays a whole number
     except TypeError:
         pass
     if hasattr(value, "__float__"):  # numpy and torch scalars
-        return float(value)  # type: ignore[arg-type]
+        return float(value)
     raise TypeError(f"trial.say({key}=...) takes text, numbers or booleans; got a `{type(value).__name__}`.")
 
 

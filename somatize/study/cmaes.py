@@ -13,7 +13,7 @@ Importing this module imports Optuna; ``definition`` imports it only when asked 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import optuna
 from optuna._transform import _SearchSpaceTransform
@@ -42,7 +42,11 @@ class RebuiltCmaEs(optuna.samplers.CmaEsSampler):
                 break
             try:
                 optimizer.tell(
-                    [(trans.transform(t.params), sign * t.value) for t in tried[: optimizer.population_size]]
+                    # complete trials: each has a value
+                    [
+                        (trans.transform(t.params), sign * cast(float, t.value))
+                        for t in tried[: optimizer.population_size]
+                    ]
                 )
             except Exception:  # trials a writer altered so CMA-ES cannot learn from them
                 break

@@ -359,7 +359,7 @@ def _whole(what: str, value: object, low: int, high: int) -> int:
 def _choice(what: str, value: object, names: tuple[str, ...]) -> str:
     if value not in names:
         raise ValueError(f"{what}= is one of {', '.join(map(repr, names))}; got {value!r}.")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _patience(value: object) -> float:

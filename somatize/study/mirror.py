@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterable
-from typing import Any
+from typing import Any, Literal, cast
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -59,7 +59,7 @@ class _Storage(optuna.storages.InMemoryStorage):
             raise ValueError("No trials are completed yet.")
         maximize = self.get_study_directions(study_id)[0] == optuna.study.StudyDirection.MAXIMIZE
         pick = max if maximize else min
-        return self.get_trial(pick(done, key=lambda t: t.value)._trial_id)
+        return self.get_trial(pick(done, key=lambda t: cast(float, t.value))._trial_id)  # complete: a value each
 
 
 class Mirror:
@@ -83,7 +83,7 @@ class Mirror:
             storage=self.storage,
             sampler=definition.sampler_for(0),
             pruner=definition.make_pruner(),
-            direction=definition.direction,
+            direction=cast(Literal["minimize", "maximize"], definition.direction),  # one of DIRECTIONS, checked
             study_name=f"{_STUDY_NAMES}{study}",
         )
         self._study_id = self.storage.get_study_id_from_name(self.study.study_name)

@@ -27,13 +27,16 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from ..errors import Missing, StoreError
 from ..folders import Blocked, Descent, held_by, tell_blocked, tell_once
 from ..store import ClaimingStore, FolderStore, Store
 
-MADE, FREE, TAKEN, BLOCKED = "made", "free", "taken", "blocked"
+MADE: Final = "made"
+FREE: Final = "free"
+TAKEN: Final = "taken"
+BLOCKED: Final = "blocked"
 Made = Literal["made", "taken", "blocked"]
 Held = Literal["free", "taken", "blocked"]
 

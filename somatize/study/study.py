@@ -258,7 +258,7 @@ class Study:
                         f"{', ...' if len(blocked) > 10 else ''})"
                     )
                     return counts
-            self._in_hand = None
+            self._in_hand: Running | None = None
             try:
                 running = self._take_over(view, me, tell)
                 if running is None:
@@ -362,9 +362,10 @@ class Study:
                 mirror.drop(otrial)
         if got != names.MADE:
             return got
-        kept = otrial is not None and mirror is not None
-        if kept:
+        kept = False
+        if otrial is not None and mirror is not None:
             mirror.keep(running.number, otrial)
+            kept = True
         view.wrote(running.number, running.attempt, running.claimed, mirrored=kept)  # type: ignore[arg-type]
         return got
 
@@ -436,12 +437,13 @@ class Study:
             self._judged = time.monotonic()
             now = self._judge.now()  # None: no judge's name could be written this time
             patience_ns = int(self.patience * 1e9)
-            for trial in live if now is not None else ():
-                written = names.stamp(self._store, trial.last.name)
-                if written is None:
-                    continue  # gone, or held by something else: the next read says which
-                if now - written > patience_ns:
-                    stopped.append(trial)
+            if now is not None:
+                for trial in live:
+                    written = names.stamp(self._store, trial.last.name)
+                    if written is None:
+                        continue  # gone, or held by something else: the next read says which
+                    if now - written > patience_ns:
+                        stopped.append(trial)
         return sorted(stopped, key=lambda t: t.number)
 
     def _gave_up(self, last: Any, me: str, after: int) -> dict[str, str]:
@@ -511,7 +513,7 @@ def _score(result: object) -> tuple[str, str]:
         return "", (
             f"the objective returned a `{type(result).__name__}`, not a number; it must return the score (a float)"
         )
-    score = float(result)  # type: ignore[arg-type]
+    score = float(result)
     if score != score:
         return "", "the objective returned nan, which is not a score"
     return repr(score), ""

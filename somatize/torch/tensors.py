@@ -71,7 +71,7 @@ def dump_tensor(t: torch.Tensor) -> memoryview:
         # the tail of `out`, shaped like `t`: copy_ does the device transfer and the
         # strides in the one copy
         out[len(head) :].view(t.dtype).view(shape).copy_(t.detach())
-    return memoryview(written)
+    return written.data  # the array's memoryview, as memoryview(written) makes it
 
 
 def load_tensor(raw: bytes | bytearray | memoryview) -> torch.Tensor:

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import limits
-from .fields import Bad, shown
+
+# `Bad` and `shown` are re-exported: the readers (and the tests) take them from here
+from .fields import Bad as Bad
 from .fields import a_type as _a
 from .fields import choice as _choice
 from .fields import digest as _digest
@@ -21,6 +23,7 @@ from .fields import integer as _int
 from .fields import printable as _printable
 from .fields import qualname as _qualname
 from .fields import ref as _ref
+from .fields import shown as shown
 from .fields import text as _text
 from .messages import (
     VARIANTS,

@@ -13,7 +13,7 @@ import dataclasses
 import reprlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..codec import readable_kinds
 from .limits import MODES, WIRE_VERSION
@@ -71,9 +71,9 @@ class NodeSpec:
     """``"project"`` or ``"network"``."""
     target: str
     """``"package.module:Qualname"`` (project) or ``"sha256:<64 hex>"`` (network)."""
-    args: tuple = ()
+    args: tuple[Any, ...] = ()
     """Constructor positional arguments, any values the codec writes (project only)."""
-    kwargs: dict = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
     """Constructor keyword arguments, keyed by str (project only)."""
     code: str = ""
     """The client's digest of the node's class (``"code:"`` and 32 hex digits, from
@@ -92,7 +92,7 @@ class Recipe:
     """
 
     nodes: tuple[NodeSpec, ...]
-    shape: tuple
+    shape: tuple[Any, ...]
 
 
 # Requests ------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ class Relay:
     """Client <-> broker: the client's number for one of its channels to ``host``, when it
     carries many over one connection; the broker's answers for that channel come back in a
     Relay naming it (0: a connection of its own, answered with bare messages)."""
-    inner: tuple = field(default=(), repr=False)
+    inner: tuple[bytes | memoryview, ...] = field(default=(), repr=False)
     """The inner message's frames, as buffers (at least one)."""
 
 
@@ -395,9 +395,10 @@ IN_FRAMES: dict[type, str] = {Provision: "artifact", Chunk: "data", Mounted: "he
 
 
 _new, _set = object.__new__, object.__setattr__
+_M = TypeVar("_M")
 
 
-def built(cls: type, fields: dict[str, Any]) -> Any:
+def built(cls: type[_M], fields: dict[str, Any]) -> _M:
     """A message of ``cls`` holding ``fields`` (every one of its fields, each checked
     already), made without the dataclass's ``__init__``: a frozen one sets each field
     through ``object.__setattr__``, which is most of what building a small message costs.

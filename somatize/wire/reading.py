@@ -17,7 +17,7 @@ can refuse a message by its kind before reading the rest. Writing is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -73,7 +73,7 @@ def decode(frames: Sequence[Any], *, views: bool = False) -> Request | Answer | 
     """
     if type(frames) is list and len(frames) == 1:  # a call's own Work or Done: its header, read by msgspec
         first = frames[0]
-        fast = short.express(short.head_of(first))
+        fast: Request | Answer | Carrier | None = short.express(short.head_of(first))
         if fast is not None:
             return fast
     cls = short.told(frames)  # a Relay, a Work or Done of one scalar, a greeting: read in one step
@@ -214,7 +214,7 @@ def _version_and_variant(frame: Any, *, also: str = "") -> dict[str, Any]:
     return found
 
 
-def _read(frames: Sequence[Any], *, values: bool) -> tuple[Any, Checked | None]:
+def _read(frames: Sequence[Any], *, values: bool) -> tuple[Request | Answer | Carrier, Checked | None]:
     """Check a message's frames, header and fields, and its values' descriptors (against
     their frames too, when ``values``); return the message (values still ``Slot``s) and
     what the codec's check found (None when it has no values)."""
@@ -436,7 +436,8 @@ def _parse_work(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Work:
         for k in range(1, len(kwargs), 2):
             if type(kwargs[k]) is not str:
                 raise Bad(f"`{where}.kwargs` has a key that is not a str")
-        nodes.append(NodeSpec(label, cache, source, target, _slot(args, descriptors), _slot(kwargs, descriptors), code))
+        # args and kwargs stand as Slots (of their values) until `_fill` puts the values in
+        nodes.append(NodeSpec(label, cache, source, target, _slot(args, descriptors), _slot(kwargs, descriptors), code))  # type: ignore[arg-type]
     return Work(
         ref,
         Recipe(tuple(nodes), _tupled(shape, depth=0, count=[0])),
@@ -485,7 +486,12 @@ def _parse_listed(cls: type, h: dict[str, Any], descriptors: list[Any]) -> Liste
     return Listed(hosts, dialed)
 
 
-_PARSERS = {Work: _parse_work, Done: _parse_done, Saw: _parse_saw, Listed: _parse_listed}
+_PARSERS: dict[type, Callable[[type, dict[str, Any], list[Any]], Any]] = {
+    Work: _parse_work,
+    Done: _parse_done,
+    Saw: _parse_saw,
+    Listed: _parse_listed,
+}
 
 
 def _slot(descriptor: Any, descriptors: list[Any]) -> Slot:
@@ -512,7 +518,7 @@ def _tupled(x: Any, depth: int = 0, count: list[int] | None = None) -> Any:
     return tuple(x)
 
 
-def _fill(msg: Any, values: tuple[Any, ...]) -> Any:
+def _fill(msg: Any, values: tuple[Any, ...]) -> Work | Done:
     if isinstance(msg, Work):
         if msg.recipe is None:  # the repeated call's Work: built directly, not replaced
             return Work(
@@ -525,10 +531,10 @@ def _fill(msg: Any, values: tuple[Any, ...]) -> Any:
                 msg.watched,
                 msg.recipe_digest,
             )
-        nodes = tuple(
-            dataclasses.replace(n, args=values[n.args.index], kwargs=values[n.kwargs.index]) for n in msg.recipe.nodes
-        )
+        held: tuple[Any, ...] = msg.recipe.nodes  # their args and kwargs are Slots still (`_parse_work`)
+        nodes = tuple(dataclasses.replace(n, args=values[n.args.index], kwargs=values[n.kwargs.index]) for n in held)
         recipe = dataclasses.replace(msg.recipe, nodes=nodes)
         return dataclasses.replace(msg, recipe=recipe, input=values[msg.input.index])
     produced = {i: values[s.index] for i, s in msg.produced.items()}
-    return dataclasses.replace(msg, output=values[msg.output.index], produced=produced)
+    done: Done = dataclasses.replace(msg, output=values[msg.output.index], produced=produced)
+    return done

@@ -34,7 +34,7 @@ from ..errors import ProtocolError
 from . import limits
 from .checks import Bad, check
 from .items import index_pairs, text_map
-from .messages import VARIANTS, Bye, Done, Hello, Ready, Relay, Work, built, header_fields
+from .messages import VARIANTS, Answer, Bye, Carrier, Done, Hello, Ready, Relay, Request, Work, built, header_fields
 
 _HEAD = msgpack.packb({"v": limits.WIRE_VERSION, "t": ""})[1:-1]  # up to the name's length
 _TOLD = {name.encode(): cls for name, cls in VARIANTS.items()}
@@ -55,13 +55,13 @@ _Ref = Annotated[int, msgspec.Meta(ge=0, le=limits.MAX_REF)]
 class _WorkHead(msgspec.Struct, forbid_unknown_fields=True):
     """The header of a ``Work`` as ``encode`` writes it, fields in its order."""
 
-    v: Literal[limits.WIRE_VERSION]
+    v: Literal[limits.WIRE_VERSION]  # type: ignore[valid-type]  # msgspec reads the constant at run time
     t: Literal["Work"]
     ref: _Ref
     input: Any
     recipe: None
-    keys: list
-    placement: list
+    keys: list[Any]
+    placement: list[Any]
     memory: str | None
     watched: bool
     recipe_digest: str
@@ -70,16 +70,20 @@ class _WorkHead(msgspec.Struct, forbid_unknown_fields=True):
 class _DoneHead(msgspec.Struct, forbid_unknown_fields=True):
     """The header of a ``Done`` as ``encode`` writes it, fields in its order."""
 
-    v: Literal[limits.WIRE_VERSION]
+    v: Literal[limits.WIRE_VERSION]  # type: ignore[valid-type]  # msgspec reads the constant at run time
     t: Literal["Done"]
     ref: _Ref
     output: Any
-    produced: list
+    produced: list[Any]
     took_us: _Ref
-    saw: list
+    saw: list[Any]
 
 
-_EXPRESS = {Work: msgspec.msgpack.Decoder(_WorkHead), Done: msgspec.msgpack.Decoder(_DoneHead)}
+# either head, as `cls` tells: what a decoder read is looked at as the variant it is
+_EXPRESS: dict[type, msgspec.msgpack.Decoder[Any]] = {
+    Work: msgspec.msgpack.Decoder(_WorkHead),
+    Done: msgspec.msgpack.Decoder(_DoneHead),
+}
 _BY_ENTRIES = {0x80 + len(_WorkHead.__struct_fields__): Work, 0x80 + len(_DoneHead.__struct_fields__): Done}
 _WRITE = msgspec.msgpack.Encoder().encode
 _NOT_TAKEN = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)  # nesting deeper than Python allows
@@ -151,7 +155,7 @@ def express(head: Any) -> Work | Done | None:
     return built(Done, {"ref": h.ref, "output": value, "produced": {}, "took_us": h.took_us, "saw": ()})
 
 
-def written_express(msg: Work | Done) -> list[bytes] | None:
+def written_express(msg: Request | Answer | Carrier) -> list[bytes | memoryview] | None:
     """The one frame of ``msg`` when it is a ``Work`` naming its recipe by digest or a
     ``Done``, of one scalar the codec writes as itself and nothing else, every field as
     ``check`` would pass it; None for any other (``encode`` writes it, and refuses what is
@@ -187,7 +191,7 @@ def written_express(msg: Work | Done) -> list[bytes] | None:
     return [written] if _fits(len(written)) else None  # over a limit: `encode` says which
 
 
-def work_frames(ref: int, value: Any, watched: bool, digest: str) -> list[bytes] | None:
+def work_frames(ref: int, value: Any, watched: bool, digest: str) -> list[bytes | memoryview] | None:
     """The one frame of a ``Work`` naming its recipe by ``digest``, of the one scalar
     ``value`` and nothing else (no keys, no placement), without building the ``Work``: the
     bytes ``encode`` writes for it. None when a field is not as ``check`` would pass it, or
@@ -236,7 +240,8 @@ def _itself(v: Any) -> bool:
     if t is float or t is bool or v is None:
         return True
     if t is int:
-        return INT_MIN <= v <= INT_MAX
+        n: int = v
+        return INT_MIN <= n <= INT_MAX
     if t is str:
         return v.isascii() and len(v) <= INLINE_BYTES  # longer: `encode` says whether it fits
     return t is bytes and len(v) <= INLINE_BYTES
@@ -276,7 +281,7 @@ def _small_header(head: Any, cls: type) -> dict[str, Any] | None:
     return header
 
 
-def _inline(buffers: list, cls: type) -> Work | Done | None:
+def _inline(buffers: list[Any], cls: type) -> Work | Done | None:
     """A ``Done`` of one scalar output and nothing produced, or a ``Work`` naming its recipe
     by digest with one scalar input: no frames after the header, the value the header holds
     (a scalar needs no codec to build it), the fields checked as ``decode`` checks them.
@@ -295,7 +300,7 @@ def _inline(buffers: list, cls: type) -> Work | Done | None:
                 len(saw) > limits.MAX_SAW or any(type(f) is not dict for f in saw) or not _each_key_once(buffers[0])
             ):
                 return None  # the long way says what is wrong with it
-            msg: Any = Done(header["ref"], output, {}, header["took_us"], tuple(saw))
+            msg: Work | Done = Done(header["ref"], output, {}, header["took_us"], tuple(saw))
         else:
             value = header["input"]
             if header["recipe"] is not None or type(value) not in INLINE_TYPES:
@@ -318,7 +323,7 @@ def _inline(buffers: list, cls: type) -> Work | Done | None:
     return msg
 
 
-def _relay(buffers: list) -> Relay | None:
+def _relay(buffers: list[Any]) -> Relay | None:
     """The ``Relay`` that ``frames`` hold (``told`` said it begins as one), built in one
     step and checked as ``decode`` checks one; None for anything unusual (a header over a
     few KiB, a key repeated or not text, a field missing or unknown): ``decode`` then reads
@@ -338,7 +343,7 @@ def _relay(buffers: list) -> Relay | None:
     return relay
 
 
-def read(cls: type, buffers: list) -> Relay | Work | Done | Hello | Ready | Bye | None:
+def read(cls: type, buffers: list[Any]) -> Relay | Work | Done | Hello | Ready | Bye | None:
     """The message of variant ``cls`` (as ``told`` said) that ``buffers`` (checked for count
     and sizes) hold, built in one step; None when it is not one the short way reads."""
     if cls is Relay:
@@ -348,7 +353,7 @@ def read(cls: type, buffers: list) -> Relay | Work | Done | Hello | Ready | Bye 
     return _inline(buffers, cls)
 
 
-def remember(buffers: list, msg: Any) -> None:
+def remember(buffers: list[Any], msg: Any) -> None:
     """A greeting read the long way (so checked whole): the same bytes read again are it.
     A dialing worker's ``Hello`` names its host, and differs from worker to worker, and a
     proof (``Hello.prove``, ``Ready.proof``) is made once: neither is kept."""
@@ -360,7 +365,7 @@ def remember(buffers: list, msg: Any) -> None:
         _KNOWN[bytes(buffers[0])] = msg
 
 
-def written(msg: Hello | Ready | Bye) -> list[bytes] | None:
+def written(msg: Hello | Ready | Bye) -> list[bytes | memoryview] | None:
     """The frames of a greeting written before (a copy of the list), or None."""
     try:
         frames = _WRITTEN.get(msg)
@@ -369,7 +374,7 @@ def written(msg: Hello | Ready | Bye) -> list[bytes] | None:
     return None if frames is None else list(frames)
 
 
-def keep_written(msg: Hello | Ready | Bye, frames: list) -> None:
+def keep_written(msg: Hello | Ready | Bye, frames: list[bytes | memoryview]) -> None:
     if len(frames) == 1 and len(frames[0]) <= _MAX_GREETING_BYTES and not _once(msg):
         if len(_WRITTEN) >= _MAX_GREETINGS:
             _WRITTEN.clear()

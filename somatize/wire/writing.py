@@ -37,7 +37,7 @@ def encode(msg: Request | Answer | Carrier) -> list[bytes | memoryview]:
         if fast is not None:
             return fast
     if cls in short.GREETINGS:  # every channel's first and last words: the same every time
-        kept = short.written(msg)
+        kept = short.written(msg)  # type: ignore[arg-type]  # `cls` is Hello, Ready or Bye
         if kept is not None:
             return kept
     return _written(msg, cls)
@@ -88,7 +88,7 @@ def _written(msg: Any, cls: type) -> list[bytes | memoryview]:
     return fitted
 
 
-def _fitted(name: str, packed: bytes, frames: list) -> list:
+def _fitted(name: str, packed: bytes, frames: list[bytes | memoryview]) -> list[bytes | memoryview]:
     """``[packed, *frames]``, within the limits any reader accepts on frames and sizes."""
     if len(frames) + 1 > limits.MAX_FRAMES:
         raise ValueError(
@@ -111,7 +111,9 @@ def _fitted(name: str, packed: bytes, frames: list) -> list:
     return [packed, *frames]
 
 
-def passed_on(inner: tuple, *, exchange: int = 0, tenant: str = "", lane: int = 0) -> list:
+def passed_on(
+    inner: tuple[bytes | memoryview, ...], *, exchange: int = 0, tenant: str = "", lane: int = 0
+) -> list[bytes | memoryview]:
     """The frames of a message checked already (decoded here, or encoded here) in an
     envelope naming what this side checked or made itself: the ``exchange`` a worker was
     given or a broker numbered, a broker's ``tenant``, a client's ``lane``. A broker's every
@@ -119,7 +121,7 @@ def passed_on(inner: tuple, *, exchange: int = 0, tenant: str = "", lane: int = 
     return _relay(Relay("", exchange, tenant, lane, inner))
 
 
-def _relay(msg: Relay) -> list:
+def _relay(msg: Relay) -> list[bytes | memoryview]:
     """A checked ``Relay``'s frames: its header (a map of scalars, written as ``encode``
     writes any header) and the frames it carries, untouched."""
     packed = msgpack.packb(
@@ -144,7 +146,7 @@ def _one_scalar(msg: Work | Done) -> Any:
     produced nothing else, when it is a scalar the codec writes with no frame (written by
     the codec's ``Writer``, as ``codec.encode`` would, without its tuple around it);
     ``_NONE`` for anything else, which ``codec.encode`` writes."""
-    if type(msg) is Work:
+    if isinstance(msg, Work):  # `check` passed it: a Work or a Done, neither a subclass
         if msg.recipe is not None:
             return _NONE
         v = msg.input
@@ -170,7 +172,7 @@ def _values_of(msg: Work | Done) -> list[Any]:
 
 
 def _work_header(msg: Work, parts: Any) -> dict[str, Any]:
-    fields = {"ref": msg.ref}
+    fields: dict[str, Any] = {"ref": msg.ref}
     fields["input"] = next(parts)
     fields["recipe"] = None if msg.recipe is None else _recipe_map(msg.recipe, parts)
     fields["keys"] = [[i, k] for i, k in msg.keys.items()]

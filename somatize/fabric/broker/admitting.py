@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -20,6 +21,15 @@ from ...wire import Refusal, encode
 from .. import sockets
 from ..curve import peer_name, user_of
 from .outbox import LARGEST
+
+if TYPE_CHECKING:
+    from collections import OrderedDict
+
+    from ..curve import Guard
+    from .floods import Admission
+    from .outbox import Outbox
+    from .quiet import Quiet
+    from .view import BrokerView
 
 #: Answers waiting for one connection to read them: past it, its questions are dropped
 #: unanswered (counted as questions at the admission step).
@@ -35,16 +45,29 @@ def size_of(frames: list) -> int:
 class Admitting:
     """Reading, and the admission step (see the module)."""
 
+    # the loop's state read here: annotations alone, for the type checker (nothing is set here)
+    view: BrokerView
+    endpoint: str
+    _front: zmq.Socket | None
+    _outbox: Outbox | None
+    _guard: Guard | None
+    _admission: Admission
+    _connections: dict[str, OrderedDict[bytes, float]]
+    _losses: Quiet
+
+    if TYPE_CHECKING:  # the loop's methods called here (defined here, they would hide the loop's)
+
+        def _handle(self, route: bytes, frames: list) -> None: ...
+        def _refused(self, route: bytes, user: str, why: str) -> None: ...
+        def _answer(self, route: Any, message: Any) -> None: ...
+
     def _take(self, most: int = 1024) -> None:
         """Read up to ``most`` messages, each through the admission step (`_admit`, or
         `_unread` for a peer that does not read its answers) before anything else is done
         with it. Never left queued in ZeroMQ: see `bind`."""
-        front, severed, waiting, offers = (
-            self._front,
-            self._admission.severed,
-            self._outbox.waiting,
-            self.view.offers_index,
-        )
+        front, outbox = self._front, self._outbox
+        assert front is not None and outbox is not None  # both set by `bind`, before `serve` reads
+        severed, waiting, offers = self._admission.severed, outbox.waiting, self.view.offers_index
         receive, noblock = sockets.receive_part, sockets.NOBLOCK
         for _ in range(most):
             try:  # raised once a turn, not asked of every message: a flood is read at the least cost
@@ -76,6 +99,7 @@ class Admitting:
         if cut:
             self._cut(route, frames[0], cut)
         else:
+            assert self._outbox is not None  # set by `bind`: this message was read from its front
             self._outbox.dropped += 1
 
     def _cut(self, route: bytes, frame: zmq.Frame, why: str) -> None:
@@ -84,6 +108,7 @@ class Admitting:
         bounds that queue, see `bind`); cut, it must dial again, and what it queued goes with
         the connection. Only while ZeroMQ still has its route (the refusal that says why is
         sent, or finds its queue full), so the connection cut is the one ``frame`` came from."""
+        assert self._front is not None  # set by `bind`: ``frame`` came on it
         try:
             self._front.send_multipart(
                 [
@@ -99,10 +124,13 @@ class Admitting:
         except zmq.ZMQError:
             return  # gone already
         self._admission.sever(route)
+        assert self._outbox is not None  # set by `bind`, with the front ``frame`` came on
         self._outbox.dropped += 1
         user = self._user(frame)
         if user:  # closed here: it no longer counts against its key's connections
-            self._connections.get(user, {}).pop(route, None)
+            routes = self._connections.get(user)
+            if routes is not None:
+                routes.pop(route, None)
         if sockets.cut(frame, self.endpoint):
             self._outbox.forget(route)
             more = self._losses.more()

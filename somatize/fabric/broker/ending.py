@@ -8,7 +8,7 @@ ones crowd it out). A part of :class:`~somatize.fabric.broker.loop.BrokerLoop`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import BadKeys
 from ...wire import Bye, Refusal, Relay, encode
@@ -16,12 +16,32 @@ from ...wire.writing import passed_on
 from ..curve import peer_name
 from .view import Exchange
 
+if TYPE_CHECKING:
+    from ..curve import Guard
+    from .children import Spawned
+    from .outbox import Outbox
+    from .view import BrokerView
+
 _BYE = tuple(encode(Bye()))
 log = logging.getLogger("somatize.broker")
 
 
 class Ending:
     """The broker loop's ending of exchanges (a mixin: the loop's state is its own)."""
+
+    # the loop's state read here: annotations alone, for the type checker (nothing is set here)
+    view: BrokerView
+    _guard: Guard | None
+    _outbox: Outbox | None
+    _spawned: Spawned
+
+    if TYPE_CHECKING:  # the loop's methods called here (defined here, they would hide the loop's)
+
+        def _deliver(self, route: bytes, frames: list, tenant: str = "") -> None: ...
+        def _answer(self, route: Any, message: Any) -> None: ...
+        def _left(self, hosts: list[str], offers: dict, why: str) -> None: ...
+        def _prune(self) -> None: ...
+        def _keep_bindings(self) -> None: ...
 
     def _reload(self) -> None:
         """Read the allow folders again; a key taken out loses its hosts and exchanges now.
@@ -40,11 +60,13 @@ class Ending:
 
     def _revoke(self) -> None:
         before = dict(self.view.offers)
+        assert self._guard is not None  # asked by `_reload` alone, which returns where there are no keys
         self._free(lambda: self.view.revoke(self._guard.allowed(), self._guard.workers), "at a reload")
         self._left([h for h in before if h not in self.view.offers], before, "its key was taken out of the allow-list")
         self._prune()
         allowed = self._guard.allowed()
         for exchange in self.view.revoked:  # nothing more of it is delivered, and its other side is told
+            assert self._outbox is not None  # set by `bind`: a reload is done by `serve`
             if exchange.key and exchange.key not in allowed:
                 self._outbox.forget(exchange.client)
                 self._outbox.forget(exchange.worker, exchange.tenant)
@@ -84,6 +106,7 @@ class Ending:
             if exchange.worker in self.view.offers_index:
                 self._bye(exchange)
         for exchange in cut:  # its client waits on an answer that will never come: it is told
+            assert self._outbox is not None  # set by `bind`: exchanges are cut by what `serve` reads
             self._outbox.forget(exchange.client, str(exchange.number))
             self._tell_client(
                 exchange,

@@ -48,7 +48,7 @@ from ...wire import (
     variant_of,
 )
 from .. import sockets
-from ..conversation import CLIENT, WORKER, BrokerView, Stale, Violation
+from ..conversation import Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name
 from ..hosts import Worker
 from . import answers as _answers
@@ -62,7 +62,7 @@ from .outbox import DROPPED, GONE, LARGEST, PIPED, Outbox
 from .probes import Probes
 from .quiet import Quiet
 from .spawn import Child, Reach
-from .view import IDLE_SILENCE
+from .view import CLIENT, IDLE_SILENCE, WORKER, BrokerView  # what `conversation` names too, typed
 
 #: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
 #: worker key may serve at once (a SLURM job of that many nodes on one key; `--max-hosts-per-key`).
@@ -193,9 +193,10 @@ class BrokerLoop(Admitting, Ending):
                     self._reload_asked = False
                     self._reload()
                 self._expire()
+                assert self._outbox is not None  # set by `bind`, which comes first
                 events = dict(poller.poll(20 if self._outbox.pending() else 200))
                 self._take()  # what a peer said before its connection dropped is heard first (its Bye)
-                if self._drops in events:
+                if self._drops is not None and self._drops in events:  # (None is never polled)
                     dropped = []
                     while sockets.readable(self._drops):
                         dropped.append(self._drops.recv_multipart()[0])
@@ -253,6 +254,7 @@ class BrokerLoop(Admitting, Ending):
 
     # -- sending: never blocking ------------------------------------------------------
     def _deliver(self, route: bytes, frames: list, tenant: str = "") -> None:
+        assert self._outbox is not None  # set by `bind`: what is sent answers what `serve` read
         said = self._outbox.send(route, frames, tenant)
         if said == GONE:
             more = self._losses.more()
@@ -278,6 +280,7 @@ class BrokerLoop(Admitting, Ending):
 
     def _gone(self, route: bytes) -> None:
         """ZeroMQ has no route of that id any more (not a full queue: that is only slow)."""
+        assert self._outbox is not None  # set by `bind`: only a send or a read finds a route gone
         self._outbox.forget(route)
         self._leave(route, "its connection is gone")
 
@@ -337,12 +340,14 @@ class BrokerLoop(Admitting, Ending):
                     ),
                 )
             return
-        relay = None
+        relay: Relay | None = None
         try:
             if variant is None:
                 raise junk
             if variant is Relay:
-                relay = decode(frames)
+                decoded = decode(frames)
+                assert isinstance(decoded, Relay)  # the variant its header names (`variant_of`)
+                relay = decoded
                 deliver = self.view.relay(route, user, relay, now)
                 tenant = str(relay.exchange) if relay.exchange else self.view.tenant(route, user)
                 if deliver is not None:
@@ -381,9 +386,12 @@ class BrokerLoop(Admitting, Ending):
             self._answer(route, self._listed())
         else:
             self._leave(route, "it said Bye")
+            assert self._outbox is not None  # set by `bind`: this message was read from its front
             self._outbox.forget(route)
             if user:  # a channel closed: it no longer counts against its key's connections
-                self._connections.get(user, {}).pop(route, None)
+                routes = self._connections.get(user)
+                if routes is not None:
+                    routes.pop(route, None)
 
     def _connected(self, key: str, route: bytes, now: float, most: int) -> bool:
         """Count ``route`` against ``key``'s connections: False past ``most``."""
@@ -441,6 +449,7 @@ class BrokerLoop(Admitting, Ending):
         offer = self.view.offers.get(host) if host else None
         if offer is None or not offer.owner.startswith("route:"):
             return True
+        assert self._front is not None  # set by `bind`: a Hello read from it asks this
         try:
             self._front.send_multipart([offer.route, *encode(Ready(self.runtime))], zmq.NOBLOCK)
         except zmq.Again:
@@ -493,6 +502,7 @@ class BrokerLoop(Admitting, Ending):
         before they looked (they would find it there and wait for ever): told now."""
         orphaned, self.view.orphaned = self.view.orphaned, []
         for exchange in orphaned:
+            assert self._outbox is not None  # set by `bind`: `serve` asks this
             self._outbox.forget(exchange.client, str(exchange.number))
             self._tell_client(
                 exchange,
@@ -514,12 +524,14 @@ class BrokerLoop(Admitting, Ending):
     def _probe(self) -> None:
         """A dialed worker's connection dropped: is it gone? (`probes`; what waits already tells)"""
         suspects = [r for r in self._probes.take(time.monotonic()) if r in self.view.offers_index]
+        assert self._outbox is not None  # set by `bind`: `serve` probes
         if suspects := [r for r in suspects if not self._outbox.waiting(r)]:
             self._ask(suspects, Ready(self.runtime))
 
     def _ask(self, routes: list[bytes], message: Any) -> None:
         """``message`` to each of ``routes``, now: a full queue is slow, never gone; no route is gone."""
         frames = encode(message)
+        assert self._front is not None  # set by `bind`: `serve` asks
         for route in routes:
             try:
                 self._front.send_multipart([route, *frames], zmq.NOBLOCK)

@@ -43,7 +43,9 @@ class Probes:
 
     def forget(self, route: bytes) -> None:
         fd = self._route_fd.pop(route, None)
-        routes = self._fd_routes.get(fd) if fd is not None else None
+        if fd is None:
+            return
+        routes = self._fd_routes.get(fd)
         if routes is not None:
             routes.discard(route)
             if not routes:

@@ -12,6 +12,7 @@ import itertools
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ...errors import ProtocolError
 from ...wire import (
@@ -348,7 +349,9 @@ class BrokerView:
             self._next_expiry = now + self.patience / 4
         heard, busy, offers = self._heard, self._busy_since, self.offers
         idle, check, working = IDLE_SILENCE * self.patience, self.patience, 1.5 * self.patience
-        gone, stalled, checks = [], set(), {}
+        gone, stalled = [], set()
+        checks: dict[bytes, None] = {}  # the routes to ask, in order, each once
+        offer: Offer | None  # each offer looked at below (held hosts: one that left is None)
         if full:
             for host, offer in offers.items():
                 if host not in busy and now - max(offer.seen, heard.get(offer.route, 0.0)) > idle:
@@ -537,6 +540,7 @@ class BrokerView:
         pair = (exchange.client, exchange.host, exchange.lane)
         if self._by_pair.get(pair) == number:
             del self._by_pair[pair]
+        at: Any  # a route (bytes) or a host or tenant (str): the key of its own index
         for index, at in (
             (self._of_route, exchange.client),
             (self._of_route, exchange.worker),

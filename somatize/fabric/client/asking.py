@@ -79,6 +79,7 @@ class Asking:
                     self._control, self._watch = self._control_socket()
                     self._linked = False
                 control, watch = self._control, self._watch
+                assert watch is not None  # made, and dropped, with the control socket (`_close_control`)
             return self._asked(control, watch, message, until, timeout, late, shared=True)
         finally:
             self._asking.release()

@@ -15,7 +15,8 @@ the deadline.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -30,6 +31,12 @@ from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import PROBE, hung_up
 from . import lending as _lending
 from .refusals import handshake_failed
+
+if TYPE_CHECKING:
+    from ...wire import Located
+    from ..conversation import ClientExchange
+    from ..curve import Keys
+    from .link import Lane
 
 #: How long a receive waits for an answer before the link's events, the broker's word and
 #: the deadline are looked at (milliseconds): a link that drops is told within this.
@@ -64,6 +71,30 @@ class Carriage:
     #: broker sets it): a wait for an answer then ends within a look, as ``Closed``
     ended: Any = None
 
+    # the channel's attributes (set by `Channel.__init__`), declared here for the checker only
+    host: str
+    located: Located
+    address: str
+    relayed: bool
+    patience: float
+    keys: Keys | None
+    server_key: bytes | None
+    exchange: ClientExchange
+    lane: Lane | None  # a relayed channel's lane of the link; None: a socket of its own
+    sock: zmq.Socket | None  # None exactly when `lane` is not
+    monitor: zmq.Socket | None  # None exactly when `lane` is not
+    linked: bool
+    still_there: Callable[[float], bool] | None
+    _checked: float
+    folder: str | None
+    lending: _lending.Lending | None
+    mounted: list
+    views: bool
+    sent_at: float | None
+    _outgoing: _streams.Outgoing | None
+    _inbound: _streams.Inbound
+    _early: list
+
     def dropped_while_idle(self) -> bool:
         """Whether the link dropped since the last work (a worker or broker restarted
         between calls): nothing of this channel's is in flight, so a fresh channel takes
@@ -80,9 +111,11 @@ class Carriage:
         if time.monotonic() - self.idle_since < BACK_AT_ONCE:
             return False
         dropped = False
+        monitor = self.monitor
+        assert monitor is not None  # a channel with no lane has a socket and a monitor of its own
         try:
-            while sockets.readable(self.monitor):
-                event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
+            while sockets.readable(monitor):
+                event = int.from_bytes(monitor.recv_multipart()[0][:2], "little")
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.linked = True
                 else:  # dropped, or a handshake refused (a fresh channel says why)
@@ -109,7 +142,8 @@ class Carriage:
         if self.relayed:  # the broker opens the envelope and passes the message on
             frames = encode(Relay(host=self.host, inner=tuple(frames)))
         try:  # the sentence and its context manager only when it fails: this runs every call
-            sockets.send_frames(self.sock, frames)
+            # no lane: a socket of its own (not checked here: this runs every call)
+            sockets.send_frames(self.sock, frames)  # type: ignore[arg-type]
         except zmq.ZMQError as exc:
             with sockets.translated(f"the worker for `{self.host}` at {self.address}"):
                 raise exc
@@ -155,7 +189,8 @@ class Carriage:
                     break
             else:  # waits up to LOOK_EVERY_MS, on the calling thread, as a bare socket would
                 try:
-                    parts = sockets.receive_frames(self.sock)
+                    # no lane: a socket of its own (not checked here: this runs every call)
+                    parts = sockets.receive_frames(self.sock)  # type: ignore[arg-type]
                     break
                 except zmq.Again:
                     pass
@@ -215,8 +250,10 @@ class Carriage:
                 raise Dropped(f"the connection to {self.address} dropped")
             self.linked = link.linked
         else:
-            while sockets.readable(self.monitor):  # every event since the last look
-                event = int.from_bytes(self.monitor.recv_multipart()[0][:2], "little")
+            monitor = self.monitor
+            assert monitor is not None  # a channel with no lane has a socket and a monitor of its own
+            while sockets.readable(monitor):  # every event since the last look
+                event = int.from_bytes(monitor.recv_multipart()[0][:2], "little")
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.linked = True
                     continue

@@ -99,7 +99,7 @@ class Channel(Carriage):
         *,
         keys: Keys | None = None,
         server_key: bytes | None = None,
-        still_there: Any = None,
+        still_there: Callable[[float], bool] | None = None,
         deadline: Deadline | None = None,
         lane: Lane | None = None,
     ) -> None:
@@ -171,17 +171,19 @@ class Channel(Carriage):
         if self.lane is not None:
             self.lane.close(quiet=quiet)  # its worker hears Bye; the link stays for the other lanes
             return
-        if self.relayed and self.linked and not self.sock.closed:
+        sock = self.sock
+        assert sock is not None  # a channel with no lane has a socket of its own
+        if self.relayed and self.linked and not sock.closed:
             try:  # the broker ends this connection's exchanges now, not when they are crowded out
-                self.sock.send_multipart(encode(Bye()), zmq.NOBLOCK)
+                sock.send_multipart(encode(Bye()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        if not self.sock.closed:
+        if not sock.closed:
             try:
-                self.sock.disable_monitor()
+                sock.disable_monitor()
             except zmq.ZMQError:
                 pass
-        sockets.close(self.monitor, self.sock)
+        sockets.close(self.monitor, sock)
 
     # -- the conversation ----------------------------------------------------------------
     def _hello(self, deadline: Deadline | None) -> None:
@@ -343,6 +345,7 @@ class Channel(Carriage):
                 answer = None
                 continue
             if answer is self.exchange.unplaced:
+                assert answer is not None  # an answer taken (never None): `unplaced` is set
                 raise Refused(
                     f"the worker for `{self.host}` refused without naming the work sent to it, "
                     f"after it was sent: {answer.why}. That is not this work's answer, so whether "

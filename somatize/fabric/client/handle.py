@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
@@ -105,7 +105,7 @@ class Broker(Asking, Pool):
         send: dict[str, tuple] | None = None,
         keys: Keys | None = None,
         host_keys: dict[str, Keys] | None = None,
-        deadlines: dict[str, float] | None = None,
+        deadlines: Mapping[str, float | None] | None = None,
         views: frozenset[str] = frozenset(),
     ) -> None:
         self.url = url
@@ -397,7 +397,7 @@ class Broker(Asking, Pool):
                     host=piece.host,
                 ) from cause
         chosen = ticket is not None
-        if chosen:
+        if ticket is not None:
             ticket[0] = False  # `take` counts it from here
         try:  # this client's forwards to one host take turns there (turns.py)
             return self._turns.take(

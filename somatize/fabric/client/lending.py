@@ -376,7 +376,7 @@ class Lending:
                 raise ProtocolError(
                     f"the answer reads {length:,} bytes at {offset:,} of `{seg.name}`, which has {seg.size:,}: refused"
                 )
-            frames.append(memoryview(self._hold(seg, offset, length)))
+            frames.append(self._hold(seg, offset, length).data)  # memoryview(the anchor)
         return frames
 
     def _hold(self, seg: Segment, offset: int, length: int) -> np.ndarray:

@@ -254,6 +254,7 @@ class Link:
             variant = variant_of(parts)  # a Relay's told by its first bytes
             if variant is Relay:
                 relay = decode(parts)  # its header only: the lane's channel opens the rest
+                assert isinstance(relay, Relay)  # what `variant_of` said it is
                 inner = list(relay.inner)
                 lanes = [relay.lane]
             elif variant is Refusal:  # the broker's word for the connection: every lane hears it

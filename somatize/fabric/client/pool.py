@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...engine import Deadline
 from ...errors import Broken, Closed, Refused, Unreachable
@@ -44,6 +44,19 @@ class Pool:
     _lock: Any
     _closed: bool
     _ended: Any
+    _host_keys: dict[str, Keys]
+    _send_by_host: dict[str, tuple]
+    _views: frozenset[str]
+    _idle: dict[str, list[Channel]]
+    _idle_order: OrderedDict[int, Channel]
+    _idle_lanes: OrderedDict[int, Channel]
+    _link: Link | None
+    _packers: dict[str | tuple[str, str], Packer]
+    _provisioned: dict[str, set[str]]
+
+    if TYPE_CHECKING:  # the broker's own (`Asking`): for the checker only, never in the way of the real one
+
+        def _ask(self, message: Any, timeout: float, *, late: str | None = None) -> Any: ...
 
     def _packer(self, host: str, mode: str) -> Packer:
         member = pool_of(host)

@@ -146,7 +146,8 @@ class Attachments:
             taken.inputs[seg.name] = seg
             anchor = anchor_at(seg.view, offset, length, writable=True)
             taken.anchors.append((seg.name, weakref.ref(anchor)))
-            frames.append(memoryview(anchor))
+            # an ndarray is a buffer; numpy's stubs say so (`__buffer__`) only from Python 3.12
+            frames.append(memoryview(anchor))  # type: ignore[arg-type]
         return frames, taken
 
 

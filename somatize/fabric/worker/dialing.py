@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -39,6 +39,13 @@ from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import PROBE, Keys, as_client, speaks_curve
 from .outbox import To
 from .pacing import Pacer
+
+if TYPE_CHECKING:
+    from ...wire import Runtime
+    from .. import streams as _streams
+    from ..conversation import WorkerSessions
+    from .said import Limiter
+    from .slots import Job
 
 #: The longest a dialed worker waits before saying Hello again to a broker that refused it.
 MAX_BACKOFF = 30.0
@@ -55,12 +62,34 @@ class Dialing:
     _front: Any
     _offer: str | None
     _broker: str
-    _events: Any
+    _events: zmq.Socket | None  # the connection's events (a monitor socket), once dialed
     _control: list
     patience: float
     mount: str | None
     _seen: str  # the token of our file in the mount folder, named in every Hello
-    sessions: Any  # conversation.WorkerSessions: clients with sessions here are waited on
+    sessions: WorkerSessions  # clients with sessions here are waited on
+    runtime: Runtime
+    _identity: str
+    _pacer: Pacer | None  # a dialed worker's window (`.pacing`), set by `dial`
+    _marking: list  # a mark, encoded once (`dial`)
+    _keyed: bool
+    _accepted: bool
+    _lost: bool
+    _refused_keys: bool
+    _backoff: float
+    _hello_at: float
+    _refused_at: float
+    _next_hello: float
+    _dropped_at: float
+    _blocked: bool
+    _running: dict[int, Job]
+    _outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]]
+    _lines: Limiter
+
+    if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
+
+        def _take(self, to: To, frames: list, *, opened: bool = False) -> None: ...
+        def _ready(self, proof: str = "") -> Ready: ...
 
     def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
         """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
@@ -118,7 +147,9 @@ class Dialing:
             if what == "hello":
                 self._hello_at = time.monotonic()
             elif what == "mark":
-                self._pacer.marked(time.monotonic())
+                pacer = self._pacer
+                assert pacer is not None  # marks are queued by `_mark`, only ever with a window (`dial`)
+                pacer.marked(time.monotonic())
         return True
 
     def _mark(self) -> None:
@@ -156,7 +187,9 @@ class Dialing:
         while self._events is not None and sockets.readable(self._events):
             event = int.from_bytes(self._events.recv_multipart()[0][:2], "little")
             if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
-                self._pacer.reset()  # nothing of the old connection is in flight; no mark will be answered
+                pacer = self._pacer
+                assert pacer is not None  # `dial` made both the events and the window
+                pacer.reset()  # nothing of the old connection is in flight; no mark will be answered
                 self._control = [m for m in self._control if m[0] != "mark"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if self._lost:
@@ -198,13 +231,16 @@ class Dialing:
             variant = variant_of(parts)
             if variant is Relay:
                 relay = decode(parts)  # its header only: the inner message is opened by _take
+                assert isinstance(relay, Relay)  # as its header's variant said
                 if relay.exchange > 0:
                     peer = b"relay:%d" % relay.exchange
                     tenant = relay.tenant or f"exchange:{relay.exchange}"
                     self._take(To(peer, tenant, exchange=relay.exchange), list(relay.inner))
                 return
             if variant is Located:  # its answer to our oldest mark: it read what came before
-                self._pacer.answered()
+                pacer = self._pacer
+                assert pacer is not None  # a dialed worker's (`dial` made it)
+                pacer.answered()
                 return
             if variant not in (Ready, Refusal, Hello):
                 raise ProtocolError(f"a broker does not send a worker a `{variant.__name__}`")
@@ -221,7 +257,9 @@ class Dialing:
                 self._next_hello = self._hello_at + KEEPALIVE * self.patience  # taken: the net beneath now
             self._accepted, self._backoff = True, 0.0
         elif isinstance(message, Refusal):
-            self._pacer.answered()  # an answer in line: to a mark, perhaps (a broker that lost our offer)
+            pacer = self._pacer
+            assert pacer is not None  # a dialed worker's (`dial` made it)
+            pacer.answered()  # an answer in line: to a mark, perhaps (a broker that lost our offer)
             # a restarted broker that does not know us (a late answer it cannot place), or a
             # refusal of our offer: neither is a reason to stop serving. Hello again, later.
             self._accepted = False

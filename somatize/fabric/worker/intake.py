@@ -24,7 +24,8 @@ What is not for here: the socket loop (:mod:`somatize.fabric.worker.loop`), send
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 from ...errors import ProtocolError, Refused
 from ...wire import (
@@ -35,6 +36,7 @@ from ...wire import (
     Hello,
     Mounted,
     Provision,
+    Ready,
     Refusal,
     Relay,
     Work,
@@ -50,6 +52,12 @@ from ..conversation import Unheld, Unknown, Violation
 from . import attachments as _attachments
 from .outbox import To
 
+if TYPE_CHECKING:
+    from .. import streams as _streams
+    from ..conversation import WorkerSessions
+    from ..curve import Guard
+    from .slots import Job
+
 _CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
 
 
@@ -57,9 +65,26 @@ class Intake:
     """The receiving side of :class:`~somatize.fabric.worker.loop.WorkerLoop` (a mixin: the
     loop's attributes are its own)."""
 
-    sessions: Any
+    sessions: WorkerSessions
     mount: str | None
     _identity: str  # who this worker is to its clients (`proofs.identity`)
+    withheld: int
+    _guard: Guard | None  # a listening worker's allow-list of client keys, when it has keys
+    _revoking: bool
+    _running: dict[int, Job]
+    _running_lock: threading.Lock
+    _inbound: _streams.Inbound
+    _outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]]
+
+    if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
+
+        def _reply(self, to: To, answer: Any, *, refusing: bool = False) -> None: ...
+        def _deliver(self, to: To, frames: list) -> None: ...
+        def _drain(self, to: To, out: _streams.Outgoing) -> None: ...
+        def _settle(self, peer: bytes, sid: int) -> None: ...
+        def _ready(self, proof: str = "") -> Ready: ...
+        def _provision(self, to: To, message: Provision) -> None: ...
+        def _work(self, to: To, work: Work, mounted: Mounted | _attachments.Taken | None) -> None: ...
 
     def _revoke(self) -> None:
         """On the thread holding the socket, after a reload: every session of a key no
@@ -95,7 +120,7 @@ class Intake:
         """One message from ``to``: a carrier is opened, anything else checked by the
         conversation and acted on; whatever is refused is answered ``Refusal``, naming the
         Work it refuses (read from its header), unless that ref is open (a duplicate)."""
-        mounted: Mounted | None = None
+        mounted: Mounted | _attachments.Taken | None = None  # its cargo, in a shared folder
         arrived = frames
         try:
             # from a peer that has not said Hello only Hello and Bye are opened; the others
@@ -135,6 +160,7 @@ class Intake:
                 frames = []  # only the work's input points into the segments now...
                 if isinstance(mounted, _attachments.Taken):
                     message = mounted.detach(message)  # ...and it is held by `mounted` until it runs
+            # the conversation gives back only these (its `receive` is typed `object`)
             message = self.sessions.receive(to.peer, message, to.tenant)
         except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError
             why = getattr(exc, "why", None) or str(exc)

@@ -292,8 +292,10 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         return len(self._running)
 
     def _report(self) -> None:
+        store = self.store
+        assert store is not None  # `_turn` reports only where there is a store
         try:
-            report(self.store, self.machine, self_report(self.served, machine=self.machine))
+            report(store, self.machine, self_report(self.served, machine=self.machine))
         except (OSError, SomatizeError) as exc:  # a full disk must not stop the serving
             log.warning("could not report to the store: %s", exc)
 
@@ -362,12 +364,15 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
 
     # -- receiving -----------------------------------------------------------------------
     def _receive(self) -> None:
+        front = self._front
+        assert front is not None  # `_turn` reads only the socket that `bind` or `dial` made, once it polled readable
+        parts: list | None  # let go of once handled (below)
         for turn in range(64):  # bounded, so answers keep flowing under a flood; the poll said one waits
             # stopped meanwhile (a piece that ran here, while the stand-in closed): leave it
-            if self.stopping.is_set() or turn and not sockets.readable(self._front):
+            if self.stopping.is_set() or turn and not sockets.readable(front):
                 return
             try:
-                parts = sockets.receive_frames(self._front, sockets.NOBLOCK)
+                parts = sockets.receive_frames(front, sockets.NOBLOCK)
             except zmq.Again:
                 return
             self.heap.received(parts)

@@ -22,17 +22,23 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import zmq
 
-from ...wire import Failed, Refusal, encode, variant_of
+from ...wire import Begin, Chunk, Failed, Refusal, encode, variant_of
 from ...wire.writing import passed_on
 from .. import sockets
 from .. import streams as _streams
 from ..curve import peer_name
 from .pacing import TENANT_QUEUE
 from .said import clip
+
+if TYPE_CHECKING:
+    from ..conversation import WorkerSessions
+    from .imported import Imports
+    from .pacing import Pacer
+    from .said import Limiter
 
 log = logging.getLogger("somatize.worker")
 #: Seconds between two log lines giving the same advice about stale imports.
@@ -55,8 +61,25 @@ class Outbox:
     _front: Any
     _broker: str
     _control: list
-    _outgoing: dict
-    _pacer: Any  # a dialed worker's window and fair order (`.pacing`); None for a listening one
+    _outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]]
+    _pacer: Pacer | None  # a dialed worker's window and fair order (`.pacing`); None for a listening one
+    _answers: zmq.Socket  # wakes the thread holding the socket (`_wake`)
+    _outbox: queue.SimpleQueue
+    _holder: int | None
+    _blocked: bool
+    _inbound: _streams.Inbound
+    _lines: Limiter
+    _advised: dict[str, float]
+    sessions: WorkerSessions
+    imports: Imports
+    withheld: int
+    dropped: int
+    _dropped_at: float
+    patience: float
+
+    if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
+
+        def _push(self) -> zmq.Socket: ...
 
     def _forward_answers(self) -> None:
         while sockets.readable(self._answers):
@@ -153,7 +176,9 @@ class Outbox:
             out = _streams.Outgoing(_streams.new_sid(), frames)
             self._outgoing[(to.peer, out.sid)] = (to, out)
             self.sessions.hold(to.peer, out.sid)  # its session stays until every byte is credited
-            out.begun = False  # its Begin leaves first, in `_drain`, as soon as there is room
+            # its Begin leaves first, in `_drain`, as soon as there is room (`begun`: the worker's
+            # own mark on a stream, which `streams.Outgoing` does not declare)
+            out.begun = False
             self._drain(to, out)
             return
         self._carry(to, frames)
@@ -178,6 +203,7 @@ class Outbox:
         """Answers that waited for the window leave, one per tenant in turn, while it is open
         and the socket has room (a full socket is looked at again when it has room)."""
         pacer = self._pacer
+        assert pacer is not None  # called only with a window that waits (`_turn`): a dialed worker's
         pacer.look(now)
         while pacer.waiting():
             if self._control and not self._push_control():
@@ -197,6 +223,7 @@ class Outbox:
         room; the rest wait here. A stream takes its place in the window beside the answers
         waiting (`_pump_paced`), never behind all of them: its client's credit bounds it."""
         chunks = out.chunks() if out.begun else None
+        message: Begin | Chunk | None
         while True:
             if not self._room():
                 if self._pacer is None or self._pacer.room():

@@ -42,7 +42,9 @@ def guarded(work: Work, nodes: Sequence[Node], job: Job) -> list[Guarded]:
     one guard per node and name, however often it appears."""
     guards: dict[tuple[int, str], Guarded] = {}
     out: list[Guarded] = []
-    for node, spec in zip(nodes, work.recipe.nodes, strict=True):
+    recipe = work.recipe
+    assert recipe is not None  # a Work the conversation gave back: its recipe in full, or recalled
+    for node, spec in zip(nodes, recipe.nodes, strict=True):
         guard = guards.get((id(node), spec.label))
         if guard is None:
             guard = guards[(id(node), spec.label)] = Guarded(node, spec.label, job)
@@ -89,6 +91,7 @@ class Prepared:
             return kept[2], kept[4]
         guards = guarded(work, nodes, job)
         steps = steps_of(work, guards)
+        assert recipe is not None  # `guarded` just read its nodes
         lone = lone_step(steps, recipe.shape)
         self._kept[id(recipe)] = (recipe, tuple(nodes), steps, tuple({id(g): g for g in guards}.values()), lone)
         self._kept.move_to_end(id(recipe))

@@ -25,10 +25,11 @@ What is not for here: receiving (:mod:`somatize.fabric.worker.intake`), the sock
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -46,6 +47,13 @@ from .said import clip, failed_answer
 from .slots import Job, NodeExit
 from .standin import WATCH
 
+if TYPE_CHECKING:
+    from ...packing import Catalog
+    from ...wire import Runtime
+    from .heap import Heap
+    from .prepared import Prepared
+    from .slots import Slots
+
 __all__ = ["BUSY_SAID_EVERY", "Running"]
 
 BUSY_SAID_EVERY = 60.0  # seconds: a refusal as busy is logged at most this often
@@ -56,9 +64,36 @@ class Running:
     """The running side of :class:`~somatize.fabric.worker.loop.WorkerLoop` (a mixin: the
     loop's attributes are its own)."""
 
-    catalog: Any
+    catalog: Catalog
     jobs: int
-    runtime: Any
+    runtime: Runtime
+    mount: str | None
+    served: int
+    heap: Heap
+    _slots: Slots | None  # with jobs=1 none: a piece runs where it arrived
+    _prepared: Prepared
+    _running: dict[int, Job]
+    _running_lock: threading.Lock
+    _tokens: itertools.count[int]
+    _hold: threading.Lock
+    _holder: int | None
+    _inline: Job | None
+    _inline_seq: int
+    _want_back: bool
+    _busy_said: float
+    _busy_unsaid: int
+    _local: threading.local
+    _answers_url: str
+    _pushes: list[zmq.Socket]
+
+    if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
+
+        def _reply(self, to: To, answer: Any, *, refusing: bool = False) -> None: ...
+        def _post(self, to: To, answer: Any, frames: list) -> None: ...
+        def _stale(self, answer: Any) -> Any: ...
+        def _wake(self) -> None: ...
+        def _flush(self) -> None: ...
+        def _said(self) -> dict[str, str] | None: ...
 
     def _ready(self, proof: str = "") -> Ready:
         """Ready, saying how long the oldest running work has run (0: idle), and the proof
@@ -71,9 +106,11 @@ class Running:
         with self._running_lock:
             return min(self._running.values(), key=lambda job: job.started, default=None)
 
-    def _work(self, to: To, work: Work, mounted: Mounted | None) -> None:
+    def _work(self, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
+        recipe = work.recipe
+        assert recipe is not None  # the conversation gives a Work back with its recipe (in full, or recalled)
         try:
-            missing = self.catalog.missing(work.recipe.nodes)
+            missing = self.catalog.missing(recipe.nodes)
         except Refused as exc:
             self._reply(to, Refusal(str(exc), ref=work.ref))
             return
@@ -84,7 +121,7 @@ class Running:
             full = len(self._running) >= self.jobs
             if not full:
                 token = next(self._tokens)
-                job = self._running[token] = Job(work.recipe.nodes[0].label if work.recipe.nodes else "?", to.peer)
+                job = self._running[token] = Job(recipe.nodes[0].label if recipe.nodes else "?", to.peer)
         if full:
             self._busy(to, work)
             return
@@ -94,7 +131,7 @@ class Running:
         else:
             self._run_here(token, job, to, work, mounted)
 
-    def _run_here(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | None) -> None:
+    def _run_here(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
         """Run a piece on this thread, letting go of the socket meanwhile (the stand-in
         takes it if the piece runs long), and take it back once the piece has returned."""
         me = threading.get_ident()
@@ -152,7 +189,7 @@ class Running:
             self._pushes.append(push)
         return push
 
-    def _run(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | None) -> None:
+    def _run(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
         ref = work.ref
 
         def sent(fact: dict[str, str]) -> None:  # one fact as a Saw of its own, into the outbox
@@ -172,7 +209,9 @@ class Running:
             work = mounted.restore(work)  # its input, held here until the answer is written
         try:
             # each node built, and so checked, at every call; with one job its steps are kept
-            nodes = [self.catalog.build(spec) for spec in work.recipe.nodes]
+            recipe = work.recipe
+            assert recipe is not None  # as in `_work`: the conversation gave it back with its recipe
+            nodes = [self.catalog.build(spec) for spec in recipe.nodes]
             steps, lone = self._prepared.prepare(work, nodes, job, keep=self._slots is None)
             built = True
             if lone is not None and watch is None and not work.keys:
@@ -188,6 +227,7 @@ class Running:
                     held.take() if held is not None else (),
                 )
         except NodeFailed as exc:
+            cause: BaseException | None  # let go of below, once told
             cause = exc.__cause__ or exc
             if isinstance(cause, NodeExit):
                 cause = cause.raised
@@ -230,7 +270,8 @@ class Running:
                 )
             if hasattr(answer, "produced"):  # a Done: the conversation needs only its kind and ref
                 answer = dataclasses.replace(answer, output=None, produced={})
-            work = frames = outcome = cause = None  # noqa: F841 (the input, the output)
+            # the input, the output: let go of here, so the locals are rebound to None on purpose
+            work = frames = outcome = cause = None  # type: ignore[assignment]  # noqa: F841
             frames = mounted.sealed()
         elif mounted is not None and self.mount is not None and len(frames) > 1:
             try:  # named for the client, which removes them once read

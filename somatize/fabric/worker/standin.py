@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import zmq
+from .slots import Job, exit_now
 
-from .slots import exit_now
+if TYPE_CHECKING:
+    from .. import sockets
 
 #: How long a piece runs on the serving thread before a stand-in serves meanwhile (seconds).
 STAND_IN_AFTER = 0.02
@@ -94,23 +95,30 @@ class Watch:
 
 WATCH = Watch()
 # a child forked while the watch ran has its state and none of its thread: it starts afresh
-os.register_at_fork(after_in_child=WATCH.__init__)
+os.register_at_fork(after_in_child=lambda: Watch.__init__(WATCH))
 
 
 class StandIn:
     """Part of ``WorkerLoop``: its stand-in thread, and stopping while a piece is stuck."""
 
-    stopping: Any
+    stopping: sockets.Alarm
     patience: float
     exit_when_stuck: bool
     _began: threading.Event
-    _hold: Any
+    _hold: threading.Lock
     _holder: int | None
-    _inline: Any
+    _inline: Job | None
     _inline_seq: int
     _want_back: bool
-    _running: dict
-    _running_lock: Any
+    _running: dict[int, Job]
+    _running_lock: threading.Lock
+
+    if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
+
+        def _poller(self) -> sockets.Poller: ...
+        def _turn(self, poller: sockets.Poller, timeout_ms: int) -> None: ...
+        def _flush(self) -> None: ...
+        def close(self) -> None: ...
 
     def _held_young(self) -> list[tuple[float, Any]]:
         """The pieces in slots whose facts are still held (`.held`), each with when it will
@@ -139,7 +147,7 @@ class StandIn:
         ``STAND_IN_AFTER`` seconds (`WATCH` wakes it then); hand the socket back as soon as
         it returns."""
         me = threading.get_ident()
-        poller: zmq.Poller | None = None
+        poller: sockets.Poller | None = None
         while not self.stopping.is_set():
             if not self._began.wait(5.0):  # asleep until a piece runs long (close wakes it)
                 continue
