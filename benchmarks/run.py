@@ -60,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(cases.CASES),
         help=f"the cases to run (default: all of {','.join(cases.CASES)})",
     )
+    parser.add_argument(
+        "--without-others",
+        action="store_true",
+        help="leave Ray and Dask out even where installed (their rows say so): the suite's quick run does",
+    )
     args = parser.parse_args(argv)
     chosen = [c.strip() for c in args.only.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in cases.CASES]
@@ -82,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, (system, covers) in others.SYSTEMS.items():
         wanted = "".join(c for c in chosen if c in covers)
         if not wanted:
+            continue
+        if args.without_others:
+            rows += [Row(c, name, "-", verdict="left out (--without-others)") for c in wanted]
             continue
         print(f"benchmarks: {name} ...", file=sys.stderr, flush=True)
         try:

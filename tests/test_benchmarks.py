@@ -92,7 +92,7 @@ def test_the_quick_run_measures_every_case(request):
     if hasattr(request.config, "_quick_run"):
         done = quick_run_result(request.config, 600)
     else:  # under pytest-xdist: run here
-        done = quick("--markdown")
+        done = quick("--markdown", "--without-others")
     assert done.returncode == 0, done.stderr[-4000:]
     rows = markdown_rows(done.stdout)
     for case, expected in ROWS.items():
@@ -110,7 +110,7 @@ def test_the_quick_run_measures_every_case(request):
 
 @pytest.mark.timeout(240)
 def test_only_picks_cases_and_the_text_table_lines_up():
-    done = quick("--only", "c,d")
+    done = quick("--only", "c,d", "--without-others")
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("case  what"))
