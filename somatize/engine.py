@@ -33,7 +33,6 @@ compiled once per shape, :mod:`somatize.wiring`. This module walks plans.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import sys
@@ -61,6 +60,10 @@ from .planned import plan_of as _plan_of
 from .planned import steps_of as _steps_of
 from .planned import trip_of as _trip_of
 from .store import FolderStore
+from .values import carried as _carried
+from .values import items_of as _items
+from .values import place as _place
+from .values import within as _within
 from .wiring import inputs_of, piece_plan, wiring_of
 
 # -- the pool ----------------------------------------------------------------------------
@@ -547,25 +550,6 @@ def _recall(store: Any, key: str, step: Step) -> Any:
     return found
 
 
-def _items(output: Any) -> int | None:
-    """How many items a node handled, when its output is a batch: a list's or a tuple's
-    length, an array's or a tensor's first dimension, an Arrow table's or record batch's
-    rows; ``None`` for anything else. Imports nothing: a library's types are looked for
-    only when it is already loaded (an output of its kind would have loaded it)."""
-    if isinstance(output, list) or type(output) is tuple:
-        return len(output)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(output, numpy.ndarray):
-        return output.shape[0] if output.ndim else None
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(output, torch.Tensor):
-        return output.shape[0] if output.dim() else None
-    arrow = sys.modules.get("pyarrow")
-    if arrow is not None and isinstance(output, (arrow.RecordBatch, arrow.Table)):
-        return output.num_rows
-    return None
-
-
 def _seconds(deadline: Any) -> float:
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
         raise TypeError(
@@ -576,47 +560,8 @@ def _seconds(deadline: Any) -> float:
     return float(deadline)
 
 
-def _carried() -> Any:
-    """What a branch on a pool thread must share with the caller's thread: torch's grad
-    mode is per thread, and `with torch.no_grad(): g.forward(x)` means every branch."""
-    torch = sys.modules.get("torch")
-    return None if torch is None else torch.is_grad_enabled()
-
-
-def _within(carried: Any) -> Any:
-    if carried is None:
-        return contextlib.nullcontext()
-    return sys.modules["torch"].set_grad_enabled(carried)
-
-
 #: The watchers of a forward nobody watches (empty watchers hold no state that changes).
 _NOBODY = Watchers()
-
-
-def _place(value: Any, device: str) -> Any:
-    """Move the tensors in ``value`` onto ``device`` (what ``.on(device)`` promises a node).
-
-    Only torch has devices; without torch imported nothing here can be a tensor.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        if type(value) is tuple:
-            return tuple(_place(v, device) for v in value)
-        kin: Any = value  # a subclass of tuple, which may have more than a tuple's attributes
-        if callable(getattr(type(kin), "to", None)):  # PackedSequence moves itself
-            return kin.to(device)
-        if hasattr(kin, "_fields"):  # a namedtuple stays one
-            return type(kin)._make(_place(v, device) for v in kin)
-        return tuple(_place(v, device) for v in value)
-    if isinstance(value, list):
-        return [_place(v, device) for v in value]
-    if isinstance(value, dict):
-        return {k: _place(v, device) for k, v in value.items()}
-    return value
 
 
 def _describe(exc: BaseException) -> str:

@@ -8,16 +8,9 @@ in is located by the listing (``Listed.dialed``) with no question of its own: th
 relays to it. For the engine this is one call,
 :meth:`Broker.run`.
 
-A channel (:mod:`somatize.fabric.client.channel`) is one DEALER socket to one worker (or
-to the broker, for a relayed host), used by one forward at a time; concurrent forwards
-borrow concurrent channels (kept between calls: :mod:`somatize.fabric.client.pool`). A
-channel that breaks is thrown away, so a late answer from a worker that came back is never
-read. Each channel's conversation (Hello, Provision, Work and their answers) is checked by a
-:class:`~somatize.fabric.conversation.ClientExchange`; what carries a message is a message
-of the wire too: a ``Relay`` envelope naming the host for a relayed one, ``Begin`` /
-``Chunk`` / ``Credit`` for a big relayed one (:mod:`somatize.fabric.streams`), ``Mounted`` for cargo in a
-shared folder (:mod:`somatize.fabric.mount`). Work is built from a piece, and an outcome from ``Done``,
-in :mod:`somatize.fabric.pieces` only.
+A channel (:mod:`somatize.fabric.client.channel`, which says what it carries and how) is
+one DEALER to one worker, or to the broker for a relayed host, borrowed by one forward at
+a time and kept between calls (:mod:`somatize.fabric.client.pool`).
 
 Deadlines: a forward's deadline (or a host's default, ``Worker.spawn(..., deadline=)``,
 whichever comes first) bounds every wait here, for the broker and for the worker; the
@@ -28,17 +21,12 @@ host (``Where(host, lost=True)``): a spawned worker that is still stuck is stopp
 started afresh on the next forward. A host run in this process runs its steps as local
 steps: the deadline is checked between them, as between any local nodes, but Python cannot
 interrupt a node that is running.
-
-Before a value leaves, its codec kinds are checked against those the worker said at Hello
-that it reads: a value it could not read is refused here, naming the kind, the host and
-the fix, and no byte of it is sent.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -61,25 +49,13 @@ from .asking import Asking
 from .carriage import Dropped, PastDeadline, bounded
 from .channel import Channel
 from .link import Link
+from .members import LostMembers, said_by_member
 from .pool import Pool
 from .refusals import NobodyThere, TurnedAway
 from .turns import Turns
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
 START_ALLOWANCE = 30.0
-
-
-def _member_said(watch: Any, suffix: str) -> Any:
-    """``watch``, told each fact as from member ``suffix`` (``#2``) of the pool it was sent
-    to; the engine's ``elsewhere`` makes that ``gpu#2``."""
-    if watch is None:
-        return None
-
-    def said(f: Any) -> None:
-        inner = f.get("host")
-        watch({**f, "host": f"{suffix}/{inner}" if inner else suffix})
-
-    return said
 
 
 def _let_go(packable: dict, key: int, gone: weakref.ref) -> None:
@@ -130,7 +106,7 @@ class Broker(Asking, Pool):
         self._here: tuple[dict[str, str], frozenset[str]] | None = None  # (listing, its in-process hosts)
         self._located: dict[str, Located] = {}
         self._pools: tuple[dict[str, str], dict[str, tuple[str, ...]]] | None = None  # (listing, pool -> members)
-        self._members_lost: dict[str, float] = {}  # pool member -> when its worker was last lost (monotonic)
+        self._members_lost = LostMembers(self.patience)  # pool members passed over for a while
         self._idle: dict[str, list[Channel]] = {}
         self._idle_order: OrderedDict[int, Channel] = OrderedDict()  # id -> channel, least recently used first
         self._idle_lanes: OrderedDict[int, Channel] = OrderedDict()  # the same, for relayed channels
@@ -334,17 +310,17 @@ class Broker(Asking, Pool):
         tried: set[str] = set()
         # a member lost lately (its worker died, or is being started again) is passed over
         # while another is there: the input map runs again goes elsewhere
-        lost = self._lately_lost(members) if self._members_lost else set()
+        lost = self._members_lost.among(members)
         while True:
             member = self._turns.choose(members, tried | lost if len(tried | lost) < len(members) else tried)
             tried.add(member)
             ticket = [True]  # still counted as on its way to the member: `take` counts it there
-            said = _member_said(watch, member[len(piece.host) :])
+            said = said_by_member(watch, member[len(piece.host) :])
             try:
                 try:  # a member whose worker cannot be had (it would not start) is passed over
                     self._locate(member, piece.deadline)
                 except Refused:
-                    self._members_lost[member] = time.monotonic()
+                    self._members_lost.lost(member)
                     if len(tried) >= len(members):
                         raise
                     continue
@@ -352,7 +328,7 @@ class Broker(Asking, Pool):
                     pass  # `_run` says it as `Overdue`, naming the member
                 outcome = self._run(changed(piece, host=member), said, ticket)
             except NobodyThere:  # a dialed member that left: nothing reached it, ask another
-                self._members_lost[member] = time.monotonic()
+                self._members_lost.lost(member)
                 if len(tried) >= len(members):
                     raise
                 continue
@@ -361,23 +337,13 @@ class Broker(Asking, Pool):
                     raise
                 continue
             except (Broken, Unreachable):
-                self._members_lost[member] = time.monotonic()
+                self._members_lost.lost(member)
                 raise
             finally:
                 if ticket[0]:
                     self._turns.unchoose(member)
-            self._members_lost.pop(member, None)
+            self._members_lost.found(member)
             return changed(outcome, member=member)
-
-    def _lately_lost(self, members: tuple[str, ...]) -> set[str]:
-        """The members of ``members`` lost in the last two patiences; older losses are forgotten."""
-        now = time.monotonic()
-        with self._lock:
-            for member, when in list(self._members_lost.items()):
-                if now - when >= self.patience * 2:
-                    del self._members_lost[member]
-            pool = set(members) if len(self._members_lost) > 8 else members
-            return {m for m in self._members_lost if m in pool}
 
     def _run(self, piece: Piece, watch: Any, ticket: list[bool] | None = None) -> Outcome:
         deadline = piece.deadline
