@@ -582,7 +582,7 @@ def test_the_worker_s_conversation_takes_cargo_only_under_its_session_s_seal():
     key = proofs.seal_key(os.urandom(32))
     with pytest.raises(Unknown):
         sessions.carries(b"alice", sealed(lent, key))
-    sessions.receive(b"alice", Hello(RT))
+    sessions.receive(b"alice", Hello(RT), now=0.0)
     with pytest.raises(Violation, match="proved no folder"):
         sessions.carries(b"alice", sealed(lent, key))
     sessions.proven(b"alice", key)
@@ -595,10 +595,10 @@ def test_the_worker_s_conversation_takes_cargo_only_under_its_session_s_seal():
     ):
         with pytest.raises(Violation, match="did not lend"):
             sessions.carries(b"alice", wrong)
-    sessions.receive(b"mallory", Hello(RT))
+    sessions.receive(b"mallory", Hello(RT), now=0.0)
     with pytest.raises(Violation):
         sessions.carries(b"mallory", sealed(lent, key))  # another peer, alice's very seal: refused
-    sessions.receive(b"alice", Hello(RT))  # a Hello renews the session: its key goes
+    sessions.receive(b"alice", Hello(RT), now=0.0)  # a Hello renews the session: its key goes
     with pytest.raises(Violation, match="proved no folder"):
         sessions.carries(b"alice", sealed(lent, key))
 

@@ -175,13 +175,13 @@ def test_hello_answered_with_done_is_a_violation():
 def test_a_worker_wants_hello_first():
     w = WorkerSessions(WORKER_RT)
     with pytest.raises(Violation, match="say Hello first"):
-        w.receive(b"a", work(1))
+        w.receive(b"a", work(1), now=0.0)
     with pytest.raises(Violation, match="say Hello first"):
-        w.receive(b"a", Provision("sha256:" + "0" * 64, b"x"))
+        w.receive(b"a", Provision("sha256:" + "0" * 64, b"x"), now=0.0)
     assert w.refused == 2
-    w.receive(b"a", Hello(RT))
+    w.receive(b"a", Hello(RT), now=0.0)
     assert w.greeted(b"a")
-    assert w.receive(b"a", work(1)).ref == 1
+    assert w.receive(b"a", work(1), now=0.0).ref == 1
 
 
 @pytest.mark.pure
@@ -192,19 +192,19 @@ def test_recall_gives_what_receive_would_or_nothing_and_changes_nothing():
     full = work(1)
     digest = recipe_digest(full.recipe).digest
     named = Work(2, None, 5, recipe_digest=digest)
-    assert w.recall(b"a", named) is None  # no Hello yet
-    w.receive(b"a", Hello(RT))
-    w.receive(b"b", Hello(RT))
-    assert w.recall(b"a", named) is None  # no recipe sent yet
-    w.receive(b"a", full)
-    assert w.recall(b"b", named) is None  # a's recipe is not b's
+    assert w.recall(b"a", named, now=0.0) is None  # no Hello yet
+    w.receive(b"a", Hello(RT), now=0.0)
+    w.receive(b"b", Hello(RT), now=0.0)
+    assert w.recall(b"a", named, now=0.0) is None  # no recipe sent yet
+    w.receive(b"a", full, now=0.0)
+    assert w.recall(b"b", named, now=0.0) is None  # a's recipe is not b's
     with pytest.raises(Violation, match="holds no recipe"):
-        w.receive(b"b", named)
+        w.receive(b"b", named, now=0.0)
     unfit = Work(2, None, 5, keys={4: "sha256:" + "0" * 64}, recipe_digest=digest)
-    assert w.recall(b"a", unfit) is None and not w.is_open(b"a", 2)
-    recalled = w.recall(b"a", named)
+    assert w.recall(b"a", unfit, now=0.0) is None and not w.is_open(b"a", 2)
+    recalled = w.recall(b"a", named, now=0.0)
     assert recalled.recipe is full.recipe and recalled.input == 5 and w.is_open(b"a", 2)
-    assert w.recall(b"a", named) is None  # its ref is open now
+    assert w.recall(b"a", named, now=0.0) is None  # its ref is open now
     assert w.answering(b"a", done(2)) and not w.is_open(b"a", 2)
     assert w.refused == 1  # only what `receive` refused counts
 
@@ -212,9 +212,9 @@ def test_recall_gives_what_receive_would_or_nothing_and_changes_nothing():
 @pytest.mark.pure
 def test_a_worker_answers_only_open_work_of_that_peer():
     w = WorkerSessions(WORKER_RT)
-    w.receive(b"a", Hello(RT))
-    w.receive(b"b", Hello(RT))
-    w.receive(b"a", work(1))
+    w.receive(b"a", Hello(RT), now=0.0)
+    w.receive(b"b", Hello(RT), now=0.0)
+    w.receive(b"a", work(1), now=0.0)
     assert w.running() == 1
     assert not w.answering(b"b", done(1))  # b never sent work 1
     assert w.answering(b"a", Saw(1, {}))
@@ -226,19 +226,19 @@ def test_a_worker_answers_only_open_work_of_that_peer():
 @pytest.mark.pure
 def test_the_same_ref_twice_while_open_is_refused():
     w = WorkerSessions(WORKER_RT)
-    w.receive(b"a", Hello(RT))
-    w.receive(b"a", work(1))
+    w.receive(b"a", Hello(RT), now=0.0)
+    w.receive(b"a", work(1), now=0.0)
     with pytest.raises(Violation, match="already running"):
-        w.receive(b"a", work(1))
+        w.receive(b"a", work(1), now=0.0)
 
 
 @pytest.mark.parametrize("odd", [Where("w1"), Hosts(), done(1), Ready(RT), Hello(RT, offering="w1")])
 @pytest.mark.pure
 def test_a_worker_refuses_what_is_not_for_a_worker(odd):
     w = WorkerSessions(WORKER_RT)
-    w.receive(b"a", Hello(RT))
+    w.receive(b"a", Hello(RT), now=0.0)
     with pytest.raises(Violation):
-        w.receive(b"a", odd)
+        w.receive(b"a", odd, now=0.0)
 
 
 @pytest.mark.pure
@@ -246,15 +246,15 @@ def test_an_incompatible_hello_is_refused_with_the_fix():
     w = WorkerSessions(WORKER_RT)
     other = dataclasses.replace(RT, wire=RT.wire + 1)
     with pytest.raises(Violation, match="upgrade somatize"):
-        w.receive(b"a", Hello(other))
+        w.receive(b"a", Hello(other), now=0.0)
     assert not w.greeted(b"a")
 
 
 @pytest.mark.pure
 def test_bye_forgets_the_peer():
     w = WorkerSessions(WORKER_RT)
-    w.receive(b"a", Hello(RT))
-    w.receive(b"a", Bye())
+    w.receive(b"a", Hello(RT), now=0.0)
+    w.receive(b"a", Bye(), now=0.0)
     assert not w.greeted(b"a")
 
 
@@ -263,7 +263,7 @@ def test_what_a_worker_keeps_per_peer_is_bounded_in_bytes():
     w = WorkerSessions(WORKER_RT, max_bytes=200_000)
     fat = dataclasses.replace(RT, kinds=tuple(f"kind.{i}.{'x' * 900}" for i in range(100)))
     for n in range(100):
-        w.receive(b"p%d" % n, Hello(fat))
+        w.receive(b"p%d" % n, Hello(fat), now=0.0)
     assert w._bytes <= 200_000
     assert w.greeted(b"p99")  # the latest is kept; the oldest were forgotten
     assert not w.greeted(b"p0")
@@ -272,10 +272,10 @@ def test_what_a_worker_keeps_per_peer_is_bounded_in_bytes():
 @pytest.mark.pure
 def test_running_work_is_never_forgotten_to_make_room():
     w = WorkerSessions(WORKER_RT, max_peers=2)
-    w.receive(b"busy", Hello(RT))
-    w.receive(b"busy", work(1))
+    w.receive(b"busy", Hello(RT), now=0.0)
+    w.receive(b"busy", work(1), now=0.0)
     for n in range(5):
-        w.receive(b"p%d" % n, Hello(RT))
+        w.receive(b"p%d" % n, Hello(RT), now=0.0)
     assert w.greeted(b"busy")
     assert w.answering(b"busy", done(1))
 
@@ -283,11 +283,10 @@ def test_running_work_is_never_forgotten_to_make_room():
 @pytest.mark.pure
 def test_busy_us_is_the_age_of_the_oldest_running_work():
     w = WorkerSessions(WORKER_RT)
-    assert w.busy_us() == 0
-    w.receive(b"a", Hello(RT))
-    w.receive(b"a", work(1))
-    started = next(iter(w._sessions[b"a"].open.values()))
-    assert w.busy_us(now=started + 2.5) == 2_500_000
+    assert w.busy_us(now=5.0) == 0
+    w.receive(b"a", Hello(RT), now=5.0)
+    w.receive(b"a", work(1), now=7.0)  # the clock is the caller's: the worker's loop hands it in
+    assert w.busy_us(now=9.5) == 2_500_000
 
 
 # -- the broker's view ----------------------------------------------------------------------

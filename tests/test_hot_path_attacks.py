@@ -982,12 +982,12 @@ def test_the_workers_one_look_paths_are_the_general_rules_in_every_state(steps):
         kind, peer = step[0], step[1]
         if kind == "hello":
             msg = Hello(RT)
-            a, b = (_outcome_of(lambda s=s: s.receive(peer, msg)) for s in (fast, slow))
+            a, b = (_outcome_of(lambda s=s: s.receive(peer, msg, now=0.0)) for s in (fast, slow))
         elif kind == "bye":
-            a, b = (_outcome_of(lambda s=s: s.receive(peer, Bye())) for s in (fast, slow))
+            a, b = (_outcome_of(lambda s=s: s.receive(peer, Bye(), now=0.0)) for s in (fast, slow))
         elif kind == "full":
             msg = Work(step[2], _RECIPES[step[3]], 0, watched=False)
-            a, b = (_outcome_of(lambda s=s: s.receive(peer, msg)) for s in (fast, slow))
+            a, b = (_outcome_of(lambda s=s: s.receive(peer, msg, now=0.0)) for s in (fast, slow))
         elif kind == "digest":
             extra = {
                 "plain": {},
@@ -999,10 +999,10 @@ def test_the_workers_one_look_paths_are_the_general_rules_in_every_state(steps):
             msg = Work(step[2], None, 0, watched=False, recipe_digest=_DIGESTS[step[3]], **extra)
 
             def express(s=fast, msg=msg):
-                opened = s.recall(peer, msg)
-                return opened if opened is not None else s.receive(peer, msg)
+                opened = s.recall(peer, msg, now=0.0)
+                return opened if opened is not None else s.receive(peer, msg, now=0.0)
 
-            a, b = _outcome_of(express), _outcome_of(lambda: slow.receive(peer, msg))
+            a, b = _outcome_of(express), _outcome_of(lambda: slow.receive(peer, msg, now=0.0))
         else:
             ref, what, refusing = step[2], step[3], step[4]
             answer = {

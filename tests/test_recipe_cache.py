@@ -273,38 +273,38 @@ def test_a_work_by_digest_still_has_its_keys_and_placement_checked(procs):
 
 def test_what_a_worker_keeps_per_peer_is_bounded():
     sessions = WorkerSessions(Runtime.here(mode="project"), max_recipes=8, max_recipe_bytes=64 << 10)
-    sessions.receive(b"a", Hello(Runtime.here()))
+    sessions.receive(b"a", Hello(Runtime.here()), now=0.0)
     before = sessions._bytes
     for n in range(500):
-        sessions.receive(b"a", Work(n, recipe_of(n), 0))
+        sessions.receive(b"a", Work(n, recipe_of(n), 0), now=0.0)
         assert sessions.recipes(b"a") <= 8
     assert sessions._bytes - before <= 64 << 10
     # the newest is held, the oldest forgotten
     newest, oldest = recipe_digest(recipe_of(499)).digest, recipe_digest(recipe_of(0)).digest
-    assert sessions.receive(b"a", Work(1000, None, 0, recipe_digest=newest)).recipe == recipe_of(499)
+    assert sessions.receive(b"a", Work(1000, None, 0, recipe_digest=newest), now=0.0).recipe == recipe_of(499)
     with pytest.raises(Unheld):
-        sessions.receive(b"a", Work(1001, None, 0, recipe_digest=oldest))
+        sessions.receive(b"a", Work(1001, None, 0, recipe_digest=oldest), now=0.0)
     # a recipe bigger than a peer may keep is not kept, and a Hello starts afresh
-    sessions.receive(b"a", Hello(Runtime.here()))
+    sessions.receive(b"a", Hello(Runtime.here()), now=0.0)
     assert sessions.recipes(b"a") == 0 and sessions._bytes == before
     big = Recipe(
         tuple(Packer("project").spec(Add(n).named("x" * 900 + str(n))) for n in range(100)),
         ("seq", tuple(("step", i) for i in range(100))),
     )
-    sessions.receive(b"a", Work(2000, big, 0))
+    sessions.receive(b"a", Work(2000, big, 0), now=0.0)
     assert sessions.recipes(b"a") == 0
 
 
 def test_sessions_forgotten_to_make_room_take_their_recipes_with_them():
     sessions = WorkerSessions(Runtime.here(mode="project"), max_peers=2)
     for peer in (b"a", b"b", b"c"):
-        sessions.receive(peer, Hello(Runtime.here()))
-        sessions.receive(peer, Work(1, recipe_of(1), 0))
+        sessions.receive(peer, Hello(Runtime.here()), now=0.0)
+        sessions.receive(peer, Work(1, recipe_of(1), 0), now=0.0)
         sessions.answering(peer, Done(1, 0, {}, 0))
     digest = recipe_digest(recipe_of(1)).digest
     with pytest.raises(Unknown):  # `a` was forgotten: it says Hello, then sends in full
-        sessions.receive(b"a", Work(2, None, 0, recipe_digest=digest))
-    assert sessions.receive(b"c", Work(2, None, 0, recipe_digest=digest)).recipe == recipe_of(1)
+        sessions.receive(b"a", Work(2, None, 0, recipe_digest=digest), now=0.0)
+    assert sessions.receive(b"c", Work(2, None, 0, recipe_digest=digest), now=0.0).recipe == recipe_of(1)
 
 
 def test_many_distinct_recipes_keep_a_live_worker_serving(procs):

@@ -418,17 +418,17 @@ def test_a_refusal_naming_no_work_is_not_the_answer_once_the_work_was_sent():
 
 def test_a_session_with_an_answer_in_flight_is_never_forgotten_the_newcomer_is_refused():
     w = WorkerSessions(RT, max_peers=2)
-    w.receive(b"victim", Hello(RT))
-    w.receive(b"victim", Work(1, Recipe((spec_of(Add(1).named("a")),), ("step", 0)), 1))
+    w.receive(b"victim", Hello(RT), now=0.0)
+    w.receive(b"victim", Work(1, Recipe((spec_of(Add(1).named("a")),), ("step", 0)), 1), now=0.0)
     assert w.answering(b"victim", Done(1, 1, {}, 5))  # done: its answer streams back now
     w.hold(b"victim", 77)
-    w.receive(b"other", Hello(RT))
-    w.receive(b"other", Work(2, Recipe((spec_of(Add(1).named("a")),), ("step", 0)), 1))
+    w.receive(b"other", Hello(RT), now=0.0)
+    w.receive(b"other", Work(2, Recipe((spec_of(Add(1).named("a")),), ("step", 0)), 1), now=0.0)
     with pytest.raises(Violation, match="busy"):
-        w.receive(b"newcomer", Hello(RT))
+        w.receive(b"newcomer", Hello(RT), now=0.0)
     assert w.greeted(b"victim") and w.greeted(b"other") and not w.greeted(b"newcomer")
     w.release(b"victim", 77)
-    w.receive(b"newcomer", Hello(RT))  # now the victim may go: it has nothing in flight
+    w.receive(b"newcomer", Hello(RT), now=0.0)  # now the victim may go: it has nothing in flight
     assert not w.greeted(b"victim") and w.greeted(b"newcomer")
     # a refusal of a Work that never opened may name it; an answer to it may not leave
     assert w.answering(b"newcomer", Refusal("no", ref=9), refusing=True)

@@ -18,12 +18,12 @@ process started. The states and transitions are drawn in ``docs/conversation.md`
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..errors import ProtocolError
 from ..wire import (
+    CLOSING,
     Bye,
     Done,
     Failed,
@@ -46,8 +46,6 @@ from .proofs import sealed
 # BrokerView comes through this module's __getattr__ (below), from broker/view.py
 __all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]  # noqa: F822
 
-TERMINAL = (Done, Failed, Refusal)
-_CLOSING = (Send, *TERMINAL)  # the answers that close the work they answer
 #: A dialed worker's keepalive, in its patiences: its connection's pings say it is there
 #: every patience (the broker drops a connection silent past their time to live); the
 #: keepalive is the net beneath, rare, so a fleet's keepalives do not keep waking its broker.
@@ -183,7 +181,7 @@ class ClientExchange:
             self.state = "ready" if isinstance(msg, Ready) else "closed"
         elif self.state == "greeting+working":
             self.state = "working" if isinstance(msg, Ready) else "closed"
-        elif isinstance(msg, _CLOSING):
+        elif isinstance(msg, CLOSING):
             self.state, self.ref = "ready", None
         return msg
 
@@ -266,14 +264,16 @@ class WorkerSessions:
         """The runtime ``peer`` stated in its Hello."""
         return self._sessions[peer].runtime
 
-    def receive(self, peer: bytes, msg: object, tenant: str = "") -> Hello | Bye | Provision | Work:
+    def receive(self, peer: bytes, msg: object, tenant: str = "", *, now: float) -> Hello | Bye | Provision | Work:
+        """``msg`` from ``peer`` at ``now`` (the caller's monotonic clock), as it may be acted
+        on (a Work named by its recipe's digest comes back with the recipe), or ``Violation``."""
         try:
-            return self._receive(peer, msg, tenant)
+            return self._receive(peer, msg, tenant, now)
         except Violation:
             self.refused += 1
             raise
 
-    def recall(self, peer: bytes, work: Work) -> Work | None:
+    def recall(self, peer: bytes, work: Work, *, now: float) -> Work | None:
         """``work``, which names its recipe by digest, with that recipe and opened, as
         ``receive`` would give it back; None, refusing nothing, when ``receive`` would refuse
         it (a peer that did not say Hello, a ref still open, a recipe not held, keys that do
@@ -290,10 +290,10 @@ class WorkerSessions:
             return None
         self._sessions.move_to_end(peer)
         session.recipes.move_to_end(work.recipe_digest)
-        session.open[work.ref] = time.monotonic()
+        session.open[work.ref] = now
         return opened
 
-    def _receive(self, peer: bytes, msg: object, tenant: str) -> Hello | Bye | Provision | Work:
+    def _receive(self, peer: bytes, msg: object, tenant: str, now: float) -> Hello | Bye | Provision | Work:
         if isinstance(msg, Hello):
             if msg.offering is not None:
                 raise Violation("a worker takes no offers: `offering` is for a worker saying Hello to a broker")
@@ -318,7 +318,7 @@ class WorkerSessions:
                 msg = self._recalled(session, msg)
             else:
                 self._keep(peer, session, msg.recipe)
-            session.open[msg.ref] = time.monotonic()
+            session.open[msg.ref] = now
         return msg
 
     def proven(self, peer: bytes, key: bytes) -> None:
@@ -448,7 +448,7 @@ class WorkerSessions:
         session = self._sessions.get(peer)
         if session is None or ref not in session.open:
             return refusing and isinstance(answer, Refusal)
-        if isinstance(answer, _CLOSING):
+        if isinstance(answer, CLOSING):
             del session.open[ref]
         return True
 
@@ -485,9 +485,8 @@ class WorkerSessions:
     def running(self) -> int:
         return sum(len(s.open) for s in self._sessions.values())
 
-    def busy_us(self, now: float | None = None) -> int:
-        """How long the oldest running work has run, in whole microseconds (0: idle)."""
-        now = time.monotonic() if now is None else now
+    def busy_us(self, now: float) -> int:
+        """How long the oldest running work has run at ``now``, in whole microseconds (0: idle)."""
         started = [t for s in self._sessions.values() for t in s.open.values()]
         return int((now - min(started)) * 1_000_000) if started else 0
 

@@ -73,6 +73,7 @@ from .limits import (
 from .messages import (
     ANSWERS,
     CARRIERS,
+    CLOSING,
     REQUESTS,
     TERMINAL,
     Answer,
@@ -126,6 +127,7 @@ __all__ = [
     "MAX_TEXT",
     "MAX_TOTAL",
     "REQUESTS",
+    "CLOSING",
     "TERMINAL",
     "WIRE_VERSION",
     "Answer",

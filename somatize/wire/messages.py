@@ -379,6 +379,10 @@ REQUESTS = (Hello, Provision, Work, Where, Hosts, Bye)
 ANSWERS = (Ready, Send, Refusal, Done, Failed, Saw, Located, Listed)
 TERMINAL = (Done, Failed, Refusal)
 """What ends a Work exchange."""
+CLOSING = (Send, *TERMINAL)
+"""What a worker answers that closes the work it answers: the end of it, or ``Send`` (it ran
+nothing, and waits for the code before the Work is sent again). The one list of it: the
+client's channel, the worker's sessions and the broker's view of an exchange read it here."""
 Carrier = Relay | Begin | Chunk | Credit | Mounted
 CARRIERS = (Relay, Begin, Chunk, Credit, Mounted)
 """Messages that carry another message (``Relay``, ``Mounted``) or a stream of one."""

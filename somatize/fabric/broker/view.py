@@ -16,6 +16,7 @@ from typing import Any
 
 from ...errors import ProtocolError
 from ...wire import (
+    CLOSING,
     Begin,
     Bye,
     Done,
@@ -503,7 +504,7 @@ class BrokerView:
         work (Done, Failed, Refusal, Send) the work open; a fact or a credit ends neither.
         The Ready that answers a Hello sent right behind by a Work leaves the work open."""
         if variant in _ANSWERS and exchange.held:
-            self._mark(exchange, False, exchange.work_open and variant not in _ENDS_WORK, now)
+            self._mark(exchange, False, exchange.work_open and variant not in CLOSING, now)
 
     def _mark(self, exchange: Exchange, waiting: bool, work_open: bool, now: float) -> None:
         """Set what the exchange waits on; a host with any exchange held (work open there,
@@ -569,7 +570,6 @@ class BrokerView:
 
 
 _ANSWERS = (Done, Failed, Refusal, Ready, Send)  # a worker's word that answers what its client waits on
-_ENDS_WORK = (Done, Failed, Refusal, Send)  # a worker's word that closes the work open, if any
 _OPENS_WORK = (Work, Begin, Mounted)  # a client's: a Work, bare, streamed or in a shared folder
 
 

@@ -25,6 +25,7 @@ What is not for here: the socket loop (:mod:`somatize.fabric.worker.loop`), send
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ProtocolError, Refused
@@ -161,7 +162,7 @@ class Intake:
                 if isinstance(mounted, _attachments.Taken):
                     message = mounted.detach(message)  # ...and it is held by `mounted` until it runs
             # the conversation gives back only these (its `receive` is typed `object`)
-            message = self.sessions.receive(to.peer, message, to.tenant)
+            message = self.sessions.receive(to.peer, message, to.tenant, now=time.monotonic())
         except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError
             why = getattr(exc, "why", None) or str(exc)
             ref = ref_of(arrived)
@@ -201,7 +202,7 @@ class Intake:
         work = short.express(short.head_of(frame))
         if type(work) is not Work:
             return None
-        return self.sessions.recall(to.peer, work)
+        return self.sessions.recall(to.peer, work, now=time.monotonic())
 
     def _stream(self, to: To, message: Any) -> None:
         if isinstance(message, Credit):

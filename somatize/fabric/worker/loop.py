@@ -385,7 +385,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
                         key = user_of(parts[1]) if self._guard is not None else ""
                         if self._guard is not None and not self._guard.roles(key):
                             # its key was taken out of the allow folder since it connected
-                            self.sessions.receive(route, Bye())
+                            self.sessions.receive(route, Bye(), now=time.monotonic())
                             self._inbound.drop(route)
                             refused = Refusal("this key is no longer allowed on this worker", ref=ref_of(parts[1:]))
                             self._reply(To(route, key, route=route), refused, refusing=True)
