@@ -539,3 +539,34 @@ def test_a_node_failing_in_code_changed_on_disk_says_the_worker_runs_the_old_cod
             module.Once().named("once").at("w1").forward("one", broker=broker)
     said = str(info.value)
     assert "TypeError" in said and f"This worker holds an older import of `{name}`" in said, said
+
+
+@pytest.mark.pure
+def test_what_a_peer_can_make_a_side_log_is_bounded_counted_and_escaped():
+    """One budget for both sides (somatize.fabric.logs): a burst past LOUD lines is held back
+    and counted, the count is said with the next line let through, and a peer's control
+    characters never reach the log raw."""
+    import logging
+
+    from somatize.fabric.logs import LOUD, Limiter, Quiet
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("somatize.test.budget")
+    logger.propagate = False
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    limiter = Limiter(logger, quiet=3600)
+    said = [limiter.say(logging.INFO, "refused %s", f"peer\x00{n}") for n in range(LOUD + 5)]
+    assert said == [True] * LOUD + [False] * 5 and limiter.held == 5
+    assert len(seen) == LOUD and all("\\x00" in line and "\x00" not in line for line in seen)
+    limiter._said.clear()  # the period is over
+    assert limiter.say(logging.INFO, "again") and seen[-1] == "again (5 more such lines were not logged)"
+    quiet = Quiet("refusals", loud=2, quiet=3600)
+    assert [quiet.more() for _ in range(4)] == ["", "", None, None]
+    quiet._said.clear()
+    assert quiet.more() == " (2 more refusals were not logged)" and quiet.more() == ""

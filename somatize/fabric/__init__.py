@@ -7,11 +7,12 @@
   and checks spawned workers (``checks``, ``spawn``), the bindings of names to keys.
 - ``worker/``: what runs in a worker: its loop (``loop``), where work runs (``slots``),
   what comes in (``intake``) and goes out (``outbox``), dialing a broker (``dialing``), the
-  segments it attaches to (``attachments``), its log (``said``), stale imports, its heap.
+  segments it attaches to (``attachments``), stale imports, its heap.
 - Here, what they share: the conversation (``conversation``, sans IO: who may send what,
   when), ``sockets``, keys (``curve``), ``streams``, ``mount`` and ``leases`` (the rules of
   cargo in a shared folder), ``pieces`` (work from a piece and back), ``hosts`` (worker
-  declarations), ``command`` (the commands' logging).
+  declarations), ``command`` (the commands' logging), ``logs`` (what a peer can make a
+  broker or a worker log: bounded, escaped).
 
 The engine never imports this package; it hands a remote group to ``Broker.run``.
 """

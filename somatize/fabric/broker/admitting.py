@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from collections import OrderedDict
 
     from ..curve import Guard
+    from ..logs import Quiet
     from .floods import Admission
     from .outbox import Outbox
-    from .quiet import Quiet
     from .view import BrokerView
 
 #: Answers waiting for one connection to read them: past it, its questions are dropped

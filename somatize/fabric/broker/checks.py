@@ -29,7 +29,7 @@ from ...errors import ProtocolError
 from ...wire import Hello, Ready, Runtime, decode, encode
 from .. import sockets
 from ..curve import HANDSHAKE_FAILED, Keys, as_client
-from .quiet import Quiet
+from ..logs import Quiet
 from .spawn import Child
 
 log = logging.getLogger("somatize.broker")

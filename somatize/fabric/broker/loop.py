@@ -14,7 +14,7 @@ tenant (a key; without keys, a connection) has quotas: questions waiting for suc
 answers waiting to be read, connections per key. Nobody's pace is another's wait.
 
 This module serves (a graph talks to :mod:`somatize.fabric.client.handle`); it logs under
-``somatize.broker``, every line a peer can cause through a limiter (`quiet.Quiet`).
+``somatize.broker``, every line a peer can cause through a limiter (`logs.Quiet`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from .. import sockets
 from ..conversation import Stale, Violation
 from ..curve import Guard, Keys, as_server, peer_name
 from ..hosts import Worker
+from ..logs import Quiet
 from . import answers as _answers
 from . import bindings as _bindings
 from .admitting import Admitting, size_of
@@ -60,7 +61,6 @@ from .ending import Ending
 from .floods import Admission
 from .outbox import DROPPED, GONE, LARGEST, PIPED, Outbox
 from .probes import Probes
-from .quiet import Quiet
 from .spawn import Child, Reach
 from .view import CLIENT, IDLE_SILENCE, WORKER, BrokerView  # what `conversation` names too, typed
 

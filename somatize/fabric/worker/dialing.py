@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ...wire import Runtime
     from .. import streams as _streams
     from ..conversation import WorkerSessions
-    from .said import Limiter
+    from ..logs import Limiter
     from .slots import Job
 
 #: The longest a dialed worker waits before saying Hello again to a broker that refused it.

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from ...wire import MAX_SAW
-from .said import clip
+from ..logs import clip
 
 #: The most text (field names and values) one piece's held facts may hold; past it they leave.
 HELD_BYTES = 1 << 20

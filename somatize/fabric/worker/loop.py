@@ -39,7 +39,7 @@ first-in-first-out outbox (:mod:`somatize.fabric.worker.outbox`); the holder sen
 socket when it is polling, and whoever takes the socket sends what waits there first. A
 dialed worker's link to its broker (offer, keepalive) is :mod:`somatize.fabric.worker.dialing`'s; slots and the
 guard around each node are :mod:`somatize.fabric.worker.slots`'; what it logs about peers goes through a limiter
-(:mod:`somatize.fabric.worker.said`).
+(:mod:`somatize.fabric.logs`).
 
 Revocation (a listening worker with keys, reloaded): every session of a key no longer
 allowed ends at once. Its open work is answered ``Refusal`` (naming the ref) and abandoned:
@@ -70,6 +70,7 @@ from .. import sockets
 from .. import streams as _streams
 from ..conversation import WorkerSessions
 from ..curve import Guard, Keys, as_server, user_of
+from ..logs import Limiter
 from .dialing import MAX_BACKOFF, Dialing
 from .heap import Heap
 from .imported import Imports
@@ -77,7 +78,6 @@ from .intake import Intake
 from .outbox import Outbox, To
 from .prepared import Prepared
 from .running import BUSY_SAID_EVERY, Running
-from .said import Limiter
 from .slots import Job, NodeExit, Slots, exit_now
 from .standin import StandIn
 

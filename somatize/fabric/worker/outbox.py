@@ -31,14 +31,14 @@ from ...wire.writing import passed_on
 from .. import sockets
 from .. import streams as _streams
 from ..curve import peer_name
+from ..logs import clip
 from .pacing import TENANT_QUEUE
-from .said import clip
 
 if TYPE_CHECKING:
     from ..conversation import WorkerSessions
+    from ..logs import Limiter
     from .imported import Imports
     from .pacing import Pacer
-    from .said import Limiter
 
 log = logging.getLogger("somatize.worker")
 #: Seconds between two log lines giving the same advice about stale imports.

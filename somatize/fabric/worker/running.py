@@ -39,11 +39,11 @@ from ...facts import fact, microseconds
 from ...wire import Failed, Mounted, Ready, Refusal, Saw, Send, Work, encode
 from .. import mount as _mount
 from .. import sockets
+from ..logs import clip
 from ..pieces import done, done_of, piece_of
 from .attachments import Taken
 from .held import Held
 from .outbox import To
-from .said import clip, failed_answer
 from .slots import Job, NodeExit
 from .standin import WATCH
 
@@ -289,3 +289,14 @@ class Running:
         else:
             self._want_back = True  # a stand-in sends this answer, then takes nothing new
         self._post(to, answer, frames)
+
+
+def failed_answer(ref: int, exc: BaseException, *, why: str | None = None, traceback: str = "") -> Failed:
+    """The worker's own trouble (no node to blame) as a ``Failed``, its texts cut to bounds."""
+    return Failed(
+        ref,
+        why=clip(why or f"{type(exc).__name__}: {exc}", 64 << 10),
+        node=None,
+        error=type(exc).__name__,
+        traceback=clip(traceback, 512 << 10),
+    )
