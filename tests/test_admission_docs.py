@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from somatize.fabric.broker import admitting, answers, children, floods, loop, outbox
-from somatize.fabric.broker.view import BrokerView
+from somatize.fabric.broker.peers import BrokerView
 from somatize.wire import limits
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from somatize.fabric.broker.view import IDLE_SILENCE
+from somatize.fabric.broker.peers import IDLE_SILENCE
 from somatize.fabric.conversation import (
     CLIENT,
     WORKER,

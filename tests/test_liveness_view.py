@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from somatize.fabric.broker.view import LOST_FOR, BrokerView
+from somatize.fabric.broker.peers import LOST_FOR, BrokerView
 from somatize.fabric.conversation import CLIENT, WORKER
 from somatize.packing import Packer
 from somatize.wire import Done, Hello, Recipe, Relay, Runtime, Work, decode, encode

@@ -3,7 +3,7 @@
 - ``client/``: what runs in the process of a graph: the ``Broker`` handle (``handle``), its
   channels to workers (``channel``), the segments it lends on one machine (``lending``).
 - ``broker/``: what runs in a broker: its loop (``loop``), its view of peers, hosts and
-  exchanges (``view``), the outbox that never blocks (``outbox``), the helper that starts
+  exchanges (``peers``), the outbox that never blocks (``outbox``), the helper that starts
   and checks spawned workers (``checks``, ``spawn``), the bindings of names to keys.
 - ``worker/``: what runs in a worker: its loop (``loop``), where work runs (``slots``),
   what comes in (``intake``) and goes out (``outbox``), dialing a broker (``dialing``), the

@@ -43,7 +43,7 @@ from ..wire import (
 )
 from .proofs import sealed
 
-# BrokerView comes through this module's __getattr__ (below), from broker/view.py
+# BrokerView comes through this module's __getattr__ (below), from broker/peers.py
 __all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]  # noqa: F822
 
 #: A dialed worker's keepalive, in its patiences: its connection's pings say it is there
@@ -491,14 +491,14 @@ class WorkerSessions:
         return int((now - min(started)) * 1_000_000) if started else 0
 
 
-# -- the broker's view: in :mod:`somatize.fabric.broker.view`, named here too -----------------------------
+# -- the broker's view: in :mod:`somatize.fabric.broker.peers`, named here too -----------------------------
 
 _BROKER_NAMES = frozenset(("CLIENT", "WORKER", "BrokerView", "Deliver", "Exchange", "Offer"))
 
 
 def __getattr__(name: str) -> object:  # PEP 562: imported on first use, so either module may be imported first
     if name in _BROKER_NAMES:
-        from .broker import view as broker_view
+        from .broker import peers as broker_peers
 
-        return getattr(broker_view, name)
+        return getattr(broker_peers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,7 +41,7 @@ from . import names
 from .attempt import Pulse, Running, Trial
 from .definition import Definition, check_name, check_runner, load, optuna
 from .history import History, TrialHistory, attempt_name
-from .view import View
+from .known import Known
 
 if TYPE_CHECKING:
     from .mirror import Mirror
@@ -222,7 +222,7 @@ class Study:
         # looks while they run: this runner's own timer says when to look, never what it sees.
         self._poll = min(max(self.patience / 4, 0.05), 5.0)
         self._judged: float | None = None  # when this runner last judged (its monotonic clock)
-        view = View(
+        view = Known(
             self._store,
             self._name,
             self.trials,
@@ -239,7 +239,7 @@ class Study:
         finally:
             self._pulse.close()
 
-    def _loop(self, view: View, objective: Callable[..., Any], me: str, tell: Progress) -> dict[str, int]:
+    def _loop(self, view: Known, objective: Callable[..., Any], me: str, tell: Progress) -> dict[str, int]:
         counts = {"done": 0, "failed": 0, "pruned": 0, "superseded": 0}
         wait = _FIRST_WAIT
         while True:
@@ -285,7 +285,7 @@ class Study:
             if running.finished is not None:  # the result that counts, as written here
                 view.wrote(running.number, running.attempt, running.finished)
 
-    def _free(self, view: View, tell: Progress) -> int | None:
+    def _free(self, view: Known, tell: Progress) -> int | None:
         """The number to claim: the lowest free one; or, for a runner that lost a race for
         it, now and then the next (two runners that finish together would otherwise race
         for every number, and the loser's write is wasted), unless the one passed over last
@@ -301,7 +301,7 @@ class Study:
         self._passed = number
         return later
 
-    def _mirrored(self, view: View) -> Mirror:
+    def _mirrored(self, view: Known) -> Mirror:
         """This runner's Optuna study, brought up to date with the trials read since."""
         from .mirror import Mirror
 
@@ -314,7 +314,7 @@ class Study:
                 self._mirror.take(trial)
         return self._mirror
 
-    def _claim(self, view: View, number: int, me: str) -> Running | None:
+    def _claim(self, view: Known, number: int, me: str) -> Running | None:
         mirror = self._mirrored(view)
         try:
             otrial = mirror.ask(number)
@@ -351,7 +351,7 @@ class Study:
             view.block(number, "something else holds its first attempt's name")
         return running if got == names.MADE else None
 
-    def _claimed(self, view: View, mirror: Mirror | None, otrial: Any, running: Running) -> names.Made:
+    def _claimed(self, view: Known, mirror: Mirror | None, otrial: Any, running: Running) -> names.Made:
         """Create ``running``'s attempt; once made it is this runner's, in the view and the
         mirror, and otherwise ``otrial`` (asked for it) is dropped from the mirror."""
         self._in_hand = running
@@ -369,7 +369,7 @@ class Study:
         view.wrote(running.number, running.attempt, running.claimed, mirrored=kept)  # type: ignore[arg-type]
         return got
 
-    def _take_over(self, view: View, me: str, tell: Progress) -> Running | None:
+    def _take_over(self, view: Known, me: str, tell: Progress) -> Running | None:
         """Claim the next attempt of a trial whose attempt stopped being written, if any."""
         for trial in self._abandoned(view, me):
             running = self._next_attempt(view, trial, me, tell)
@@ -377,7 +377,7 @@ class Study:
                 return running
         return None
 
-    def _next_attempt(self, view: View, trial: TrialHistory, me: str, tell: Progress) -> Running | None:
+    def _next_attempt(self, view: Known, trial: TrialHistory, me: str, tell: Progress) -> Running | None:
         """Claim the attempt after ``trial``'s last (or, past the study's ``attempts``,
         write that it failed); where something else holds that name, the next one; when
         every name up to the give-up record is held, the trial is blocked."""
@@ -424,7 +424,7 @@ class Study:
         view.block(trial.number, f"something else holds every attempt's name after attempt {last.attempt}")
         return None
 
-    def _abandoned(self, view: View, me: str) -> list[TrialHistory]:
+    def _abandoned(self, view: Known, me: str) -> list[TrialHistory]:
         """Trials whose last attempt was given up, or has gone unwritten for longer than
         ``patience`` by the store's stamps (a fresh entry of this judge's against it). Only
         the trials last read unfinished are looked at, and running ones are judged at most

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..logs import Quiet
     from .floods import Admission
     from .outbox import Outbox
-    from .view import BrokerView
+    from .peers import BrokerView
 
 #: Answers waiting for one connection to read them: past it, its questions are dropped
 #: unanswered (counted as questions at the admission step).

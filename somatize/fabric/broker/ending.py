@@ -14,13 +14,13 @@ from ...errors import BadKeys
 from ...wire import Bye, Refusal, Relay, encode
 from ...wire.writing import passed_on
 from ..curve import peer_name
-from .view import Exchange
+from .peers import Exchange
 
 if TYPE_CHECKING:
     from ..curve import Guard
     from .children import Spawned
     from .outbox import Outbox
-    from .view import BrokerView
+    from .peers import BrokerView
 
 _BYE = tuple(encode(Bye()))
 log = logging.getLogger("somatize.broker")

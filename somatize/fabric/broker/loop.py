@@ -60,9 +60,9 @@ from .children import Spawned
 from .ending import Ending
 from .floods import Admission
 from .outbox import DROPPED, GONE, LARGEST, PIPED, Outbox
+from .peers import CLIENT, IDLE_SILENCE, WORKER, BrokerView  # what `conversation` names too, typed
 from .probes import Probes
 from .spawn import Child, Reach
-from .view import CLIENT, IDLE_SILENCE, WORKER, BrokerView  # what `conversation` names too, typed
 
 #: Hosts that may dial in at once (a `Listed` answer lists 10,000 at most), and hosts one
 #: worker key may serve at once (a SLURM job of that many nodes on one key; `--max-hosts-per-key`).

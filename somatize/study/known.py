@@ -36,7 +36,7 @@ from ..store import Store
 from .history import Attempt, History, TrialHistory, attempt_name, read_trial
 
 
-class View:
+class Known:
     """The trials of ``study`` numbered below ``trials`` as this runner last read them.
 
     ``trials`` maps number to :class:`TrialHistory` (every trial read so far, whatever its
