@@ -183,8 +183,8 @@ class _Mapping:
                 if self._given == self._taken:  # nothing out: every answer was given
                     self._end()
                 self._waiting = True
-                try:
-                    self._filed.wait()
+                try:  # woken when its answer is filed; the timeout only bounds a wake-up missed
+                    self._filed.wait(IDLE * 4)
                 finally:
                     self._waiting = False
             exc, value = self._answers.pop(index)
