@@ -1,10 +1,8 @@
 """A client's one connection to its broker for every relayed host: channels as lanes.
 
-A relayed channel used to be a connection of its own to the broker: a DEALER, a monitor and a
-TCP connection for each relayed host a client had reached, kept for the session. A client
-that reached a fleet ran out of sockets (ZeroMQ allows 1,023), and the broker held clients x
-hosts connections. Here every relayed channel of a client is a *lane* of one connection: it
-sends ``Relay(host, lane, inner)``, the broker keeps one exchange per (connection, host,
+Every relayed channel of a client is a *lane* of one connection, so a client that reaches
+a fleet holds one socket (ZeroMQ allows 1,023) and the broker one connection per client, not
+one per client and host. A lane sends ``Relay(host, lane, inner)``, the broker keeps one exchange per (connection, host,
 lane), and the broker's answers for a lane come back as ``Relay(lane, inner)``. Opening a
 channel to a new host costs its Hello, never a connection.
 
@@ -16,9 +14,8 @@ lane has a message. The others wait on a condition, or leave what they send in a
 wake the holder through a pipe. So a forward from one thread costs no hand-over between
 threads, and many threads still share one connection. A message for a lane that closed is
 dropped (a late answer, as on a channel thrown away); a refusal for no lane in particular (the
-broker closing the connection) goes to every lane. The link also says what a channel's own
-monitor used to: whether the broker took the connection, how often it dropped, and a
-handshake it refused.
+broker closing the connection) goes to every lane. The link also says whether the broker
+took the connection, how often it dropped, and a handshake it refused.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 
 glibc's ``malloc`` keeps what is freed inside its arenas, for reuse, and returns it to the
 system only from the top of a heap. A worker copies cargo off its socket (libzmq's I/O
-thread, in an arena of its own) and into values (its serving thread): after a burst of
-Works carrying 12 MiB arguments it held some 37 MiB more than it still used (MiB 331 against
-294, measured on a worker's ``VmRSS``), and kept them. ``malloc_trim(0)`` hands the free
-pages of every arena back (0.1 to 2.5 ms, measured on the same heap).
+thread, in an arena of its own) and into values (its serving thread), so after a burst of
+big Works it would keep tens of MiB it no longer uses. ``malloc_trim(0)`` hands the free
+pages of every arena back, in a few milliseconds at most.
 
 :class:`Heap` counts the bytes of cargo that went through (in and out) and trims once every
 ``TRIM_AFTER`` of them, after the message that crossed the line has been let go of: a few

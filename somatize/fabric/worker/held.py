@@ -1,10 +1,9 @@
 """What a piece says while it is young: held, to travel inside its ``Done``.
 
-A watched piece says facts as it runs (``ran`` after each node, ``said``, ``failed``). Each
-used to leave as a ``Saw`` of its own, so a small watched call cost its worker and its
-client a message each way more than the same call unwatched. Now a piece's facts are held
-while it runs, and a piece that finishes within ``STAND_IN_AFTER`` (most do) carries them
-inside its ``Done`` (``Done.saw``), in the order they were said. A piece that runs longer
+A watched piece says facts as it runs (``ran`` after each node, ``said``, ``failed``). They
+are held while it runs, so that a watched call costs no message more than an unwatched one:
+a piece that finishes within ``STAND_IN_AFTER`` (most do) carries them inside its ``Done``
+(``Done.saw``), in the order they were said. A piece that runs longer
 has them sent as they were said from then on, so a watcher sees a long piece live: for a
 piece running where it arrived, the stand-in releases them when it takes the socket; for a
 piece in a slot, the serving loop does, once the piece has run ``STAND_IN_AFTER``. A piece
