@@ -51,16 +51,12 @@ def burn(x: int) -> int:
 
 
 def burn_by_value():
-    """``burn`` as a function defined where it is made, so that Ray and Dask ship it by value
-    (their workers cannot import this folder): the same loop, the same answers."""
+    """``burn`` itself, made from its code outside any module, so that Ray and Dask ship it by
+    value (their workers cannot import this folder): the same loop, the same answers."""
+    import builtins
+    import types
 
-    def burn(x: int) -> int:
-        total = 0
-        for i in range(60_000):
-            total += (i * x) % 7
-        return total
-
-    return burn
+    return types.FunctionType(burn.__code__, {"__builtins__": builtins}, "burn")
 
 
 class Burn(Node):

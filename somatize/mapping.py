@@ -279,7 +279,7 @@ class _Mapping:
             return
         self._failed += failed
         self._bar.update(1)
-        self._bar.set_postfix(running=self._taken - self._given, failed=self._failed, refresh=False)
+        self._bar.set_postfix(running=self._running, failed=self._failed, refresh=False)
 
 
 def _forward(

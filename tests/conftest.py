@@ -285,7 +285,7 @@ class Impure(AssertionError):
 
 
 @pytest.fixture(autouse=True)
-def _pure_guard(request, monkeypatch):
+def _pure_guard(request):
     """A test marked ``pure`` (``python -m pytest -m pure``: the I/O-free set, in seconds)
     may start no process and open no socket, ZeroMQ's or the system's: each attempt fails
     it, even one the code under test catches. ``SOMATIZE_FIND_PURE=1`` guards every test,
@@ -297,6 +297,7 @@ def _pure_guard(request, monkeypatch):
 
     import zmq
 
+    monkeypatch = request.getfixturevalue("monkeypatch")  # only where guarded: not one per test
     tried: list[str] = []
 
     def refuse(what: str):

@@ -271,7 +271,7 @@ def test_progress_counts_what_is_done_and_what_failed():
     with Broker.embedded({"cpu": pool(2)}) as broker:
         out = list(graph.map(range(6), broker=broker, errors="return", progress=bar))
     assert [isinstance(v, NodeFailed) for v in out] == [False, True, False, False, True, False]
-    assert bar.n == 6 and "failed=2" in shown.getvalue()
+    assert bar.n == 6 and "failed=2" in shown.getvalue() and "running=0" in shown.getvalue()  # the last: none left
     with pytest.raises(TypeError, match="progress="):
         graph.map([1], progress="yes")
 
