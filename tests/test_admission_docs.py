@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from somatize.fabric.broker import admitting, answers, children, floods, loop, outbox
+from somatize.fabric.broker import answers, children, floods, front, loop, outbox
 from somatize.fabric.broker.peers import BrokerView
 from somatize.wire import limits
 
@@ -29,7 +29,7 @@ ROWS = {
     "connections of one client key": (loop.MAX_CONNECTIONS,),
     "relayed exchanges of one tenant": (VIEW.max_exchanges, VIEW.max_open),
     "questions of one tenant waiting": (children.MAX_PENDING,),
-    "answers waiting for one connection": (admitting.MAX_UNREAD,),
+    "answers waiting for one connection": (front.MAX_UNREAD,),
     "bytes of one message to or from the broker": (outbox.LARGEST,),
     "bytes of one `Listed` answer": (answers.LISTED_BYTES,),
     "messages in ZeroMQ's queue to one peer": (outbox.PIPED,),
@@ -95,7 +95,7 @@ def test_conversation_states_the_brokers_bounds_as_the_code_has_them():
         r"past (\d[\d,]*) a second on a connection": floods.REFUSED,
         r"or (\d[\d,]*) on a key, the connection": floods.REFUSED_KEY,
         r"(\d[\d,]*) questions waiting for a start": children.MAX_PENDING,
-        r"(\d[\d,]*) unread answers": admitting.MAX_UNREAD,
+        r"(\d[\d,]*) unread answers": front.MAX_UNREAD,
         r"(\d[\d,]*) connections per key": loop.MAX_CONNECTIONS,
         r"A `Listed` is at most (\d[\d,]*) MiB": answers.LISTED_BYTES >> 20,
         r"at most (\d[\d,]*) per tenant": VIEW.max_exchanges,

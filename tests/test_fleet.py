@@ -333,9 +333,11 @@ def test_a_client_reaches_the_dialed_hosts_it_listed_without_asking_where_each_i
 
     server = BrokerLoop({}, patience=5.0)
     url = server.bind("tcp://127.0.0.1:0")
+    from somatize.fabric.broker.peers import Step
+
     asked: list[str] = []
-    where = server._where
-    server._where = lambda message, *rest: (asked.append(message.host), where(message, *rest))[1]  # counts, answers
+    where = server._steps[Step.LOCATE]  # what the broker does with a `Where` (the table's step)
+    server._steps[Step.LOCATE] = lambda *given: (asked.append(given[4].host), where(*given))[1]  # counts, answers
     serving = threading.Thread(target=server.serve, daemon=True)
     serving.start()
     loops = {f"h{n}": WorkerLoop(mode="project", patience=5.0) for n in range(3)}

@@ -1,4 +1,5 @@
-"""The answers a broker builds itself for ``Hosts``: bounded in bytes, whoever offers what.
+"""The answers a broker builds itself: ``Located`` for a ``Where``, and ``Listed`` for ``Hosts``,
+bounded in bytes, whoever offers what.
 
 A ``Listed`` names every host the broker knows and, for a dialed one, what its ``Where``
 would add (its folder for cargo and the token of the file it made there). Worker keys choose
@@ -13,7 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 
-from ...wire import Listed
+from ...wire import Listed, Located, Refusal, Where
+from .. import sockets
 
 #: Bytes of one ``Listed`` answer, at most: 10,000 hosts of 60-character names, each with a
 #: folder of 100 characters, fit.
@@ -59,3 +61,43 @@ def in_turn(offers: Iterable) -> Iterator:
         for offer in turn:
             if offer is not None:
                 yield offer
+
+
+def some(names: Iterable[str], most: int = 20) -> str:
+    """A few of ``names``, for a sentence: the first ``most``, sorted, and how many more."""
+    ordered = sorted(names)
+    shown = ", ".join(f"`{n[:60]}`" for n in ordered[:most]) or "none"
+    return shown + (f" and {len(ordered) - most} more" if len(ordered) > most else "")
+
+
+def located(where: Where, hosts: Mapping, offers: Mapping, endpoint: str) -> Located | Refusal | None:
+    """The answer to ``where`` the broker gives at once: where a declared host or a dialed one
+    is, or a refusal naming the hosts it knows; None for a spawned host (a helper job starts
+    or checks its worker, and answers then)."""
+    host = where.host
+    declared = hosts.get(host)
+    if declared is None:
+        offer = offers.get(host)
+        if offer is None:
+            return Refusal(f"this broker knows no host `{host}` (it knows: {some(listing(hosts, offers))})")
+        return Located(
+            host,
+            "relayed",
+            address=endpoint,
+            mode=offer.runtime.mode or "project",
+            mount=offer.mount,
+            seen=offer.token,
+        )
+    if declared.how == "inprocess":
+        return Located(host, "inprocess")
+    path = "mount" if declared.mount else "direct"
+    if declared.how == "at":
+        return Located(
+            host,
+            path,
+            address=sockets.tcp_url(declared.address),
+            mode=declared.mode,
+            mount=declared.mount,
+            key=declared.server_key(),
+        )
+    return None

@@ -1,13 +1,17 @@
-"""The broker's view of its peers, sans IO: which key owns which host, which route may answer
-which exchange, and what a revoked key loses.
+"""The broker's side of the conversation, sans IO: what it does with each message (`BROKER`),
+which key owns which host, which route may answer which exchange, and what a revoked key loses.
 
-Part of the conversation (:mod:`somatize.fabric.conversation`, which names these classes too): fed the
-messages that arrive, asked "may this arrive now, from this peer?" before the broker's loop
-acts, and tested with no process started (``tests/test_conversation.py``).
+Part of the conversation (:mod:`somatize.fabric.conversation`, which names these classes too):
+the loop (:mod:`somatize.fabric.broker.loop`) looks up `BROKER` for every message, asks the
+view "may this arrive now, from this peer?", and carries out what the view gives back
+(`Deliver`, `Forget`) without deciding anything of its own. Tested with no process started
+(``tests/test_conversation.py``); ``docs/conversation.md``'s table of the broker is checked
+against `BROKER`.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import secrets
 from collections.abc import Iterable
@@ -31,6 +35,7 @@ from ...wire import (
     Send,
     Where,
     Work,
+    encode,
     variant_of,
 )
 from ...wire.writing import passed_on
@@ -39,6 +44,37 @@ from ..hosts import pool_of
 from .bindings import Bindings
 
 CLIENT, WORKER = "client", "worker"
+
+
+class Side(enum.StrEnum):
+    """Who a route is to the broker: it serves hosts (it offered one and was let), or it asks."""
+
+    ASKING = "asking"
+    SERVING = "serving"
+
+
+class Step(enum.StrEnum):
+    """What the broker does with a message (`BROKER`); the loop has one method per step."""
+
+    GREET = "greet"  # Ready to a client; an offer or a keepalive from a worker (`BrokerView.hello`)
+    LOCATE = "locate"  # Located, now or once a helper job started or checked a spawned worker
+    LIST = "list"  # Listed
+    LEAVE = "leave"  # its offers and exchanges end (`BrokerView.leave`)
+    FORWARD = "forward"  # the inner frames to the other side of the exchange (`BrokerView.relay`)
+    HEARD = "heard"  # a worker's answer to the broker's check: heard, nothing more
+
+
+#: The broker's conversation: (who sends it, what arrives) -> what the broker does. Anything
+#: else is refused unopened (its header's variant is all that is read). Who may send each is
+#: the view's to say (a key's roles, the bindings, the exchange's worker).
+BROKER: dict[tuple[Side, type], Step] = {
+    **{(side, Hello): Step.GREET for side in Side},
+    **{(side, Where): Step.LOCATE for side in Side},
+    **{(side, Hosts): Step.LIST for side in Side},
+    **{(side, Bye): Step.LEAVE for side in Side},
+    **{(side, Relay): Step.FORWARD for side in Side},
+    (Side.SERVING, Ready): Step.HEARD,
+}
 
 
 class Void(Stale):
@@ -90,10 +126,24 @@ class Exchange:
 
 @dataclass(frozen=True)
 class Deliver:
-    """What the broker's pump does with a relayed message: send ``frames`` to ``route``."""
+    """Send ``frames`` to ``route``, queued as ``tenant``'s (`outbox`): what the loop does with a
+    relayed message, and with what the view says to a peer of an exchange that ended."""
 
     route: bytes
     frames: list
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Drop what waits to be sent to ``route`` (only ``tenant``'s, if given): the answers of an
+    exchange that ended, before its client is told."""
+
+    route: bytes
+    tenant: str | None = None
+
+
+_BYE = tuple(encode(Bye()))
 
 
 class BrokerView:
@@ -163,7 +213,7 @@ class BrokerView:
         # worker may still answer (its late answer would reach whoever holds that number now)
         self._numbers = itertools.count(secrets.randbelow(1 << 61) + 1)
         self.refused = 0
-        self.revoked: list[Exchange] = []  # the exchanges the last revoke ended
+        self._told: list[Deliver | Forget] = []  # what revoke decided to say, for `tells`
         self.ending: list[Exchange] = []  # ended with their worker still there, not told yet
         self.cut: list[Exchange] = []  # crowded out while their client waited, not told yet
         # exchanges whose worker was lost with their work open, by host: should the host be
@@ -412,8 +462,9 @@ class BrokerView:
 
     def revoke(self, allowed: set[str], workers: set[str] | None = None) -> list[bytes]:
         """Keys no longer allowed lose their offers, bindings and exchanges (keys no longer
-        in ``workers``, their offers and bindings); returns the routes that lost offers.
-        The exchanges ended are in ``self.revoked``, for the broker to tell their other side."""
+        in ``workers``, their offers and bindings); returns the routes that lost offers. The
+        other side of each exchange ended is told (`tells`): a worker whose client's key went
+        hears a ``Bye`` in it; a client whose worker's key went hears that its work ended."""
         workers = allowed if workers is None else workers
         routes: set[bytes] = set()
         for host, offer in list(self.offers.items()):
@@ -423,10 +474,47 @@ class BrokerView:
         for host, owner in list(self.bindings.items()):
             if not owner.startswith("route:") and owner not in workers:
                 del self.bindings[host]
-        self.revoked = [e for e in self.exchanges.values() if e.worker in routes or (e.key and e.key not in allowed)]
-        for exchange in self.revoked:
+        revoked = [e for e in self.exchanges.values() if e.worker in routes or (e.key and e.key not in allowed)]
+        for exchange in revoked:
             self._end(exchange)
+            if exchange.key and exchange.key not in allowed:  # nothing more of it is delivered
+                self._told += [Forget(exchange.client), Forget(exchange.worker, exchange.tenant), _bye(exchange)]
+            else:
+                self._told += _tell_client(
+                    exchange,
+                    f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
+                    f"taken out of the allow-list): the work sent to it there ended",
+                )
         return sorted(routes)
+
+    def tells(self) -> list[Deliver | Forget]:
+        """What the broker is to say, in order, because exchanges ended without their client's
+        word: each worker whose exchange ended while it is still here (its client left, or
+        newer exchanges crowded it out, or a key was revoked) hears a ``Bye`` in it and forgets
+        that session now; each client whose work was open in an exchange that ended hears a
+        ``Refusal`` (naming no work: its fate is not known), its answers still queued dropped.
+        Taken once: the lists it reads are emptied."""
+        told, self._told = self._told, []
+        ending, self.ending = self.ending, []
+        cut, self.cut = self.cut, []
+        orphaned, self.orphaned = self.orphaned, []
+        told += [_bye(e) for e in ending if e.worker in self._routes]
+        for exchange in cut:  # its client waits on an answer that will never come
+            told += _tell_client(
+                exchange,
+                f"this broker ended the exchange with `{exchange.host}` while the work sent there was "
+                f"open: one client's connections hold at most {self.max_exchanges:,} exchanges (this "
+                f"broker {self.max_open:,} in all), the least recently used ended first; use fewer hosts "
+                f"at once, or more clients",
+            )
+        for exchange in orphaned:  # it would find the host there and wait for ever
+            told += _tell_client(
+                exchange,
+                f"the worker serving `{exchange.host}` was lost while the work sent there was open (silent "
+                f"past this broker's patience, or its connection dropped) and has dialed in again since: no "
+                f"answer to that work can come through; forward again",
+            )
+        return told
 
     # -- relaying ----------------------------------------------------------------------
     def relay(self, route: bytes, key: str, relay: Relay, now: float) -> Deliver | None:
@@ -442,9 +530,10 @@ class BrokerView:
                 raise Stale(f"this broker has no exchange {relay.exchange} open with you")
             exchange.touched = now
             self._answered(exchange, _variant(relay.inner), now)
+            tenant = str(exchange.number)
             if exchange.lane:  # one of many channels over the client's connection: say which
-                return Deliver(exchange.client, passed_on(relay.inner, lane=exchange.lane))
-            return Deliver(exchange.client, list(relay.inner))
+                return Deliver(exchange.client, passed_on(relay.inner, lane=exchange.lane), tenant)
+            return Deliver(exchange.client, list(relay.inner), tenant)
         if relay.exchange:
             raise self._refuse(
                 "only a worker that offered a host here answers an exchange; say Hello with `offering` first"
@@ -476,7 +565,7 @@ class BrokerView:
             exchange = Exchange(next(self._numbers), route, tenant, relay.host, offer.route, now, key, relay.lane)
             self._open(exchange)
         exchange.touched = now
-        deliver = Deliver(offer.route, passed_on(relay.inner, exchange=exchange.number, tenant=tenant))
+        deliver = Deliver(offer.route, passed_on(relay.inner, exchange=exchange.number, tenant=tenant), tenant)
         if variant is Bye:  # the exchange is over, and the worker hears it
             self._end(exchange)
             return deliver
@@ -563,14 +652,22 @@ class BrokerView:
             if exchange is not None:
                 self._end(exchange)
 
-    # -- what a broker answers itself --------------------------------------------------
-    @staticmethod
-    def answers_itself(msg: object) -> bool:
-        return isinstance(msg, (Hello, Where, Hosts, Bye))
-
 
 _ANSWERS = (Done, Failed, Refusal, Ready, Send)  # a worker's word that answers what its client waits on
 _OPENS_WORK = (Work, Begin, Mounted)  # a client's: a Work, bare, streamed or in a shared folder
+
+
+def _bye(exchange: Exchange) -> Deliver:
+    """The worker of ``exchange`` hears a Bye in it: that session is over."""
+    return Deliver(exchange.worker, passed_on(_BYE, exchange=exchange.number, tenant=exchange.tenant), exchange.tenant)
+
+
+def _tell_client(exchange: Exchange, why: str) -> list[Deliver | Forget]:
+    """``exchange``'s client hears ``why`` in a refusal naming no work (on the lane it came
+    from, among its many), its answers of that exchange still queued dropped first."""
+    refusal = tuple(encode(Refusal(why)))
+    frames = encode(Relay(lane=exchange.lane, inner=refusal)) if exchange.lane else list(refusal)
+    return [Forget(exchange.client, str(exchange.number)), Deliver(exchange.client, frames)]
 
 
 def _variant(inner: tuple) -> type | None:
