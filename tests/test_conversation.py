@@ -631,3 +631,63 @@ def test_the_views_indexes_follow_every_change():
         assert {t: set(n) for t, n in b._of_tenant.items()} == by_tenant
         assert all(len(n) <= 3 for n in by_tenant.values()) and len(b.exchanges) <= 20
         assert set(b._heard) == set(b.offers_index)
+
+
+# -- the tables, as the page shows them and as the loops carry them out ----------------------
+
+
+@pytest.mark.pure
+def test_the_page_shows_the_tables_the_code_runs():
+    """docs/conversation.md's tables and diagram are drawn from the code's: a table changed
+    without the page (or the page edited by hand) fails here, saying how to draw it again."""
+    from pathlib import Path
+
+    from somatize.fabric.conversation.drawn import blocks, drawn
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "conversation.md").read_text()
+    found = blocks(page)
+    assert set(found) == {"diagram", "client sends", "client", "worker", "broker"}
+    for what, body in found.items():
+        assert body == drawn(what), (
+            f"docs/conversation.md's `{what}` is not what the code runs: "
+            f"python -m somatize.fabric.conversation.drawn docs/conversation.md"
+        )
+
+
+@pytest.mark.pure
+def test_every_step_of_the_broker_table_is_carried_out_by_one_method_of_its_loop():
+    """The broker's loop decides nothing: it has a method for each step the table can give
+    (HEARD, a worker's answer to a check, is heard and nothing more), and no other."""
+    from somatize.fabric.broker.loop import BrokerLoop
+    from somatize.fabric.broker.peers import BROKER_TABLE, Step
+
+    assert set(BrokerLoop.STEPS) == set(BROKER_TABLE.values()) - {Step.HEARD}
+    assert all(callable(getattr(BrokerLoop, name)) for name in BrokerLoop.STEPS.values())
+    assert set(Step) == set(BROKER_TABLE.values())  # no step the table never gives
+
+
+@pytest.mark.pure
+def test_the_worker_table_refuses_what_a_peer_that_never_said_hello_sends_unopened():
+    """From a peer it has not heard, a worker opens a Hello and a Bye and nothing else: every
+    other kind is refused (`hello`), or dropped unanswered (a stream's chunk or credit)."""
+    from somatize.fabric.conversation import Act, Unknown, WorkerSessions
+    from somatize.wire import Begin, Chunk, Credit, Mounted
+
+    w = WorkerSessions(WORKER_RT)
+    assert w.step(b"p", Hello) is Act.GREET and w.step(b"p", Bye) is Act.FORGET
+    assert w.step(b"p", Chunk) is Act.DROP and w.step(b"p", Credit) is Act.DROP
+    for kind in (Provision, Work, Begin, Mounted, Relay, Ready, Where, Done):
+        with pytest.raises(Unknown):
+            w.step(b"p", kind)
+    assert w.refused == 8
+    w.receive(b"p", Hello(WORKER_RT), now=0.0)
+    assert [w.step(b"p", k) for k in (Provision, Work, Begin, Chunk, Credit, Mounted)] == [
+        Act.PROVISION,
+        Act.RUN,
+        Act.CARRY,
+        Act.CARRY,
+        Act.CARRY,
+        Act.OPEN,
+    ]
+    with pytest.raises(Violation, match="only from the broker it dialed"):
+        w.step(b"p", Relay)

@@ -7,7 +7,7 @@ closes. Only for workers that dialed in (``--broker URL --offer H``) does cargo 
 through the broker, and then it is forwarded frame by frame, never decoded.
 
 What the broker does with a message is looked up in its conversation's table
-(:data:`~somatize.fabric.broker.peers.BROKER`: who sends it, what it is -> a step, one method
+(:data:`~somatize.fabric.broker.peers.BROKER_TABLE`: who sends it, what it is -> a step, one method
 here per step); whether it may arrive now, from this peer, and what to say to whom when an
 exchange ends, is the view's (:class:`~somatize.fabric.broker.peers.BrokerView`, sans IO). This
 loop moves frames and carries out what those give back.
@@ -59,7 +59,7 @@ from . import bindings as _bindings
 from .checks import Helper
 from .children import Spawned
 from .front import CONNECTION_IDLE, Front, size_of
-from .peers import BROKER, CLIENT, IDLE_SILENCE, WORKER, BrokerView, Deliver, Forget, Side, Step
+from .peers import BROKER_TABLE, CLIENT, IDLE_SILENCE, WORKER, BrokerView, Deliver, Forget, Side, Step
 from .probes import Probes
 from .spawn import Child, Reach
 
@@ -82,6 +82,16 @@ class BrokerLoop:
     its address (loopback or inproc only, unless ``--insecure``). What one allowed peer may
     do to another is the business of :class:`~somatize.fabric.conversation.BrokerView`.
     """
+
+    #: The method that carries out each step of the conversation's table (`peers.BROKER_TABLE`;
+    #: HEARD, a worker's answer to a check, is heard and nothing more).
+    STEPS = {
+        Step.GREET: "_greet",
+        Step.LOCATE: "_locate",
+        Step.LIST: "_list",
+        Step.LEAVE: "_bye",
+        Step.FORWARD: "_forward",
+    }
 
     def __init__(
         self,
@@ -126,14 +136,7 @@ class BrokerLoop:
         self._keepalives: dict[bytes, tuple[int, int, float]] = {}
         self._comings = Quiet("hosts dialing in or leaving")  # a name moved to and fro is a flood too
         self._unkept = Quiet("failures to keep the bindings")  # tried again at every offer
-        # one method per step of the conversation's table (`peers.BROKER`)
-        self._steps = {
-            Step.GREET: self._greet,
-            Step.LOCATE: self._locate,
-            Step.LIST: self._list,
-            Step.LEAVE: self._bye,
-            Step.FORWARD: self._forward,
-        }
+        self._steps = {step: getattr(self, name) for step, name in self.STEPS.items()}
 
     @property
     def endpoint(self) -> str:
@@ -270,7 +273,7 @@ class BrokerLoop:
                 )
                 return
         self.view.heard(route, now)  # any message from a dialed worker says it is there
-        step = BROKER.get((side, variant)) if variant is not None else None
+        step = BROKER_TABLE.get((side, variant)) if variant is not None else None
         if step is Step.HEARD:
             return  # its answer to our check (`_expire`): heard, nothing more to do
         # a worker key is a job's key: one connection per node it runs on, up to the hosts it may serve

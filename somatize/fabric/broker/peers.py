@@ -1,12 +1,12 @@
-"""The broker's side of the conversation, sans IO: what it does with each message (`BROKER`),
+"""The broker's side of the conversation, sans IO: what it does with each message (`BROKER_TABLE`),
 which key owns which host, which route may answer which exchange, and what a revoked key loses.
 
 Part of the conversation (:mod:`somatize.fabric.conversation`, which names these classes too):
-the loop (:mod:`somatize.fabric.broker.loop`) looks up `BROKER` for every message, asks the
+the loop (:mod:`somatize.fabric.broker.loop`) looks up `BROKER_TABLE` for every message, asks the
 view "may this arrive now, from this peer?", and carries out what the view gives back
 (`Deliver`, `Forget`) without deciding anything of its own. Tested with no process started
 (``tests/test_conversation.py``); ``docs/conversation.md``'s table of the broker is checked
-against `BROKER`.
+against `BROKER_TABLE`.
 """
 
 from __future__ import annotations
@@ -54,20 +54,31 @@ class Side(enum.StrEnum):
 
 
 class Step(enum.StrEnum):
-    """What the broker does with a message (`BROKER`); the loop has one method per step."""
+    """What the broker does with a message (`BROKER_TABLE`); the loop has one method per step."""
 
-    GREET = "greet"  # Ready to a client; an offer or a keepalive from a worker (`BrokerView.hello`)
-    LOCATE = "locate"  # Located, now or once a helper job started or checked a spawned worker
-    LIST = "list"  # Listed
-    LEAVE = "leave"  # its offers and exchanges end (`BrokerView.leave`)
-    FORWARD = "forward"  # the inner frames to the other side of the exchange (`BrokerView.relay`)
-    HEARD = "heard"  # a worker's answer to the broker's check: heard, nothing more
+    GREET = "greet"
+    LOCATE = "locate"
+    LIST = "list"
+    LEAVE = "leave"
+    FORWARD = "forward"
+    HEARD = "heard"
+
+
+#: What each `Step` does, in a sentence (``docs/conversation.md`` shows it).
+STEPS = {
+    Step.GREET: "`Ready`; with `offering`, the host offered or kept alive, if the view lets it (`BrokerView.hello`)",
+    Step.LOCATE: "`Located`, now or once a helper job started or checked a spawned worker",
+    Step.LIST: "`Listed`",
+    Step.LEAVE: "its offers and exchanges end; each worker of its exchanges hears a `Bye` in it",
+    Step.FORWARD: "the inner frames to the other side of the exchange, if the view lets them (`BrokerView.relay`)",
+    Step.HEARD: "heard: its answer to the broker's check of a host clients wait on",
+}
 
 
 #: The broker's conversation: (who sends it, what arrives) -> what the broker does. Anything
 #: else is refused unopened (its header's variant is all that is read). Who may send each is
 #: the view's to say (a key's roles, the bindings, the exchange's worker).
-BROKER: dict[tuple[Side, type], Step] = {
+BROKER_TABLE: dict[tuple[Side, type], Step] = {
     **{(side, Hello): Step.GREET for side in Side},
     **{(side, Where): Step.LOCATE for side in Side},
     **{(side, Hosts): Step.LIST for side in Side},

@@ -1,192 +1,106 @@
-"""Who may send what, when, and in answer to whom: every conversation of the fabric, sans IO.
-
-Three views, each fed the messages that arrive (already decoded by :mod:`somatize.wire`)
-and asked, before any socket class acts on one, "may this arrive now, from this peer?":
-
-- :class:`ClientExchange` — a client channel's conversation with one worker;
-- :class:`WorkerSessions` — a worker's view of each peer that talks to it;
-- :class:`BrokerView` — a broker's view of each peer, each host offered to it, and each
-  exchange it relays.
-
-An illegal message raises :class:`Violation` (a :class:`~somatize.errors.ProtocolError`
-whose ``why`` is the sentence to send back in ``Refusal``); the view is left as it was,
-the refusal is counted, and nothing is delivered onward. Nothing here opens a socket,
-reads a clock it is not handed, or guesses: like h11's ``_state.py``, the tables below
-*are* the protocol, and ``tests/test_conversation.py`` feeds them messages with no
-process started. The states and transitions are drawn in ``docs/conversation.md``.
-"""
+"""The worker's side: `WORKER_TABLE`, and `WorkerSessions`, its view of each peer that talks to it."""
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..errors import ProtocolError
-from ..wire import (
+from ...errors import ProtocolError
+from ...wire import (
     CLOSING,
+    Begin,
     Bye,
+    Chunk,
+    Credit,
     Done,
-    Failed,
     Hello,
     Mounted,
     Provision,
     Ready,
     Recipe,
     Refusal,
+    Relay,
     Runtime,
-    Saw,
-    Send,
     Work,
     compatible,
     recipe_digest,
     with_recipe,
 )
-from .proofs import sealed
+from ..proofs import sealed
+from .violations import Unheld, Unknown, Violation, name_of
 
-# BrokerView comes through this module's __getattr__ (below), from broker/peers.py
-__all__ = ["BrokerView", "ClientExchange", "Stale", "Unheld", "Unknown", "Violation", "WorkerSessions"]  # noqa: F822
-
-#: A dialed worker's keepalive, in its patiences: its connection's pings say it is there
-#: every patience (the broker drops a connection silent past their time to live); the
-#: keepalive is the net beneath, rare, so a fleet's keepalives do not keep waking its broker.
-KEEPALIVE = 10
-#: How a broker's refusal starts when the relayed host has no worker connected (it left,
-#: or never dialed in): the work reached nobody, so a pool's client may ask another member.
-LEFT = "left: "
+# -- the worker's view of its peers -------------------------------------------------------
 
 
-class Violation(ProtocolError):
-    """A message that may not arrive now, from this peer: refused, counted, never delivered."""
+class Session(enum.StrEnum):
+    """Where a peer is in its conversation with a worker."""
+
+    UNKNOWN = "unknown"  # it never said Hello, or was forgotten (at its Bye, or to make room)
+    GREETED = "greeted"
 
 
-class Unknown(Violation):
-    """A message from a peer this side does not know: it never said Hello, or it was
-    forgotten to make room. Refused with ``hello=True``: say Hello, then send it again."""
+class Act(enum.StrEnum):
+    """What a worker does with what a peer sent (`WORKER_TABLE`); its intake has one method per act."""
+
+    GREET = "greet"
+    FORGET = "forget"
+    PROVISION = "provision"
+    RUN = "run"
+    CARRY = "carry"
+    OPEN = "open"
+    DROP = "drop"
 
 
-class Unheld(Violation):
-    """A ``Work`` naming by digest a recipe this side does not hold for its peer (never sent
-    in full on this connection, or forgotten to make room). Refused with ``recipe=True``:
-    send the Work again with its recipe in full."""
-
-
-class Stale(Violation):
-    """An answer for an exchange that has ended (its client gave up, or went away): dropped
-    and counted, and not answered — its sender did nothing wrong, and a refusal would read
-    as a refusal of something it still holds."""
-
-
-def _name(msg: object) -> str:
-    return type(msg).__name__
-
-
-# -- the client's side of one channel ------------------------------------------------------
-
-#: state -> the answers that may arrive in it
-_CLIENT_EXPECTS: dict[str, tuple[type, ...]] = {
-    "new": (),
-    "greeting": (Ready, Refusal),
-    "greeting+working": (Ready, Refusal),  # a Work sent right behind the Hello: its answer first
-    "ready": (),
-    "provisioning": (Ready, Refusal),
-    "working": (Saw, Send, Done, Failed, Refusal),
-    "closed": (),
+#: What each `Act` does, in a sentence (``docs/conversation.md`` shows it).
+ACTS = {
+    Act.GREET: "`Ready` (with its proof, if the Hello asked for one); a Hello renews a session, its open work its own",
+    Act.FORGET: "the session ends, with the streams it was sending",
+    Act.PROVISION: "imports what it names, then `Ready`",
+    Act.RUN: "runs the Work (its ref not open already; a recipe named by digest, its own): `Saw`..., then `Done` or `Failed`",
+    Act.CARRY: "carried: a stream's bytes, or its credit (`streams`)",
+    Act.OPEN: "its files opened, if its seal is the session's, and the Work inside taken as if sent",
+    Act.DROP: "counted, never answered: of no stream (a refusal would read as an answer)",
 }
 
 
-class ClientExchange:
-    """A client channel's conversation with one worker (directly, or relayed by a broker).
+@dataclass(frozen=True)
+class Refuse:
+    """A table's refusal: ``kind`` (a `Violation`) saying ``why``."""
 
-    ::
-
-        new --Hello--> greeting --Ready--> ready --Work(ref)--> working --Done/Failed/Refusal(ref)--> ready
-                       greeting --Work(ref)--> greeting+working --Ready--> working
-                                                 --Provision--> provisioning --Ready--> ready
-                       working --Send(ref)--> ready (provision, then send the Work again)
-                       any --Refusal to Hello/Provision, or a Violation--> closed
-
-    An answer carrying the ref of an exchange this channel gave up on is stale: dropped and
-    counted in ``stale``, never taken for the answer to the work now open.
-
-    A refusal names the work it ends. One that names no work, arriving once the Work has
-    been wholly sent (``work_delivered``), is never taken for that work's answer: it ends
-    the channel (state ``closed``, ``unplaced`` set), the work's fate unknown, and nothing
-    is sent again on its word. Before then (a stream of the Work still going out) it
-    refuses the carrier of the Work, which the worker never took: that is its answer.
-    """
-
-    def __init__(self) -> None:
-        self.state = "new"
-        self.ref: int | None = None
-        self.stale = 0
-        self.sent = False  # the open Work has been wholly sent
-        self.unplaced: Refusal | None = None  # a refusal naming no work, after it was sent
-        self._given_up: set[int] = set()
-
-    def _sending(self, allowed: tuple[str, ...], what: str) -> None:
-        if self.state not in allowed:
-            raise Violation(f"this channel cannot send {what} while {self.state}")
-
-    def hello_sent(self) -> None:
-        self._sending(("new",), "Hello")
-        self.state = "greeting"
-
-    def provision_sent(self, digest: str) -> None:
-        self._sending(("ready",), "Provision")
-        self.state = "provisioning"
-
-    def work_sent(self, ref: int) -> None:
-        """The Work goes out once the channel is ready, or right behind its Hello (whose
-        answer then comes first: a worker that refuses the Hello refuses the Work too)."""
-        self._sending(("ready", "greeting"), "Work")
-        self.state = "working" if self.state == "ready" else "greeting+working"
-        self.ref, self.sent = ref, False
-
-    def work_delivered(self) -> None:
-        """The open Work has left whole (the last chunk of its stream, or the message
-        itself): from now on a refusal that names no work is not its answer."""
-        if self.state in ("working", "greeting+working"):
-            self.sent = True
-
-    def forgotten(self) -> None:
-        """The worker said it does not know this channel (``Refusal(hello=True)``): the
-        channel says Hello again, as if new."""
-        self._sending(("ready",), "Hello again")
-        self.state = "new"
-
-    def give_up(self) -> None:
-        """The caller stopped waiting for the open work (a deadline): its answers are stale."""
-        if self.ref is not None:
-            self._given_up.add(self.ref)
-        self.state, self.ref = "closed", None
-
-    def receive(self, msg: object) -> object | None:
-        """The answer, if it may arrive now; None for a stale one; raises ``Violation``."""
-        if type(msg) is Done and self.state == "working" and msg.ref == self.ref and msg.ref is not None:
-            self.state, self.ref = "ready", None  # most answers: the open work's Done, as below
-            return msg
-        if self.state == "working":
-            ref = getattr(msg, "ref", None)
-            if isinstance(msg, (Saw, Send, Done, Failed, Refusal)) and ref is not None and ref != self.ref:
-                self.stale += 1
-                return None
-            if isinstance(msg, Refusal) and ref is None and self.sent:
-                # not the answer: the work may have run. The channel ends; nothing is resent
-                self.state, self.unplaced = "closed", msg
-                return msg
-        if not isinstance(msg, _CLIENT_EXPECTS[self.state]):
-            was, self.state = self.state, "closed"  # Rule 1: never guess the way back
-            raise Violation(f"a worker may not answer a `{_name(msg)}` to a channel that is {was}")
-        if self.state in ("greeting", "provisioning"):
-            self.state = "ready" if isinstance(msg, Ready) else "closed"
-        elif self.state == "greeting+working":
-            self.state = "working" if isinstance(msg, Ready) else "closed"
-        elif isinstance(msg, CLOSING):
-            self.state, self.ref = "ready", None
-        return msg
+    kind: type[Violation]
+    why: str
 
 
-# -- the worker's view of its peers -------------------------------------------------------
+_SAY_HELLO = "say Hello first: this worker has not heard from you"
+_S = Session
+#: The worker's side: (a peer's session, what it sends) -> (its next session, what the worker
+#: does), or the refusal. Anything else is refused: unopened from a peer not greeted (only
+#: Hello and Bye are decoded from one), as a message a worker does not answer from one greeted.
+WORKER_TABLE: dict[tuple[Session, type], tuple[Session, Act] | Refuse] = {
+    (_S.UNKNOWN, Hello): (_S.GREETED, Act.GREET),
+    (_S.GREETED, Hello): (_S.GREETED, Act.GREET),
+    (_S.UNKNOWN, Bye): (_S.UNKNOWN, Act.FORGET),
+    (_S.GREETED, Bye): (_S.UNKNOWN, Act.FORGET),
+    (_S.GREETED, Provision): (_S.GREETED, Act.PROVISION),
+    (_S.GREETED, Work): (_S.GREETED, Act.RUN),
+    (_S.GREETED, Begin): (_S.GREETED, Act.CARRY),
+    (_S.GREETED, Chunk): (_S.GREETED, Act.CARRY),
+    (_S.GREETED, Credit): (_S.GREETED, Act.CARRY),
+    (_S.GREETED, Mounted): (_S.GREETED, Act.OPEN),
+    (_S.UNKNOWN, Chunk): (_S.UNKNOWN, Act.DROP),
+    (_S.UNKNOWN, Credit): (_S.UNKNOWN, Act.DROP),
+    (_S.GREETED, Relay): Refuse(Violation, "a worker takes `Relay` envelopes only from the broker it dialed"),
+}
+
+
+def _step(state: Session, kind: type) -> tuple[Session, Act] | Refuse:
+    found = WORKER_TABLE.get((state, kind))
+    if found is not None:
+        return found
+    if state is Session.UNKNOWN:
+        return Refuse(Unknown, _SAY_HELLO)
+    return Refuse(Violation, f"a worker does not answer a `{kind.__name__}`")
 
 
 @dataclass
@@ -260,6 +174,15 @@ class WorkerSessions:
     def greeted(self, peer: bytes) -> bool:
         return peer in self._sessions
 
+    def step(self, peer: bytes, kind: type) -> Act:
+        """What to do with a message of ``kind`` from ``peer`` now (`WORKER_TABLE`), asked before it
+        is opened; raises (and counts) the table's refusal."""
+        found = _step(_S.GREETED if peer in self._sessions else _S.UNKNOWN, kind)
+        if isinstance(found, Refuse):
+            self.refused += 1
+            raise found.kind(found.why)
+        return found[1]
+
     def runtime(self, peer: bytes) -> Runtime:
         """The runtime ``peer`` stated in its Hello."""
         return self._sessions[peer].runtime
@@ -278,7 +201,7 @@ class WorkerSessions:
         ``receive`` would give it back; None, refusing nothing, when ``receive`` would refuse
         it (a peer that did not say Hello, a ref still open, a recipe not held, keys that do
         not fit it): ``receive`` then says why. The worker's express way in asks this first."""
-        session = self._sessions.get(peer)
+        session = self._sessions.get(peer)  # the table's (GREETED, Work) -> RUN, and its checks below
         if session is None or type(work) is not Work or work.recipe is not None or work.ref in session.open:
             return None
         kept = session.recipes.get(work.recipe_digest)
@@ -294,7 +217,13 @@ class WorkerSessions:
         return opened
 
     def _receive(self, peer: bytes, msg: object, tenant: str, now: float) -> Hello | Bye | Provision | Work:
-        if isinstance(msg, Hello):
+        session = self._sessions.get(peer)
+        found = _step(_S.UNKNOWN if session is None else _S.GREETED, type(msg))
+        if isinstance(found, Refuse):
+            raise found.kind(found.why)
+        act = found[1]
+        if act is Act.GREET:
+            assert isinstance(msg, Hello)  # the table's GREET is a Hello's
             if msg.offering is not None:
                 raise Violation("a worker takes no offers: `offering` is for a worker saying Hello to a broker")
             why = compatible(self.mine, msg.runtime, needs_pickle=False, me="this worker", them="the client")
@@ -302,14 +231,12 @@ class WorkerSessions:
                 raise Violation(why)
             self._greet(peer, msg.runtime, tenant)
             return msg
-        if isinstance(msg, Bye):
+        if act is Act.FORGET:
+            assert isinstance(msg, Bye)  # the table's FORGET is a Bye's
             self._forget(peer)
             return msg
-        if not isinstance(msg, (Provision, Work)):
-            raise Violation(f"a worker does not answer a `{_name(msg)}`")
-        session = self._sessions.get(peer)
-        if session is None:
-            raise Unknown("say Hello first: this worker has not heard from you")
+        if act not in (Act.PROVISION, Act.RUN) or session is None:  # a carrier: its intake's, not this
+            raise Violation(f"a worker does not answer a `{name_of(msg)}`")
         self._sessions.move_to_end(peer)
         if isinstance(msg, Work):
             if msg.ref in session.open:
@@ -319,6 +246,7 @@ class WorkerSessions:
             else:
                 self._keep(peer, session, msg.recipe)
             session.open[msg.ref] = now
+        assert isinstance(msg, (Provision, Work))  # the table's PROVISION and RUN
         return msg
 
     def proven(self, peer: bytes, key: bytes) -> None:
@@ -489,16 +417,3 @@ class WorkerSessions:
         """How long the oldest running work has run at ``now``, in whole microseconds (0: idle)."""
         started = [t for s in self._sessions.values() for t in s.open.values()]
         return int((now - min(started)) * 1_000_000) if started else 0
-
-
-# -- the broker's view: in :mod:`somatize.fabric.broker.peers`, named here too -----------------------------
-
-_BROKER_NAMES = frozenset(("CLIENT", "WORKER", "BrokerView", "Deliver", "Exchange", "Offer"))
-
-
-def __getattr__(name: str) -> object:  # PEP 562: imported on first use, so either module may be imported first
-    if name in _BROKER_NAMES:
-        from .broker import peers as broker_peers
-
-        return getattr(broker_peers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

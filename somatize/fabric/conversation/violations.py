@@ -1,0 +1,31 @@
+"""What the conversation refuses: a message that may not arrive now, from this peer."""
+
+from __future__ import annotations
+
+from ...errors import ProtocolError
+
+
+class Violation(ProtocolError):
+    """A message that may not arrive now, from this peer: refused, counted, never delivered."""
+
+
+class Unknown(Violation):
+    """A message from a peer this side does not know: it never said Hello, or it was
+    forgotten to make room. Refused with ``hello=True``: say Hello, then send it again."""
+
+
+class Unheld(Violation):
+    """A ``Work`` naming by digest a recipe this side does not hold for its peer (never sent
+    in full on this connection, or forgotten to make room). Refused with ``recipe=True``:
+    send the Work again with its recipe in full."""
+
+
+class Stale(Violation):
+    """An answer for an exchange that has ended (its client gave up, or went away): dropped
+    and counted, and not answered — its sender did nothing wrong, and a refusal would read
+    as a refusal of something it still holds."""
+
+
+def name_of(msg: object) -> str:
+    """The name of a message's type, for a sentence."""
+    return type(msg).__name__
