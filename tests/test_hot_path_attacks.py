@@ -25,7 +25,7 @@ No short way was made to answer otherwise than its general way. Three older faul
 found: ``Channel._check_kinds`` looked at the registry after ``encode`` used it (a codec
 forgotten in between let a kind the worker cannot read through), and a network-mode worker
 kept the first codec it got for a kind (one registered again in another format gave a
-wrong value): both mended, their tests pass. ``Carriage._watch_link`` reads a peer that
+wrong value): both mended, their tests pass. ``Transport._watch_link`` reads a peer that
 hangs up during the handshake as keys refused: kept, ``xfail(strict=True)`` with the fault
 named.
 """
@@ -73,7 +73,7 @@ from somatize.codec import forget
 from somatize.codec.registered import registered_now
 from somatize.engine import Piece, run_lone, run_piece
 from somatize.fabric import sockets as fabric_sockets
-from somatize.fabric.client import carriage
+from somatize.fabric.client import transport
 from somatize.fabric.conversation import ClientExchange, Violation, WorkerSessions
 from somatize.fabric.curve import speaks_curve
 from somatize.fabric.pieces import piece_of
@@ -606,13 +606,13 @@ def test_a_worker_killed_right_after_answering_fails_the_next_call_typed_or_serv
     worker is back on the port, calls are served again. How soon after its give-back each
     channel was taken again is recorded."""
     taken_after: list[float] = []
-    real = carriage.Carriage.dropped_while_idle
+    real = transport.Transport.dropped_while_idle
 
     def timed(self):
         taken_after.append(time.monotonic() - self.idle_since)
         return real(self)
 
-    monkeypatch.setattr(carriage.Carriage, "dropped_while_idle", timed)
+    monkeypatch.setattr(transport.Transport, "dropped_while_idle", timed)
     port = free_port()
     worker = procs(_listening(port))
     node = Add(1).named("inc").at("w1")
@@ -626,7 +626,7 @@ def test_a_worker_killed_right_after_answering_fails_the_next_call_typed_or_serv
             os.kill(worker.pid, signal.SIGKILL)
             if round_ == 1:  # the window, for certain: its give-back stamped ahead, so no
                 # scheduling delay on a busy machine can carry the borrow past it
-                _idle_channel(broker).idle_since = time.monotonic() + 3600
+                _idle_channel(broker).transport.idle_since = time.monotonic() + 3600
             looked = len(taken_after)
             started = time.monotonic()
             try:  # on this thread: a thread of its own would start the call too late
@@ -646,7 +646,7 @@ def test_a_worker_killed_right_after_answering_fails_the_next_call_typed_or_serv
                     continue
             assert served == 10, round_
     assert all(o == 42 or o in tolerated for o in outcomes), outcomes
-    assert post_kill[-1] < carriage.BACK_AT_ONCE, post_kill
+    assert post_kill[-1] < transport.BACK_AT_ONCE, post_kill
 
 
 @pytest.mark.parametrize("restarted", [False, True], ids=["dead", "restarted on the port"])
@@ -665,7 +665,7 @@ def test_a_channel_taken_back_unasked_after_its_worker_died_ends_typed_and_recov
         worker.popen.wait(WAIT)
         if restarted:
             worker = procs(_listening(port))
-        _idle_channel(broker).idle_since = time.monotonic() + 3600  # stamped ahead: never asked
+        _idle_channel(broker).transport.idle_since = time.monotonic() + 3600  # stamped ahead: never asked
         started = time.monotonic()
         try:
             outcome = within(PATIENCE * 4 + MARGIN, lambda: node.forward(41, broker=broker))
@@ -1367,8 +1367,8 @@ def test_a_channel_closed_while_idle_then_taken_again_ends_typed_and_the_next_ca
         if closed == "the channel":
             channel.close()
         else:
-            channel.sock.close(0)
-        channel.idle_since = time.monotonic() + (3600 if when == "at once" else -1.0)  # ahead: never asked
+            channel.transport.sock.close(0)
+        channel.transport.idle_since = time.monotonic() + (3600 if when == "at once" else -1.0)  # ahead: never asked
         try:
             outcome = within(WAIT, lambda: node.forward(2, broker=broker))
         except SomatizeError as exc:

@@ -25,7 +25,7 @@ from ...wire import decode, encode
 from .. import sockets
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
 from ..curve import PROBE, Keys, as_client, handshake_refusal, hung_up
-from .carriage import PastDeadline
+from .transport import PastDeadline
 
 
 class Asking:

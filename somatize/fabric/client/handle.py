@@ -46,12 +46,12 @@ from ..hosts import Pool as WorkerPool
 from ..hosts import Worker, expand, pool_of
 from . import lending as _lending
 from .asking import Asking
-from .carriage import Dropped, PastDeadline, bounded
 from .channel import Channel
 from .link import Link
 from .members import LostMembers, said_by_member
 from .pool import Pool
 from .refusals import NobodyThere, TurnedAway
+from .transport import Dropped, PastDeadline, bounded
 from .turns import Turns
 
 #: How long a spawned worker may take to start, on top of patience (seconds).
@@ -186,7 +186,7 @@ class Broker(Asking, Pool):
             if self._closed:
                 return
             self._closed = True
-            self._ended.set()  # calls waiting for an answer end within a look (`Carriage._watch_link`)
+            self._ended.set()  # calls waiting for an answer end within a look (`Transport._watch_link`)
             channels = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
             self._idle_order.clear()

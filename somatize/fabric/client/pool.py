@@ -11,7 +11,6 @@ the broker located it with (a client with none is refused, saying what to pass).
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -98,9 +97,9 @@ class Pool:
             still_there=(lambda timeout: self._still_there(located.host, timeout)) if relayed else None,
             deadline=deadline,
             lane=self._relay_link().lane(located.host) if relayed else None,
+            views=located.host in self._views,
+            ended=self._ended,
         )
-        channel.views = located.host in self._views
-        channel.ended = self._ended
         return channel
 
     def _relay_link(self) -> Link:
@@ -145,7 +144,7 @@ class Pool:
         return None, None
 
     def _give_back(self, channel: Channel) -> None:
-        channel.idle_since = time.monotonic()
+        channel.given_back()
         closing = []
         with self._lock:
             if self._closed:
