@@ -191,7 +191,7 @@ def test_a_channel_taken_again_at_once_is_not_asked_about_its_link_and_one_idle_
         monkeypatch.setattr(sockets, "readable", readable)
         for i in range(5):  # a loop of calls: each takes the channel back within BACK_AT_ONCE
             assert node.forward(i, broker=broker) == i + 1
-        channel = broker._idle["w1"][0]
+        channel = broker._channels.idle["w1"][0]
         assert channel.transport.monitor not in looked
         channel.transport.idle_since -= 2 * transport.BACK_AT_ONCE  # idle for longer: its link is looked at
         assert node.forward(7, broker=broker) == 8

@@ -572,7 +572,7 @@ def _listening(port: int) -> list[str]:
 
 
 def _idle_channel(broker: Broker, host: str = "w1"):
-    (channel,) = broker._idle[host]
+    (channel,) = broker._channels.idle[host]
     return channel
 
 
@@ -703,7 +703,7 @@ def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused()
 
 def test_a_broker_address_that_hangs_up_is_unreachable_not_keys_refused():
     """The same hang-up where a client looks for its broker (the control socket's handshake,
-    ``Broker._ask``): nobody there that speaks, so ``Unreachable``, with no word of keys."""
+    ``Rendezvous.ask``): nobody there that speaks, so ``Unreachable``, with no word of keys."""
     with socket_peer(_hang_up) as (port, _):
         broker = Broker.at(f"tcp://127.0.0.1:{port}", patience=PATIENCE)
         try:
@@ -1541,7 +1541,7 @@ def test_a_network_worker_gets_a_codec_registered_after_its_node_was_packed(netw
     assert plain.forward(1, broker=broker) == 2
     with pytest.raises(SomatizeError, match="cannot leave this process"):
         node.forward(Reading(1.0), broker=broker)  # no codec yet
-    packer = broker._packers["w1"]
+    packer = broker._channels.packers["w1"]
     packed = packer.pickles
     _register()
     assert within(WAIT, lambda: node.forward(Reading(1.0), broker=broker)) == Reading(2.0)
@@ -1604,8 +1604,8 @@ def test_one_graph_with_two_brokers_in_turn_is_refused_by_the_one_that_does_not_
             with pytest.raises(UnknownHost, match="`w2`"):
                 two.forward(round_, broker=knows)
             if round_ == 1:
-                blind._hosts(refresh=True)
-                knows._hosts(refresh=True)
+                blind._rendezvous.hosts(refresh=True)
+                knows._rendezvous.hosts(refresh=True)
         assert one.forward(10, broker=knows, watching=lambda fact: None) == 11  # the walk agrees
         with pytest.raises(UnknownHost):
             one.forward(10, broker=blind, watching=lambda fact: None)
