@@ -69,5 +69,5 @@ def relayed() -> Iterator[Broker]:
 
 def pickles(broker: Broker, host: str = "w1") -> int:
     """How many artifacts the broker's packer for ``host`` has made (pickled) so far."""
-    packer = broker._packers.get(host)  # no public counter yet: see docs/performance.md
+    packer = broker._channels.packers.get(host)  # no public counter yet: see docs/performance.md
     return -1 if packer is None else packer.pickles

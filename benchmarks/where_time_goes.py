@@ -232,7 +232,7 @@ CLIENT_STAGES = (
     ),
     (
         "locate, borrow, give back the channel",
-        (("handle.py", "_locate"), ("handle.py", "_borrow"), ("handle.py", "_give_back")),
+        (("rendezvous.py", "locate"), ("pool.py", "borrow"), ("pool.py", "give_back")),
     ),
     (
         "pack: specs, Work, recipe digest, kinds",

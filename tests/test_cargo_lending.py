@@ -260,7 +260,7 @@ def test_an_allowed_worker_key_running_as_nobody_gets_none_of_another_users_carg
     mallory = None
     try:
         wait_until(lambda: alice.knows("w1"), 30, "w1 dialing in")
-        token = alice._dialed["w1"][1][1]  # w1's mark, as every client sees it in the listing
+        token = alice._rendezvous.dialed["w1"][1][1]  # w1's mark, as every client sees it in the listing
         secret = np.frombuffer(SECRET, np.uint8)
         echo = Echo().named("echo").at("w1")
 

@@ -137,7 +137,7 @@ def test_an_honest_clients_overdue_never_kills_a_keyed_child_another_uses(ring, 
         try:
             with pytest.raises(Overdue):
                 Until(str(hers), str(her_go)).named("late").at("s1").forward(0, broker=alice, deadline=1.0)
-            checking = alice._checking.get("s1")
+            checking = alice._rendezvous.checking.get("s1")
             if checking is not None:  # her client's Where(lost): its answer is the check's end
                 checking.join(BOUND)
                 assert not checking.is_alive()
@@ -194,7 +194,7 @@ def test_a_reloaded_brokers_child_allows_what_the_broker_allows_and_its_checks_s
     hub = start_broker(processes, ring, tmp_path)
     with client(ring, hub, "alice") as alice:
         first = Pid().named("pid").at("s1").forward(0, broker=alice)
-        located = alice._located["s1"]
+        located = alice._rendezvous.located["s1"]
         assert greets(located.address, located.key, ring["bob_secret"])
         (ring["allow"] / "bob.key").unlink()
         hub.signal(signal.SIGHUP)
@@ -214,7 +214,7 @@ def test_a_check_that_cannot_reach_a_running_child_says_so_and_kills_nothing(rin
     hub = start_broker(processes, ring, tmp_path)
     with client(ring, hub, "alice") as alice:
         first = Pid().named("pid").at("s1").forward(0, broker=alice)
-        located = alice._located["s1"]
+        located = alice._rendezvous.located["s1"]
         argv = open(f"/proc/{first}/cmdline", "rb").read().split(b"\0")
         allow = argv[argv.index(b"--allow") + 1].decode()
         for name in os.listdir(allow):

@@ -174,7 +174,7 @@ def test_a_failure_or_an_answer_in_frames_is_taken_as_the_general_way_takes_it(p
 
 def test_a_channel_taken_again_at_once_is_not_asked_about_its_link_and_one_idle_longer_is(played, monkeypatch):
     from somatize.fabric import sockets
-    from somatize.fabric.client import carriage
+    from somatize.fabric.client import transport
 
     fake = played(done)
     with broker_for(fake) as broker:
@@ -191,8 +191,8 @@ def test_a_channel_taken_again_at_once_is_not_asked_about_its_link_and_one_idle_
         monkeypatch.setattr(sockets, "readable", readable)
         for i in range(5):  # a loop of calls: each takes the channel back within BACK_AT_ONCE
             assert node.forward(i, broker=broker) == i + 1
-        channel = broker._idle["w1"][0]
-        assert channel.monitor not in looked
-        channel.idle_since -= 2 * carriage.BACK_AT_ONCE  # idle for longer: its link is looked at
+        channel = broker._channels.idle["w1"][0]
+        assert channel.transport.monitor not in looked
+        channel.transport.idle_since -= 2 * transport.BACK_AT_ONCE  # idle for longer: its link is looked at
         assert node.forward(7, broker=broker) == 8
-        assert looked.count(channel.monitor) >= 1
+        assert looked.count(channel.transport.monitor) >= 1

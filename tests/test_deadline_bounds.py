@@ -152,7 +152,7 @@ def test_a_question_another_thread_holds_the_broker_with_does_not_hold_a_deadlin
     try:
         with Broker.at(played.url, patience=5.0) as broker:
             broker.hosts()
-            slow = threading.Thread(target=lambda: _quietly(lambda: broker._locate("slow")), daemon=True)
+            slow = threading.Thread(target=lambda: _quietly(lambda: broker._rendezvous.locate("slow")), daemon=True)
             slow.start()
             until = time.monotonic() + 10
             while not any(isinstance(m, Where) and m.host == "slow" for m in played.heard):

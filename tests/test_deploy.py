@@ -171,8 +171,8 @@ def test_a_head_node_a_listening_worker_and_a_slurm_worker_serve_a_client(tmp_pa
         ran = {f["node"]: f["host"] for f in seen if f["fact"] == "ran"}
         assert ran == {"on-gpu1": "gpu1", "on-node": node}
         # how each was reached (the client's own record of what the broker answered)
-        assert broker._located["gpu1"].path == "direct"
-        assert broker._located[node].path == "relayed"
+        assert broker._rendezvous.located["gpu1"].path == "direct"
+        assert broker._rendezvous.located[node].path == "relayed"
 
     # the script exec'd all the way down: its process is the worker, and it got its settings
     cmdline = Path(f"/proc/{slurm.pid}/cmdline")

@@ -25,7 +25,7 @@ No short way was made to answer otherwise than its general way. Three older faul
 found: ``Channel._check_kinds`` looked at the registry after ``encode`` used it (a codec
 forgotten in between let a kind the worker cannot read through), and a network-mode worker
 kept the first codec it got for a kind (one registered again in another format gave a
-wrong value): both mended, their tests pass. ``Carriage._watch_link`` reads a peer that
+wrong value): both mended, their tests pass. ``Transport._watch_link`` reads a peer that
 hangs up during the handshake as keys refused: kept, ``xfail(strict=True)`` with the fault
 named.
 """
@@ -73,7 +73,7 @@ from somatize.codec import forget
 from somatize.codec.registered import registered_now
 from somatize.engine import Piece, run_lone, run_piece
 from somatize.fabric import sockets as fabric_sockets
-from somatize.fabric.client import carriage
+from somatize.fabric.client import transport
 from somatize.fabric.conversation import ClientExchange, Violation, WorkerSessions
 from somatize.fabric.curve import speaks_curve
 from somatize.fabric.pieces import piece_of
@@ -572,7 +572,7 @@ def _listening(port: int) -> list[str]:
 
 
 def _idle_channel(broker: Broker, host: str = "w1"):
-    (channel,) = broker._idle[host]
+    (channel,) = broker._channels.idle[host]
     return channel
 
 
@@ -606,13 +606,13 @@ def test_a_worker_killed_right_after_answering_fails_the_next_call_typed_or_serv
     worker is back on the port, calls are served again. How soon after its give-back each
     channel was taken again is recorded."""
     taken_after: list[float] = []
-    real = carriage.Carriage.dropped_while_idle
+    real = transport.Transport.dropped_while_idle
 
     def timed(self):
         taken_after.append(time.monotonic() - self.idle_since)
         return real(self)
 
-    monkeypatch.setattr(carriage.Carriage, "dropped_while_idle", timed)
+    monkeypatch.setattr(transport.Transport, "dropped_while_idle", timed)
     port = free_port()
     worker = procs(_listening(port))
     node = Add(1).named("inc").at("w1")
@@ -626,7 +626,7 @@ def test_a_worker_killed_right_after_answering_fails_the_next_call_typed_or_serv
             os.kill(worker.pid, signal.SIGKILL)
             if round_ == 1:  # the window, for certain: its give-back stamped ahead, so no
                 # scheduling delay on a busy machine can carry the borrow past it
-                _idle_channel(broker).idle_since = time.monotonic() + 3600
+                _idle_channel(broker).transport.idle_since = time.monotonic() + 3600
             looked = len(taken_after)
             started = time.monotonic()
             try:  # on this thread: a thread of its own would start the call too late
@@ -646,7 +646,7 @@ def test_a_worker_killed_right_after_answering_fails_the_next_call_typed_or_serv
                     continue
             assert served == 10, round_
     assert all(o == 42 or o in tolerated for o in outcomes), outcomes
-    assert post_kill[-1] < carriage.BACK_AT_ONCE, post_kill
+    assert post_kill[-1] < transport.BACK_AT_ONCE, post_kill
 
 
 @pytest.mark.parametrize("restarted", [False, True], ids=["dead", "restarted on the port"])
@@ -665,7 +665,7 @@ def test_a_channel_taken_back_unasked_after_its_worker_died_ends_typed_and_recov
         worker.popen.wait(WAIT)
         if restarted:
             worker = procs(_listening(port))
-        _idle_channel(broker).idle_since = time.monotonic() + 3600  # stamped ahead: never asked
+        _idle_channel(broker).transport.idle_since = time.monotonic() + 3600  # stamped ahead: never asked
         started = time.monotonic()
         try:
             outcome = within(PATIENCE * 4 + MARGIN, lambda: node.forward(41, broker=broker))
@@ -703,7 +703,7 @@ def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused()
 
 def test_a_broker_address_that_hangs_up_is_unreachable_not_keys_refused():
     """The same hang-up where a client looks for its broker (the control socket's handshake,
-    ``Broker._ask``): nobody there that speaks, so ``Unreachable``, with no word of keys."""
+    ``Rendezvous.ask``): nobody there that speaks, so ``Unreachable``, with no word of keys."""
     with socket_peer(_hang_up) as (port, _):
         broker = Broker.at(f"tcp://127.0.0.1:{port}", patience=PATIENCE)
         try:
@@ -1367,8 +1367,8 @@ def test_a_channel_closed_while_idle_then_taken_again_ends_typed_and_the_next_ca
         if closed == "the channel":
             channel.close()
         else:
-            channel.sock.close(0)
-        channel.idle_since = time.monotonic() + (3600 if when == "at once" else -1.0)  # ahead: never asked
+            channel.transport.sock.close(0)
+        channel.transport.idle_since = time.monotonic() + (3600 if when == "at once" else -1.0)  # ahead: never asked
         try:
             outcome = within(WAIT, lambda: node.forward(2, broker=broker))
         except SomatizeError as exc:
@@ -1541,7 +1541,7 @@ def test_a_network_worker_gets_a_codec_registered_after_its_node_was_packed(netw
     assert plain.forward(1, broker=broker) == 2
     with pytest.raises(SomatizeError, match="cannot leave this process"):
         node.forward(Reading(1.0), broker=broker)  # no codec yet
-    packer = broker._packers["w1"]
+    packer = broker._channels.packers["w1"]
     packed = packer.pickles
     _register()
     assert within(WAIT, lambda: node.forward(Reading(1.0), broker=broker)) == Reading(2.0)
@@ -1604,8 +1604,8 @@ def test_one_graph_with_two_brokers_in_turn_is_refused_by_the_one_that_does_not_
             with pytest.raises(UnknownHost, match="`w2`"):
                 two.forward(round_, broker=knows)
             if round_ == 1:
-                blind._hosts(refresh=True)
-                knows._hosts(refresh=True)
+                blind._rendezvous.hosts(refresh=True)
+                knows._rendezvous.hosts(refresh=True)
         assert one.forward(10, broker=knows, watching=lambda fact: None) == 11  # the walk agrees
         with pytest.raises(UnknownHost):
             one.forward(10, broker=blind, watching=lambda fact: None)

@@ -507,7 +507,7 @@ def test_a_spawned_worker_uses_this_users_folder_in_memory_unless_told_otherwise
     x = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: through a pooled segment
     with Broker.embedded({"w1": declared}) as broker:
         np.testing.assert_array_equal(Echo().named("echo").at("w1").forward(x, broker=broker), x)
-        assert broker._located["w1"].path == "mount"
+        assert broker._rendezvous.located["w1"].path == "mount"
         mine = [n for n in os.listdir(own) if n.startswith(f"{os.getpid()}-")]
         assert mine, "the request went through a segment of this process's in that folder"
     # the last to leave the default folder removes it, when nobody else has anything there
@@ -567,7 +567,7 @@ def test_a_default_folder_taken_after_the_declaration_means_the_socket_never_a_f
         with Broker.embedded({"w1": declared}) as broker:
             for _ in range(2):
                 np.testing.assert_array_equal(Echo().named("echo").at("w1").forward(x, broker=broker), x)
-            assert broker._located["w1"].path == "direct"
+            assert broker._rendezvous.located["w1"].path == "direct"
         assert os.listdir(squatted) == [], "nothing of ours went into their folder"
         assert capfd.readouterr().err.count("is not this user's safe folder") == 1
     finally:

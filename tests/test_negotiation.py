@@ -137,7 +137,7 @@ def test_an_answer_to_work_given_up_on_is_dropped_and_counted_never_taken_for_th
     try:
         with served(peer) as broker:
             assert Add().named("a").at("w1").forward(1, broker=broker) == "this one"
-            (channel,) = broker._idle["w1"]
+            (channel,) = broker._channels.idle["w1"]
             assert channel.exchange.stale == 1
             assert Add().named("a").at("w1").forward(1, broker=broker) == "this one"  # the same channel
             assert peer.seen.count("Hello") == 1 and channel.exchange.stale == 2
@@ -151,7 +151,7 @@ def test_an_answer_the_conversation_does_not_allow_breaks_the_channel():
         with served(peer) as broker:
             with pytest.raises(ProtocolError, match=r"the worker for `w1` .* so this channel was dropped: .*`Ready`"):
                 Add().named("a").at("w1").forward(1, broker=broker)
-            assert broker._idle.get("w1", []) == []
+            assert broker._channels.idle.get("w1", []) == []
             peer.answer = lambda work: [Done(work.ref, "fine", {}, 0)]
             assert Add().named("a").at("w1").forward(1, broker=broker) == "fine"
             assert peer.seen.count("Hello") == 2  # a new channel, a new conversation

@@ -195,7 +195,7 @@ SPAWNED_CLIENT = """if True:
     with Broker.at(url, keys=keys) as broker:
         if phase == "serve":
             out["w3"] = Add(2).named("a").at("w3").forward(1, broker=broker)
-        located = broker._locate("w3", None)
+        located = broker._rendezvous.locate("w3", None)
         out["where"] = [located.path, located.address, located.key]
     key = located.key.encode()
     out["with_my_key"] = greet(located.address, key, read_secret(secret))

@@ -180,7 +180,7 @@ def test_a_graph_made_anew_for_every_call_still_names_its_recipe_by_digest(procs
         node = Add(1)
         with Broker.embedded({"w1": Worker.at(tap.endpoint, mode="project")}) as broker:
             assert [node.named("a").at("w1").forward(i, broker=broker) for i in range(4)] == [1, 2, 3, 4]
-            specs = {id(broker._packers["w1"].spec(node.named("a"))) for _ in range(3)}
+            specs = {id(broker._channels.packers["w1"].spec(node.named("a"))) for _ in range(3)}
         works = tap.works()
     finally:
         tap.close()

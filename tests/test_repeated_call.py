@@ -176,7 +176,7 @@ def test_a_group_is_packed_once_and_again_when_the_codec_registry_changes():
     with Broker.embedded({"w1": Worker.spawn(WORKER, mode="network", send=[fabric_nodes])}) as broker:
         for x in range(5):
             assert g.forward(x, broker=broker) == x + 1
-        packer = broker._packers["w1"]
+        packer = broker._channels.packers["w1"]
         assert packer.pickles == 1
         (memo,) = [op.__dict__["_memo"] for op in _plan_of(g, frozenset()).remotes]
         assert [ref() for ref, _, _ in memo.values()] == [packer]
@@ -403,7 +403,7 @@ def test_a_one_trip_forward_keeps_its_trip_and_its_host_check_stands_on_the_brok
         assert len(asked) == 1  # the first forward's, on the listing it made: not again
         listing = broker.listed()
         assert node.__dict__["_somatize_listed"] is listing
-        broker._hosts(refresh=True)  # listed anew: the hosts are asked again, once
+        broker._rendezvous.hosts(refresh=True)  # listed anew: the hosts are asked again, once
         assert broker.listed() is not listing
         assert node.forward(5, broker=broker) == 6 and node.forward(6, broker=broker) == 7
         assert len(asked) == 2

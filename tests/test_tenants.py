@@ -211,7 +211,7 @@ def test_revoking_a_key_refuses_its_open_connections(ring, processes):
         until = time.monotonic() + 15
         while True:  # the reload happens when the broker's signal handler runs: wait for it
             try:
-                alice._hosts(refresh=True)
+                alice._rendezvous.hosts(refresh=True)
             except Refused as exc:
                 assert "no longer allowed" in str(exc)
                 break

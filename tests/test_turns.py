@@ -13,8 +13,8 @@ import threading
 import pytest
 from reliability_support import wait_until
 
-from somatize.fabric.client.carriage import PastDeadline
 from somatize.fabric.client.refusals import TurnedAway
+from somatize.fabric.client.transport import PastDeadline
 from somatize.fabric.client.turns import Turns
 from somatize.pieces import Deadline
 

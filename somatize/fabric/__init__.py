@@ -1,7 +1,10 @@
 """Everything that touches ZeroMQ, laid out by where it runs.
 
-- ``client/``: what runs in the process of a graph: the ``Broker`` handle (``handle``), its
-  channels to workers (``channel``), the segments it lends on one machine (``lending``).
+- ``client/``: what runs in the process of a graph: the ``Broker`` handle (``handle``), what
+  it asks its broker and was told (``rendezvous``), the channels it keeps (``pool``); a
+  channel to a worker (``channel``: its conversation), how its messages move
+  (``transport``), its cargo in a shared folder (``cargo``), the segments lent on one
+  machine (``lending``).
 - ``broker/``: what runs in a broker: its loop (``loop``), its view of peers, hosts and
   exchanges (``peers``), the outbox that never blocks (``outbox``), the helper that starts
   and checks spawned workers (``checks``, ``spawn``), the bindings of names to keys.

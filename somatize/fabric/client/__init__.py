@@ -1,5 +1,8 @@
-"""What runs in the client: the ``Broker`` handle a graph talks to, its channels to
-workers, and the pool of shared-memory segments it lends (``lending``).
+"""What runs in the client: the ``Broker`` handle a graph talks to (``handle``), which
+holds its rendezvous with the broker (``rendezvous``) and the channels it keeps (``pool``);
+a channel to a worker (``channel``), which holds how its messages move (``transport``) and
+its cargo in a shared folder (``cargo``); and the pool of shared-memory segments it lends
+(``lending``).
 
 Shared by all three sides: the modules directly in ``somatize.fabric``.
 """

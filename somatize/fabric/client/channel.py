@@ -29,14 +29,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from ...codec.registered import readable_with, registered_now, registered_with
 from ...engine import Deadline, Outcome, Piece
 from ...errors import NodeFailed, ProtocolError, Refused
 from ...packing import Packer
 from ...wire import (
-    Bye,
     Done,
     Failed,
     Hello,
@@ -55,19 +52,16 @@ from ...wire import (
     recipe_digest,
     short,
 )
-from .. import leases as _leases
 from .. import mount as _mount
 from .. import proofs as _proofs
-from .. import sockets
 from .. import streams as _streams
 from ..conversation import ClientExchange
-from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from ..curve import Keys, as_client
+from ..curve import Keys
 from ..pieces import outcome_of, specs_of, work_of
-from . import lending as _lending
-from .carriage import LOOK_EVERY_MS, Carriage
+from .cargo import Cargo
 from .link import Lane
 from .refusals import TurnedAway, refusal, unreadable
+from .transport import Transport
 
 _refs = itertools.count(1)
 
@@ -79,14 +73,18 @@ _MEMO_RECIPES = 256
 _DIGESTS: dict[tuple, tuple[tuple[NodeSpec, ...], tuple, str | None]] = {}
 
 
-class Channel(Carriage):
+class Channel:
     """One DEALER to one worker (directly, or through the broker for a relayed host): its
-    conversation here, how its messages move in :class:`~.carriage.Carriage`.
+    conversation, which it holds and decides (``exchange``, a :class:`ClientExchange`), and
+    the two pieces it owns: its ``transport`` (:class:`~.transport.Transport`), which moves
+    its messages, and its ``cargo`` (:class:`~.cargo.Cargo`), where the big frames of its
+    work go and come back from once its worker proved it sees a shared folder.
 
-    The pump: every message that arrives is a carrier (a piece of a stream, a credit, a
-    mounted message), opened there, or an answer, which :class:`ClientExchange` checks
-    against the state of the conversation before anything acts on it. A stale answer (of
-    work given up on) is dropped and counted; an illegal one breaks the channel.
+    The pump (the transport's): every message that arrives is a carrier (a piece of a
+    stream, a credit, a mounted message), opened there, or an answer, which
+    :class:`ClientExchange` checks against the state of the conversation before anything
+    acts on it. A stale answer (of work given up on) is dropped and counted; an illegal one
+    breaks the channel.
     """
 
     def __init__(
@@ -102,7 +100,12 @@ class Channel(Carriage):
         still_there: Callable[[float], bool] | None = None,
         deadline: Deadline | None = None,
         lane: Lane | None = None,
+        views: bool = False,
+        ended: Any = None,
     ) -> None:
+        """``views``: answers' arrays as views of the segments lent (see ``Worker(views=)``);
+        ``ended``: set when the broker that made this channel is closed (a
+        ``threading.Event``): a wait for an answer then ends within a look."""
         self.host = located.host
         self.located = located
         self.packer = packer
@@ -113,39 +116,24 @@ class Channel(Carriage):
         # where cargo may go, once the worker proves on this channel that it sees it (`_say_hello`)
         self._may_mount = _mount.folder_of(located)
         self._proving = _proofs.expected(located)  # who the worker must prove it is
-        self._worker = f"{self._proving}@{located.address}"  # whose segments it is lent (`lending`)
         self._challenge: _proofs.Challenge | None = None  # the proof asked of the worker, not yet answered
-        self.folder: str | None = None  # where cargo goes, proved; None: on the socket
-        self.seal_key: bytes | None = None  # the key of this session's seals (`proofs.seal`)
-        self._unusable: Refused | None = None  # why the declared folder may not hold cargo
-        self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
         self.exchange = ClientExchange()
-        self.lane = lane  # a relayed channel: a lane of the client's one link to the broker
-        self.still_there = still_there
-        self._checked = time.monotonic()
-        if lane is not None:
-            self.sock = self.monitor = None
-            self.linked = lane.link.linked
-        else:
-            self.sock = sockets.dealer(patience)
-            if keys is not None:
-                as_client(self.sock, keys, server_key)
-            # an established link dropping, or a server refusing our key
-            self.monitor = self.sock.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            )
-            self.linked = False  # the ZeroMQ handshake completed: someone is there
-            # a receive waits this long for an answer, then the link is looked at (`_pump`)
-            self.sock.setsockopt(zmq.RCVTIMEO, LOOK_EVERY_MS)
-            self.sock.connect(self.address)
-        self.mounted: list = []
+        # where its work's big frames go (whose segments they are lent: `lending`)
+        self.cargo = Cargo(f"{self._proving}@{located.address}", views=views)
+        self.transport = Transport(
+            located,
+            address,
+            patience,
+            self.exchange,
+            self.cargo,
+            keys=keys,
+            server_key=server_key,
+            still_there=still_there,
+            lane=lane,
+            ended=ended,
+        )
         self.bound: Deadline | None = None  # the deadline the open work runs under
-        self.lending: _lending.Lending | None = None  # the pooled segments of the open work
-        self.views = False  # answers' arrays as views of the segments (see `Worker(views=)`)
         self.sent_at: float | None = None  # when the open work was sent
-        self._outgoing: _streams.Outgoing | None = None
-        self._inbound = _streams.Inbound(per_tenant=1, total=1)  # one answer at a time
-        self._early: list = []
         self.reads: frozenset[str] = frozenset()  # the kinds the worker said it reads
         self._sure_for: object = None  # the registry (`registered_now`) for which it reads all ours
         # recipes: sent in full once per connection, then named by digest (see `run`)
@@ -164,26 +152,27 @@ class Channel(Carriage):
     def close(self, *, quiet: bool = False) -> None:
         """``quiet``: a lane says no Bye of its own (its link is ending too: the broker then
         tells each worker of the link's exchanges: one message less per lane)."""
-        _mount.remove(self.mounted)
-        self.mounted = []
-        self._end_lending()
+        self.cargo.let_go(self.exchange.state)
         self._unchallenge()
-        if self.lane is not None:
-            self.lane.close(quiet=quiet)  # its worker hears Bye; the link stays for the other lanes
-            return
-        sock = self.sock
-        assert sock is not None  # a channel with no lane has a socket of its own
-        if self.relayed and self.linked and not sock.closed:
-            try:  # the broker ends this connection's exchanges now, not when they are crowded out
-                sock.send_multipart(encode(Bye()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        if not sock.closed:
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        sockets.close(self.monitor, sock)
+        self.transport.close(quiet=quiet)
+
+    @property
+    def lane(self) -> Lane | None:
+        """A relayed channel's lane of the client's one link to the broker (its transport's);
+        None: a socket of its own."""
+        return self.transport.lane
+
+    def dropped_while_idle(self) -> bool:
+        """Whether the link dropped since the last work: see ``Transport.dropped_while_idle``."""
+        return self.transport.dropped_while_idle()
+
+    def given_back(self) -> None:
+        """Given back, idle, now (``Transport.idle_since``)."""
+        self.transport.idle_since = time.monotonic()
+
+    def waited(self) -> float:
+        """Seconds since the open work was sent (0 when none was)."""
+        return 0.0 if self.sent_at is None else time.monotonic() - self.sent_at
 
     # -- the conversation ----------------------------------------------------------------
     def _hello(self, deadline: Deadline | None) -> None:
@@ -199,13 +188,15 @@ class Channel(Carriage):
         # a folder is believed seen by this worker only once it proves it, now: a new session
         # (a worker greeted again may be another process) proves it anew, under a new key
         self._unchallenge()
-        self.folder = self.seal_key = None
+        self.cargo.proved(None, None)
         if self._may_mount is not None:
             try:
                 self._challenge = _proofs.challenge(self._may_mount, named_by_peer=self.located.path != "mount")
             except Refused as exc:  # a declared folder that may not hold cargo: said by the first cargo
-                self._unusable = exc
-        self._send(encode(Hello(self._mine, prove=self._challenge.name if self._challenge is not None else "")))
+                self.cargo.unusable = exc
+        self.transport.send(
+            encode(Hello(self._mine, prove=self._challenge.name if self._challenge is not None else ""))
+        )
         self._greeting = time.monotonic() + self.patience  # when its answer is due
 
     def _unchallenge(self) -> None:
@@ -216,11 +207,11 @@ class Channel(Carriage):
     def _greeted(self, deadline: Deadline | None) -> None:
         """The answer to the Hello sent (`_say_hello`), read and checked."""
         answer_by, self._greeting = self._greeting, None
-        answer = self._next(answer_by, "for the worker to answer Hello", deadline)
+        answer = self.transport.next(answer_by, "for the worker to answer Hello", deadline)
         challenge = self._challenge
         self._unchallenge()  # read by now, or never
         if challenge is not None and isinstance(answer, Ready) and challenge.proves(answer.proof, self._proving):
-            self.folder, self.seal_key = self._may_mount, _proofs.seal_key(challenge.nonce)
+            self.cargo.proved(self._may_mount, _proofs.seal_key(challenge.nonce))
         mine = self._mine
         if isinstance(answer, Refusal):
             if answer.why.startswith("busy:"):
@@ -270,9 +261,7 @@ class Channel(Carriage):
             self.bound = deadline
             return self._settle(piece, ref, specs, digest, named, frames, None, watch, deadline)
         finally:
-            _mount.remove(self.mounted)
-            self.mounted = []
-            self._end_lending()
+            self.cargo.let_go(self.exchange.state)
 
     def _express(self, piece: Piece) -> Outcome | None:
         """A repeated small call, the short way: no watcher, no deadline, the channel
@@ -282,7 +271,7 @@ class Channel(Carriage):
         for any other piece (``run`` takes it the general way). Once sent, an answer other
         than its ``Done`` is taken as the general way takes it (``_settle``): a refusal, a
         request for code, a failure."""
-        if piece.keys or self.lane is not None:
+        if piece.keys or self.transport.lane is not None:
             return None
         specs = specs_of(piece, self.packer)
         digest = self._digest_of(specs, piece.shape)
@@ -306,11 +295,9 @@ class Channel(Carriage):
                 return self._outcome(answer, piece)
             return self._settle(piece, ref, specs, digest, digest, frames, answer, None, None)
         finally:
-            if self.mounted:
-                _mount.remove(self.mounted)
-                self.mounted = []
-            if self.lending is not None:
-                self._end_lending()
+            cargo = self.cargo
+            if cargo.mounted or cargo.lending is not None:  # this runs every call: most hold none
+                cargo.let_go(self.exchange.state)
 
     def _settle(
         self,
@@ -405,12 +392,6 @@ class Channel(Carriage):
         _DIGESTS[key] = (specs, shape, digest)
         return digest
 
-    def _end_lending(self) -> None:
-        """The lent segments go back to the pool, or are retired: idempotent."""
-        lending, self.lending = self.lending, None
-        if lending is not None:  # the worker answered, or it may still write there
-            lending.end(answered=self.exchange.state not in ("working", "closed"))
-
     def _may_follow_hello(self, frames: list, code: tuple[str, ...]) -> bool:
         """Whether a first Work may go right behind its channel's Hello: to a project-mode
         worker (which refuses the Work of a client whose Hello it refused, on the checks this
@@ -461,42 +442,29 @@ class Channel(Carriage):
                     f"offered it (`{digest[:19]}…`): its answer was not taken, and this channel was dropped"
                 ) from None
             self.exchange.provision_sent(digest)
-            self._send(encode(Provision(digest, artifact)), deadline)
-            answer = self._next(None, "for the worker to take an artifact", deadline)
+            self.transport.send(encode(Provision(digest, artifact)), deadline)
+            answer = self.transport.next(None, "for the worker to take an artifact", deadline)
             if isinstance(answer, Refusal) and answer.hello:
                 self.exchange.forgotten()
                 self._hello(deadline)
                 self.exchange.provision_sent(digest)
-                self._send(encode(Provision(digest, artifact)), deadline)
-                answer = self._next(None, "for the worker to take an artifact", deadline)
+                self.transport.send(encode(Provision(digest, artifact)), deadline)
+                answer = self.transport.next(None, "for the worker to take an artifact", deadline)
             if isinstance(answer, Refusal):
                 raise Refused(f"the worker for `{self.host}` refused the code sent to it: {answer.why}")
             self.provisioned.add(digest)
 
     def _send_work(self, ref: int, frames: list, deadline: Deadline | None = None) -> None:
-        if self.lending is not None and self.folder is None:
-            # greeted again, by a worker that proved no folder: what was lent is retired
-            lending, self.lending = self.lending, None
-            lending.end(answered=False)
-        if self._unusable is not None and len(frames) > 1:
-            raise self._unusable
-        if self.folder is not None and len(frames) > 1:
-            if self.lending is not None or _leases.in_memory(self.folder):  # one machine: pooled memory
-                if self.lending is None:
-                    self.lending = _lending.Lending(_lending.pool(self.folder), self._worker)
-                frames = self.lending.send(frames, self.seal_key)
-            else:  # a folder other machines see: one file per frame
-                frames, made = _mount.write(frames, self.folder, seal_key=self.seal_key)
-                self.mounted.extend(made)
+        frames = self.cargo.laid(frames)  # its big frames into the shared folder, when one is proved
         self.exchange.work_sent(ref)
         self.sent_at = time.monotonic()
-        self._send(frames, deadline)
+        self.transport.send(frames, deadline)
         self.exchange.work_delivered()  # whole: a refusal naming no work is not its answer now
 
     def _answer(self, watch: Any, deadline: Deadline | None = None) -> Any:
         """The work's answer (Send or terminal); its facts go to ``watch`` meanwhile."""
         while True:
-            answer = self._next(None, "for the work's answer", deadline)
+            answer = self.transport.next(None, "for the work's answer", deadline)
             if not isinstance(answer, Saw):
                 for fact in answer.saw if watch is not None and type(answer) is Done else ():
                     watch(_as_said(fact))  # what a work that finished at once said (`worker.held`)

@@ -8,9 +8,12 @@ in is located by the listing (``Listed.dialed``) with no question of its own: th
 relays to it. For the engine this is one call,
 :meth:`Broker.run`.
 
-A channel (:mod:`somatize.fabric.client.channel`, which says what it carries and how) is
-one DEALER to one worker, or to the broker for a relayed host, borrowed by one forward at
-a time and kept between calls (:mod:`somatize.fabric.client.pool`).
+The broker handle holds two pieces, each with its own state: its rendezvous with the
+broker (:class:`~.rendezvous.Rendezvous`: the questions, the listing, where each host is)
+and the channels it keeps (:class:`~.pool.Channels`). A channel
+(:mod:`somatize.fabric.client.channel`, which says what it carries and how) is one DEALER
+to one worker, or to the broker for a relayed host, borrowed by one forward at a time and
+kept between calls.
 
 Deadlines: a forward's deadline (or a host's default, ``Worker.spawn(..., deadline=)``,
 whichever comes first) bounds every wait here, for the broker and for the worker; the
@@ -25,37 +28,29 @@ interrupt a node that is running.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import zmq
-
 from ...engine import Deadline, Outcome, Piece, run_piece
-from ...errors import Broken, Busy, Closed, NodeFailed, Overdue, ProtocolError, Refused, Unreachable
-from ...packing import Packer
+from ...errors import Broken, Busy, Closed, NodeFailed, Overdue, Refused, Unreachable
 from ...pieces import changed
-from ...wire import Hosts, Listed, Located, Refusal, Where, encode
+from ...wire import Located, Where
 from .. import sockets
 from ..broker.loop import BrokerLoop
-from ..curve import Keys, as_client
+from ..curve import Keys
 from ..hosts import Pool as WorkerPool
-from ..hosts import Worker, expand, pool_of
+from ..hosts import Worker, expand
 from . import lending as _lending
-from .asking import Asking
-from .carriage import Dropped, PastDeadline, bounded
-from .channel import Channel
-from .link import Link
 from .members import LostMembers, said_by_member
-from .pool import Pool
+from .pool import Channels
 from .refusals import NobodyThere, TurnedAway
+from .rendezvous import Rendezvous
+from .transport import Dropped, PastDeadline
 from .turns import Turns
-
-#: How long a spawned worker may take to start, on top of patience (seconds).
-START_ALLOWANCE = 30.0
 
 
 def _let_go(packable: dict, key: int, gone: weakref.ref) -> None:
@@ -64,7 +59,7 @@ def _let_go(packable: dict, key: int, gone: weakref.ref) -> None:
         packable.pop(key, None)
 
 
-class Broker(Asking, Pool):
+class Broker:
     """Resolves the hosts a graph names with ``.at()`` and carries work to them.
 
     Use as a context manager, or call :meth:`close`: that closes every channel and, for an
@@ -87,38 +82,30 @@ class Broker(Asking, Pool):
         self.url = url
         self.patience = patience
         self.keys = keys
-        self._host_keys = dict(host_keys or {})
         self._server = server
         self._thread: threading.Thread | None = None
-        self._send_by_host = dict(send or {})
         self._deadlines = {h: s for h, s in (deadlines or {}).items() if s is not None}
-        self._views = frozenset(views)  # hosts whose mounted answers come back as views
-        self._checking: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
-        self._asking = threading.Lock()  # held by the question on the control socket (`_ask`)
-        self._bounds = threading.local()  # `deadline`: what bounds this thread's questions (`asking_within`)
-        self._control: zmq.Socket | None = None
-        self._watch: zmq.Socket | None = None
-        self._linked = False  # the control socket's handshake with the broker completed
-        self._answered = False  # the broker answered this client at least once
-        self._listing: dict[str, str] | None = None
-        self._dialed: dict[str, tuple[str, list[str]]] = {}  # the listing's dialed hosts: (mode, folder)
-        self._here: tuple[dict[str, str], frozenset[str]] | None = None  # (listing, its in-process hosts)
-        self._located: dict[str, Located] = {}
-        self._pools: tuple[dict[str, str], dict[str, tuple[str, ...]]] | None = None  # (listing, pool -> members)
+        self._closed = False
+        self._ended = threading.Event()  # set by close: a call waiting on a channel ends `Closed`
+        # what the broker was asked, and said: its hosts, where each is
+        self._rendezvous = Rendezvous(url, patience, keys, self._ended)
+        # the channels kept between calls, and what those to one host share
+        self._channels = Channels(
+            url,
+            patience,
+            keys,
+            self._ended,
+            self._rendezvous.still_there,
+            host_keys=dict(host_keys or {}),
+            send=dict(send or {}),
+            views=frozenset(views),  # hosts whose mounted answers come back as views
+        )
         self._members_lost = LostMembers(self.patience)  # pool members passed over for a while
-        self._idle: dict[str, list[Channel]] = {}
-        self._idle_order: OrderedDict[int, Channel] = OrderedDict()  # id -> channel, least recently used first
-        self._idle_lanes: OrderedDict[int, Channel] = OrderedDict()  # the same, for relayed channels
         self._turns = Turns()  # this client's forwards running on each host, and those waiting for a turn
-        self._link: Link | None = None  # the one connection every relayed channel is a lane of
-        self._packers: dict[str | tuple[str, str], Packer] = {}  # by host; a pool's by (pool, mode) (`Pool._packer`)
-        self._provisioned: dict[str, set[str]] = {}
         # steps found packable, by identity (id -> a weak reference, gone with the step): a
         # step's hash is its fields', dearer than this look on every forward
         self._packable: dict[int, weakref.ref] = {}
-        self._closed = False
-        self._ended = threading.Event()  # set by close: a call waiting on a channel ends `Closed`
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -186,24 +173,12 @@ class Broker(Asking, Pool):
             if self._closed:
                 return
             self._closed = True
-            self._ended.set()  # calls waiting for an answer end within a look (`Carriage._watch_link`)
-            channels = [c for idle in self._idle.values() for c in idle]
-            self._idle.clear()
-            self._idle_order.clear()
-            self._idle_lanes.clear()
-            checking = list(self._checking.values())
-            link, self._link = self._link, None
-        # the control socket, once no question holds it (one waiting ends within a look: `_asked`)
-        if self._asking.acquire(timeout=5.0):
-            try:
-                self._close_control()
-            finally:
-                self._asking.release()
-        for channel in channels:  # a lane's worker hears of its end from the broker, as the link ends
-            channel.close(quiet=link is not None and channel.lane is not None)
-        if link is not None:
-            link.close()
-        for located in list(self._located.values()):  # idle pooled segments: made anew when needed
+            self._ended.set()  # calls waiting for an answer end within a look (`Transport._watch_link`)
+        # the control socket, once no question holds it (one waiting ends within a look:
+        # `Rendezvous._asked`); then the idle channels, and the link relayed ones are lanes of
+        checking = self._rendezvous.close()
+        self._channels.close()
+        for located in list(self._rendezvous.located.values()):  # idle pooled segments: made anew when needed
             if located.mount:  # a declared mount, or a relayed worker's folder this process may use
                 _lending.drain(located.mount)
         for thread in checking:
@@ -216,7 +191,7 @@ class Broker(Asking, Pool):
 
     # -- what the plan asks ------------------------------------------------------------
     def hosts(self) -> list[str]:
-        return sorted(self._hosts())
+        return sorted(self._rendezvous.hosts())
 
     def knows(self, host: str) -> bool:
         # a worker may have dialed in since the last listing: ask again before saying no
@@ -226,25 +201,14 @@ class Broker(Asking, Pool):
         """The hosts that serve ``host``: itself, when the broker lists it; else the members
         of the pool ``host`` that it lists (``gpu#0``, ``gpu#1``, ...; see ``Worker.spawn``'s
         ``processes``), in order; none when it lists neither."""
-        listing = self._hosts(refresh=refresh)
-        if host in listing:
-            return (host,)
-        kept = self._pools
-        if kept is None or kept[0] is not listing:  # worked out once per listing
-            found: dict[str, list[tuple[int, str]]] = {}
-            for name in listing:
-                member = pool_of(name)
-                if member is not None:
-                    found.setdefault(member[0], []).append((member[1], name))
-            kept = self._pools = (listing, {pool: tuple(n for _, n in sorted(m)) for pool, m in found.items()})
-        return kept[1].get(host, ())
+        return self._rendezvous.members(host, refresh=refresh)
 
     def check(self, host: str, step: Any) -> None:
         """Refuse, before anything runs, a node that cannot be packed for ``host``."""
         kept = self._packable.get(id(step))
         if kept is not None and kept() is step:
             return  # declarations never change: once packable, always packable here
-        listing = self._hosts()
+        listing = self._rendezvous.hosts()
         mode = listing.get(host)
         if mode is None:  # a pool: its members are packed for alike (one packer per pool)
             members = self.members(host)
@@ -252,39 +216,25 @@ class Broker(Asking, Pool):
                 host, mode = members[0], listing.get(members[0])
         if mode in (None, "inprocess"):
             return
-        self._packer(host, mode).spec(step)  # packs once; the artifact is kept for the run
+        self._channels.packer(host, mode).spec(step)  # packs once; the artifact is kept for the run
         self._packable[id(step)] = weakref.ref(step, functools.partial(_let_go, self._packable, id(step)))
 
     def here(self) -> frozenset[str]:
         """The hosts whose work runs in this process (``Worker.inprocess()``): the engine
         runs their steps as its own, tagged with the host, instead of handing them here."""
-        kept = self._here
-        if kept is not None and kept[0] is self._listing:
-            return kept[1]  # the same listing as last time: every forward of a hosted graph asks
-        listing = self._hosts()
-        kept = self._here = (listing, frozenset(h for h, mode in listing.items() if mode == "inprocess"))
-        return kept[1]
+        return self._rendezvous.here()
 
     def listed(self) -> object | None:
         """What this broker's answers to ``knows`` and ``check`` stand on: the listing of its
         hosts, the same object until it lists them anew (None before the first). A graph's
         hosts checked against one listing need no asking again while it stands
         (``plan.check``); a step found packable stays packable."""
-        return self._listing
+        return self._rendezvous.listing
 
-    def _hosts(self, *, refresh: bool = False) -> dict[str, str]:
-        if self._listing is None or refresh:
-            deadline = getattr(self._bounds, "deadline", None)
-            if deadline is not None and deadline.left() < self.patience * 2:
-                answer = self._ask(Hosts(), max(0.0, deadline.left()), late="for the broker to list its hosts")
-            else:
-                answer = self._ask(Hosts(), self.patience * 2)
-            if not isinstance(answer, Listed):
-                raise Refused(f"the broker at {self.url} would not list its hosts: {getattr(answer, 'why', answer)}")
-            hosts = dict(answer.hosts)
-            self._dialed = {h: (hosts[h], folder) for h, folder in answer.dialed.items()}
-            self._listing = hosts
-        return self._listing
+    def asking_within(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
+        """What this thread asks the broker meanwhile (its hosts, to check a graph before a
+        forward) waits no longer than ``deadline``; past it, ``Overdue``."""
+        return self._rendezvous.asking_within(deadline)
 
     # -- what the engine calls ---------------------------------------------------------
     def run(self, piece: Piece, watch: Any) -> Outcome:
@@ -295,7 +245,7 @@ class Broker(Asking, Pool):
         starting a spawned worker, greeting it and handing it the code; the host's counts
         from when the Work is sent, so it bounds the work and not how fast a busy machine
         starts a process or imports what a node needs."""
-        listing = self._listing
+        listing = self._rendezvous.listing
         if listing is None or piece.host not in listing:
             members = self.members(piece.host)
             if len(members) > 1 or (members and members[0] != piece.host):
@@ -318,7 +268,7 @@ class Broker(Asking, Pool):
             said = said_by_member(watch, member[len(piece.host) :])
             try:
                 try:  # a member whose worker cannot be had (it would not start) is passed over
-                    self._locate(member, piece.deadline)
+                    self._rendezvous.locate(member, piece.deadline)
                 except Refused:
                     self._members_lost.lost(member)
                     if len(tried) >= len(members):
@@ -348,7 +298,7 @@ class Broker(Asking, Pool):
     def _run(self, piece: Piece, watch: Any, ticket: list[bool] | None = None) -> Outcome:
         deadline = piece.deadline
         try:
-            located = self._locate(piece.host, deadline)
+            located = self._rendezvous.locate(piece.host, deadline)
         except PastDeadline as late:
             raise self._overdue(piece, deadline, late, None) from None
         if located.path == "inprocess":
@@ -381,7 +331,7 @@ class Broker(Asking, Pool):
 
     def _send(self, piece: Piece, watch: Any, located: Located, deadline: Deadline | None) -> Outcome:
         try:
-            channel = self._borrow(located, deadline)
+            channel = self._channels.borrow(located, deadline)
         except PastDeadline as late:
             raise self._overdue(piece, deadline, late, located) from None
         try:
@@ -395,14 +345,14 @@ class Broker(Asking, Pool):
             raise self._lost(piece, located, exc, channel.bound or deadline, channel.waited()) from exc
         except TurnedAway:  # the work was refused whole; a channel whose session stands serves on
             if channel.exchange.state == "ready":
-                self._give_back(channel)
+                self._channels.give_back(channel)
             else:
                 channel.close()
             raise
         except BaseException:
             channel.close()  # its state is unknown: never reuse it
             raise
-        self._give_back(channel)
+        self._channels.give_back(channel)
         return outcome
 
     def _host_deadline(self, host: str) -> Callable[[], Deadline] | None:
@@ -434,7 +384,7 @@ class Broker(Asking, Pool):
             return Overdue(f"{text}. Nothing of it ran on `{host}`; give the forward a longer deadline")
         self._forget(host)
         if not asked:
-            self._check_on(host, late.waited)
+            self._rendezvous.check_on(host, late.waited)
         return Overdue(
             f"{text}. The broker was asked to check `{host}`: a spawned worker still stuck there "
             f"is stopped, and the next forward starts it afresh; a standalone one answers Busy "
@@ -442,40 +392,10 @@ class Broker(Asking, Pool):
         )
 
     def _forget(self, host: str) -> None:
-        with self._lock:
-            self._located.pop(host, None)
-            self._dialed.pop(host, None)  # the listing's word is old now: the next forward asks `Where`
-            self._provisioned.pop(host, None)  # a worker started afresh holds no artifacts
-            for channel in self._idle.pop(host, []):
-                self._order(channel).pop(id(channel), None)
-                channel.close()
-
-    def _check_on(self, host: str, waited: float) -> None:
-        """Ask the broker to check ``host`` (``Where(host, lost=True)``), on a thread of its
-        own so the caller hears ``Overdue`` at once; the next ``_locate`` of that host
-        waits for the broker's answer, so it never reaches the stuck worker again.
-        ``waited``: seconds this client waited for the work it gave up on (0: none)."""
-
-        def ask() -> None:
-            sock = sockets.dealer(self.patience)
-            try:
-                if self.keys is not None:
-                    as_client(sock, self.keys, None)
-                sock.connect(self.url)
-                sock.send_multipart(encode(Where(host, lost=True, waited_us=int(waited * 1_000_000))))
-                if sockets.poll(sock, self.patience * 2):
-                    sock.recv_multipart()
-            except zmq.ZMQError:
-                pass  # the broker is gone: so is the worker it spawned
-            finally:
-                sockets.close(sock)
-
-        thread = threading.Thread(target=ask, name=f"somatize-check-{host}", daemon=True)
-        with self._lock:
-            if self._closed:
-                return
-            self._checking[host] = thread
-        thread.start()
+        """``host`` forgotten: where it is (the next forward asks the broker), its idle
+        channels, and the artifacts its worker held (a worker started afresh holds none)."""
+        self._rendezvous.forget(host)
+        self._channels.forget(host)
 
     def _lost(
         self, piece: Piece, located: Located, exc: Broken, deadline: Deadline | None = None, waited: float = 0.0
@@ -507,16 +427,16 @@ class Broker(Asking, Pool):
             late.waited = waited
             return self._overdue(piece, deadline, late, located)
         try:
-            # the broker probes the worker before it answers (see `_check_on`): give it the
-            # time, as far as the deadline leaves it
+            # the broker probes the worker before it answers (see `Rendezvous.check_on`): give
+            # it the time, as far as the deadline leaves it
             if deadline is not None and deadline.left() < self.patience * 2:
-                answer = self._ask(
+                answer = self._rendezvous.ask(
                     Where(host, lost=True),
                     deadline.left(),
                     late=f"for the broker's word on the worker, which went away ({exc})",
                 )
             else:
-                answer = self._ask(Where(host, lost=True), self.patience * 2)
+                answer = self._rendezvous.ask(Where(host, lost=True), self.patience * 2)
         except PastDeadline as late:
             late.waited = waited
             return self._overdue(piece, deadline, late, located, asked=True)
@@ -552,42 +472,3 @@ class Broker(Asking, Pool):
             f"from it; a worker the broker spawned is started again on the next forward, one that "
             f"listens on its own machine must be restarted there (`systemctl status somatize-worker`)."
         )
-
-    # -- rendezvous --------------------------------------------------------------------
-    def _locate(self, host: str, deadline: Deadline | None = None) -> Located:
-        checking = self._checking.get(host)
-        if checking is not None:  # the broker is checking a stuck worker: wait for its word
-            checking.join(timeout=bounded(self.patience * 2, deadline))
-            if checking.is_alive() and deadline is not None and deadline.left() < 0:
-                raise PastDeadline("for the broker to check on a worker that was stuck")
-            with self._lock:
-                if self._checking.get(host) is checking:
-                    del self._checking[host]
-        located = self._located.get(host)
-        if located is not None:
-            return located
-        dialed = self._dialed.get(host)
-        if dialed is not None:  # the listing said what `Where` would: a dialed host, through the broker
-            mode, folder = dialed
-            located = self._located[host] = Located(
-                host,
-                "relayed",
-                address=self.url,
-                mode=mode,
-                mount=folder[0] if folder else None,
-                seen=folder[1] if folder else "",
-            )
-            return located
-        timeout = self.patience + START_ALLOWANCE
-        if deadline is not None and deadline.left() < timeout:
-            if deadline.left() <= 0:
-                raise PastDeadline("before asking the broker where it is")
-            answer = self._ask(Where(host), deadline.left(), late="for the broker to say where it is")
-        else:
-            answer = self._ask(Where(host), timeout)
-        if isinstance(answer, Refusal):
-            raise Refused(answer.why)
-        if not isinstance(answer, Located):
-            raise ProtocolError(f"the broker answered `Where` with a `{type(answer).__name__}`")
-        self._located[host] = answer
-        return answer

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TypeVar
 
 from ...pieces import Deadline
-from .carriage import PastDeadline
+from .transport import PastDeadline
 
 T = TypeVar("T")
 

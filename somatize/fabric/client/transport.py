@@ -1,15 +1,16 @@
-"""How a client's channel moves its messages: part of :class:`~.channel.Channel` (a mixin,
-as the worker's loop is made of its intake and outbox; the channel's attributes are its own).
+"""How a client's channel moves its messages: :class:`Transport`, which each
+:class:`~.channel.Channel` holds (the channel holds the conversation and decides what goes;
+its transport carries it, and hands back what came).
 
 Sending: over the channel's own DEALER, or its lane of the client's one link to the broker;
 a relayed message worth streaming goes as ``Begin`` and ``Chunk`` under the broker's credit,
 so never more than a window of it sits in the broker. Receiving: on the calling thread, in
 the receive itself (``RCVTIMEO``, ``LOOK_EVERY_MS``), as a bare socket would; every message
-is a carrier (a piece of a stream, a credit, a message in a shared folder), opened here, or
-an answer, which the conversation (:class:`~somatize.fabric.conversation.ClientExchange`)
-checks before anything acts on it. Between receives the link is looked at: its events (a
-drop, a handshake refused), the broker's word on a relayed worker, how long this waited, and
-the deadline.
+is a carrier (a piece of a stream, a credit, a message in a shared folder: the channel's
+:class:`~.cargo.Cargo` reads that), opened here, or an answer, which the conversation
+(:class:`~somatize.fabric.conversation.ClientExchange`) checks before anything acts on it.
+Between receives the link is looked at: its events (a drop, a handshake refused), the
+broker's word on a relayed worker, how long this waited, and the deadline.
 """
 
 from __future__ import annotations
@@ -22,20 +23,18 @@ import zmq
 
 from ...engine import Deadline
 from ...errors import Broken, Busy, KeysRefused, ProtocolError, Unreachable
-from ...wire import CARRIERS, Begin, Chunk, Credit, Done, Failed, Mounted, Refusal, Relay, decode, encode
-from .. import leases as _leases
-from .. import mount as _mount
+from ...wire import CARRIERS, Begin, Bye, Chunk, Credit, Done, Failed, Mounted, Refusal, Relay, decode, encode
 from .. import sockets
 from .. import streams as _streams
 from ..curve import HANDSHAKE_FAILED as _HANDSHAKE_FAILED
-from ..curve import PROBE, hung_up
-from . import lending as _lending
+from ..curve import PROBE, as_client, hung_up
 from .refusals import handshake_failed
 
 if TYPE_CHECKING:
     from ...wire import Located
     from ..conversation import ClientExchange
     from ..curve import Keys
+    from .cargo import Cargo
     from .link import Lane
 
 #: How long a receive waits for an answer before the link's events, the broker's word and
@@ -58,42 +57,87 @@ class PastDeadline(Exception):
 
 
 #: A direct channel taken again within this long of being given back is not asked whether
-#: its link dropped meanwhile (seconds): see ``Carriage.dropped_while_idle``.
+#: its link dropped meanwhile (seconds): see ``Transport.dropped_while_idle``.
 BACK_AT_ONCE = 0.002
 
 
-class Carriage:
-    """Sending and receiving for :class:`~.channel.Channel`."""
+class Transport:
+    """How one :class:`~.channel.Channel`'s messages move: over a DEALER of its own, or its
+    lane of the client's one link to the broker. It sends what the channel hands it and
+    gives back the answers its conversation (``exchange``, which the channel holds too)
+    lets through; a ``Mounted`` message it hands to the channel's ``cargo``. The channel
+    decides; this carries."""
 
-    #: when the channel was last given back, idle (``time.monotonic()``; the broker sets it)
-    idle_since = -1e9
-    #: set when the broker that made this channel is closed (a ``threading.Event``; the
-    #: broker sets it): a wait for an answer then ends within a look, as ``Closed``
-    ended: Any = None
+    def __init__(
+        self,
+        located: Located,
+        address: str,
+        patience: float,
+        exchange: ClientExchange,
+        cargo: Cargo,
+        *,
+        keys: Keys | None = None,
+        server_key: bytes | None = None,
+        still_there: Callable[[float], bool] | None = None,
+        lane: Lane | None = None,
+        ended: Any = None,
+    ) -> None:
+        self.host = located.host
+        self.address = address
+        self.relayed = located.path == "relayed"
+        self.patience = patience
+        self._declared = bool(located.key)  # the worker's key was declared (said when a handshake fails)
+        self.keys, self.server_key = keys, server_key  # for the sentence when a handshake fails
+        self.exchange = exchange
+        self.cargo = cargo
+        #: set when the broker that made this channel is closed (a ``threading.Event``): a
+        #: wait for an answer then ends within a look, as ``Dropped``, which the broker says as ``Closed``
+        self.ended = ended
+        #: when the channel was last given back, idle (``time.monotonic()``; the broker sets it)
+        self.idle_since = -1e9
+        self.lane = lane  # a relayed channel: a lane of the client's one link to the broker
+        self.still_there = still_there
+        self._checked = time.monotonic()
+        self.sock: zmq.Socket | None  # None exactly when `lane` is not
+        self.monitor: zmq.Socket | None  # None exactly when `lane` is not
+        if lane is not None:
+            self.sock = self.monitor = None
+            self.linked = lane.link.linked
+        else:
+            self.sock = sockets.dealer(patience)
+            if keys is not None:
+                as_client(self.sock, keys, server_key)
+            # an established link dropping, or a server refusing our key
+            self.monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            )
+            self.linked = False  # the ZeroMQ handshake completed: someone is there
+            # a receive waits this long for an answer, then the link is looked at (`_pump`)
+            self.sock.setsockopt(zmq.RCVTIMEO, LOOK_EVERY_MS)
+            self.sock.connect(self.address)
+        self._outgoing: _streams.Outgoing | None = None
+        self._inbound = _streams.Inbound(per_tenant=1, total=1)  # one answer at a time
+        self._early: list = []  # answers that came while a stream went out, not read yet
 
-    # the channel's attributes (set by `Channel.__init__`), declared here for the checker only
-    host: str
-    located: Located
-    address: str
-    relayed: bool
-    patience: float
-    keys: Keys | None
-    server_key: bytes | None
-    exchange: ClientExchange
-    lane: Lane | None  # a relayed channel's lane of the link; None: a socket of its own
-    sock: zmq.Socket | None  # None exactly when `lane` is not
-    monitor: zmq.Socket | None  # None exactly when `lane` is not
-    linked: bool
-    still_there: Callable[[float], bool] | None
-    _checked: float
-    folder: str | None
-    lending: _lending.Lending | None
-    mounted: list
-    views: bool
-    sent_at: float | None
-    _outgoing: _streams.Outgoing | None
-    _inbound: _streams.Inbound
-    _early: list
+    def close(self, *, quiet: bool = False) -> None:
+        """``quiet``: a lane says no Bye of its own (its link is ending too: the broker then
+        tells each worker of the link's exchanges: one message less per lane)."""
+        if self.lane is not None:
+            self.lane.close(quiet=quiet)  # its worker hears Bye; the link stays for the other lanes
+            return
+        sock = self.sock
+        assert sock is not None  # a channel with no lane has a socket of its own
+        if self.relayed and self.linked and not sock.closed:
+            try:  # the broker ends this connection's exchanges now, not when they are crowded out
+                sock.send_multipart(encode(Bye()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        if not sock.closed:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        sockets.close(self.monitor, sock)
 
     def dropped_while_idle(self) -> bool:
         """Whether the link dropped since the last work (a worker or broker restarted
@@ -124,12 +168,8 @@ class Carriage:
             return True
         return dropped
 
-    def waited(self) -> float:
-        """Seconds since the open work was sent (0 when none was)."""
-        return 0.0 if self.sent_at is None else time.monotonic() - self.sent_at
-
     # -- sending -------------------------------------------------------------------------
-    def _send(self, frames: list, deadline: Deadline | None = None) -> None:
+    def send(self, frames: list, deadline: Deadline | None = None) -> None:
         if self.relayed and _streams.worth_streaming(frames):
             self._stream_out(frames, deadline)  # relayed: never more than a window in the broker
             return
@@ -166,7 +206,7 @@ class Carriage:
             self._outgoing = None
 
     # -- receiving -----------------------------------------------------------------------
-    def _next(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> Any:
+    def next(self, answer_by: float | None, waiting: str, deadline: Deadline | None) -> Any:
         """The next answer from the worker. Raises if it goes away, if it is not reached by
         ``answer_by`` (``time.monotonic()``), or (``PastDeadline``) past ``deadline``."""
         if self._early:
@@ -219,18 +259,8 @@ class Carriage:
             granted, frames = self._inbound.chunk(b"", message)
             self._raw(encode(Credit(message.sid, granted)))
             return None if frames is None else self._open(decode(frames))
-        if isinstance(message, Mounted):
-            if self.folder is None:
-                raise ProtocolError("a `Mounted` message arrived on a channel that shares no folder")
-            if self.lending is not None:  # an answer in the segments this exchange lent
-                return self._decode_lent(self.lending.receive(message))
-            if message.spans or message.kept:
-                if _leases.in_memory(self.folder):  # a late answer: its new files are ours
-                    _lending.pool(self.folder).discard(message)
-                raise ProtocolError("an answer names spans of pooled segments, and this client lent none")
-            frames, made = _mount.read(message, self.folder)
-            self.mounted.extend(made)
-            return decode(frames)
+        if isinstance(message, Mounted):  # read from the shared folder
+            return self.cargo.opened(message)
         if isinstance(message, Relay):
             raise ProtocolError("a `Relay` envelope reached a client; the broker opens them")
         return message
@@ -308,13 +338,8 @@ class Carriage:
             relayed=self.relayed,
             keys=self.keys,
             server_key=self.server_key,
-            declared=bool(self.located.key),
+            declared=self._declared,
         )
-
-    def _decode_lent(self, frames: list) -> Any:
-        """An answer read from the segments: its values copied out (the segments go back to
-        the pool), or with ``views``, read-only views that hold their segment until freed."""
-        return decode(frames, views=self.views)
 
 
 def bounded(seconds: float, deadline: Deadline | None) -> float:
