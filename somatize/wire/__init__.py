@@ -50,6 +50,7 @@ share), ``reading`` (``decode``), ``writing`` (``encode``). Import from ``somati
 
 from __future__ import annotations
 
+from . import messages
 from .limits import (
     MAX_FACT,
     MAX_FACT_TEXT,
@@ -70,45 +71,11 @@ from .limits import (
     MAX_TOTAL,
     WIRE_VERSION,
 )
-from .messages import (
-    ANSWERS,
-    CARRIERS,
-    CLOSING,
-    REQUESTS,
-    TERMINAL,
-    Answer,
-    Begin,
-    Bye,
-    Carrier,
-    Chunk,
-    Credit,
-    Done,
-    Failed,
-    Hello,
-    Hosts,
-    Listed,
-    Located,
-    Mounted,
-    NodeSpec,
-    Provision,
-    Ready,
-    Recipe,
-    Refusal,
-    Relay,
-    Request,
-    Runtime,
-    Saw,
-    Send,
-    Where,
-    Work,
-    compatible,
-)
+from .messages import *  # noqa: F403 - every message, and the tuples that group them (`messages.__all__`)
 from .reading import decode, peek_kinds, ref_of, variant_of, with_recipe
 from .writing import Digested, encode, recipe_digest
 
 __all__ = [
-    "ANSWERS",
-    "CARRIERS",
     "MAX_FACT",
     "MAX_FACT_TEXT",
     "MAX_FRAME",
@@ -126,37 +93,8 @@ __all__ = [
     "MAX_SHAPE_DEPTH",
     "MAX_TEXT",
     "MAX_TOTAL",
-    "REQUESTS",
-    "CLOSING",
-    "TERMINAL",
     "WIRE_VERSION",
-    "Answer",
-    "Begin",
-    "Bye",
-    "Carrier",
-    "Chunk",
-    "Credit",
     "Digested",
-    "Done",
-    "Failed",
-    "Hello",
-    "Hosts",
-    "Listed",
-    "Located",
-    "Mounted",
-    "NodeSpec",
-    "Provision",
-    "Ready",
-    "Recipe",
-    "Refusal",
-    "Relay",
-    "Request",
-    "Runtime",
-    "Saw",
-    "Send",
-    "Where",
-    "Work",
-    "compatible",
     "decode",
     "encode",
     "peek_kinds",
@@ -165,6 +103,7 @@ __all__ = [
     "variant_of",
     "with_recipe",
 ]
+__all__ += messages.__all__
 
 # The public objects say they live here, where they are imported from (as httpx does).
 for _name in __all__:

@@ -18,6 +18,41 @@ from typing import Any, TypeVar
 from ..codec import readable_kinds
 from .limits import MODES, WIRE_VERSION
 
+#: What ``somatize.wire`` exports of this module: a new message is added here, beside its class.
+__all__ = [
+    "ANSWERS",
+    "CARRIERS",
+    "CLOSING",
+    "REQUESTS",
+    "TERMINAL",
+    "Answer",
+    "Begin",
+    "Bye",
+    "Carrier",
+    "Chunk",
+    "Credit",
+    "Done",
+    "Failed",
+    "Hello",
+    "Hosts",
+    "Listed",
+    "Located",
+    "Mounted",
+    "NodeSpec",
+    "Provision",
+    "Ready",
+    "Recipe",
+    "Refusal",
+    "Relay",
+    "Request",
+    "Runtime",
+    "Saw",
+    "Send",
+    "Where",
+    "Work",
+    "compatible",
+]
+
 
 @dataclass(frozen=True)
 class Runtime:

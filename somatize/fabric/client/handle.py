@@ -10,7 +10,7 @@ relays to it. For the engine this is one call,
 
 The broker handle holds two pieces, each with its own state: its rendezvous with the
 broker (:class:`~.rendezvous.Rendezvous`: the questions, the listing, where each host is)
-and the channels it keeps (:class:`~.pool.Channels`). A channel
+and the channels it keeps (:class:`~.channels.Channels`). A channel
 (:mod:`somatize.fabric.client.channel`, which says what it carries and how) is one DEALER
 to one worker, or to the broker for a relayed host, borrowed by one forward at a time and
 kept between calls.
@@ -45,8 +45,8 @@ from ..curve import Keys
 from ..hosts import Pool as WorkerPool
 from ..hosts import Worker, expand
 from . import lending as _lending
+from .channels import Channels
 from .members import LostMembers, said_by_member
-from .pool import Channels
 from .refusals import NobodyThere, TurnedAway
 from .rendezvous import Rendezvous
 from .transport import Dropped, PastDeadline
