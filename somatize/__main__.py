@@ -1,4 +1,10 @@
-"""``python -m somatize``: the demo, and the small tools that come with the library."""
+"""``python -m somatize``: every command of the library in one place: the demo, keys, a study's
+runner, the live view, and the broker and worker that serve a graph's hosts.
+
+Each command's options are its own module's (``somatize.broker``, ``somatize.worker``,
+``somatize.study.command``, ``somatize.view``); ``python -m somatize.broker`` and
+``python -m somatize.worker`` are the same commands, as host tables and recipes name them.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +18,25 @@ from . import demo
 from .study.command import add_arguments as study_arguments
 from .study.command import command as study_command
 
+#: The commands that serve, handed the rest of the command line as they are.
+_SERVING = {
+    "broker": "serve hosts to graphs: a rendezvous, a starter of spawned workers, a relay",
+    "worker": "run the pieces of graphs sent to this machine: listen, or dial a broker",
+}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m somatize", description=__doc__)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in _SERVING:
+        from . import broker, worker
+
+        return {"broker": broker.main, "worker": worker.main}[given[0]](given[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m somatize", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, what in _SERVING.items():  # listed in the help; their own parsers read their options
+        commands.add_parser(name, help=what, add_help=False)
 
     run_demo = commands.add_parser("demo", help="run an example graph, printing what happens live")
     run_demo.add_argument(
@@ -48,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     view.add_arguments(run_view)
 
-    args = parser.parse_args(argv)
+    args = parser.parse_args(given)
     if args.command == "study":
         return study_command(args)
     if args.command == "view":

@@ -115,3 +115,22 @@ def test_a_pure_test_that_opens_a_socket_or_starts_a_process_fails_even_if_it_sw
     assert said["test_socket"] & {"FAILED", "ERROR"} and said["test_process"] & {"FAILED", "ERROR"}, out
     assert "a pure test opened a ZeroMQ socket" in out and "a pure test started a process" in out, out
     assert done.returncode == 1, out
+
+
+def test_every_command_is_one_of_python_m_somatize():
+    """The command-line entry points are in one place: `python -m somatize` lists every
+    command and hands the broker's and the worker's their own options, as `python -m
+    somatize.broker` and `python -m somatize.worker` (what host tables name) read them."""
+    listed = subprocess.run([sys.executable, "-m", "somatize", "--help"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    for name in ("broker", "worker", "demo", "keys", "study", "view"):
+        assert re.search(rf"^\s+{name}\s", listed.stdout, re.M), listed.stdout
+    for name, option in (("broker", "--allow-workers"), ("worker", "--offer")):
+        via = subprocess.run(
+            [sys.executable, "-m", "somatize", name, "--help"], capture_output=True, text=True, timeout=60
+        )
+        direct = subprocess.run(
+            [sys.executable, "-m", f"somatize.{name}", "--help"], capture_output=True, text=True, timeout=60
+        )
+        assert via.returncode == direct.returncode == 0 and option in via.stdout
+        assert via.stdout == direct.stdout
