@@ -60,7 +60,7 @@ from ..curve import Keys
 from ..pieces import outcome_of, specs_of, work_of
 from .cargo import Cargo
 from .link import Lane
-from .refusals import TurnedAway, refusal, unreadable
+from .refusals import refusal, unreadable
 from .transport import Transport
 
 _refs = itertools.count(1)
@@ -214,11 +214,11 @@ class Channel:
             self.cargo.proved(self._may_mount, _proofs.seal_key(challenge.nonce))
         mine = self._mine
         if isinstance(answer, Refusal):
-            if answer.why.startswith("busy:"):
-                raise TurnedAway(
-                    f"the worker for `{self.host}` is busy and took no new client: {answer.why[5:].strip()}"
-                )
-            raise refusal(answer.why, f"{self._refuser()} refused this client a channel to `{self.host}`")
+            raise refusal(
+                answer.why,
+                f"{self._refuser()} refused this client a channel to `{self.host}`",
+                busy=f"the worker for `{self.host}` is busy and took no new client",
+            )
         self.reads = frozenset(answer.runtime.kinds)
         why = compatible(mine, answer.runtime, needs_pickle=self.packer.mode == "network")
         if why is None and self.packer.mode == "network" and answer.runtime.mode != "network":
@@ -503,9 +503,11 @@ class Channel:
                 remote_traceback=answer.traceback or None,
             )
         # the conversation let through only Done, Failed or Refusal here
-        if answer.why.startswith("busy:"):
-            raise TurnedAway(f"the worker for `{self.host}` is busy and took no new work: {answer.why[5:].strip()}")
-        raise refusal(answer.why, f"{self._refuser()} refused the work for `{self.host}`")
+        raise refusal(
+            answer.why,
+            f"{self._refuser()} refused the work for `{self.host}`",
+            busy=f"the worker for `{self.host}` is busy and took no new work",
+        )
 
     def _refuser(self) -> str:
         """Who a refusal came from: a relayed one may be the broker's (its worker left)."""

@@ -1,5 +1,6 @@
-"""The sentences a client's channel refuses with where the fix depends on what it met: a
-value of a kind the worker cannot read, a CURVE handshake refused.
+"""The errors a client's channel raises for a refusal, and the sentences where the fix depends
+on what it met: a refusal's prefix (`conversation.LEFT`, `conversation.BUSY`) read in one place,
+a value of a kind the worker cannot read, a CURVE handshake refused.
 
 A worker states at Hello the codec kinds it reads (``Runtime.kinds``); a channel checks each
 value against them before a byte of it leaves (``Channel._check_kinds``), and refuses with
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...errors import Busy, Refused
-from ..conversation import LEFT
+from ..conversation import BUSY, LEFT
 from ..curve import Keys, handshake_refusal
 
 
@@ -26,8 +27,12 @@ class NobodyThere(Refused):
     of the work reached a worker, so another member of a pool may be asked instead."""
 
 
-def refusal(why: str, said: str) -> Refused:
-    """The error for a refusal whose reason is ``why``, as ``said`` (who refused what)."""
+def refusal(why: str, said: str, busy: str) -> Refused | TurnedAway:
+    """The error for a refusal whose reason is ``why``: ``said`` (who refused what) for a
+    refusal, ``busy`` (who is full, and what it did not take) for a worker that took nothing
+    because it is full (`TurnedAway`: the same may be sent again)."""
+    if why.startswith(BUSY):
+        return TurnedAway(f"{busy}: {why[len(BUSY) :]}")
     if why.startswith(LEFT):
         return NobodyThere(f"{said}: {why[len(LEFT) :]}")
     return Refused(f"{said}: {why}")

@@ -54,6 +54,9 @@ KEEPALIVE = 10
 #: How a broker's refusal starts when the relayed host has no worker connected (it left,
 #: or never dialed in): the work reached nobody, so a pool's client may ask another member.
 LEFT = "left: "
+#: How a worker's refusal starts when it took nothing because it is full (every slot busy,
+#: or as many sessions as it may hold, all with answers in flight): the same may be sent again.
+BUSY = "busy: "
 
 
 # -- the broker's view: in :mod:`somatize.fabric.broker.peers`, named here too -----------------------------
