@@ -78,6 +78,7 @@ from .intake import Intake
 from .outbox import Outbox, To
 from .prepared import Prepared
 from .running import BUSY_SAID_EVERY, Running
+from .serving import Hold
 from .slots import Job, NodeExit, Slots, exit_now
 from .standin import StandIn
 
@@ -88,7 +89,7 @@ PARENT_CHECK = 0.5
 log = logging.getLogger("somatize.worker")
 
 
-class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
+class WorkerLoop(Intake, Running, Dialing, Outbox):
     """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
 
     def __init__(
@@ -126,12 +127,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         self._slots = Slots(self.jobs) if self.jobs > 1 else None
         # the process may end itself when stopping finds a node stuck (the command's choice)
         self.exit_when_stuck = exit_when_stuck
-        self._hold = threading.Lock()  # whoever holds it serves: the socket is theirs
-        self._holder: int | None = None
-        self._inline: Job | None = None  # the piece running where it arrived, if any
-        self._inline_seq = 0
-        self._began = threading.Event()  # a piece runs long where it arrived (`WATCH`): the stand-in serves
-        self._want_back = False  # the piece returned: the stand-in hands the socket back
+        self.hold = Hold()  # whoever holds it serves: the socket is theirs
         self._last_check = self._last_report = 0.0
         self._running: dict[int, Job] = {}  # what runs now, by token
         self._running_lock = threading.Lock()
@@ -143,7 +139,6 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         self._pushes: list[zmq.Socket] = []
         self._local = threading.local()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._owner = threading.get_ident()
         self._front: zmq.Socket | None = None
         self._guard: Guard | None = None
         self._offer: str | None = None
@@ -166,6 +161,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         self._inbound = _streams.Inbound()
         self._outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]] = {}
         self.stopping = sockets.Alarm()  # an Event that also wakes the serving poll
+        self.standin = StandIn(self.hold, self.stopping)  # serves while a piece runs long where it arrived
         self._closed = threading.Event()
         self._serving = False  # a thread is in serve(): it closes its own sockets
         self._closing = threading.Lock()
@@ -187,9 +183,8 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
 
     # -- the loop ----------------------------------------------------------------------
     def serve(self) -> None:
-        self._owner = threading.get_ident()
-        self._hold.acquire()
-        self._holder = self._owner
+        self.hold.owner = threading.get_ident()
+        self.hold.take()
         if self.parent is not None:
             threading.Thread(target=self._watch_parent, daemon=True, name="somatize-parent").start()
         if self._slots is None:
@@ -251,7 +246,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         if self._answers in events:
             self._forward_answers()
         # a stand-in whose piece has returned takes nothing new: the socket goes back first
-        if self._front in events and not (self._want_back and self._holder != self._owner):
+        if self._front in events and not self.standin.giving_back():
             self._receive()
         # after what was read: a credit moves a stream, the broker's answer to a mark the window
         if self._pacer is not None and not self._pacer.room():
@@ -274,6 +269,11 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         if self.store is not None and self.reporting and now - self._last_report >= self.reporting:
             self._last_report = now
             self._report()
+
+    def _stand_in(self) -> None:
+        """On a thread of its own: serve while a piece runs long where it arrived (`.standin`)."""
+        self.standin.serve(self._poller, self._turn, self._flush)
+        self.standin.stop_stuck(self.patience, self.close, self.exit_when_stuck)
 
     def _watch_parent(self) -> None:
         """On a thread of its own: a node that never returns must not keep an orphan alive."""
@@ -331,8 +331,8 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         sockets (ZeroMQ's are not to be closed under a poll: it fails "not a socket"); only
         one that does not within a second (a piece running on it) has them closed here."""
         self.stopping.set()
-        self._began.set()  # the stand-in, asleep while idle, sees the stop
-        if self._serving and threading.get_ident() != self._owner and self._closed.wait(1.0):
+        self.standin.wake()  # the stand-in, asleep while idle, sees the stop
+        if self._serving and threading.get_ident() != self.hold.owner and self._closed.wait(1.0):
             return
         with self._closing:
             if self._closed.is_set():

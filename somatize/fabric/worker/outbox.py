@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..logs import Limiter
     from .imported import Imports
     from .pacing import Pacer
+    from .serving import Hold
 
 log = logging.getLogger("somatize.worker")
 #: Seconds between two log lines giving the same advice about stale imports.
@@ -65,7 +66,7 @@ class Outbox:
     _pacer: Pacer | None  # a dialed worker's window and fair order (`.pacing`); None for a listening one
     _answers: zmq.Socket  # wakes the thread holding the socket (`_wake`)
     _outbox: queue.SimpleQueue
-    _holder: int | None
+    hold: Hold  # whoever holds it sends at once; the others' answers wait for them
     _blocked: bool
     _inbound: _streams.Inbound
     _lines: Limiter
@@ -95,7 +96,7 @@ class Outbox:
             # segments) was told in `_run`, before it was written there
             if stale is not answer and variant_of(frames) is type(answer):
                 answer, frames = stale, encode(stale)
-        holder = self._holder
+        holder = self.hold.holder
         if holder == threading.get_ident():
             if self._outbox.empty():  # nothing queued before it: it leaves now, in order
                 if self.sessions.answering(to.peer, answer):

@@ -45,7 +45,7 @@ from .attachments import Taken
 from .held import Held
 from .outbox import To
 from .slots import Job, NodeExit
-from .standin import WATCH
+from .standin import STAND_IN_AFTER
 
 if TYPE_CHECKING:
     from ...packing import Catalog
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from .heap import Heap
     from .prepared import Prepared
     from .slots import Slots
+    from .standin import StandIn
 
 __all__ = ["BUSY_SAID_EVERY", "Running"]
 
@@ -75,11 +76,7 @@ class Running:
     _running: dict[int, Job]
     _running_lock: threading.Lock
     _tokens: itertools.count[int]
-    _hold: threading.Lock
-    _holder: int | None
-    _inline: Job | None
-    _inline_seq: int
-    _want_back: bool
+    standin: StandIn  # who serves while a piece runs where it arrived
     _busy_said: float
     _busy_unsaid: int
     _local: threading.local
@@ -133,23 +130,11 @@ class Running:
 
     def _run_here(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
         """Run a piece on this thread, letting go of the socket meanwhile (the stand-in
-        takes it if the piece runs long), and take it back once the piece has returned."""
-        me = threading.get_ident()
-        self._inline = job
-        self._inline_seq += 1
-        WATCH.arm(self, self._inline_seq)  # its stand-in is woken only if it runs long
-        self._holder = None
-        self._hold.release()
+        takes it if the piece runs long, :meth:`StandIn.run`), and take it back once the
+        piece has returned."""
         try:
-            self._run(token, job, to, work, mounted)
+            self.standin.run(job, self._wake, self._run, token, job, to, work, mounted)
         finally:
-            self._want_back = True
-            if self._holder not in (None, me):
-                self._wake()  # the stand-in is polling: it hands the socket back now
-            self._hold.acquire()
-            self._holder = me
-            self._want_back = False
-            self._inline = None
             with self._running_lock:
                 self._running.pop(token, None)
         self._flush()
@@ -178,6 +163,28 @@ class Running:
             log.warning("%s%s", why, more)
         else:
             self._busy_unsaid += 1
+
+    def _held_young(self) -> list[tuple[float, Any]]:
+        """The pieces in slots whose facts are still held (`.held`), each with when it will
+        have run ``STAND_IN_AFTER``."""
+        with self._running_lock:
+            return [
+                (job.started + STAND_IN_AFTER, job.held)
+                for job in self._running.values()
+                if job.held is not None and job.held.holding
+            ]
+
+    def _young_until(self) -> float:
+        """When the first piece in a slot whose facts are held will have run long."""
+        return min((due for due, _ in self._held_young()), default=float("inf"))
+
+    def _release_held(self, now: float) -> None:
+        """Pieces in slots that have run ``STAND_IN_AFTER``: what they said leaves now, and
+        what they say later as they say it (for a piece where it arrived, the stand-in does
+        this as it takes the socket)."""
+        for due, held in self._held_young():
+            if due <= now:
+                held.release()
 
     # -- a job, in a slot ----------------------------------------------------------------
     def _push(self) -> zmq.Socket:
@@ -287,7 +294,7 @@ class Running:
                 # once never finds this worker busy with the work it just got the answer of
                 self._running.pop(token, None)
         else:
-            self._want_back = True  # a stand-in sends this answer, then takes nothing new
+            self.standin.returned()  # a stand-in sends this answer, then takes nothing new
         self._post(to, answer, frames)
 
 
