@@ -49,14 +49,15 @@ from ...wire import (
 )
 from .. import mount as _mount
 from .. import proofs as _proofs
+from .. import streams as _streams
 from ..conversation import Unheld, Unknown, Violation
 from . import attachments as _attachments
 from .outbox import To
 
 if TYPE_CHECKING:
-    from .. import streams as _streams
     from ..conversation import WorkerSessions
     from ..curve import Guard
+    from .outbox import Outbox
     from .slots import Job
 
 _CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
@@ -69,20 +70,16 @@ class Intake:
     sessions: WorkerSessions
     mount: str | None
     _identity: str  # who this worker is to its clients (`proofs.identity`)
-    withheld: int
+    withheld_pieces: int
     _guard: Guard | None  # a listening worker's allow-list of client keys, when it has keys
     _revoking: bool
     _running: dict[int, Job]
     _running_lock: threading.Lock
     _inbound: _streams.Inbound
-    _outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]]
+    outbox: Outbox
 
     if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
 
-        def _reply(self, to: To, answer: Any, *, refusing: bool = False) -> None: ...
-        def _deliver(self, to: To, frames: list) -> None: ...
-        def _drain(self, to: To, out: _streams.Outgoing) -> None: ...
-        def _settle(self, peer: bytes, sid: int) -> None: ...
         def _ready(self, proof: str = "") -> Ready: ...
         def _provision(self, to: To, message: Provision) -> None: ...
         def _work(self, to: To, work: Work, mounted: Mounted | _attachments.Taken | None) -> None: ...
@@ -105,10 +102,9 @@ class Intake:
                         job.abandoned = True
             to = To(peer, tenant, route=peer)
             for ref in self.sessions.forget(peer):  # the last it hears of that work
-                self._reply(to, Refusal(f"{why}; its work {ref} was abandoned", ref=ref), refusing=True)
+                self.outbox.reply(to, Refusal(f"{why}; its work {ref} was abandoned", ref=ref), refusing=True)
             self._inbound.drop(peer)
-            for key in [k for k in self._outgoing if k[0] == peer]:
-                self._settle(*key)
+            self.outbox.forget(peer)
 
     def _attachments(self) -> _attachments.Attachments:
         """The mappings of this worker's clients' pooled segments, kept between calls."""
@@ -131,7 +127,7 @@ class Intake:
                 if variant in (Chunk, Credit):
                     # of a stream refused at its Begin, or of an answer to a session that
                     # ended: nothing in it is for anyone; a refusal would read as an answer
-                    self.withheld += 1
+                    self.withheld_pieces += 1
                     return
                 if variant not in (Hello, Bye):
                     raise Unknown("say Hello first: this worker has not heard from you")
@@ -169,10 +165,10 @@ class Intake:
             if ref is not None and self.sessions.is_open(to.peer, ref):
                 ref = None  # a second Work with the ref of one running: this refusal ends nothing
             refused = Refusal(why, ref=ref, hello=isinstance(exc, Unknown), recipe=isinstance(exc, Unheld))
-            self._reply(to, refused, refusing=True)
+            self.outbox.reply(to, refused, refusing=True)
             return
         if isinstance(message, Hello):
-            self._reply(to, self._ready(proof=self._prove(to.peer, message)))
+            self.outbox.reply(to, self._ready(proof=self._prove(to.peer, message)))
         elif isinstance(message, Bye):
             self._inbound.drop(to.peer)
         elif isinstance(message, Provision):
@@ -206,15 +202,27 @@ class Intake:
 
     def _stream(self, to: To, message: Any) -> None:
         if isinstance(message, Credit):
-            pending = self._outgoing.get((to.peer, message.sid))
-            if pending is not None:
-                pending[1].grant(message.amount)
-                self._drain(*pending)
+            self.outbox.credit(to.peer, message.sid, message.amount)
             return
         if isinstance(message, Begin):
             self._inbound.begin(to.peer, to.tenant or to.peer.hex(), message, reply=to)
             return
         granted, frames = self._inbound.chunk(to.peer, message)
-        self._deliver(to, encode(Credit(message.sid, granted)))
+        self.outbox.deliver(to, encode(Credit(message.sid, granted)))
         if frames is not None:
             self._take(to, frames, opened=True)
+
+    def _expire_inbound(self, now: float) -> None:
+        """Streams coming in past their lifetime are dropped, and their senders told."""
+        for dropped in self._inbound.expire(now):  # its sender would wait to its deadline: tell it
+            if dropped.reply is not None:
+                self.outbox.reply(
+                    dropped.reply,
+                    Refusal(
+                        f"this worker dropped the big message you were sending (stream {dropped.sid}): it came "
+                        f"slower than {_streams.MIN_RATE >> 20} MiB/s after a grace of {_streams.GRACE:g} s; "
+                        f"send it again, over a faster link or as a smaller value",
+                        ref=dropped.ref,
+                    ),
+                    refusing=True,
+                )

@@ -51,7 +51,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -63,7 +62,7 @@ from ...facts import fact
 from ...packing import Catalog
 from ...record import report, self_report
 from ...store import FolderStore
-from ...wire import Bye, Provision, Refusal, Runtime, compatible, encode, ref_of
+from ...wire import Bye, Provision, Refusal, Runtime, compatible, ref_of
 from .. import mount as _mount
 from .. import proofs as _proofs
 from .. import sockets
@@ -71,7 +70,7 @@ from .. import streams as _streams
 from ..conversation import WorkerSessions
 from ..curve import Guard, Keys, as_server, user_of
 from ..logs import Limiter
-from .dialing import MAX_BACKOFF, Dialing
+from .dialing import MAX_BACKOFF, BrokerLink
 from .heap import Heap
 from .imported import Imports
 from .intake import Intake
@@ -89,7 +88,7 @@ PARENT_CHECK = 0.5
 log = logging.getLogger("somatize.worker")
 
 
-class WorkerLoop(Intake, Running, Dialing, Outbox):
+class WorkerLoop(Intake, Running):
     """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
 
     def __init__(
@@ -111,11 +110,9 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
         self.patience = patience
         self.parent = parent
         self.runtime = Runtime.here(mode=mode)
-        self.sessions = WorkerSessions(self.runtime)
+        self._sessions = WorkerSessions(self.runtime)
         self.served = 0
-        self.dropped = 0  # answers that could not be delivered
-        self._dropped_at = -1e9  # when the last one was (monotonic)
-        self.withheld = 0  # answers the conversation did not allow (to an exchange not open)
+        self.withheld_pieces = 0  # pieces of streams that arrived for nobody (`.intake`)
         # what the worker says about itself: into a store on a clock (an idle worker's
         # connection is one nobody reads), and down an open connection as a `said` fact
         self.reporting = reporting
@@ -133,39 +130,21 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
         self._running_lock = threading.Lock()
         self._tokens = itertools.count(1)
         self._busy_said, self._busy_unsaid = -BUSY_SAID_EVERY, 0  # when a refusal as busy was last logged; since
-        self._answers_url = sockets.unique_inproc("answers")
-        self._answers = sockets.pair(zmq.PULL)
-        self._answers.bind(self._answers_url)
-        self._pushes: list[zmq.Socket] = []
-        self._local = threading.local()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.imports = Imports()  # what was imported, to tell stale code from a plain failure
+        self._lines = Limiter(log)  # every line a peer can cause goes through it
+        # answers and facts from any thread, sent by whoever holds the socket
+        self.outbox = Outbox(self._sessions, self.hold, self.imports, self._lines)
         self._front: zmq.Socket | None = None
         self._guard: Guard | None = None
-        self._offer: str | None = None
-        self._seen = ""  # a dialed worker's file in its mount folder (`.dialing`)
+        self.link: BrokerLink | None = None  # a dialed worker's link to its broker (`dial`)
         self._identity = _proofs.identity(None, None)  # who it is to its clients (`bind`, `dial`)
-        self._broker = ""
-        self._events: zmq.Socket | None = None  # a dialed worker's connection events
-        self._accepted = False  # the broker answered our Hello with Ready
-        self._lost = False  # the connection to the broker dropped, said once until it is back
-        self._lines = Limiter(log)  # every line a peer can cause goes through it
-        self._advised: dict[str, float] = {}  # advice about stale imports: when last said
-        self._control: list = []  # a dialed worker's keepalive waiting for room (`.dialing`)
-        self._pacer = None  # a dialed worker's window and fair order for its answers (`.pacing`)
-        self._blocked = False  # a stream waits for room on the socket
         self._revoking = False  # the allow-list was reloaded: end what revoked keys have open
-        self._refused_keys = False  # the broker's handshake refused our keys, said once
-        self._backoff = 0.0  # seconds to the next Hello after a refusal (0: none pending)
-        self._hello_at = self._refused_at = 0.0
-        self._next_hello = 0.0
         self._inbound = _streams.Inbound()
-        self._outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]] = {}
         self.stopping = sockets.Alarm()  # an Event that also wakes the serving poll
         self.standin = StandIn(self.hold, self.stopping)  # serves while a piece runs long where it arrived
         self._closed = threading.Event()
         self._serving = False  # a thread is in serve(): it closes its own sockets
         self._closing = threading.Lock()
-        self.imports = Imports()  # what was imported, to tell stale code from a plain failure
         self.heap = Heap()  # cargo moved since the allocator last gave freed memory back
         self._prepared = Prepared(self.catalog)  # a recipe's steps, for pieces run where they arrived
 
@@ -179,7 +158,47 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
             as_server(self._front, keys)
         self._identity = _proofs.identity(None, keys.public if keys is not None else None)
         self._front.bind(url)
+        self.outbox.attach(self._front)
         return sockets.bound_endpoint(self._front)
+
+    def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
+        """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
+        With ``keys``, ``keys.server_key`` is the broker's public key."""
+        link = self.link = BrokerLink(
+            broker,
+            offer,
+            keys=keys,
+            runtime=self.runtime,
+            patience=self.patience,
+            mount=self.mount,
+            ready=self._ready,
+            lines=self._lines,
+        )
+        self._front = link.front
+        self._identity = _proofs.identity(offer, None)  # what its clients' proofs are bound to
+        self.outbox.attach(link.front, link)
+        link.announce(time.monotonic())
+
+    @property
+    def sessions(self) -> WorkerSessions:
+        """Who says what, when (the conversation). Set anew (a test's, with other bounds), it
+        is handed to every piece that asks it."""
+        return self._sessions
+
+    @sessions.setter
+    def sessions(self, sessions: WorkerSessions) -> None:
+        self._sessions = self.outbox.sessions = sessions
+
+    @property
+    def dropped(self) -> int:
+        """Answers that could not be delivered."""
+        return self.outbox.dropped
+
+    @property
+    def withheld(self) -> int:
+        """Answers the conversation did not allow (to an exchange not open), and pieces of
+        streams that arrived for nobody."""
+        return self.outbox.withheld + self.withheld_pieces
 
     # -- the loop ----------------------------------------------------------------------
     def serve(self) -> None:
@@ -206,62 +225,62 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
         look at open streams and a mount's segments, a dialed worker's keepalive, a report.
         Everything else wakes the poll (a message, an answer, a stop): an idle worker sleeps
         a patience at a time, so a thousand idle workers in one process cost little."""
-        looks = self._inbound or self._outgoing or self.mount is not None
+        looks = self._inbound or self.outbox.streaming() or self.mount is not None
         due = self._last_check + (1.0 if looks else self.patience)
-        if self._offer is not None:
-            due = min(due, self._hello_due())
-            if self._backoff and self._refused_at < self._hello_at:  # a Hello not refused yet: taken, soon
-                due = min(due, self._hello_at + min(2.0, self.patience))
+        if self.link is not None:  # the next keepalive, or a Hello after a refusal taken
+            due = min(due, self.link.due(self._waited_on()))
         if self.store is not None and self.reporting:
             due = min(due, self._last_report + self.reporting)
         if self._slots is not None and self._running:  # a young piece's facts leave once it runs long
             due = min(due, self._young_until())
-        if self._pacer is not None and not self._pacer.room():  # the window waits on a mark that may be lost
-            due = min(due, self._pacer.look(time.monotonic()) or due)
+        # the window waits on a mark that may be lost
+        due = min(due, self.outbox.window_due() or due)
         return max(0, int(1000 * (due - time.monotonic())) + 1)
+
+    def _waited_on(self) -> bool:
+        """Whether clients may wait on this worker now: work runs here, a stream goes out, or
+        an answer found no room on the socket within the last patience (a dialed worker
+        says Hello closer meanwhile, `BrokerLink.hello_due`)."""
+        return bool(self._running) or self.outbox.waited_on(self.patience)
 
     def _poller(self) -> sockets.Poller:
         poller = sockets.Poller()
         poller.register(self._front, zmq.POLLIN)
-        poller.register(self._answers, zmq.POLLIN)
-        if self._events is not None:
-            poller.register(self._events, zmq.POLLIN)
+        poller.register(self.outbox.answers, zmq.POLLIN)
+        if self.link is not None:
+            poller.register(self.link.events, zmq.POLLIN)
         return poller
 
     def _turn(self, poller: sockets.Poller, timeout_ms: int) -> None:
         """One round of serving, by whoever holds the socket. A dialed worker's keepalive
         comes first, before any answer or stream: bulk never starves it."""
-        waiting = bool(self._control or self._blocked)  # wake when the socket has room again
+        # wake when the socket has room again: for control (a keepalive), or a stream
+        waiting = (self.link is not None and self.link.waiting()) or self.outbox.blocked
         if waiting != poller.waiting:  # registered anew only when it changes
             poller.register(self._front, sockets.POLLIN | sockets.POLLOUT if waiting else sockets.POLLIN)
             poller.waiting = waiting
         events = dict(poller.poll(timeout_ms))
         now = time.monotonic()
-        if self._offer is not None:
-            self._keep_offering(now)
+        link = self.link
+        if link is not None:
+            link.keep_offering(now, self._waited_on())
         if self._revoking:
             self._revoke()
         if self._slots is not None and self._running:
             self._release_held(now)
-        if self._answers in events:
-            self._forward_answers()
+        if self.outbox.answers in events:
+            self.outbox.forward()
         # a stand-in whose piece has returned takes nothing new: the socket goes back first
         if self._front in events and not self.standin.giving_back():
             self._receive()
         # after what was read: a credit moves a stream, the broker's answer to a mark the window
-        if self._pacer is not None and not self._pacer.room():
-            self._pacer.look(now)  # a mark unanswered past its time is taken as read
-        if self._outgoing:
-            self._drain_streams()
-        else:
-            self._blocked = False
-        if self._pacer is not None and self._pacer.waiting():
-            self._pump_paced(now)
-        if self._events is not None and self._events in events:
-            self._connection_events()
+        self.outbox.send_waiting(now)
+        if link is not None and link.events in events:
+            link.connection_events()
         if now - self._last_check >= 1.0:
             self._last_check = now
-            self._expire_streams(now)
+            self._expire_inbound(now)  # streams past their lifetime, or that nobody moved for a while
+            self.outbox.expire(now, 3 * self.patience)
             if self.mount is not None:
                 # a client killed with segments in the folder never gives them back: its
                 # memory is freed here, not when some later client happens to start
@@ -272,7 +291,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
 
     def _stand_in(self) -> None:
         """On a thread of its own: serve while a piece runs long where it arrived (`.standin`)."""
-        self.standin.serve(self._poller, self._turn, self._flush)
+        self.standin.serve(self._poller, self._turn, self.outbox.flush)
         self.standin.stop_stuck(self.patience, self.close, self.exit_when_stuck)
 
     def _watch_parent(self) -> None:
@@ -323,7 +342,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
         """Who may come in, for the start line."""
         if self._guard is not None:
             return f"CURVE keys: {self._guard.described()}"
-        return "CURVE keys to the broker" if self._offer is not None else "no keys"
+        return "CURVE keys to the broker" if self.link is not None else "no keys"
 
     def close(self) -> None:
         """Stop serving; never waits for work still running (its threads are daemons). From
@@ -344,22 +363,15 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
         if self._guard is not None:
             self._guard.close()
             self._guard = None
-        if self._offer is not None and self._front is not None and not self._front.closed:
-            try:
-                self._front.send_multipart(encode(Bye()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            if self._events is not None:
-                try:
-                    self._front.disable_monitor()
-                except zmq.ZMQError:
-                    pass
+        link = self.link
+        if link is not None:
+            link.bye()
         if self._slots is not None:
             self._slots.close()
-        sockets.close(self._events, self._front, self._answers, *self._pushes)
+        sockets.close(link.events if link is not None else None, self._front, *self.outbox.sockets())
         if self.mount is not None:
-            if self._seen:
-                _mount.unmark(self.mount, self._seen)
+            if link is not None and link.seen:
+                _mount.unmark(self.mount, link.seen)
             _mount.leave(self.mount)
 
     # -- receiving -----------------------------------------------------------------------
@@ -378,7 +390,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
             self.heap.received(parts)
             ran = False
             try:
-                if self._offer is None:  # ROUTER: [identity, *frames]
+                if self.link is None:  # ROUTER: [identity, *frames]
                     if len(parts) >= 2:
                         route = parts[0].bytes
                         # where there are keys, a direct peer's tenant is its key (revocation ends its sessions)
@@ -388,7 +400,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
                             self.sessions.receive(route, Bye(), now=time.monotonic())
                             self._inbound.drop(route)
                             refused = Refusal("this key is no longer allowed on this worker", ref=ref_of(parts[1:]))
-                            self._reply(To(route, key, route=route), refused, refusing=True)
+                            self.outbox.reply(To(route, key, route=route), refused, refusing=True)
                             continue
                         to = To(route, key, route)
                         work = self._expressed(to, parts[1]) if len(parts) == 2 else None
@@ -398,7 +410,10 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
                         else:
                             self._take(to, parts[1:])
                 else:
-                    self._from_broker(parts)
+                    assert self.link is not None  # a DEALER socket is a dialed worker's
+                    relayed = self.link.heard(parts)
+                    if relayed is not None:
+                        self._take(*relayed)
             except Exception as exc:  # one message's trouble is never the whole worker's
                 self._lines.say(logging.WARNING, "a message could not be handled: %s: %s", type(exc).__name__, str(exc))
             if self.heap.due():  # handled, and let go of: what big cargo freed goes back (`.heap`)
@@ -414,11 +429,11 @@ class WorkerLoop(Intake, Running, Dialing, Outbox):
                 self.runtime, self.sessions.runtime(to.peer), needs_pickle=True, me="this worker", them="the client"
             )
             if why is not None:
-                self._reply(to, Refusal(why))
+                self.outbox.reply(to, Refusal(why))
                 return
         try:
             self.catalog.provision(message.digest, message.artifact)
         except Refused as exc:
-            self._reply(to, Refusal(str(exc)))
+            self.outbox.reply(to, Refusal(str(exc)))
             return
-        self._reply(to, self._ready())
+        self.outbox.reply(to, self._ready())

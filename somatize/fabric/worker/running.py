@@ -31,14 +31,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
 from ...engine import format_exception, run_lone, run_piece
 from ...errors import CodecError, NodeFailed, ProtocolError, Refused
 from ...facts import fact, microseconds
 from ...wire import Failed, Mounted, Ready, Refusal, Saw, Send, Work, encode
 from .. import mount as _mount
-from .. import sockets
 from ..logs import clip
 from ..pieces import done, done_of, piece_of
 from .attachments import Taken
@@ -51,6 +48,7 @@ if TYPE_CHECKING:
     from ...packing import Catalog
     from ...wire import Runtime
     from .heap import Heap
+    from .outbox import Outbox
     from .prepared import Prepared
     from .slots import Slots
     from .standin import StandIn
@@ -79,17 +77,10 @@ class Running:
     standin: StandIn  # who serves while a piece runs where it arrived
     _busy_said: float
     _busy_unsaid: int
-    _local: threading.local
-    _answers_url: str
-    _pushes: list[zmq.Socket]
+    outbox: Outbox
 
     if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
 
-        def _reply(self, to: To, answer: Any, *, refusing: bool = False) -> None: ...
-        def _post(self, to: To, answer: Any, frames: list) -> None: ...
-        def _stale(self, answer: Any) -> Any: ...
-        def _wake(self) -> None: ...
-        def _flush(self) -> None: ...
         def _said(self) -> dict[str, str] | None: ...
 
     def _ready(self, proof: str = "") -> Ready:
@@ -109,10 +100,10 @@ class Running:
         try:
             missing = self.catalog.missing(recipe.nodes)
         except Refused as exc:
-            self._reply(to, Refusal(str(exc), ref=work.ref))
+            self.outbox.reply(to, Refusal(str(exc), ref=work.ref))
             return
         if missing:
-            self._reply(to, Send(work.ref, tuple(missing)))
+            self.outbox.reply(to, Send(work.ref, tuple(missing)))
             return
         with self._running_lock:
             full = len(self._running) >= self.jobs
@@ -133,11 +124,11 @@ class Running:
         takes it if the piece runs long, :meth:`StandIn.run`), and take it back once the
         piece has returned."""
         try:
-            self.standin.run(job, self._wake, self._run, token, job, to, work, mounted)
+            self.standin.run(job, self.outbox.wake, self._run, token, job, to, work, mounted)
         finally:
             with self._running_lock:
                 self._running.pop(token, None)
-        self._flush()
+        self.outbox.flush()
 
     def _busy(self, to: To, work: Work) -> None:
         """Every slot is taken: say so at once (the client makes it ``Busy``), never queue."""
@@ -154,8 +145,8 @@ class Running:
         )
         if work.watched:
             said = fact("said", kind="busy", node=node, running_us=int(seconds * 1e6), jobs=self.jobs)
-            self._reply(to, Saw(work.ref, said))
-        self._reply(to, Refusal(why, ref=work.ref))
+            self.outbox.reply(to, Saw(work.ref, said))
+        self.outbox.reply(to, Refusal(why, ref=work.ref))
         now = time.monotonic()
         if now - self._busy_said >= BUSY_SAID_EVERY:  # a client's own threads taking turns refuse often
             more = f" ({self._busy_unsaid} more refused as busy since the last such line)" if self._busy_unsaid else ""
@@ -187,21 +178,12 @@ class Running:
                 held.release()
 
     # -- a job, in a slot ----------------------------------------------------------------
-    def _push(self) -> zmq.Socket:
-        push = getattr(self._local, "push", None)
-        if push is None:
-            push = sockets.pair(zmq.PUSH)
-            push.connect(self._answers_url)
-            self._local.push = push
-            self._pushes.append(push)
-        return push
-
     def _run(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
         ref = work.ref
 
         def sent(fact: dict[str, str]) -> None:  # one fact as a Saw of its own, into the outbox
             saw = Saw(ref, fact)
-            self._post(to, saw, encode(saw))
+            self.outbox.post(to, saw, encode(saw))
 
         # what the piece says is held while it is young, to travel inside its Done (`.held`)
         held = job.held = Held(sent) if work.watched else None
@@ -256,7 +238,7 @@ class Running:
         if isinstance(answer, (Failed, Refusal)):
             if held is not None:
                 held.release()  # what the piece said leaves first, as Saws
-            answer = self._stale(answer)  # here, before it is written into a segment
+            answer = self.outbox.stale(answer)  # here, before it is written into a segment
         try:
             frames = encode(answer)
         except (CodecError, ValueError) as exc:  # unwritable, or over a wire limit
@@ -295,7 +277,7 @@ class Running:
                 self._running.pop(token, None)
         else:
             self.standin.returned()  # a stand-in sends this answer, then takes nothing new
-        self._post(to, answer, frames)
+        self.outbox.post(to, answer, frames)
 
 
 def failed_answer(ref: int, exc: BaseException, *, why: str | None = None, traceback: str = "") -> Failed:
