@@ -24,7 +24,6 @@ What is not for here: the socket loop (:mod:`somatize.fabric.worker.loop`), send
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,6 @@ from ...wire import (
     Hello,
     Mounted,
     Provision,
-    Ready,
     Refusal,
     Relay,
     Work,
@@ -58,7 +56,7 @@ if TYPE_CHECKING:
     from ..conversation import WorkerSessions
     from ..curve import Guard
     from .outbox import Outbox
-    from .slots import Job
+    from .running import Runner
 
 _CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
 
@@ -73,16 +71,13 @@ class Intake:
     withheld_pieces: int
     _guard: Guard | None  # a listening worker's allow-list of client keys, when it has keys
     _revoking: bool
-    _running: dict[int, Job]
-    _running_lock: threading.Lock
+    runner: Runner
     _inbound: _streams.Inbound
     outbox: Outbox
 
     if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
 
-        def _ready(self, proof: str = "") -> Ready: ...
         def _provision(self, to: To, message: Provision) -> None: ...
-        def _work(self, to: To, work: Work, mounted: Mounted | _attachments.Taken | None) -> None: ...
 
     def _revoke(self) -> None:
         """On the thread holding the socket, after a reload: every session of a key no
@@ -96,10 +91,7 @@ class Intake:
         for peer, tenant in self.sessions.peers():
             if not tenant or tenant in allowed:
                 continue
-            with self._running_lock:
-                for job in self._running.values():
-                    if job.peer == peer:
-                        job.abandoned = True
+            self.runner.abandon(peer)
             to = To(peer, tenant, route=peer)
             for ref in self.sessions.forget(peer):  # the last it hears of that work
                 self.outbox.reply(to, Refusal(f"{why}; its work {ref} was abandoned", ref=ref), refusing=True)
@@ -168,13 +160,13 @@ class Intake:
             self.outbox.reply(to, refused, refusing=True)
             return
         if isinstance(message, Hello):
-            self.outbox.reply(to, self._ready(proof=self._prove(to.peer, message)))
+            self.outbox.reply(to, self.runner.ready(proof=self._prove(to.peer, message)))
         elif isinstance(message, Bye):
             self._inbound.drop(to.peer)
         elif isinstance(message, Provision):
             self._provision(to, message)
         else:
-            self._work(to, message, mounted)
+            self.runner.start(to, message, mounted)
 
     def _prove(self, peer: bytes, hello: Hello) -> str:
         """The answer to a Hello naming a proof's file (``Hello.prove``): what this worker

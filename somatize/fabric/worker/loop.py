@@ -48,7 +48,6 @@ the piece runs no further node, and nothing it says afterwards (``Saw``, ``Done`
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -75,10 +74,9 @@ from .heap import Heap
 from .imported import Imports
 from .intake import Intake
 from .outbox import Outbox, To
-from .prepared import Prepared
-from .running import BUSY_SAID_EVERY, Running
+from .running import Runner
 from .serving import Hold
-from .slots import Job, NodeExit, Slots, exit_now
+from .slots import NodeExit, exit_now
 from .standin import StandIn
 
 __all__ = ["MAX_BACKOFF", "NodeExit", "WorkerLoop"]
@@ -88,7 +86,7 @@ PARENT_CHECK = 0.5
 log = logging.getLogger("somatize.worker")
 
 
-class WorkerLoop(Intake, Running):
+class WorkerLoop(Intake):
     """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
 
     def __init__(
@@ -111,7 +109,6 @@ class WorkerLoop(Intake, Running):
         self.parent = parent
         self.runtime = Runtime.here(mode=mode)
         self._sessions = WorkerSessions(self.runtime)
-        self.served = 0
         self.withheld_pieces = 0  # pieces of streams that arrived for nobody (`.intake`)
         # what the worker says about itself: into a store on a clock (an idle worker's
         # connection is one nobody reads), and down an open connection as a `said` fact
@@ -120,16 +117,10 @@ class WorkerLoop(Intake, Running):
         self.machine = machine or socket.gethostname()
         self._said_at = 0.0
         self.jobs = max(1, int(jobs))
-        # one job runs where it arrived (no hop); more run in slots
-        self._slots = Slots(self.jobs) if self.jobs > 1 else None
         # the process may end itself when stopping finds a node stuck (the command's choice)
         self.exit_when_stuck = exit_when_stuck
         self.hold = Hold()  # whoever holds it serves: the socket is theirs
         self._last_check = self._last_report = 0.0
-        self._running: dict[int, Job] = {}  # what runs now, by token
-        self._running_lock = threading.Lock()
-        self._tokens = itertools.count(1)
-        self._busy_said, self._busy_unsaid = -BUSY_SAID_EVERY, 0  # when a refusal as busy was last logged; since
         self.imports = Imports()  # what was imported, to tell stale code from a plain failure
         self._lines = Limiter(log)  # every line a peer can cause goes through it
         # answers and facts from any thread, sent by whoever holds the socket
@@ -146,7 +137,17 @@ class WorkerLoop(Intake, Running):
         self._serving = False  # a thread is in serve(): it closes its own sockets
         self._closing = threading.Lock()
         self.heap = Heap()  # cargo moved since the allocator last gave freed memory back
-        self._prepared = Prepared(self.catalog)  # a recipe's steps, for pieces run where they arrived
+        # where work runs (slots, or where it arrived), and what runs now
+        self.runner = Runner(
+            self.jobs,
+            catalog=self.catalog,
+            runtime=self.runtime,
+            heap=self.heap,
+            mount=mount,
+            outbox=self.outbox,
+            standin=self.standin,
+            said=self._said,
+        )
 
     # -- the front socket --------------------------------------------------------------
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
@@ -171,7 +172,7 @@ class WorkerLoop(Intake, Running):
             runtime=self.runtime,
             patience=self.patience,
             mount=self.mount,
-            ready=self._ready,
+            ready=self.runner.ready,
             lines=self._lines,
         )
         self._front = link.front
@@ -190,6 +191,11 @@ class WorkerLoop(Intake, Running):
         self._sessions = self.outbox.sessions = sessions
 
     @property
+    def served(self) -> int:
+        """Pieces of work taken to run."""
+        return self.runner.served
+
+    @property
     def dropped(self) -> int:
         """Answers that could not be delivered."""
         return self.outbox.dropped
@@ -206,7 +212,7 @@ class WorkerLoop(Intake, Running):
         self.hold.take()
         if self.parent is not None:
             threading.Thread(target=self._watch_parent, daemon=True, name="somatize-parent").start()
-        if self._slots is None:
+        if not self.runner.in_slots:
             threading.Thread(target=self._stand_in, daemon=True, name="somatize-stand-in").start()
         poller = self._poller()
         poller.register(self.stopping, zmq.POLLIN)  # whoever stops us wakes the poll
@@ -231,8 +237,7 @@ class WorkerLoop(Intake, Running):
             due = min(due, self.link.due(self._waited_on()))
         if self.store is not None and self.reporting:
             due = min(due, self._last_report + self.reporting)
-        if self._slots is not None and self._running:  # a young piece's facts leave once it runs long
-            due = min(due, self._young_until())
+        due = min(due, self.runner.young_until())  # a young piece's facts leave once it runs long
         # the window waits on a mark that may be lost
         due = min(due, self.outbox.window_due() or due)
         return max(0, int(1000 * (due - time.monotonic())) + 1)
@@ -241,7 +246,7 @@ class WorkerLoop(Intake, Running):
         """Whether clients may wait on this worker now: work runs here, a stream goes out, or
         an answer found no room on the socket within the last patience (a dialed worker
         says Hello closer meanwhile, `BrokerLink.hello_due`)."""
-        return bool(self._running) or self.outbox.waited_on(self.patience)
+        return bool(self.runner.running()) or self.outbox.waited_on(self.patience)
 
     def _poller(self) -> sockets.Poller:
         poller = sockets.Poller()
@@ -266,8 +271,7 @@ class WorkerLoop(Intake, Running):
             link.keep_offering(now, self._waited_on())
         if self._revoking:
             self._revoke()
-        if self._slots is not None and self._running:
-            self._release_held(now)
+        self.runner.release_held(now)  # a piece in a slot that runs long: its facts leave
         if self.outbox.answers in events:
             self.outbox.forward()
         # a stand-in whose piece has returned takes nothing new: the socket goes back first
@@ -308,13 +312,13 @@ class WorkerLoop(Intake, Running):
 
     def running(self) -> int:
         """How many pieces of work run now."""
-        return len(self._running)
+        return self.runner.running()
 
     def _report(self) -> None:
         store = self.store
         assert store is not None  # `_turn` reports only where there is a store
         try:
-            report(store, self.machine, self_report(self.served, machine=self.machine))
+            report(store, self.machine, self_report(self.runner.served, machine=self.machine))
         except (OSError, SomatizeError) as exc:  # a full disk must not stop the serving
             log.warning("could not report to the store: %s", exc)
 
@@ -326,7 +330,7 @@ class WorkerLoop(Intake, Running):
         if now - self._said_at < self.reporting:
             return None
         self._said_at = now
-        return fact("said", **self_report(self.served, machine=self.machine))
+        return fact("said", **self_report(self.runner.served, machine=self.machine))
 
     def reload(self) -> None:
         """Read the allow-list of client keys again (a key removed is refused from now on).
@@ -366,8 +370,7 @@ class WorkerLoop(Intake, Running):
         link = self.link
         if link is not None:
             link.bye()
-        if self._slots is not None:
-            self._slots.close()
+        self.runner.close()
         sockets.close(link.events if link is not None else None, self._front, *self.outbox.sockets())
         if self.mount is not None:
             if link is not None and link.seen:
@@ -405,7 +408,7 @@ class WorkerLoop(Intake, Running):
                         to = To(route, key, route)
                         work = self._expressed(to, parts[1]) if len(parts) == 2 else None
                         if work is not None:
-                            self._work(to, work, None)  # a repeated small call: straight to its run
+                            self.runner.start(to, work, None)  # a repeated small call: straight to its run
                             ran = True
                         else:
                             self._take(to, parts[1:])
@@ -436,4 +439,4 @@ class WorkerLoop(Intake, Running):
         except Refused as exc:
             self.outbox.reply(to, Refusal(str(exc)))
             return
-        self.outbox.reply(to, self._ready())
+        self.outbox.reply(to, self.runner.ready())
