@@ -11,10 +11,10 @@ message is checked there before anything acts on it, and every answer before it 
 A peer is a client's route (Direct, Mount) or ``b"relay:%d" % exchange`` for an exchange a
 broker relays. Only ``Hello`` and ``Bye`` are decoded from a peer that has not said
 ``Hello``: for anything else its header's variant is read (``wire.variant_of``) and the
-message refused unopened. The carriers are opened here: ``Relay`` (what a broker passes
-on), ``Begin``/``Chunk``/``Credit`` (a big message streamed through a broker, with
-per-tenant quotas and a lifetime, :mod:`somatize.fabric.streams`) and ``Mounted`` (cargo in a shared
-folder, :mod:`somatize.fabric.mount`).
+message refused unopened. The carriers are opened on the way in: ``Relay`` (what a broker
+passes on, by the link), ``Begin``/``Chunk``/``Credit`` (a big message streamed through a
+broker, with per-tenant quotas and a lifetime, :mod:`somatize.fabric.streams`) and
+``Mounted`` (cargo in a shared folder, :mod:`somatize.fabric.mount`), by the intake.
 
 What it survives, and how:
 
@@ -31,15 +31,25 @@ What it survives, and how:
   node stuck forever does not keep an orphan alive; if the serving thread does not close
   within a short grace, the process ends with ``os._exit``.
 
-Where work runs, and how: :mod:`somatize.fabric.worker.running`.
+The loop owns its pieces, each an object with its own state, handed what it needs:
 
-Only the thread holding the socket (``_hold``) touches it, the sessions and the streams.
-Answers and facts, from whatever thread (a job, a parallel branch of a piece), go into one
-first-in-first-out outbox (:mod:`somatize.fabric.worker.outbox`); the holder sends them, woken through an inproc
-socket when it is polling, and whoever takes the socket sends what waits there first. A
-dialed worker's link to its broker (offer, keepalive) is :mod:`somatize.fabric.worker.dialing`'s; slots and the
-guard around each node are :mod:`somatize.fabric.worker.slots`'; what it logs about peers goes through a limiter
-(:mod:`somatize.fabric.logs`).
+- :class:`~.serving.Hold` (``hold``): the lock on the socket. Only the thread holding it
+  touches the socket, the sessions and the streams: the serving thread, or the stand-in.
+- :class:`~.intake.Intake` (``intake``): what comes in, opened and asked of the
+  conversation; the streams coming in. What it allows, the loop acts on (``_take``).
+- :class:`~.outbox.Outbox` (``outbox``): what goes out. Answers and facts, from whatever
+  thread (a job, a parallel branch of a piece), go into one first-in-first-out queue; the
+  holder sends them, woken through an inproc socket when it is polling, and whoever takes
+  the socket sends what waits there first. The streams going out, what was dropped.
+- :class:`~.running.Runner` (``runner``): where work runs and what runs now; slots and the
+  guard around each node are :mod:`somatize.fabric.worker.slots`'.
+- :class:`~.standin.StandIn` (``standin``): who serves while a piece runs long where it
+  arrived (``jobs=1``), on a thread of its own.
+- :class:`~.dialing.BrokerLink` (``link``): a dialed worker's link to its broker (offer,
+  keepalive, the control that goes ahead of every answer, the window for answers).
+
+What it logs about peers goes through one limiter (:mod:`somatize.fabric.logs`), handed to
+each piece that logs.
 
 Revocation (a listening worker with keys, reloaded): every session of a key no longer
 allowed ends at once. Its open work is answered ``Refusal`` (naming the ref) and abandoned:
@@ -61,11 +71,10 @@ from ...facts import fact
 from ...packing import Catalog
 from ...record import report, self_report
 from ...store import FolderStore
-from ...wire import Bye, Provision, Refusal, Runtime, compatible, ref_of
+from ...wire import Bye, Hello, Provision, Refusal, Runtime, compatible, ref_of
 from .. import mount as _mount
 from .. import proofs as _proofs
 from .. import sockets
-from .. import streams as _streams
 from ..conversation import WorkerSessions
 from ..curve import Guard, Keys, as_server, user_of
 from ..logs import Limiter
@@ -86,8 +95,14 @@ PARENT_CHECK = 0.5
 log = logging.getLogger("somatize.worker")
 
 
-class WorkerLoop(Intake):
-    """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
+class WorkerLoop:
+    """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``.
+
+    It owns its pieces, each with its own state: the hold on the socket (``hold``), what
+    comes in (``intake``), what goes out (``outbox``), where work runs (``runner``), who
+    serves while a piece runs where it arrived (``standin``) and, dialed, the link to its
+    broker (``link``). Here: the socket and its poll, the turn that drives them, what
+    is acted on once the conversation allowed it, revocation, closing, reports."""
 
     def __init__(
         self,
@@ -109,7 +124,6 @@ class WorkerLoop(Intake):
         self.parent = parent
         self.runtime = Runtime.here(mode=mode)
         self._sessions = WorkerSessions(self.runtime)
-        self.withheld_pieces = 0  # pieces of streams that arrived for nobody (`.intake`)
         # what the worker says about itself: into a store on a clock (an idle worker's
         # connection is one nobody reads), and down an open connection as a `said` fact
         self.reporting = reporting
@@ -128,9 +142,8 @@ class WorkerLoop(Intake):
         self._front: zmq.Socket | None = None
         self._guard: Guard | None = None
         self.link: BrokerLink | None = None  # a dialed worker's link to its broker (`dial`)
-        self._identity = _proofs.identity(None, None)  # who it is to its clients (`bind`, `dial`)
         self._revoking = False  # the allow-list was reloaded: end what revoked keys have open
-        self._inbound = _streams.Inbound()
+        self.intake = Intake(self._sessions, mount, self.outbox)  # what comes in, as the conversation allows
         self.stopping = sockets.Alarm()  # an Event that also wakes the serving poll
         self.standin = StandIn(self.hold, self.stopping)  # serves while a piece runs long where it arrived
         self._closed = threading.Event()
@@ -157,7 +170,7 @@ class WorkerLoop(Intake):
         if keys is not None:
             self._guard = Guard(sockets.context(), keys, log=log)
             as_server(self._front, keys)
-        self._identity = _proofs.identity(None, keys.public if keys is not None else None)
+        self.intake.identity = _proofs.identity(None, keys.public if keys is not None else None)
         self._front.bind(url)
         self.outbox.attach(self._front)
         return sockets.bound_endpoint(self._front)
@@ -176,7 +189,7 @@ class WorkerLoop(Intake):
             lines=self._lines,
         )
         self._front = link.front
-        self._identity = _proofs.identity(offer, None)  # what its clients' proofs are bound to
+        self.intake.identity = _proofs.identity(offer, None)  # what its clients' proofs are bound to
         self.outbox.attach(link.front, link)
         link.announce(time.monotonic())
 
@@ -188,7 +201,7 @@ class WorkerLoop(Intake):
 
     @sessions.setter
     def sessions(self, sessions: WorkerSessions) -> None:
-        self._sessions = self.outbox.sessions = sessions
+        self._sessions = self.outbox.sessions = self.intake.sessions = sessions
 
     @property
     def served(self) -> int:
@@ -204,7 +217,7 @@ class WorkerLoop(Intake):
     def withheld(self) -> int:
         """Answers the conversation did not allow (to an exchange not open), and pieces of
         streams that arrived for nobody."""
-        return self.outbox.withheld + self.withheld_pieces
+        return self.outbox.withheld + self.intake.withheld
 
     # -- the loop ----------------------------------------------------------------------
     def serve(self) -> None:
@@ -231,7 +244,7 @@ class WorkerLoop(Intake):
         look at open streams and a mount's segments, a dialed worker's keepalive, a report.
         Everything else wakes the poll (a message, an answer, a stop): an idle worker sleeps
         a patience at a time, so a thousand idle workers in one process cost little."""
-        looks = self._inbound or self.outbox.streaming() or self.mount is not None
+        looks = self.intake.streaming() or self.outbox.streaming() or self.mount is not None
         due = self._last_check + (1.0 if looks else self.patience)
         if self.link is not None:  # the next keepalive, or a Hello after a refusal taken
             due = min(due, self.link.due(self._waited_on()))
@@ -283,7 +296,8 @@ class WorkerLoop(Intake):
             link.connection_events()
         if now - self._last_check >= 1.0:
             self._last_check = now
-            self._expire_inbound(now)  # streams past their lifetime, or that nobody moved for a while
+            # streams past their lifetime, or that nobody has moved for a while, are dropped
+            self.intake.expire(now)
             self.outbox.expire(now, 3 * self.patience)
             if self.mount is not None:
                 # a client killed with segments in the folder never gives them back: its
@@ -401,12 +415,12 @@ class WorkerLoop(Intake):
                         if self._guard is not None and not self._guard.roles(key):
                             # its key was taken out of the allow folder since it connected
                             self.sessions.receive(route, Bye(), now=time.monotonic())
-                            self._inbound.drop(route)
+                            self.intake.drop(route)
                             refused = Refusal("this key is no longer allowed on this worker", ref=ref_of(parts[1:]))
                             self.outbox.reply(To(route, key, route=route), refused, refusing=True)
                             continue
                         to = To(route, key, route)
-                        work = self._expressed(to, parts[1]) if len(parts) == 2 else None
+                        work = self.intake.expressed(to, parts[1]) if len(parts) == 2 else None
                         if work is not None:
                             self.runner.start(to, work, None)  # a repeated small call: straight to its run
                             ran = True
@@ -426,6 +440,39 @@ class WorkerLoop(Intake):
                 return
 
     # -- requests ----------------------------------------------------------------------
+    def _take(self, to: To, frames: list) -> None:
+        """One message from ``to``, acted on once the intake found it allowed (it answers
+        what it refuses): a Hello is answered Ready, a Provision provisions, a Work runs."""
+        allowed = self.intake.take(to, frames)
+        if allowed is None:
+            return
+        message, mounted = allowed
+        if isinstance(message, Hello):
+            self.outbox.reply(to, self.runner.ready(proof=self.intake.prove(to.peer, message)))
+        elif isinstance(message, Provision):
+            self._provision(to, message)
+        else:
+            self.runner.start(to, message, mounted)
+
+    def _revoke(self) -> None:
+        """On the thread holding the socket, after a reload: every session of a key no
+        longer allowed ends. Its open work is refused (naming it) and abandoned: the piece
+        runs no further node, and nothing it says afterwards leaves (its session is gone)."""
+        self._revoking = False
+        if self._guard is None:
+            return
+        allowed = self._guard.allowed()
+        why = "this key is no longer allowed on this worker"
+        for peer, tenant in self.sessions.peers():
+            if not tenant or tenant in allowed:
+                continue
+            self.runner.abandon(peer)
+            to = To(peer, tenant, route=peer)
+            for ref in self.sessions.forget(peer):  # the last it hears of that work
+                self.outbox.reply(to, Refusal(f"{why}; its work {ref} was abandoned", ref=ref), refusing=True)
+            self.intake.drop(peer)
+            self.outbox.forget(peer)
+
     def _provision(self, to: To, message: Provision) -> None:
         if self.mode == "network":
             why = compatible(
