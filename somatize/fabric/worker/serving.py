@@ -38,7 +38,3 @@ class Hold:
         """Let go of the socket: whoever takes it next serves."""
         self.holder = None
         self.lock.release()
-
-    def holding(self) -> bool:
-        """Whether the calling thread holds the socket."""
-        return self.holder == threading.get_ident()
