@@ -467,7 +467,7 @@ def test_an_exchange_crowded_out_while_its_work_is_open_is_told_to_its_client():
             running = [threading.Thread(target=forward, args=(host,)) for host in ("h0", "h1")]
             for thread in running:
                 thread.start()
-            wait_until(lambda: loops["h0"]._running and loops["h1"]._running, 10, "both running")
+            wait_until(lambda: loops["h0"].running() and loops["h1"].running(), 10, "both running")
             # the second of their exchanges crowded out h3's, the one with nothing open, not the first's older one
             wait_until(lambda: len(loops["h3"].sessions) == 0, 10, "h3 forgetting its exchange")
             assert "h0" not in answers and "h1" not in answers

@@ -242,7 +242,7 @@ def test_a_piece_that_returns_at_once_wakes_no_stand_in_and_one_that_runs_long_g
             super().set()
 
     loop = WorkerLoop(mode="project")
-    loop._began = Counted()
+    loop.standin.began = Counted()
     endpoint = loop.bind("tcp://127.0.0.1:0")
     serving = threading.Thread(target=loop.serve, daemon=True)
     serving.start()
@@ -280,18 +280,18 @@ def test_the_stand_in_watch_works_in_a_forked_child():
 
     from somatize.fabric.worker.standin import WATCH
 
-    class Loop:
-        _inline, _inline_seq = None, 1
+    class StandIn:  # what the watch reads of a stand-in, and the event it sets
+        inline, seq = None, 1
 
         def __init__(self) -> None:
-            self._began = threading.Event()
+            self.began = threading.Event()
 
-    WATCH.arm(Loop(), 1)  # the parent's watch runs now
+    WATCH.arm(StandIn(), 1)  # the parent's watch runs now
     pid = os.fork()
     if pid == 0:  # the child: a piece still running is found, its stand-in woken
-        running = Loop()
-        running._inline = object()
+        running = StandIn()
+        running.inline = object()
         WATCH.arm(running, 1)
-        os._exit(0 if running._began.wait(10) else 1)
+        os._exit(0 if running.began.wait(10) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child's watch never woke a stand-in"

@@ -10,11 +10,13 @@
   (``peers``: the table, and its view of peers, hosts and exchanges), the outbox that never
   blocks (``outbox``), the helper that starts and checks spawned workers (``checks``,
   ``spawn``), the bindings of names to keys.
-- ``worker/``: what runs in a worker: its loop (``loop``), where work runs (``slots``),
-  what comes in (``intake``) and goes out (``outbox``), dialing a broker (``dialing``), the
-  segments it attaches to (``attachments``), stale imports, its heap.
+- ``worker/``: what runs in a worker: its loop (``loop``) and the pieces it owns: the hold
+  on its socket (``serving``), what comes in (``intake``) and goes out (``outbox``), where
+  work runs (``running``, ``slots``), the stand-in (``standin``), its link to a broker it
+  dialed (``dialing``); the segments it attaches to (``attachments``), stale imports, its heap.
 - Here, what they share: the conversation (``conversation/``, sans IO: one table per side of
-  who may send what, when, and what is done with it; ``drawn`` shows them), ``sockets``, keys (``curve``), ``streams``, ``mount`` and ``leases`` (the rules of
+  who may send what, when, and what is done with it; ``drawn`` shows them), ``sockets``,
+  keys (``curve``), ``streams``, ``mount`` and ``leases`` (the rules of
   cargo in a shared folder), ``pieces`` (work from a piece and back), ``hosts`` (worker
   declarations), ``command`` (the commands' logging), ``logs`` (what a peer can make a
   broker or a worker log: bounded, escaped).

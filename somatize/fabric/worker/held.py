@@ -3,11 +3,11 @@
 A watched piece says facts as it runs (``ran`` after each node, ``said``, ``failed``). They
 are held while it runs, so that a watched call costs no message more than an unwatched one:
 a piece that finishes within ``STAND_IN_AFTER`` (most do) carries them inside its ``Done``
-(``Done.saw``), in the order they were said. A piece that runs longer
-has them sent as they were said from then on, so a watcher sees a long piece live: for a
-piece running where it arrived, the stand-in releases them when it takes the socket; for a
-piece in a slot, the serving loop does, once the piece has run ``STAND_IN_AFTER``. A piece
-that says more than ``MAX_SAW`` facts or ``HELD_BYTES`` of them (a ``Done`` stays far
+(``Done.saw``), in the order they were said. A piece that runs longer has them sent as
+they were said from then on, so a watcher sees a long piece live: for a piece running where
+it arrived, the stand-in releases them when it takes the socket; for a piece in a slot, the
+serving loop does (``Runner.release_held``), once the piece has run ``STAND_IN_AFTER``. A
+piece that says more than ``MAX_SAW`` facts or ``HELD_BYTES`` of them (a ``Done`` stays far
 under the header's limit whatever a node says), or that fails, has them sent as ``Saw``s
 before anything else of it.
 """

@@ -10,21 +10,22 @@ by its header's variant alone (``Refusal(hello=True)``), except a piece of a str
 it for the answer to another; a second Work with the ref of one still running is refused
 without a ref, and the running one goes on.
 
-The express way in (``_expressed``): a ``Work`` that names a recipe its peer sent before,
-of one scalar and nothing else (most calls), is read by msgspec alone and asked of the
-conversation in one look (``WorkerSessions.recall``), which gives it back opened exactly
+The express way in (:meth:`Intake.expressed`): a ``Work`` that names a recipe its peer sent
+before, of one scalar and nothing else (most calls), is read by msgspec alone and asked of
+the conversation in one look (``WorkerSessions.recall``), which gives it back opened exactly
 when ``receive`` would; anything else, or anything the conversation would refuse, goes the
 general way above untouched, which says what is wrong.
 
-Revocation: after a reload of the allow-list (a listening worker with keys), every session
-of a key no longer allowed ends (:meth:`Intake._revoke`).
+What the conversation allows (a ``Hello``, a ``Provision``, a ``Work`` with its cargo) is
+given back to the loop, which acts on it (:mod:`somatize.fabric.worker.loop`); what it
+refuses is answered here, through the outbox.
 
-What is not for here: the socket loop (:mod:`somatize.fabric.worker.loop`), sending (:mod:`somatize.fabric.worker.outbox`).
+What is not for here: the socket loop and revocation (:mod:`somatize.fabric.worker.loop`),
+running work (:mod:`somatize.fabric.worker.running`), sending (:mod:`somatize.fabric.worker.outbox`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,6 @@ from ...wire import (
     Hello,
     Mounted,
     Provision,
-    Ready,
     Refusal,
     Relay,
     Work,
@@ -49,78 +49,50 @@ from ...wire import (
 )
 from .. import mount as _mount
 from .. import proofs as _proofs
+from .. import streams as _streams
 from ..conversation import Unheld, Unknown, Violation
 from . import attachments as _attachments
 from .outbox import To
 
 if TYPE_CHECKING:
-    from .. import streams as _streams
     from ..conversation import WorkerSessions
-    from ..curve import Guard
-    from .slots import Job
+    from .outbox import Outbox
+
+#: What the conversation lets a worker act on, and the cargo of a Work that came in a shared folder.
+Allowed = tuple[Hello | Provision | Work, Mounted | _attachments.Taken | None]
 
 _CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
 
 
 class Intake:
-    """The receiving side of :class:`~somatize.fabric.worker.loop.WorkerLoop` (a mixin: the
-    loop's attributes are its own)."""
+    """What arrives at a worker, opened and asked of the conversation. Owns the streams
+    coming in (``inbound``), the mappings of its clients' pooled segments, who this worker is
+    to its clients (``identity``, for the proofs it answers; the loop sets it as it binds or
+    dials) and a count of pieces of streams that arrived for nobody (``withheld``). Handed
+    the sessions, the mount folder and the outbox (refusals, credits for streams both ways).
+    Touched only by the thread holding the socket."""
 
-    sessions: WorkerSessions
-    mount: str | None
-    _identity: str  # who this worker is to its clients (`proofs.identity`)
-    withheld: int
-    _guard: Guard | None  # a listening worker's allow-list of client keys, when it has keys
-    _revoking: bool
-    _running: dict[int, Job]
-    _running_lock: threading.Lock
-    _inbound: _streams.Inbound
-    _outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]]
-
-    if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
-
-        def _reply(self, to: To, answer: Any, *, refusing: bool = False) -> None: ...
-        def _deliver(self, to: To, frames: list) -> None: ...
-        def _drain(self, to: To, out: _streams.Outgoing) -> None: ...
-        def _settle(self, peer: bytes, sid: int) -> None: ...
-        def _ready(self, proof: str = "") -> Ready: ...
-        def _provision(self, to: To, message: Provision) -> None: ...
-        def _work(self, to: To, work: Work, mounted: Mounted | _attachments.Taken | None) -> None: ...
-
-    def _revoke(self) -> None:
-        """On the thread holding the socket, after a reload: every session of a key no
-        longer allowed ends. Its open work is refused (naming it) and abandoned: the piece
-        runs no further node, and nothing it says afterwards leaves (its session is gone)."""
-        self._revoking = False
-        if self._guard is None:
-            return
-        allowed = self._guard.allowed()
-        why = "this key is no longer allowed on this worker"
-        for peer, tenant in self.sessions.peers():
-            if not tenant or tenant in allowed:
-                continue
-            with self._running_lock:
-                for job in self._running.values():
-                    if job.peer == peer:
-                        job.abandoned = True
-            to = To(peer, tenant, route=peer)
-            for ref in self.sessions.forget(peer):  # the last it hears of that work
-                self._reply(to, Refusal(f"{why}; its work {ref} was abandoned", ref=ref), refusing=True)
-            self._inbound.drop(peer)
-            for key in [k for k in self._outgoing if k[0] == peer]:
-                self._settle(*key)
+    def __init__(self, sessions: WorkerSessions, mount: str | None, outbox: Outbox) -> None:
+        self.sessions = sessions
+        self.mount = mount
+        self.outbox = outbox
+        self.identity = _proofs.identity(None, None)  # who this worker is to its clients (`proofs.identity`)
+        self.inbound = _streams.Inbound()  # big messages streaming in through a broker
+        self.withheld = 0  # pieces of streams for nobody: dropped, never answered
+        self._attached: _attachments.Attachments | None = None
 
     def _attachments(self) -> _attachments.Attachments:
         """The mappings of this worker's clients' pooled segments, kept between calls."""
-        found = getattr(self, "_attached", None)
+        found = self._attached
         if found is None:
             found = self._attached = _attachments.Attachments(self.mount or "")
         return found
 
-    def _take(self, to: To, frames: list, *, opened: bool = False) -> None:
+    def take(self, to: To, frames: list, *, opened: bool = False) -> Allowed | None:
         """One message from ``to``: a carrier is opened, anything else checked by the
-        conversation and acted on; whatever is refused is answered ``Refusal``, naming the
-        Work it refuses (read from its header), unless that ref is open (a duplicate)."""
+        conversation; what it allows is given back to act on (a Bye is acted on here: its
+        streams in go). Whatever is refused is answered ``Refusal``, naming the Work it
+        refuses (read from its header), unless that ref is open (a duplicate)."""
         mounted: Mounted | _attachments.Taken | None = None  # its cargo, in a shared folder
         arrived = frames
         try:
@@ -132,7 +104,7 @@ class Intake:
                     # of a stream refused at its Begin, or of an answer to a session that
                     # ended: nothing in it is for anyone; a refusal would read as an answer
                     self.withheld += 1
-                    return
+                    return None
                 if variant not in (Hello, Bye):
                     raise Unknown("say Hello first: this worker has not heard from you")
             message = decode(frames)  # a carrier comes back as itself, its cargo unopened
@@ -142,8 +114,7 @@ class Intake:
                 if isinstance(message, Relay):
                     raise Violation("a worker takes `Relay` envelopes only from the broker it dialed")
                 if not isinstance(message, Mounted):
-                    self._stream(to, message)
-                    return
+                    return self._stream(to, message)
                 if self.mount is None:
                     raise Violation("this worker sees no shared directory; start it with --mount DIR")
                 if not message.files:  # cargo with no files of its client's is never swept
@@ -169,18 +140,14 @@ class Intake:
             if ref is not None and self.sessions.is_open(to.peer, ref):
                 ref = None  # a second Work with the ref of one running: this refusal ends nothing
             refused = Refusal(why, ref=ref, hello=isinstance(exc, Unknown), recipe=isinstance(exc, Unheld))
-            self._reply(to, refused, refusing=True)
-            return
-        if isinstance(message, Hello):
-            self._reply(to, self._ready(proof=self._prove(to.peer, message)))
-        elif isinstance(message, Bye):
-            self._inbound.drop(to.peer)
-        elif isinstance(message, Provision):
-            self._provision(to, message)
-        else:
-            self._work(to, message, mounted)
+            self.outbox.reply(to, refused, refusing=True)
+            return None
+        if isinstance(message, Bye):
+            self.inbound.drop(to.peer)
+            return None
+        return message, mounted
 
-    def _prove(self, peer: bytes, hello: Hello) -> str:
+    def prove(self, peer: bytes, hello: Hello) -> str:
         """The answer to a Hello naming a proof's file (``Hello.prove``): what this worker
         read there, bound to who it is, and the key of the session's seals from it; ``""``
         when it reads nothing there (it does not see the client's folder, or has none)."""
@@ -190,13 +157,13 @@ class Intake:
         if nonce is None:
             return ""
         self.sessions.proven(peer, _proofs.seal_key(nonce))
-        return _proofs.proof_of(nonce, self._identity)
+        return _proofs.proof_of(nonce, self.identity)
 
-    def _expressed(self, to: To, frame: Any) -> Work | None:
+    def expressed(self, to: To, frame: Any) -> Work | None:
         """The express way in: a ``Work`` naming a recipe ``to`` sent before, of one scalar
         and nothing else (``wire.short.express``: read by msgspec, every field checked),
         from a peer the conversation knows, with its recipe and opened; None for anything
-        else, looked at no further (``_take`` reads it the general way and says what is
+        else, looked at no further (:meth:`take` reads it the general way and says what is
         wrong). Skips the carriers, the variant checks and the general decoder, none of
         which such a frame needs."""
         work = short.express(short.head_of(frame))
@@ -204,17 +171,39 @@ class Intake:
             return None
         return self.sessions.recall(to.peer, work, now=time.monotonic())
 
-    def _stream(self, to: To, message: Any) -> None:
+    def _stream(self, to: To, message: Any) -> Allowed | None:
         if isinstance(message, Credit):
-            pending = self._outgoing.get((to.peer, message.sid))
-            if pending is not None:
-                pending[1].grant(message.amount)
-                self._drain(*pending)
-            return
+            self.outbox.credit(to.peer, message.sid, message.amount)
+            return None
         if isinstance(message, Begin):
-            self._inbound.begin(to.peer, to.tenant or to.peer.hex(), message, reply=to)
-            return
-        granted, frames = self._inbound.chunk(to.peer, message)
-        self._deliver(to, encode(Credit(message.sid, granted)))
+            self.inbound.begin(to.peer, to.tenant or to.peer.hex(), message, reply=to)
+            return None
+        granted, frames = self.inbound.chunk(to.peer, message)
+        self.outbox.deliver(to, encode(Credit(message.sid, granted)))
         if frames is not None:
-            self._take(to, frames, opened=True)
+            return self.take(to, frames, opened=True)
+        return None
+
+    def drop(self, peer: bytes) -> None:
+        """``peer``'s session is over (it left, or its key was revoked): its streams in go."""
+        self.inbound.drop(peer)
+
+    def streaming(self) -> bool:
+        """Whether a stream comes in."""
+        return bool(self.inbound)
+
+    def expire(self, now: float) -> None:
+        """Streams coming in past their lifetime, or that nobody moved for a while, are
+        dropped, and their senders told."""
+        for dropped in self.inbound.expire(now):  # its sender would wait to its deadline: tell it
+            if dropped.reply is not None:
+                self.outbox.reply(
+                    dropped.reply,
+                    Refusal(
+                        f"this worker dropped the big message you were sending (stream {dropped.sid}): it came "
+                        f"slower than {_streams.MIN_RATE >> 20} MiB/s after a grace of {_streams.GRACE:g} s; "
+                        f"send it again, over a faster link or as a smaller value",
+                        ref=dropped.ref,
+                    ),
+                    refusing=True,
+                )

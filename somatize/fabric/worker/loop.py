@@ -11,10 +11,10 @@ message is checked there before anything acts on it, and every answer before it 
 A peer is a client's route (Direct, Mount) or ``b"relay:%d" % exchange`` for an exchange a
 broker relays. Only ``Hello`` and ``Bye`` are decoded from a peer that has not said
 ``Hello``: for anything else its header's variant is read (``wire.variant_of``) and the
-message refused unopened. The carriers are opened here: ``Relay`` (what a broker passes
-on), ``Begin``/``Chunk``/``Credit`` (a big message streamed through a broker, with
-per-tenant quotas and a lifetime, :mod:`somatize.fabric.streams`) and ``Mounted`` (cargo in a shared
-folder, :mod:`somatize.fabric.mount`).
+message refused unopened. The carriers are opened on the way in: ``Relay`` (what a broker
+passes on, by the link), ``Begin``/``Chunk``/``Credit`` (a big message streamed through a
+broker, with per-tenant quotas and a lifetime, :mod:`somatize.fabric.streams`) and
+``Mounted`` (cargo in a shared folder, :mod:`somatize.fabric.mount`), by the intake.
 
 What it survives, and how:
 
@@ -31,15 +31,25 @@ What it survives, and how:
   node stuck forever does not keep an orphan alive; if the serving thread does not close
   within a short grace, the process ends with ``os._exit``.
 
-Where work runs, and how: :mod:`somatize.fabric.worker.running`.
+The loop owns its pieces, each an object with its own state, handed what it needs:
 
-Only the thread holding the socket (``_hold``) touches it, the sessions and the streams.
-Answers and facts, from whatever thread (a job, a parallel branch of a piece), go into one
-first-in-first-out outbox (:mod:`somatize.fabric.worker.outbox`); the holder sends them, woken through an inproc
-socket when it is polling, and whoever takes the socket sends what waits there first. A
-dialed worker's link to its broker (offer, keepalive) is :mod:`somatize.fabric.worker.dialing`'s; slots and the
-guard around each node are :mod:`somatize.fabric.worker.slots`'; what it logs about peers goes through a limiter
-(:mod:`somatize.fabric.logs`).
+- :class:`~.serving.Hold` (``hold``): the lock on the socket. Only the thread holding it
+  touches the socket, the sessions and the streams: the serving thread, or the stand-in.
+- :class:`~.intake.Intake` (``intake``): what comes in, opened and asked of the
+  conversation; the streams coming in. What it allows, the loop acts on (``_take``).
+- :class:`~.outbox.Outbox` (``outbox``): what goes out. Answers and facts, from whatever
+  thread (a job, a parallel branch of a piece), go into one first-in-first-out queue; the
+  holder sends them, woken through an inproc socket when it is polling, and whoever takes
+  the socket sends what waits there first. The streams going out, what was dropped.
+- :class:`~.running.Runner` (``runner``): where work runs and what runs now; slots and the
+  guard around each node are :mod:`somatize.fabric.worker.slots`'.
+- :class:`~.standin.StandIn` (``standin``): who serves while a piece runs long where it
+  arrived (``jobs=1``), on a thread of its own.
+- :class:`~.dialing.BrokerLink` (``link``): a dialed worker's link to its broker (offer,
+  keepalive, the control that goes ahead of every answer, the window for answers).
+
+What it logs about peers goes through one limiter (:mod:`somatize.fabric.logs`), handed to
+each piece that logs.
 
 Revocation (a listening worker with keys, reloaded): every session of a key no longer
 allowed ends at once. Its open work is answered ``Refusal`` (naming the ref) and abandoned:
@@ -48,10 +58,8 @@ the piece runs no further node, and nothing it says afterwards (``Saw``, ``Done`
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -63,22 +71,21 @@ from ...facts import fact
 from ...packing import Catalog
 from ...record import report, self_report
 from ...store import FolderStore
-from ...wire import Bye, Provision, Refusal, Runtime, compatible, encode, ref_of
+from ...wire import Bye, Hello, Provision, Refusal, Runtime, compatible, ref_of
 from .. import mount as _mount
 from .. import proofs as _proofs
 from .. import sockets
-from .. import streams as _streams
 from ..conversation import WorkerSessions
 from ..curve import Guard, Keys, as_server, user_of
 from ..logs import Limiter
-from .dialing import MAX_BACKOFF, Dialing
+from .dialing import MAX_BACKOFF, BrokerLink
 from .heap import Heap
 from .imported import Imports
 from .intake import Intake
 from .outbox import Outbox, To
-from .prepared import Prepared
-from .running import BUSY_SAID_EVERY, Running
-from .slots import Job, NodeExit, Slots, exit_now
+from .running import Runner
+from .serving import Hold
+from .slots import NodeExit, exit_now
 from .standin import StandIn
 
 __all__ = ["MAX_BACKOFF", "NodeExit", "WorkerLoop"]
@@ -88,8 +95,14 @@ PARENT_CHECK = 0.5
 log = logging.getLogger("somatize.worker")
 
 
-class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
-    """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``."""
+class WorkerLoop:
+    """A worker's serving loop. ``bind()`` or ``dial()`` first, then ``serve()``.
+
+    It owns its pieces, each with its own state: the hold on the socket (``hold``), what
+    comes in (``intake``), what goes out (``outbox``), where work runs (``runner``), who
+    serves while a piece runs where it arrived (``standin``) and, dialed, the link to its
+    broker (``link``). Here: the socket and its poll, the turn that drives them, what
+    is acted on once the conversation allowed it, revocation, closing, reports."""
 
     def __init__(
         self,
@@ -110,11 +123,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         self.patience = patience
         self.parent = parent
         self.runtime = Runtime.here(mode=mode)
-        self.sessions = WorkerSessions(self.runtime)
-        self.served = 0
-        self.dropped = 0  # answers that could not be delivered
-        self._dropped_at = -1e9  # when the last one was (monotonic)
-        self.withheld = 0  # answers the conversation did not allow (to an exchange not open)
+        self._sessions = WorkerSessions(self.runtime)
         # what the worker says about itself: into a store on a clock (an idle worker's
         # connection is one nobody reads), and down an open connection as a `said` fact
         self.reporting = reporting
@@ -122,56 +131,36 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         self.machine = machine or socket.gethostname()
         self._said_at = 0.0
         self.jobs = max(1, int(jobs))
-        # one job runs where it arrived (no hop); more run in slots
-        self._slots = Slots(self.jobs) if self.jobs > 1 else None
         # the process may end itself when stopping finds a node stuck (the command's choice)
         self.exit_when_stuck = exit_when_stuck
-        self._hold = threading.Lock()  # whoever holds it serves: the socket is theirs
-        self._holder: int | None = None
-        self._inline: Job | None = None  # the piece running where it arrived, if any
-        self._inline_seq = 0
-        self._began = threading.Event()  # a piece runs long where it arrived (`WATCH`): the stand-in serves
-        self._want_back = False  # the piece returned: the stand-in hands the socket back
+        self.hold = Hold()  # whoever holds it serves: the socket is theirs
         self._last_check = self._last_report = 0.0
-        self._running: dict[int, Job] = {}  # what runs now, by token
-        self._running_lock = threading.Lock()
-        self._tokens = itertools.count(1)
-        self._busy_said, self._busy_unsaid = -BUSY_SAID_EVERY, 0  # when a refusal as busy was last logged; since
-        self._answers_url = sockets.unique_inproc("answers")
-        self._answers = sockets.pair(zmq.PULL)
-        self._answers.bind(self._answers_url)
-        self._pushes: list[zmq.Socket] = []
-        self._local = threading.local()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._owner = threading.get_ident()
+        self.imports = Imports()  # what was imported, to tell stale code from a plain failure
+        self._lines = Limiter(log)  # every line a peer can cause goes through it
+        # answers and facts from any thread, sent by whoever holds the socket
+        self.outbox = Outbox(self._sessions, self.hold, self.imports, self._lines)
         self._front: zmq.Socket | None = None
         self._guard: Guard | None = None
-        self._offer: str | None = None
-        self._seen = ""  # a dialed worker's file in its mount folder (`.dialing`)
-        self._identity = _proofs.identity(None, None)  # who it is to its clients (`bind`, `dial`)
-        self._broker = ""
-        self._events: zmq.Socket | None = None  # a dialed worker's connection events
-        self._accepted = False  # the broker answered our Hello with Ready
-        self._lost = False  # the connection to the broker dropped, said once until it is back
-        self._lines = Limiter(log)  # every line a peer can cause goes through it
-        self._advised: dict[str, float] = {}  # advice about stale imports: when last said
-        self._control: list = []  # a dialed worker's keepalive waiting for room (`.dialing`)
-        self._pacer = None  # a dialed worker's window and fair order for its answers (`.pacing`)
-        self._blocked = False  # a stream waits for room on the socket
+        self.link: BrokerLink | None = None  # a dialed worker's link to its broker (`dial`)
         self._revoking = False  # the allow-list was reloaded: end what revoked keys have open
-        self._refused_keys = False  # the broker's handshake refused our keys, said once
-        self._backoff = 0.0  # seconds to the next Hello after a refusal (0: none pending)
-        self._hello_at = self._refused_at = 0.0
-        self._next_hello = 0.0
-        self._inbound = _streams.Inbound()
-        self._outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]] = {}
+        self.intake = Intake(self._sessions, mount, self.outbox)  # what comes in, as the conversation allows
         self.stopping = sockets.Alarm()  # an Event that also wakes the serving poll
+        self.standin = StandIn(self.hold, self.stopping)  # serves while a piece runs long where it arrived
         self._closed = threading.Event()
         self._serving = False  # a thread is in serve(): it closes its own sockets
         self._closing = threading.Lock()
-        self.imports = Imports()  # what was imported, to tell stale code from a plain failure
         self.heap = Heap()  # cargo moved since the allocator last gave freed memory back
-        self._prepared = Prepared(self.catalog)  # a recipe's steps, for pieces run where they arrived
+        # where work runs (slots, or where it arrived), and what runs now
+        self.runner = Runner(
+            self.jobs,
+            catalog=self.catalog,
+            runtime=self.runtime,
+            heap=self.heap,
+            mount=mount,
+            outbox=self.outbox,
+            standin=self.standin,
+            said=self._said,
+        )
 
     # -- the front socket --------------------------------------------------------------
     def bind(self, url: str, *, keys: Keys | None = None) -> str:
@@ -181,18 +170,62 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         if keys is not None:
             self._guard = Guard(sockets.context(), keys, log=log)
             as_server(self._front, keys)
-        self._identity = _proofs.identity(None, keys.public if keys is not None else None)
+        self.intake.identity = _proofs.identity(None, keys.public if keys is not None else None)
         self._front.bind(url)
+        self.outbox.attach(self._front)
         return sockets.bound_endpoint(self._front)
+
+    def dial(self, broker: str, offer: str, *, keys: Keys | None = None) -> None:
+        """Connect to a broker and offer to serve the host called ``offer`` (Relayed).
+        With ``keys``, ``keys.server_key`` is the broker's public key."""
+        link = self.link = BrokerLink(
+            broker,
+            offer,
+            keys=keys,
+            runtime=self.runtime,
+            patience=self.patience,
+            mount=self.mount,
+            ready=self.runner.ready,
+            lines=self._lines,
+        )
+        self._front = link.front
+        self.intake.identity = _proofs.identity(offer, None)  # what its clients' proofs are bound to
+        self.outbox.attach(link.front, link)
+        link.announce(time.monotonic())
+
+    @property
+    def sessions(self) -> WorkerSessions:
+        """Who says what, when (the conversation). Set anew (a test's, with other bounds), it
+        is handed to every piece that asks it."""
+        return self._sessions
+
+    @sessions.setter
+    def sessions(self, sessions: WorkerSessions) -> None:
+        self._sessions = self.outbox.sessions = self.intake.sessions = sessions
+
+    @property
+    def served(self) -> int:
+        """Pieces of work taken to run."""
+        return self.runner.served
+
+    @property
+    def dropped(self) -> int:
+        """Answers that could not be delivered."""
+        return self.outbox.dropped
+
+    @property
+    def withheld(self) -> int:
+        """Answers the conversation did not allow (to an exchange not open), and pieces of
+        streams that arrived for nobody."""
+        return self.outbox.withheld + self.intake.withheld
 
     # -- the loop ----------------------------------------------------------------------
     def serve(self) -> None:
-        self._owner = threading.get_ident()
-        self._hold.acquire()
-        self._holder = self._owner
+        self.hold.owner = threading.get_ident()
+        self.hold.take()
         if self.parent is not None:
             threading.Thread(target=self._watch_parent, daemon=True, name="somatize-parent").start()
-        if self._slots is None:
+        if not self.runner.in_slots:
             threading.Thread(target=self._stand_in, daemon=True, name="somatize-stand-in").start()
         poller = self._poller()
         poller.register(self.stopping, zmq.POLLIN)  # whoever stops us wakes the poll
@@ -211,62 +244,61 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         look at open streams and a mount's segments, a dialed worker's keepalive, a report.
         Everything else wakes the poll (a message, an answer, a stop): an idle worker sleeps
         a patience at a time, so a thousand idle workers in one process cost little."""
-        looks = self._inbound or self._outgoing or self.mount is not None
+        looks = self.intake.streaming() or self.outbox.streaming() or self.mount is not None
         due = self._last_check + (1.0 if looks else self.patience)
-        if self._offer is not None:
-            due = min(due, self._hello_due())
-            if self._backoff and self._refused_at < self._hello_at:  # a Hello not refused yet: taken, soon
-                due = min(due, self._hello_at + min(2.0, self.patience))
+        if self.link is not None:  # the next keepalive, or a Hello after a refusal taken
+            due = min(due, self.link.due(self._waited_on()))
         if self.store is not None and self.reporting:
             due = min(due, self._last_report + self.reporting)
-        if self._slots is not None and self._running:  # a young piece's facts leave once it runs long
-            due = min(due, self._young_until())
-        if self._pacer is not None and not self._pacer.room():  # the window waits on a mark that may be lost
-            due = min(due, self._pacer.look(time.monotonic()) or due)
+        due = min(due, self.runner.young_until())  # a young piece's facts leave once it runs long
+        # the window waits on a mark that may be lost
+        due = min(due, self.outbox.window_due() or due)
         return max(0, int(1000 * (due - time.monotonic())) + 1)
+
+    def _waited_on(self) -> bool:
+        """Whether clients may wait on this worker now: work runs here, a stream goes out, or
+        an answer found no room on the socket within the last patience (a dialed worker
+        says Hello closer meanwhile, `BrokerLink.hello_due`)."""
+        return bool(self.runner.running()) or self.outbox.waited_on(self.patience)
 
     def _poller(self) -> sockets.Poller:
         poller = sockets.Poller()
         poller.register(self._front, zmq.POLLIN)
-        poller.register(self._answers, zmq.POLLIN)
-        if self._events is not None:
-            poller.register(self._events, zmq.POLLIN)
+        poller.register(self.outbox.answers, zmq.POLLIN)
+        if self.link is not None:
+            poller.register(self.link.events, zmq.POLLIN)
         return poller
 
     def _turn(self, poller: sockets.Poller, timeout_ms: int) -> None:
         """One round of serving, by whoever holds the socket. A dialed worker's keepalive
         comes first, before any answer or stream: bulk never starves it."""
-        waiting = bool(self._control or self._blocked)  # wake when the socket has room again
+        # wake when the socket has room again: for control (a keepalive), or a stream
+        waiting = (self.link is not None and self.link.waiting()) or self.outbox.blocked
         if waiting != poller.waiting:  # registered anew only when it changes
             poller.register(self._front, sockets.POLLIN | sockets.POLLOUT if waiting else sockets.POLLIN)
             poller.waiting = waiting
         events = dict(poller.poll(timeout_ms))
         now = time.monotonic()
-        if self._offer is not None:
-            self._keep_offering(now)
+        link = self.link
+        if link is not None:
+            link.keep_offering(now, self._waited_on())
         if self._revoking:
             self._revoke()
-        if self._slots is not None and self._running:
-            self._release_held(now)
-        if self._answers in events:
-            self._forward_answers()
+        self.runner.release_held(now)  # a piece in a slot that runs long: its facts leave
+        if self.outbox.answers in events:
+            self.outbox.forward()
         # a stand-in whose piece has returned takes nothing new: the socket goes back first
-        if self._front in events and not (self._want_back and self._holder != self._owner):
+        if self._front in events and not self.standin.giving_back():
             self._receive()
         # after what was read: a credit moves a stream, the broker's answer to a mark the window
-        if self._pacer is not None and not self._pacer.room():
-            self._pacer.look(now)  # a mark unanswered past its time is taken as read
-        if self._outgoing:
-            self._drain_streams()
-        else:
-            self._blocked = False
-        if self._pacer is not None and self._pacer.waiting():
-            self._pump_paced(now)
-        if self._events is not None and self._events in events:
-            self._connection_events()
+        self.outbox.send_waiting(now)
+        if link is not None and link.events in events:
+            link.connection_events()
         if now - self._last_check >= 1.0:
             self._last_check = now
-            self._expire_streams(now)
+            # streams past their lifetime, or that nobody has moved for a while, are dropped
+            self.intake.expire(now)
+            self.outbox.expire(now, 3 * self.patience)
             if self.mount is not None:
                 # a client killed with segments in the folder never gives them back: its
                 # memory is freed here, not when some later client happens to start
@@ -274,6 +306,11 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         if self.store is not None and self.reporting and now - self._last_report >= self.reporting:
             self._last_report = now
             self._report()
+
+    def _stand_in(self) -> None:
+        """On a thread of its own: serve while a piece runs long where it arrived (`.standin`)."""
+        self.standin.serve(self._poller, self._turn, self.outbox.flush)
+        self.standin.stop_stuck(self.patience, self.close, self.exit_when_stuck)
 
     def _watch_parent(self) -> None:
         """On a thread of its own: a node that never returns must not keep an orphan alive."""
@@ -289,13 +326,13 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
 
     def running(self) -> int:
         """How many pieces of work run now."""
-        return len(self._running)
+        return self.runner.running()
 
     def _report(self) -> None:
         store = self.store
         assert store is not None  # `_turn` reports only where there is a store
         try:
-            report(store, self.machine, self_report(self.served, machine=self.machine))
+            report(store, self.machine, self_report(self.runner.served, machine=self.machine))
         except (OSError, SomatizeError) as exc:  # a full disk must not stop the serving
             log.warning("could not report to the store: %s", exc)
 
@@ -307,7 +344,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         if now - self._said_at < self.reporting:
             return None
         self._said_at = now
-        return fact("said", **self_report(self.served, machine=self.machine))
+        return fact("said", **self_report(self.runner.served, machine=self.machine))
 
     def reload(self) -> None:
         """Read the allow-list of client keys again (a key removed is refused from now on).
@@ -323,7 +360,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         """Who may come in, for the start line."""
         if self._guard is not None:
             return f"CURVE keys: {self._guard.described()}"
-        return "CURVE keys to the broker" if self._offer is not None else "no keys"
+        return "CURVE keys to the broker" if self.link is not None else "no keys"
 
     def close(self) -> None:
         """Stop serving; never waits for work still running (its threads are daemons). From
@@ -331,8 +368,8 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         sockets (ZeroMQ's are not to be closed under a poll: it fails "not a socket"); only
         one that does not within a second (a piece running on it) has them closed here."""
         self.stopping.set()
-        self._began.set()  # the stand-in, asleep while idle, sees the stop
-        if self._serving and threading.get_ident() != self._owner and self._closed.wait(1.0):
+        self.standin.wake()  # the stand-in, asleep while idle, sees the stop
+        if self._serving and threading.get_ident() != self.hold.owner and self._closed.wait(1.0):
             return
         with self._closing:
             if self._closed.is_set():
@@ -344,22 +381,14 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
         if self._guard is not None:
             self._guard.close()
             self._guard = None
-        if self._offer is not None and self._front is not None and not self._front.closed:
-            try:
-                self._front.send_multipart(encode(Bye()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            if self._events is not None:
-                try:
-                    self._front.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-        if self._slots is not None:
-            self._slots.close()
-        sockets.close(self._events, self._front, self._answers, *self._pushes)
+        link = self.link
+        if link is not None:
+            link.bye()
+        self.runner.close()
+        sockets.close(link.events if link is not None else None, self._front, *self.outbox.sockets())
         if self.mount is not None:
-            if self._seen:
-                _mount.unmark(self.mount, self._seen)
+            if link is not None and link.seen:
+                _mount.unmark(self.mount, link.seen)
             _mount.leave(self.mount)
 
     # -- receiving -----------------------------------------------------------------------
@@ -378,7 +407,7 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
             self.heap.received(parts)
             ran = False
             try:
-                if self._offer is None:  # ROUTER: [identity, *frames]
+                if self.link is None:  # ROUTER: [identity, *frames]
                     if len(parts) >= 2:
                         route = parts[0].bytes
                         # where there are keys, a direct peer's tenant is its key (revocation ends its sessions)
@@ -386,19 +415,22 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
                         if self._guard is not None and not self._guard.roles(key):
                             # its key was taken out of the allow folder since it connected
                             self.sessions.receive(route, Bye(), now=time.monotonic())
-                            self._inbound.drop(route)
+                            self.intake.drop(route)
                             refused = Refusal("this key is no longer allowed on this worker", ref=ref_of(parts[1:]))
-                            self._reply(To(route, key, route=route), refused, refusing=True)
+                            self.outbox.reply(To(route, key, route=route), refused, refusing=True)
                             continue
                         to = To(route, key, route)
-                        work = self._expressed(to, parts[1]) if len(parts) == 2 else None
+                        work = self.intake.expressed(to, parts[1]) if len(parts) == 2 else None
                         if work is not None:
-                            self._work(to, work, None)  # a repeated small call: straight to its run
+                            self.runner.start(to, work, None)  # a repeated small call: straight to its run
                             ran = True
                         else:
                             self._take(to, parts[1:])
                 else:
-                    self._from_broker(parts)
+                    assert self.link is not None  # a DEALER socket is a dialed worker's
+                    relayed = self.link.heard(parts)
+                    if relayed is not None:
+                        self._take(*relayed)
             except Exception as exc:  # one message's trouble is never the whole worker's
                 self._lines.say(logging.WARNING, "a message could not be handled: %s: %s", type(exc).__name__, str(exc))
             if self.heap.due():  # handled, and let go of: what big cargo freed goes back (`.heap`)
@@ -408,17 +440,50 @@ class WorkerLoop(Intake, Running, Dialing, Outbox, StandIn):
                 return
 
     # -- requests ----------------------------------------------------------------------
+    def _take(self, to: To, frames: list) -> None:
+        """One message from ``to``, acted on once the intake found it allowed (it answers
+        what it refuses): a Hello is answered Ready, a Provision provisions, a Work runs."""
+        allowed = self.intake.take(to, frames)
+        if allowed is None:
+            return
+        message, mounted = allowed
+        if isinstance(message, Hello):
+            self.outbox.reply(to, self.runner.ready(proof=self.intake.prove(to.peer, message)))
+        elif isinstance(message, Provision):
+            self._provision(to, message)
+        else:
+            self.runner.start(to, message, mounted)
+
+    def _revoke(self) -> None:
+        """On the thread holding the socket, after a reload: every session of a key no
+        longer allowed ends. Its open work is refused (naming it) and abandoned: the piece
+        runs no further node, and nothing it says afterwards leaves (its session is gone)."""
+        self._revoking = False
+        if self._guard is None:
+            return
+        allowed = self._guard.allowed()
+        why = "this key is no longer allowed on this worker"
+        for peer, tenant in self.sessions.peers():
+            if not tenant or tenant in allowed:
+                continue
+            self.runner.abandon(peer)
+            to = To(peer, tenant, route=peer)
+            for ref in self.sessions.forget(peer):  # the last it hears of that work
+                self.outbox.reply(to, Refusal(f"{why}; its work {ref} was abandoned", ref=ref), refusing=True)
+            self.intake.drop(peer)
+            self.outbox.forget(peer)
+
     def _provision(self, to: To, message: Provision) -> None:
         if self.mode == "network":
             why = compatible(
                 self.runtime, self.sessions.runtime(to.peer), needs_pickle=True, me="this worker", them="the client"
             )
             if why is not None:
-                self._reply(to, Refusal(why))
+                self.outbox.reply(to, Refusal(why))
                 return
         try:
             self.catalog.provision(message.digest, message.artifact)
         except Refused as exc:
-            self._reply(to, Refusal(str(exc)))
+            self.outbox.reply(to, Refusal(str(exc)))
             return
-        self._reply(to, self._ready())
+        self.outbox.reply(to, self.runner.ready())

@@ -12,7 +12,8 @@ credit, and only while the socket has room: what waits for room waits in the wor
 window per stream, so a dialed worker's keepalive (:mod:`somatize.fabric.worker.dialing`), tried before every
 send, never queues behind a long stream. While an answer streams, its peer's session is
 held (``WorkerSessions.hold``): it is not forgotten to make room until every byte of it is
-credited. What is not for here: deciding what to answer (:mod:`somatize.fabric.worker.loop`).
+credited. What is not for here: deciding what to answer (:mod:`somatize.fabric.worker.running`,
+:mod:`somatize.fabric.worker.intake`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from .pacing import TENANT_QUEUE
 if TYPE_CHECKING:
     from ..conversation import WorkerSessions
     from ..logs import Limiter
+    from .dialing import BrokerLink
     from .imported import Imports
     from .pacing import Pacer
+    from .serving import Hold
 
 log = logging.getLogger("somatize.worker")
 #: Seconds between two log lines giving the same advice about stale imports.
@@ -55,63 +58,72 @@ class To(NamedTuple):
 
 
 class Outbox:
-    """The sending side of :class:`~somatize.fabric.worker.loop.WorkerLoop` (a mixin: the
-    loop's attributes are its own)."""
+    """A worker's way out: the answers queued from any thread and the inproc sockets that wake
+    the thread holding the socket, the streams going out, the answers it dropped (``dropped``,
+    none delivered) or withheld (``withheld``, the conversation did not allow them), and the
+    advice about stale imports it gave. Handed the sessions (who may be answered), the hold on
+    the socket (whether its caller sends at once), what was imported and the log limiter;
+    once the worker listens or dials, its socket and, dialed, its link to the broker
+    (:meth:`attach`)."""
 
-    _front: Any
-    _broker: str
-    _control: list
-    _outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]]
-    _pacer: Pacer | None  # a dialed worker's window and fair order (`.pacing`); None for a listening one
-    _answers: zmq.Socket  # wakes the thread holding the socket (`_wake`)
-    _outbox: queue.SimpleQueue
-    _holder: int | None
-    _blocked: bool
-    _inbound: _streams.Inbound
-    _lines: Limiter
-    _advised: dict[str, float]
-    sessions: WorkerSessions
-    imports: Imports
-    withheld: int
-    dropped: int
-    _dropped_at: float
-    patience: float
+    def __init__(self, sessions: WorkerSessions, hold: Hold, imports: Imports, lines: Limiter) -> None:
+        self.sessions = sessions
+        self.hold = hold
+        self.imports = imports
+        self.lines = lines
+        self.front: Any = None  # the worker's socket (`attach`)
+        self.link: BrokerLink | None = None  # a dialed worker's link: its control goes first
+        self.pacer: Pacer | None = None  # a dialed worker's window and fair order (the link's); None listening
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers_url = sockets.unique_inproc("answers")
+        self.answers = sockets.pair(zmq.PULL)  # wakes the thread holding the socket (`wake`); it polls this
+        self.answers.bind(self._answers_url)
+        self._pushes: list[zmq.Socket] = []  # one per thread that ever woke it (`_push`)
+        self._local = threading.local()
+        self._outgoing: dict[tuple[bytes, int], tuple[To, _streams.Outgoing]] = {}
+        self.blocked = False  # a stream waits for room on the socket
+        self.dropped = 0  # answers that could not be delivered
+        self.dropped_at = -1e9  # when the last one was (monotonic)
+        self.withheld = 0  # answers the conversation did not allow (to an exchange not open)
+        self._advised: dict[str, float] = {}  # advice about stale imports: when last said
 
-    if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
+    def attach(self, front: Any, link: BrokerLink | None = None) -> None:
+        """The socket answers leave on, and a dialed worker's link to its broker."""
+        self.front = front
+        self.link = link
+        self.pacer = link.pacer if link is not None else None
 
-        def _push(self) -> zmq.Socket: ...
+    def sockets(self) -> list[zmq.Socket]:
+        """Its own sockets, for the worker's close: the one it is woken on, then each thread's."""
+        return [self.answers, *self._pushes]
 
-    def _forward_answers(self) -> None:
-        while sockets.readable(self._answers):
-            self._answers.recv()  # a wake-up: what to send is in the outbox
-        self._flush()
-
-    def _post(self, to: To, answer: Any, frames: list) -> None:
+    # -- from any thread -----------------------------------------------------------------
+    def post(self, to: To, answer: Any, frames: list) -> None:
         """Queue an answer from any thread; the thread holding the socket sends it, in order."""
         self.imports.note()
         if isinstance(answer, (Failed, Refusal)):
-            stale = self._stale(answer)
+            stale = self.stale(answer)
             # only an answer sent as itself is rewritten; one inside a carrier (pooled
-            # segments) was told in `_run`, before it was written there
+            # segments) was told by the runner, before it was written there
             if stale is not answer and variant_of(frames) is type(answer):
                 answer, frames = stale, encode(stale)
-        holder = self._holder
+        holder = self.hold.holder
         if holder == threading.get_ident():
-            if self._outbox.empty():  # nothing queued before it: it leaves now, in order
+            if self._queue.empty():  # nothing queued before it: it leaves now, in order
                 if self.sessions.answering(to.peer, answer):
-                    self._deliver(to, frames)
+                    self.deliver(to, frames)
                 else:
                     self.withheld += 1
                 return
-            self._outbox.put((to, answer, frames))
-            self._flush()
+            self._queue.put((to, answer, frames))
+            self.flush()
             return
-        self._outbox.put((to, answer, frames))
+        self._queue.put((to, answer, frames))
         if holder is None:
             return  # nobody serves this instant: whoever takes the socket sends the outbox first
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Wake the thread holding the socket out of its poll."""
         try:
             self._push().send(b"", zmq.NOBLOCK)
@@ -120,53 +132,71 @@ class Outbox:
         except zmq.ZMQError:
             pass  # closed: the worker is stopping, nobody sends anything any more
 
-    def _flush(self) -> None:
-        outbox = self._outbox
-        while not outbox.empty():  # looked at first: an empty queue raising is the dearest part
-            try:
-                to, answer, frames = outbox.get_nowait()
-            except queue.Empty:
-                return
-            if self.sessions.answering(to.peer, answer):
-                self._deliver(to, frames)
-            else:
-                self.withheld += 1  # its exchange is over (the peer left, was revoked, or said Hello anew)
+    def _push(self) -> zmq.Socket:
+        """This thread's end of the wake-up: made at its first."""
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = sockets.pair(zmq.PUSH)
+            push.connect(self._answers_url)
+            self._local.push = push
+            self._pushes.append(push)
+        return push
 
-    def _refused(self, to: To, why: str) -> None:
-        """Log a refusal through the limiter: a flood is counted, not printed."""
-        whom = f"exchange {to.exchange} of tenant {to.tenant}" if to.exchange else peer_name(to.route)
-        self._lines.say(logging.INFO, "refused %s: %s", whom, why)
-
-    def _stale(self, answer: Any) -> Any:
+    def stale(self, answer: Any) -> Any:
         """``answer`` (a Failed or a Refusal), saying so when a file this worker imported
         changed on disk since (see :mod:`somatize.fabric.worker.imported`: its record decides, never the text)."""
         if answer.why.startswith("busy:") or getattr(answer, "hello", False) or getattr(answer, "recipe", False):
             return answer
         said = self.imports.explain(f"{answer.why}\n{getattr(answer, 'traceback', '')}")
-        if said is None or said in answer.why:  # not stale, or said already (see `_run`)
+        if said is None or said in answer.why:  # not stale, or said already (by the runner)
             return answer
         now = time.monotonic()
         if now - self._advised.get(said, -1e9) >= ADVICE_EVERY:
             if len(self._advised) >= 64:
                 self._advised.clear()
             self._advised[said] = now
-            self._lines.say(logging.WARNING, "%s", said)
+            self.lines.say(logging.WARNING, "%s", said)
         return dataclasses.replace(answer, why=clip(f"{answer.why.rstrip('. ')}. {said}", 64 << 10))
 
-    def _reply(self, to: To, answer: Any, *, refusing: bool = False) -> None:
+    # -- by the thread holding the socket ------------------------------------------------
+    def forward(self) -> None:
+        """Woken (``answers`` polled readable): what waits in the outbox leaves."""
+        while sockets.readable(self.answers):
+            self.answers.recv()  # a wake-up: what to send is in the outbox
+        self.flush()
+
+    def flush(self) -> None:
+        """Send what waits in the outbox, in order, each if the conversation allows it."""
+        outbox = self._queue
+        while not outbox.empty():  # looked at first: an empty queue raising is the dearest part
+            try:
+                to, answer, frames = outbox.get_nowait()
+            except queue.Empty:
+                return
+            if self.sessions.answering(to.peer, answer):
+                self.deliver(to, frames)
+            else:
+                self.withheld += 1  # its exchange is over (the peer left, was revoked, or said Hello anew)
+
+    def _refused(self, to: To, why: str) -> None:
+        """Log a refusal through the limiter: a flood is counted, not printed."""
+        whom = f"exchange {to.exchange} of tenant {to.tenant}" if to.exchange else peer_name(to.route)
+        self.lines.say(logging.INFO, "refused %s: %s", whom, why)
+
+    def reply(self, to: To, answer: Any, *, refusing: bool = False) -> None:
         """Answer from the serving thread, if the conversation allows it. ``refusing``: a
         refusal of the message just received (it may name a Work that never opened)."""
         if isinstance(answer, Refusal):
-            answer = self._stale(answer)
-            # a busy spell is said once, by `_busy`; a recipe forgotten to make room is routine
+            answer = self.stale(answer)
+            # a busy spell is said once, by the runner; a recipe forgotten to make room is routine
             if not answer.why.startswith("busy:") and not answer.recipe:
                 self._refused(to, answer.why)
         if self.sessions.answering(to.peer, answer, refusing=refusing):
-            self._deliver(to, encode(answer))
+            self.deliver(to, encode(answer))
         else:
             self.withheld += 1
 
-    def _deliver(self, to: To, frames: list) -> None:
+    def deliver(self, to: To, frames: list) -> None:
         """Send a message's frames to ``to``: straight to its route, or in a ``Relay`` back
         through the broker, a big one as a stream under the client's credit."""
         if not to.exchange:
@@ -187,7 +217,7 @@ class Outbox:
         """An answer in an exchange the broker relays, through the window (`.pacing`): now
         when it is open and nothing waits for it, else behind its tenant's others."""
         parts = passed_on(tuple(frames), exchange=to.exchange)  # its answer, checked as it was written
-        pacer = self._pacer
+        pacer = self.pacer
         if pacer is None:
             self._send(parts)
         elif pacer.free():
@@ -199,24 +229,51 @@ class Outbox:
                 f"what this worker sent before them (a flood's, most likely)"
             )
 
+    def _mark(self) -> None:
+        """A mark is due behind the answers sent (`.pacing`): the link sends it, as control."""
+        link = self.link
+        assert link is not None  # a window is a dialed worker's, and so is its link (`attach`)
+        link.mark()
+
+    def send_waiting(self, now: float) -> None:
+        """Every turn, after what was read (a credit moves a stream, the broker's answer to a
+        mark the window): a mark unanswered past its time is taken as read, streams that
+        waited for room go on, and answers that waited for the window leave."""
+        pacer = self.pacer
+        if pacer is not None and not pacer.room():
+            pacer.look(now)  # a mark unanswered past its time is taken as read
+        if self._outgoing:
+            self._drain_streams()
+        else:
+            self.blocked = False
+        if pacer is not None and pacer.waiting():
+            self._pump_paced(now)
+
     def _pump_paced(self, now: float) -> None:
         """Answers that waited for the window leave, one per tenant in turn, while it is open
         and the socket has room (a full socket is looked at again when it has room)."""
-        pacer = self._pacer
-        assert pacer is not None  # called only with a window that waits (`_turn`): a dialed worker's
+        pacer = self.pacer
+        assert pacer is not None  # called only with a window that waits (`send_waiting`): a dialed worker's
         pacer.look(now)
         while pacer.waiting():
-            if self._control and not self._push_control():
-                self._blocked = True
+            if self.link is not None and not self.link.cleared():
+                self.blocked = True
                 return
-            if not sockets.writable(self._front):
-                self._blocked = True
+            if not sockets.writable(self.front):
+                self.blocked = True
                 return
             parts = pacer.next()
             if parts is None:  # the window is full: the broker's answer to a mark opens it
                 return
             if self._send(parts) and pacer.sent_one():
                 self._mark()
+
+    def credit(self, peer: bytes, sid: int, amount: int) -> None:
+        """The client granted ``amount`` more of the stream ``sid`` going out to it: more leaves."""
+        pending = self._outgoing.get((peer, sid))
+        if pending is not None:
+            pending[1].grant(amount)
+            self._drain(*pending)
 
     def _drain(self, to: To, out: _streams.Outgoing) -> None:
         """Its Begin, then the chunks the credit allows, while the socket and the window have
@@ -226,9 +283,9 @@ class Outbox:
         message: Begin | Chunk | None
         while True:
             if not self._room():
-                if self._pacer is None or self._pacer.room():
-                    self._blocked = True  # resumed when the socket has room (`_drain_streams`)
-                break  # or when the broker answers a mark (`_turn`)
+                if self.pacer is None or self.pacer.room():
+                    self.blocked = True  # resumed when the socket has room (`_drain_streams`)
+                break  # or when the broker answers a mark (`send_waiting`)
             if chunks is None:
                 message, out.begun = out.begin(), True
                 chunks = out.chunks()
@@ -237,14 +294,14 @@ class Outbox:
                 if message is None:
                     break
             parts = passed_on(tuple(encode(message)), exchange=to.exchange)
-            if self._send(parts) and self._pacer is not None and self._pacer.sent_one():
+            if self._send(parts) and self.pacer is not None and self.pacer.sent_one():
                 self._mark()
         if out.finished and out.credit >= _streams.WINDOW:
             self._settle(to.peer, out.sid)  # every byte credited: the session may go
 
     def _drain_streams(self) -> None:
         """Every turn: streams that waited for room go on, and settled ones are let go."""
-        self._blocked = False
+        self.blocked = False
         for to, out in list(self._outgoing.values()):
             self._drain(to, out)
 
@@ -252,27 +309,54 @@ class Outbox:
         self._outgoing.pop((peer, sid), None)
         self.sessions.release(peer, sid)
 
+    def forget(self, peer: bytes) -> None:
+        """``peer``'s session ended (its key revoked): its streams going out are let go."""
+        for key in [k for k in self._outgoing if k[0] == peer]:
+            self._settle(*key)
+
+    def expire(self, now: float, idle: float) -> None:
+        """Streams going out that nobody has moved for ``idle`` seconds are dropped."""
+        for key in [k for k, (_, out) in self._outgoing.items() if now - out.touched > idle]:
+            self._settle(*key)
+
+    def streaming(self) -> bool:
+        """Whether a stream goes out."""
+        return bool(self._outgoing)
+
+    def waited_on(self, patience: float) -> bool:
+        """Whether a client may be waiting on what goes out: a stream goes out, or waits for
+        room, or an answer found no room on the socket within the last ``patience``."""
+        recently = time.monotonic() - self.dropped_at < patience
+        return bool(self._outgoing or self.blocked or recently)
+
+    def window_due(self) -> float | None:
+        """When the window, full, will open on its own (a mark taken as read), if it is full
+        and waits on a mark."""
+        if self.pacer is not None and not self.pacer.room():
+            return self.pacer.look(time.monotonic())
+        return None
+
     def _room(self) -> bool:
         """Whether the socket takes a message of a stream now, with no keepalive waiting
         before it and, to a broker, the window open."""
-        if self._control and not self._push_control():
+        if self.link is not None and not self.link.cleared():
             return False
-        if self._pacer is not None and not self._pacer.room():
+        if self.pacer is not None and not self.pacer.room():
             return False
-        return sockets.writable(self._front)
+        return sockets.writable(self.front)
 
     def _send(self, parts: list) -> bool:
         """True when it left. Never blocks: a peer that stops reading must not stall
         everyone else's answers; a keepalive waiting for room goes first (see `.dialing`)."""
         try:
-            if self._control and not self._push_control():
+            if self.link is not None and not self.link.cleared():
                 raise zmq.Again()
-            sockets.send_frames(self._front, parts, sockets.NOBLOCK)
+            sockets.send_frames(self.front, parts, sockets.NOBLOCK)
             return True
         except zmq.Again:
-            if self._broker:  # a dialed worker's one peer: the broker, reached or not
+            if self.link is not None:  # a dialed worker's one peer: the broker, reached or not
                 self._dropped(
-                    f"the broker at {self._broker} is not taking messages (not connected yet, "
+                    f"the broker at {self.link.broker} is not taking messages (not connected yet, "
                     f"its handshake refused, or its queue full)"
                 )
             else:
@@ -283,30 +367,6 @@ class Outbox:
 
     def _dropped(self, why: str) -> None:
         self.dropped += 1
-        self._dropped_at = time.monotonic()  # a dialed worker says Hello closer meanwhile (`_hello_due`)
+        self.dropped_at = time.monotonic()  # a dialed worker says Hello closer meanwhile (`BrokerLink.hello_due`)
         if self.dropped == 1 or self.dropped % 1000 == 0:
             log.warning("an answer could not be delivered: %s (%d so far)", why, self.dropped)
-
-    def _expire_streams(self, now: float) -> None:
-        """Streams past their lifetime, or that nobody has moved for a while, are dropped."""
-        for dropped in self._inbound.expire(now):  # its sender would wait to its deadline: tell it
-            if dropped.reply is not None:
-                self._reply(
-                    dropped.reply,
-                    Refusal(
-                        f"this worker dropped the big message you were sending (stream {dropped.sid}): it came "
-                        f"slower than {_streams.MIN_RATE >> 20} MiB/s after a grace of {_streams.GRACE:g} s; "
-                        f"send it again, over a faster link or as a smaller value",
-                        ref=dropped.ref,
-                    ),
-                    refusing=True,
-                )
-        idle = 3 * self.patience
-        for key in [k for k, (_, out) in self._outgoing.items() if now - out.touched > idle]:
-            self._settle(*key)
-
-    def _push_control(self) -> bool:  # overridden by `Dialing`; a listening worker has no control
-        return True
-
-    def _mark(self) -> None:  # overridden by `Dialing`: only a dialed worker paces its answers
-        pass

@@ -25,7 +25,8 @@ A full socket says nothing here, so the worker counts instead:
   waiting at a time.
 
 Control (the keepalive, the Ready to the broker's check) never waits here: it goes ahead of
-everything (:mod:`somatize.fabric.worker.dialing`). Sans IO: the loop sends what this says.
+everything (:mod:`somatize.fabric.worker.dialing`). Sans IO: the outbox sends what this says
+(:mod:`somatize.fabric.worker.outbox`), and the link to the broker owns it.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class Pacer:
 
     def look(self, now: float) -> float | None:
         """Marks unanswered for ``MARK_LOST`` are taken as read; returns when the oldest
-        still out will be, if the window waits on it (for the loop's timer)."""
+        still out will be, if the window waits on it (for the serving loop's timer)."""
         while self._marks and now - self._marks[0][1] >= MARK_LOST:
             self.lost += 1
             self.answered()

@@ -16,7 +16,7 @@ hold their nodes, so when the catalog lets any node go to make room (``Catalog.d
 every kept step is let go too: a node the catalog dropped never stays alive here.
 
 With the steps is kept whether the recipe is one step alone, from its input to its output
-(``engine.lone_step``): the loop then runs that step directly (``engine.run_lone``) for a
+(``engine.lone_step``): the runner then runs that step directly (``engine.run_lone``) for a
 piece nobody watches that keeps nothing, with no walk built around it.
 """
 

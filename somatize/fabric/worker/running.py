@@ -29,75 +29,98 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import zmq
 
 from ...engine import format_exception, run_lone, run_piece
 from ...errors import CodecError, NodeFailed, ProtocolError, Refused
 from ...facts import fact, microseconds
 from ...wire import Failed, Mounted, Ready, Refusal, Saw, Send, Work, encode
 from .. import mount as _mount
-from .. import sockets
 from ..logs import clip
 from ..pieces import done, done_of, piece_of
 from .attachments import Taken
 from .held import Held
 from .outbox import To
-from .slots import Job, NodeExit
-from .standin import WATCH
+from .prepared import Prepared
+from .slots import Job, NodeExit, Slots
+from .standin import STAND_IN_AFTER
 
 if TYPE_CHECKING:
     from ...packing import Catalog
     from ...wire import Runtime
     from .heap import Heap
-    from .prepared import Prepared
-    from .slots import Slots
+    from .outbox import Outbox
+    from .standin import StandIn
 
-__all__ = ["BUSY_SAID_EVERY", "Running"]
+__all__ = ["BUSY_SAID_EVERY", "Runner"]
 
 BUSY_SAID_EVERY = 60.0  # seconds: a refusal as busy is logged at most this often
 log = logging.getLogger("somatize.worker")
 
 
-class Running:
-    """The running side of :class:`~somatize.fabric.worker.loop.WorkerLoop` (a mixin: the
-    loop's attributes are its own)."""
+class Runner:
+    """Runs the work a worker took in: where (one slot thread each, or the receiving thread),
+    which runs now (by token, under a lock: slot threads and the serving thread both look),
+    how much was served, and when a refusal as busy was last logged. Owns the slots and the
+    steps kept for pieces run where they arrived; handed the catalog, the worker's runtime,
+    heap and mount folder, the outbox its answers go into, the stand-in that serves while a
+    piece runs where it arrived, and ``said`` (the worker's ``said`` fact, when one is due)."""
 
-    catalog: Catalog
-    jobs: int
-    runtime: Runtime
-    mount: str | None
-    served: int
-    heap: Heap
-    _slots: Slots | None  # with jobs=1 none: a piece runs where it arrived
-    _prepared: Prepared
-    _running: dict[int, Job]
-    _running_lock: threading.Lock
-    _tokens: itertools.count[int]
-    _hold: threading.Lock
-    _holder: int | None
-    _inline: Job | None
-    _inline_seq: int
-    _want_back: bool
-    _busy_said: float
-    _busy_unsaid: int
-    _local: threading.local
-    _answers_url: str
-    _pushes: list[zmq.Socket]
+    def __init__(
+        self,
+        jobs: int,
+        *,
+        catalog: Catalog,
+        runtime: Runtime,
+        heap: Heap,
+        mount: str | None,
+        outbox: Outbox,
+        standin: StandIn,
+        said: Callable[[], dict[str, str] | None],
+    ) -> None:
+        self.jobs = jobs
+        self.catalog = catalog
+        self.runtime = runtime
+        self.heap = heap
+        self.mount = mount
+        self.outbox = outbox
+        self.standin = standin
+        self.said = said
+        self.served = 0
+        # one job runs where it arrived (no hop); more run in slots
+        self._slots = Slots(jobs) if jobs > 1 else None
+        self._running: dict[int, Job] = {}  # what runs now, by token
+        self._running_lock = threading.Lock()
+        self._tokens = itertools.count(1)
+        self._busy_said, self._busy_unsaid = -BUSY_SAID_EVERY, 0  # when a refusal as busy was last logged; since
+        self._prepared = Prepared(catalog)  # a recipe's steps, for pieces run where they arrived
 
-    if TYPE_CHECKING:  # the loop's own, or another mixin's (stubs for mypy alone: none at run time)
+    @property
+    def in_slots(self) -> bool:
+        """Whether pieces run in slots (``jobs`` > 1), not on the thread that received them."""
+        return self._slots is not None
 
-        def _reply(self, to: To, answer: Any, *, refusing: bool = False) -> None: ...
-        def _post(self, to: To, answer: Any, frames: list) -> None: ...
-        def _stale(self, answer: Any) -> Any: ...
-        def _wake(self) -> None: ...
-        def _flush(self) -> None: ...
-        def _said(self) -> dict[str, str] | None: ...
+    def running(self) -> int:
+        """How many pieces of work run now."""
+        return len(self._running)
 
-    def _ready(self, proof: str = "") -> Ready:
+    def abandon(self, peer: bytes) -> None:
+        """``peer`` may no longer be answered (its key was revoked): its pieces run no further
+        node (`slots.Guarded`)."""
+        with self._running_lock:
+            for job in self._running.values():
+                if job.peer == peer:
+                    job.abandoned = True
+
+    def close(self) -> None:
+        """The worker closes: the slot threads end once they are free (never waited for)."""
+        if self._slots is not None:
+            self._slots.close()
+
+    def ready(self, proof: str = "") -> Ready:
         """Ready, saying how long the oldest running work has run (0: idle), and the proof
-        that this worker sees its client's folder, when its Hello asked (``Intake._prove``)."""
+        that this worker sees its client's folder, when its Hello asked (``Intake.prove``)."""
         oldest = self._oldest()
         busy_us = 0 if oldest is None else max(1, int((time.monotonic() - oldest.started) * 1e6))
         return Ready(self.runtime, busy_us=busy_us, proof=proof)
@@ -106,16 +129,18 @@ class Running:
         with self._running_lock:
             return min(self._running.values(), key=lambda job: job.started, default=None)
 
-    def _work(self, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
+    def start(self, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
+        """Run ``work`` (its nodes all in the catalog, a slot free), or answer why not: ``Send``
+        for nodes the catalog lacks, a refusal as busy when every slot is taken."""
         recipe = work.recipe
         assert recipe is not None  # the conversation gives a Work back with its recipe (in full, or recalled)
         try:
             missing = self.catalog.missing(recipe.nodes)
         except Refused as exc:
-            self._reply(to, Refusal(str(exc), ref=work.ref))
+            self.outbox.reply(to, Refusal(str(exc), ref=work.ref))
             return
         if missing:
-            self._reply(to, Send(work.ref, tuple(missing)))
+            self.outbox.reply(to, Send(work.ref, tuple(missing)))
             return
         with self._running_lock:
             full = len(self._running) >= self.jobs
@@ -133,26 +158,14 @@ class Running:
 
     def _run_here(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
         """Run a piece on this thread, letting go of the socket meanwhile (the stand-in
-        takes it if the piece runs long), and take it back once the piece has returned."""
-        me = threading.get_ident()
-        self._inline = job
-        self._inline_seq += 1
-        WATCH.arm(self, self._inline_seq)  # its stand-in is woken only if it runs long
-        self._holder = None
-        self._hold.release()
+        takes it if the piece runs long, :meth:`StandIn.run`), and take it back once the
+        piece has returned."""
         try:
-            self._run(token, job, to, work, mounted)
+            self.standin.run(job, self.outbox.wake, self._run, token, job, to, work, mounted)
         finally:
-            self._want_back = True
-            if self._holder not in (None, me):
-                self._wake()  # the stand-in is polling: it hands the socket back now
-            self._hold.acquire()
-            self._holder = me
-            self._want_back = False
-            self._inline = None
             with self._running_lock:
                 self._running.pop(token, None)
-        self._flush()
+        self.outbox.flush()
 
     def _busy(self, to: To, work: Work) -> None:
         """Every slot is taken: say so at once (the client makes it ``Busy``), never queue."""
@@ -169,8 +182,8 @@ class Running:
         )
         if work.watched:
             said = fact("said", kind="busy", node=node, running_us=int(seconds * 1e6), jobs=self.jobs)
-            self._reply(to, Saw(work.ref, said))
-        self._reply(to, Refusal(why, ref=work.ref))
+            self.outbox.reply(to, Saw(work.ref, said))
+        self.outbox.reply(to, Refusal(why, ref=work.ref))
         now = time.monotonic()
         if now - self._busy_said >= BUSY_SAID_EVERY:  # a client's own threads taking turns refuse often
             more = f" ({self._busy_unsaid} more refused as busy since the last such line)" if self._busy_unsaid else ""
@@ -179,27 +192,44 @@ class Running:
         else:
             self._busy_unsaid += 1
 
-    # -- a job, in a slot ----------------------------------------------------------------
-    def _push(self) -> zmq.Socket:
-        push = getattr(self._local, "push", None)
-        if push is None:
-            push = sockets.pair(zmq.PUSH)
-            push.connect(self._answers_url)
-            self._local.push = push
-            self._pushes.append(push)
-        return push
+    def _held_young(self) -> list[tuple[float, Any]]:
+        """The pieces in slots whose facts are still held (`.held`), each with when it will
+        have run ``STAND_IN_AFTER``."""
+        with self._running_lock:
+            return [
+                (job.started + STAND_IN_AFTER, job.held)
+                for job in self._running.values()
+                if job.held is not None and job.held.holding
+            ]
 
+    def young_until(self) -> float:
+        """When the first piece in a slot whose facts are held will have run long."""
+        if self._slots is None or not self._running:
+            return float("inf")
+        return min((due for due, _ in self._held_young()), default=float("inf"))
+
+    def release_held(self, now: float) -> None:
+        """Pieces in slots that have run ``STAND_IN_AFTER``: what they said leaves now, and
+        what they say later as they say it (for a piece where it arrived, the stand-in does
+        this as it takes the socket)."""
+        if self._slots is None or not self._running:
+            return
+        for due, held in self._held_young():
+            if due <= now:
+                held.release()
+
+    # -- a job, in a slot ----------------------------------------------------------------
     def _run(self, token: int, job: Job, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
         ref = work.ref
 
         def sent(fact: dict[str, str]) -> None:  # one fact as a Saw of its own, into the outbox
             saw = Saw(ref, fact)
-            self._post(to, saw, encode(saw))
+            self.outbox.post(to, saw, encode(saw))
 
         # what the piece says is held while it is young, to travel inside its Done (`.held`)
         held = job.held = Held(sent) if work.watched else None
         watch = held.told if held is not None else None  # nobody on the other side looks: no facts at all
-        said = self._said()
+        said = self.said()
         if said is not None and watch is not None:
             watch(said)
         started = time.perf_counter_ns()
@@ -210,7 +240,7 @@ class Running:
         try:
             # each node built, and so checked, at every call; with one job its steps are kept
             recipe = work.recipe
-            assert recipe is not None  # as in `_work`: the conversation gave it back with its recipe
+            assert recipe is not None  # as in `start`: the conversation gave it back with its recipe
             nodes = [self.catalog.build(spec) for spec in recipe.nodes]
             steps, lone = self._prepared.prepare(work, nodes, job, keep=self._slots is None)
             built = True
@@ -249,7 +279,7 @@ class Running:
         if isinstance(answer, (Failed, Refusal)):
             if held is not None:
                 held.release()  # what the piece said leaves first, as Saws
-            answer = self._stale(answer)  # here, before it is written into a segment
+            answer = self.outbox.stale(answer)  # here, before it is written into a segment
         try:
             frames = encode(answer)
         except (CodecError, ValueError) as exc:  # unwritable, or over a wire limit
@@ -287,8 +317,8 @@ class Running:
                 # once never finds this worker busy with the work it just got the answer of
                 self._running.pop(token, None)
         else:
-            self._want_back = True  # a stand-in sends this answer, then takes nothing new
-        self._post(to, answer, frames)
+            self.standin.returned()  # a stand-in sends this answer, then takes nothing new
+        self.outbox.post(to, answer, frames)
 
 
 def failed_answer(ref: int, exc: BaseException, *, why: str | None = None, traceback: str = "") -> Failed:

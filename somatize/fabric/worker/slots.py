@@ -3,7 +3,8 @@
 A :class:`Job` is one piece of work while it runs: which node runs now, since when, whose it
 is, and whether it was abandoned (its peer's key revoked): an abandoned job runs no further
 node (:class:`Guarded` checks between nodes) and its answer is never delivered. What is
-not for here: sockets, sessions, answers (the serving loop's, :mod:`somatize.fabric.worker.loop`).
+not for here: sockets, sessions, answers (the serving loop's, :mod:`somatize.fabric.worker.loop`),
+what runs now and where (the runner's, :mod:`somatize.fabric.worker.running`).
 """
 
 from __future__ import annotations
