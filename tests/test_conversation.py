@@ -691,3 +691,19 @@ def test_the_worker_table_refuses_what_a_peer_that_never_said_hello_sends_unopen
     ]
     with pytest.raises(Violation, match="only from the broker it dialed"):
         w.step(b"p", Relay)
+
+
+@pytest.mark.pure
+def test_every_act_of_the_worker_table_is_carried_out_once():
+    """The worker's loop carries out GREET, PROVISION and RUN, one method each; its intake
+    carries out the rest (a Bye's FORGET, a stream's CARRY, a Mounted's OPEN, a DROP); no act
+    is carried out twice or by nobody, and the table gives every act."""
+    from somatize.fabric.conversation import WORKER_TABLE, Act
+    from somatize.fabric.conversation.worker import Refuse
+    from somatize.fabric.worker.loop import WorkerLoop
+
+    by_intake = {Act.FORGET, Act.CARRY, Act.OPEN, Act.DROP}
+    assert set(WorkerLoop.ACTS) | by_intake == set(Act) and not set(WorkerLoop.ACTS) & by_intake
+    assert all(callable(getattr(WorkerLoop, name)) for name in WorkerLoop.ACTS.values())
+    given = {found[1] for found in WORKER_TABLE.values() if not isinstance(found, Refuse)}
+    assert given == set(Act)

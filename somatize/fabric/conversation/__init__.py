@@ -26,15 +26,18 @@ checks that the page says what the tables say).
 from __future__ import annotations
 
 from .client import CLIENT_SENDS, CLIENT_TABLE, ChannelState, ClientExchange, Take
-from .violations import Stale, Unheld, Unknown, Violation
+from .violations import BUSY, LEFT, Stale, Unheld, Unknown, Violation
 from .worker import WORKER_TABLE, Act, Session, WorkerSessions
 
 # BrokerView comes through this module's __getattr__ (below), from broker/peers.py
 __all__ = [  # noqa: F822
     "BROKER_TABLE",
+    "BUSY",
     "CLIENT_SENDS",
     "CLIENT_TABLE",
     "WORKER_TABLE",
+    "KEEPALIVE",
+    "LEFT",
     "Act",
     "BrokerView",
     "ChannelState",
@@ -51,12 +54,6 @@ __all__ = [  # noqa: F822
 #: every patience (the broker drops a connection silent past their time to live); the
 #: keepalive is the net beneath, rare, so a fleet's keepalives do not keep waking its broker.
 KEEPALIVE = 10
-#: How a broker's refusal starts when the relayed host has no worker connected (it left,
-#: or never dialed in): the work reached nobody, so a pool's client may ask another member.
-LEFT = "left: "
-#: How a worker's refusal starts when it took nothing because it is full (every slot busy,
-#: or as many sessions as it may hold, all with answers in flight): the same may be sent again.
-BUSY = "busy: "
 
 
 # -- the broker's view: in :mod:`somatize.fabric.broker.peers`, named here too -----------------------------

@@ -1,8 +1,16 @@
-"""What the conversation refuses: a message that may not arrive now, from this peer."""
+"""What the conversation refuses (a message that may not arrive now, from this peer), and how
+the refusals a client reads by their start begin."""
 
 from __future__ import annotations
 
 from ...errors import ProtocolError
+
+#: How a broker's refusal starts when the relayed host has no worker connected (it left,
+#: or never dialed in): the work reached nobody, so a pool's client may ask another member.
+LEFT = "left: "
+#: How a worker's refusal starts when it took nothing because it is full (every slot busy,
+#: or as many sessions as it may hold, all with answers in flight): the same may be sent again.
+BUSY = "busy: "
 
 
 class Violation(ProtocolError):

@@ -28,7 +28,7 @@ from ...wire import (
     with_recipe,
 )
 from ..proofs import sealed
-from .violations import Unheld, Unknown, Violation, name_of
+from .violations import BUSY, Unheld, Unknown, Violation, name_of
 
 # -- the worker's view of its peers -------------------------------------------------------
 
@@ -341,7 +341,7 @@ class WorkerSessions:
         if not self._make_room(peer) and not (session.open or session.streams):
             self._forget(peer)
             raise Violation(
-                "busy: this worker holds as many sessions as it may, and every one has an answer "
+                f"{BUSY}this worker holds as many sessions as it may, and every one has an answer "
                 "in flight; say Hello again once one has finished"
             )
 

@@ -33,13 +33,11 @@ from ...errors import ProtocolError, Refused
 from ...wire import (
     Begin,
     Bye,
-    Chunk,
     Credit,
     Hello,
     Mounted,
     Provision,
     Refusal,
-    Relay,
     Work,
     decode,
     encode,
@@ -50,18 +48,19 @@ from ...wire import (
 from .. import mount as _mount
 from .. import proofs as _proofs
 from .. import streams as _streams
-from ..conversation import Unheld, Unknown, Violation
+from ..conversation import Act, Unheld, Unknown, Violation
 from . import attachments as _attachments
+from .attachments import Taken
 from .outbox import To
 
 if TYPE_CHECKING:
     from ..conversation import WorkerSessions
     from .outbox import Outbox
 
-#: What the conversation lets a worker act on, and the cargo of a Work that came in a shared folder.
-Allowed = tuple[Hello | Provision | Work, Mounted | _attachments.Taken | None]
-
-_CARRIERS = (Relay, Mounted, Begin, Chunk, Credit)
+#: What the conversation lets a worker act on: the act (`conversation.WORKER_TABLE`), the
+#: message, and the cargo of a Work that came in a shared folder.
+Allowed = tuple[Act, Hello | Provision | Work, Mounted | Taken | None]
+_ACTS = {Hello: Act.GREET, Provision: Act.PROVISION, Work: Act.RUN}  # what `receive` gives back, by act
 
 
 class Intake:
@@ -89,49 +88,29 @@ class Intake:
         return found
 
     def take(self, to: To, frames: list, *, opened: bool = False) -> Allowed | None:
-        """One message from ``to``: a carrier is opened, anything else checked by the
-        conversation; what it allows is given back to act on (a Bye is acted on here: its
-        streams in go). Whatever is refused is answered ``Refusal``, naming the Work it
-        refuses (read from its header), unless that ref is open (a duplicate)."""
-        mounted: Mounted | _attachments.Taken | None = None  # its cargo, in a shared folder
+        """One message from ``to``: what the conversation's table says to do with it
+        (`WorkerSessions.step`, asked of its header's variant before anything is opened), done
+        here for a carrier (a stream's piece carried, a ``Mounted`` opened into the Work it
+        carries, a chunk for nobody dropped) and for a Bye (its streams in go); a Hello, a
+        Provision or a Work is given back with its act, for the loop to carry out. Whatever is
+        refused is answered ``Refusal``, naming the Work it refuses (read from its header),
+        unless that ref is open (a duplicate)."""
+        mounted: Mounted | Taken | None = None  # its cargo, in a shared folder
         arrived = frames
         try:
-            # from a peer that has not said Hello only Hello and Bye are opened; the others
-            # are told by their header's variant alone, and refused unopened
-            if not self.sessions.greeted(to.peer):
-                variant = variant_of(frames)
-                if variant in (Chunk, Credit):
-                    # of a stream refused at its Begin, or of an answer to a session that
-                    # ended: nothing in it is for anyone; a refusal would read as an answer
-                    self.withheld += 1
-                    return None
-                if variant not in (Hello, Bye):
-                    raise Unknown("say Hello first: this worker has not heard from you")
+            kind = variant_of(frames)
+            act = self.sessions.step(to.peer, kind)  # from a peer not greeted, only Hello and Bye get past
+            if act is Act.DROP:  # a chunk or credit of no stream: a refusal would read as an answer
+                self.withheld += 1
+                return None
+            if opened and act in (Act.CARRY, Act.OPEN):
+                raise Violation(f"a `{kind.__name__}` cannot travel inside another carrier")
             message = decode(frames)  # a carrier comes back as itself, its cargo unopened
-            if isinstance(message, _CARRIERS):
-                if opened:
-                    raise Violation(f"a `{type(message).__name__}` cannot travel inside another carrier")
-                if isinstance(message, Relay):
-                    raise Violation("a worker takes `Relay` envelopes only from the broker it dialed")
-                if not isinstance(message, Mounted):
-                    return self._stream(to, message)
-                if self.mount is None:
-                    raise Violation("this worker sees no shared directory; start it with --mount DIR")
-                if not message.files:  # cargo with no files of its client's is never swept
-                    raise Violation("a `Mounted` names the files of its frames; this one names none")
-                # only files this very session lent, under its seal: before anything is opened
-                self.sessions.carries(to.peer, message)
-                if message.spans:  # pooled segments: views of the client's memory, no copy
-                    frames, mounted = self._attachments().take(message)
-                else:  # one file per frame: the client removes them
-                    mounted = message
-                    frames, _ = _mount.read(mounted, self.mount)
-                if variant_of(frames) is not Work:
-                    raise Violation(f"a `Mounted` carries Work, not a `{variant_of(frames).__name__}`")
-                message = decode(frames)
-                frames = []  # only the work's input points into the segments now...
-                if isinstance(mounted, _attachments.Taken):
-                    message = mounted.detach(message)  # ...and it is held by `mounted` until it runs
+            if act is Act.CARRY:
+                return self._stream(to, message)
+            if act is Act.OPEN:
+                assert isinstance(message, Mounted)  # the table's OPEN is a Mounted's
+                message, mounted = self._open(to, message)
             # the conversation gives back only these (its `receive` is typed `object`)
             message = self.sessions.receive(to.peer, message, to.tenant, now=time.monotonic())
         except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError
@@ -145,7 +124,30 @@ class Intake:
         if isinstance(message, Bye):
             self.inbound.drop(to.peer)
             return None
-        return message, mounted
+        return _ACTS[type(message)], message, mounted
+
+    def _open(self, to: To, message: Mounted) -> tuple[Work, Mounted | Taken]:
+        """The Work a ``Mounted`` carries, and what holds its cargo: only files this very
+        session lent, under its seal, asked before anything is opened."""
+        if self.mount is None:
+            raise Violation("this worker sees no shared directory; start it with --mount DIR")
+        if not message.files:  # cargo with no files of its client's is never swept
+            raise Violation("a `Mounted` names the files of its frames; this one names none")
+        self.sessions.carries(to.peer, message)
+        mounted: Mounted | Taken
+        if message.spans:  # pooled segments: views of the client's memory, no copy
+            frames, mounted = self._attachments().take(message)
+        else:  # one file per frame: the client removes them
+            mounted = message
+            frames, _ = _mount.read(mounted, self.mount)
+        if variant_of(frames) is not Work:
+            raise Violation(f"a `Mounted` carries Work, not a `{variant_of(frames).__name__}`")
+        work = decode(frames)
+        assert isinstance(work, Work)  # the variant its header names
+        del frames  # only the work's input points into the segments now...
+        if isinstance(mounted, Taken):
+            work = mounted.detach(work)  # ...and it is held by `mounted` until it runs
+        return work, mounted
 
     def prove(self, peer: bytes, hello: Hello) -> str:
         """The answer to a Hello naming a proof's file (``Hello.prove``): what this worker

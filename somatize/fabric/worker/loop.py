@@ -71,13 +71,14 @@ from ...facts import fact
 from ...packing import Catalog
 from ...record import report, self_report
 from ...store import FolderStore
-from ...wire import Bye, Hello, Provision, Refusal, Runtime, compatible, ref_of
+from ...wire import Bye, Hello, Mounted, Provision, Refusal, Runtime, Work, compatible, ref_of
 from .. import mount as _mount
 from .. import proofs as _proofs
 from .. import sockets
-from ..conversation import WorkerSessions
+from ..conversation import Act, WorkerSessions
 from ..curve import Guard, Keys, as_server, user_of
 from ..logs import Limiter
+from .attachments import Taken
 from .dialing import MAX_BACKOFF, BrokerLink
 from .heap import Heap
 from .imported import Imports
@@ -103,6 +104,10 @@ class WorkerLoop:
     serves while a piece runs where it arrived (``standin``) and, dialed, the link to its
     broker (``link``). Here: the socket and its poll, the turn that drives them, what
     is acted on once the conversation allowed it, revocation, closing, reports."""
+
+    #: The method that carries out each act of the conversation's table the intake hands on
+    #: (`conversation.WORKER_TABLE`; the intake carries out the others: forget, carry, open, drop).
+    ACTS = {Act.GREET: "_greet", Act.PROVISION: "_provision", Act.RUN: "_run"}
 
     def __init__(
         self,
@@ -446,13 +451,16 @@ class WorkerLoop:
         allowed = self.intake.take(to, frames)
         if allowed is None:
             return
-        message, mounted = allowed
-        if isinstance(message, Hello):
-            self.outbox.reply(to, self.runner.ready(proof=self.intake.prove(to.peer, message)))
-        elif isinstance(message, Provision):
-            self._provision(to, message)
-        else:
-            self.runner.start(to, message, mounted)
+        act, message, mounted = allowed
+        getattr(self, self.ACTS[act])(to, message, mounted)
+
+    def _greet(self, to: To, hello: Hello, mounted: None) -> None:
+        """Act.GREET: Ready, with the proof the Hello asked for."""
+        self.outbox.reply(to, self.runner.ready(proof=self.intake.prove(to.peer, hello)))
+
+    def _run(self, to: To, work: Work, mounted: Mounted | Taken | None) -> None:
+        """Act.RUN: the Work runs (where it arrived, or in a slot)."""
+        self.runner.start(to, work, mounted)
 
     def _revoke(self) -> None:
         """On the thread holding the socket, after a reload: every session of a key no
@@ -473,7 +481,8 @@ class WorkerLoop:
             self.intake.drop(peer)
             self.outbox.forget(peer)
 
-    def _provision(self, to: To, message: Provision) -> None:
+    def _provision(self, to: To, message: Provision, mounted: None = None) -> None:
+        """Act.PROVISION: import what it names (network mode), then Ready."""
         if self.mode == "network":
             why = compatible(
                 self.runtime, self.sessions.runtime(to.peer), needs_pickle=True, me="this worker", them="the client"

@@ -31,6 +31,7 @@ from ...wire import Begin, Chunk, Failed, Refusal, encode, variant_of
 from ...wire.writing import passed_on
 from .. import sockets
 from .. import streams as _streams
+from ..conversation import BUSY
 from ..curve import peer_name
 from ..logs import clip
 from .pacing import TENANT_QUEUE
@@ -145,7 +146,7 @@ class Outbox:
     def stale(self, answer: Any) -> Any:
         """``answer`` (a Failed or a Refusal), saying so when a file this worker imported
         changed on disk since (see :mod:`somatize.fabric.worker.imported`: its record decides, never the text)."""
-        if answer.why.startswith("busy:") or getattr(answer, "hello", False) or getattr(answer, "recipe", False):
+        if answer.why.startswith(BUSY) or getattr(answer, "hello", False) or getattr(answer, "recipe", False):
             return answer
         said = self.imports.explain(f"{answer.why}\n{getattr(answer, 'traceback', '')}")
         if said is None or said in answer.why:  # not stale, or said already (by the runner)
@@ -189,7 +190,7 @@ class Outbox:
         if isinstance(answer, Refusal):
             answer = self.stale(answer)
             # a busy spell is said once, by the runner; a recipe forgotten to make room is routine
-            if not answer.why.startswith("busy:") and not answer.recipe:
+            if not answer.why.startswith(BUSY) and not answer.recipe:
                 self._refused(to, answer.why)
         if self.sessions.answering(to.peer, answer, refusing=refusing):
             self.deliver(to, encode(answer))

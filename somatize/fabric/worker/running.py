@@ -37,6 +37,7 @@ from ...errors import CodecError, NodeFailed, ProtocolError, Refused
 from ...facts import fact, microseconds
 from ...wire import Failed, Mounted, Ready, Refusal, Saw, Send, Work, encode
 from .. import mount as _mount
+from ..conversation import BUSY
 from ..logs import clip
 from ..pieces import done, done_of, piece_of
 from .attachments import Taken
@@ -177,7 +178,7 @@ class Runner:
         slots = f"{self.jobs} piece{'s' if self.jobs > 1 else ''} of work at once"
         took = f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2g} s"
         why = (
-            f"busy: running `{node}` for {took}; this worker runs {slots} and takes "
+            f"{BUSY}running `{node}` for {took}; this worker runs {slots} and takes "
             f"new work once one returns (start it with --jobs N to run more at once)"
         )
         if work.watched:
