@@ -659,7 +659,7 @@ def test_every_step_of_the_broker_table_is_carried_out_by_one_method_of_its_loop
     """The broker's loop decides nothing: it has a method for each step the table can give
     (HEARD, a worker's answer to a check, is heard and nothing more), and no other."""
     from somatize.fabric.broker.loop import BrokerLoop
-    from somatize.fabric.broker.peers import BROKER_TABLE, Step
+    from somatize.fabric.conversation import BROKER_TABLE, Step
 
     assert set(BrokerLoop.STEPS) == set(BROKER_TABLE.values()) - {Step.HEARD}
     assert all(callable(getattr(BrokerLoop, name)) for name in BrokerLoop.STEPS.values())

@@ -333,7 +333,7 @@ def test_a_client_reaches_the_dialed_hosts_it_listed_without_asking_where_each_i
 
     server = BrokerLoop({}, patience=5.0)
     url = server.bind("tcp://127.0.0.1:0")
-    from somatize.fabric.broker.peers import Step
+    from somatize.fabric.conversation import Step
 
     asked: list[str] = []
     where = server._steps[Step.LOCATE]  # what the broker does with a `Where` (the table's step)

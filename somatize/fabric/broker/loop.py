@@ -7,7 +7,7 @@ closes. Only for workers that dialed in (``--broker URL --offer H``) does cargo 
 through the broker, and then it is forwarded frame by frame, never decoded.
 
 What the broker does with a message is looked up in its conversation's table
-(:data:`~somatize.fabric.broker.peers.BROKER_TABLE`: who sends it, what it is -> a step, one method
+(:data:`~somatize.fabric.conversation.broker.BROKER_TABLE`: who sends it, what it is -> a step, one method
 here per step); whether it may arrive now, from this peer, and what to say to whom when an
 exchange ends, is the view's (:class:`~somatize.fabric.broker.peers.BrokerView`, sans IO). This
 loop moves frames and carries out what those give back.
@@ -51,6 +51,7 @@ from ...wire import (
 )
 from .. import sockets
 from ..conversation import Stale, Violation
+from ..conversation.broker import BROKER_TABLE, Side, Step
 from ..curve import Guard, Keys, peer_name
 from ..hosts import Worker
 from ..logs import Quiet
@@ -58,8 +59,9 @@ from . import answers as _answers
 from . import bindings as _bindings
 from .checks import Helper
 from .children import Spawned
+from .exchanges import Deliver, Forget
 from .front import CONNECTION_IDLE, Front, size_of
-from .peers import BROKER_TABLE, CLIENT, IDLE_SILENCE, WORKER, BrokerView, Deliver, Forget, Side, Step
+from .peers import CLIENT, IDLE_SILENCE, WORKER, BrokerView
 from .probes import Probes
 from .spawn import Child, Reach
 
@@ -83,7 +85,7 @@ class BrokerLoop:
     do to another is the business of :class:`~somatize.fabric.conversation.BrokerView`.
     """
 
-    #: The method that carries out each step of the conversation's table (`peers.BROKER_TABLE`;
+    #: The method that carries out each step of the conversation's table (`conversation.BROKER_TABLE`;
     #: HEARD, a worker's answer to a check, is heard and nothing more).
     STEPS = {
         Step.GREET: "_greet",

@@ -1,21 +1,18 @@
-"""The broker's side of the conversation, sans IO: what it does with each message (`BROKER_TABLE`),
-which key owns which host, which route may answer which exchange, and what a revoked key loses.
+"""The broker's view of its peers, sans IO: which key owns which host, which route may answer
+which exchange, what a revoked key loses, and what to tell whom when an exchange ends.
 
 Part of the conversation (:mod:`somatize.fabric.conversation`, which names these classes too):
-the loop (:mod:`somatize.fabric.broker.loop`) looks up `BROKER_TABLE` for every message, asks the
-view "may this arrive now, from this peer?", and carries out what the view gives back
-(`Deliver`, `Forget`) without deciding anything of its own. Tested with no process started
-(``tests/test_conversation.py``); ``docs/conversation.md``'s table of the broker is checked
-against `BROKER_TABLE`.
+the loop (:mod:`somatize.fabric.broker.loop`) looks up the conversation's `BROKER_TABLE` for
+every message, asks the view "may this arrive now, from this peer?", and carries out what the
+view gives back (:mod:`~somatize.fabric.broker.exchanges`' `Deliver`, `Forget`) without deciding
+anything of its own. Tested with no process started (``tests/test_conversation.py``).
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ProtocolError
@@ -26,66 +23,21 @@ from ...wire import (
     Done,
     Failed,
     Hello,
-    Hosts,
     Mounted,
     Ready,
     Refusal,
     Relay,
-    Runtime,
     Send,
-    Where,
     Work,
-    encode,
     variant_of,
 )
 from ...wire.writing import passed_on
 from ..conversation import KEEPALIVE, LEFT, Stale, Violation
 from ..hosts import pool_of
 from .bindings import Bindings
+from .exchanges import Deliver, Exchange, Forget, Offer, bye, tell_client
 
 CLIENT, WORKER = "client", "worker"
-
-
-class Side(enum.StrEnum):
-    """Who a route is to the broker: it serves hosts (it offered one and was let), or it asks."""
-
-    ASKING = "asking"
-    SERVING = "serving"
-
-
-class Step(enum.StrEnum):
-    """What the broker does with a message (`BROKER_TABLE`); the loop has one method per step."""
-
-    GREET = "greet"
-    LOCATE = "locate"
-    LIST = "list"
-    LEAVE = "leave"
-    FORWARD = "forward"
-    HEARD = "heard"
-
-
-#: What each `Step` does, in a sentence (``docs/conversation.md`` shows it).
-STEPS = {
-    Step.GREET: "`Ready`; with `offering`, the host offered or kept alive, if the view lets it (`BrokerView.hello`)",
-    Step.LOCATE: "`Located`, now or once a helper job started or checked a spawned worker",
-    Step.LIST: "`Listed`",
-    Step.LEAVE: "its offers and exchanges end; each worker of its exchanges hears a `Bye` in it",
-    Step.FORWARD: "the inner frames to the other side of the exchange, if the view lets them (`BrokerView.relay`)",
-    Step.HEARD: "heard: its answer to the broker's check of a host clients wait on",
-}
-
-
-#: The broker's conversation: (who sends it, what arrives) -> what the broker does. Anything
-#: else is refused unopened (its header's variant is all that is read). Who may send each is
-#: the view's to say (a key's roles, the bindings, the exchange's worker).
-BROKER_TABLE: dict[tuple[Side, type], Step] = {
-    **{(side, Hello): Step.GREET for side in Side},
-    **{(side, Where): Step.LOCATE for side in Side},
-    **{(side, Hosts): Step.LIST for side in Side},
-    **{(side, Bye): Step.LEAVE for side in Side},
-    **{(side, Relay): Step.FORWARD for side in Side},
-    (Side.SERVING, Ready): Step.HEARD,
-}
 
 
 class Void(Stale):
@@ -99,62 +51,6 @@ IDLE_SILENCE = 3 * KEEPALIVE
 #: Seconds an exchange whose worker was lost with its work open is remembered, should that
 #: worker dial in again before the exchange's client has looked (once a patience of its own).
 LOST_FOR = 60.0
-
-
-@dataclass
-class Offer:
-    """A host a worker that dialed in serves."""
-
-    host: str
-    route: bytes
-    owner: str  # the key (Z85) that offered it, or "route:<hex>" where there are no keys
-    runtime: Runtime
-    seen: float
-    mount: str | None = None  # its folder for cargo, as its Hello named it
-    token: str = ""  # the file it made there (`Hello.seen`)
-
-
-@dataclass
-class Exchange:
-    """One client's conversation with one relayed host, as the broker carries it."""
-
-    number: int
-    client: bytes  # the client's route
-    tenant: str  # who the client is (key short id, or route)
-    host: str
-    worker: bytes  # the route of the worker it was sent to
-    touched: float
-    key: str = ""  # the client's key (Z85), so that revoking it ends the exchange
-    lane: int = 0  # the client's number for its channel, when it carries many over one connection
-    waiting: bool = False  # its client said something the worker has not answered yet
-    work_open: bool = False  # its client sent a Work the worker has not ended yet
-
-    @property
-    def held(self) -> bool:
-        """Its host is held to the working limit: work open there, or a word unanswered."""
-        return self.waiting or self.work_open
-
-
-@dataclass(frozen=True)
-class Deliver:
-    """Send ``frames`` to ``route``, queued as ``tenant``'s (`outbox`): what the loop does with a
-    relayed message, and with what the view says to a peer of an exchange that ended."""
-
-    route: bytes
-    frames: list
-    tenant: str = ""
-
-
-@dataclass(frozen=True)
-class Forget:
-    """Drop what waits to be sent to ``route`` (only ``tenant``'s, if given): the answers of an
-    exchange that ended, before its client is told."""
-
-    route: bytes
-    tenant: str | None = None
-
-
-_BYE = tuple(encode(Bye()))
 
 
 class BrokerView:
@@ -489,9 +385,9 @@ class BrokerView:
         for exchange in revoked:
             self._end(exchange)
             if exchange.key and exchange.key not in allowed:  # nothing more of it is delivered
-                self._told += [Forget(exchange.client), Forget(exchange.worker, exchange.tenant), _bye(exchange)]
+                self._told += [Forget(exchange.client), Forget(exchange.worker, exchange.tenant), bye(exchange)]
             else:
-                self._told += _tell_client(
+                self._told += tell_client(
                     exchange,
                     f"the worker serving `{exchange.host}` is no longer allowed on this broker (its key was "
                     f"taken out of the allow-list): the work sent to it there ended",
@@ -509,9 +405,9 @@ class BrokerView:
         ending, self.ending = self.ending, []
         cut, self.cut = self.cut, []
         orphaned, self.orphaned = self.orphaned, []
-        told += [_bye(e) for e in ending if e.worker in self._routes]
+        told += [bye(e) for e in ending if e.worker in self._routes]
         for exchange in cut:  # its client waits on an answer that will never come
-            told += _tell_client(
+            told += tell_client(
                 exchange,
                 f"this broker ended the exchange with `{exchange.host}` while the work sent there was "
                 f"open: one client's connections hold at most {self.max_exchanges:,} exchanges (this "
@@ -519,7 +415,7 @@ class BrokerView:
                 f"at once, or more clients",
             )
         for exchange in orphaned:  # it would find the host there and wait for ever
-            told += _tell_client(
+            told += tell_client(
                 exchange,
                 f"the worker serving `{exchange.host}` was lost while the work sent there was open (silent "
                 f"past this broker's patience, or its connection dropped) and has dialed in again since: no "
@@ -666,19 +562,6 @@ class BrokerView:
 
 _ANSWERS = (Done, Failed, Refusal, Ready, Send)  # a worker's word that answers what its client waits on
 _OPENS_WORK = (Work, Begin, Mounted)  # a client's: a Work, bare, streamed or in a shared folder
-
-
-def _bye(exchange: Exchange) -> Deliver:
-    """The worker of ``exchange`` hears a Bye in it: that session is over."""
-    return Deliver(exchange.worker, passed_on(_BYE, exchange=exchange.number, tenant=exchange.tenant), exchange.tenant)
-
-
-def _tell_client(exchange: Exchange, why: str) -> list[Deliver | Forget]:
-    """``exchange``'s client hears ``why`` in a refusal naming no work (on the lane it came
-    from, among its many), its answers of that exchange still queued dropped first."""
-    refusal = tuple(encode(Refusal(why)))
-    frames = encode(Relay(lane=exchange.lane, inner=refusal)) if exchange.lane else list(refusal)
-    return [Forget(exchange.client, str(exchange.number)), Deliver(exchange.client, frames)]
 
 
 def _variant(inner: tuple) -> type | None:

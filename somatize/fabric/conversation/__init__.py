@@ -25,6 +25,7 @@ checks that the page says what the tables say).
 
 from __future__ import annotations
 
+from .broker import BROKER_TABLE, Side, Step
 from .client import CLIENT_SENDS, CLIENT_TABLE, ChannelState, ClientExchange, Take
 from .violations import BUSY, LEFT, Stale, Unheld, Unknown, Violation
 from .worker import WORKER_TABLE, Act, Session, WorkerSessions
@@ -43,7 +44,9 @@ __all__ = [  # noqa: F822
     "ChannelState",
     "ClientExchange",
     "Session",
+    "Side",
     "Stale",
+    "Step",
     "Take",
     "Unheld",
     "Unknown",
@@ -58,7 +61,7 @@ KEEPALIVE = 10
 
 # -- the broker's view: in :mod:`somatize.fabric.broker.peers`, named here too -----------------------------
 
-_BROKER_NAMES = frozenset(("BROKER_TABLE", "CLIENT", "WORKER", "BrokerView", "Deliver", "Exchange", "Offer", "Step"))
+_BROKER_NAMES = frozenset(("CLIENT", "WORKER", "BrokerView", "Deliver", "Exchange", "Offer"))
 
 
 def __getattr__(name: str) -> object:  # PEP 562: imported on first use, so either module may be imported first

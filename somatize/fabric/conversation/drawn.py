@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .broker import BROKER_TABLE, STEPS, Side
 from .client import CLIENT_SENDS, CLIENT_TABLE, TAKES
 from .worker import ACTS, WORKER_TABLE, Refuse
 
@@ -44,8 +45,6 @@ def markdown(side: str) -> str:
         rows.append(("greeted", "anything else", "greeted", "refused: a worker does not answer it"))
         return _table(("session", "arrives", "then", "the worker"), rows)
     if side == "broker":
-        from ..broker.peers import BROKER_TABLE, STEPS, Side
-
         rows = []
         for kind in dict.fromkeys(kind for _, kind in BROKER_TABLE):
             steps = {side: BROKER_TABLE.get((side, kind)) for side in Side}
