@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 
@@ -251,14 +252,38 @@ def test_the_view_listens_beyond_loopback_only_with_its_token(tmp_path):
         env=env_with_tests(),
     )
     assert done.returncode == 2 and "without a token" in done.stderr
+    (tmp_path / "a-file").write_text("not a store")
     done = subprocess.run(
-        [sys.executable, "-m", "somatize", "view", "--store", str(tmp_path / "nowhere")],
+        [sys.executable, "-m", "somatize", "view", "--store", str(tmp_path / "a-file")],
         capture_output=True,
         text=True,
         timeout=60,
         env=env_with_tests(),
     )
-    assert done.returncode == 2 and "there is no folder" in done.stderr
+    assert done.returncode == 2 and "is not a folder" in done.stderr
+
+
+def test_a_view_started_before_its_store_exists_waits_for_it_and_creates_nothing(processes, browser, tmp_path):
+    """Started before the first run (the store's folder not made yet), the view listens,
+    says it is waiting, makes no folder, and shows the run once one is recorded there; a page
+    opened meanwhile is answered then."""
+    folder = tmp_path / "later" / "store"
+    process, address = view(processes, folder)
+    said = [process.line(30) for _ in range(2)]
+    assert "waiting for" in said[-1], said
+    assert not folder.parent.exists()  # the view makes nothing
+    answered: list = []
+    asking = threading.Thread(target=lambda: answered.append(urllib.request.urlopen(base(address) + "/", timeout=60)))
+    asking.start()  # a page opened while it waits
+    recording = processes(
+        [sys.executable, "-c", RECORDING, str(folder), "first", "x"], env=env_with_tests(), announce=None
+    )
+    recording.line(30)  # its first forward is written
+    asking.join(60)
+    assert answered and answered[0].status == 200
+    page = browser.new_page()
+    page.goto(address)
+    expect(page.locator("#runs a", has_text="first")).to_be_visible(timeout=30_000)
 
 
 def test_a_study_s_page_draws_its_score_against_each_parameter_and_what_runs_now(processes, browser, tmp_path):

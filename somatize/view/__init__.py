@@ -13,7 +13,9 @@ page keeps the token for its own origin and sends it as a header; no cookie is s
 browser sends cookies to every port of a host). Every request must name the view's own
 address as its ``Host`` (no DNS rebinding), ``--insecure`` or not. ``--insecure`` drops the
 token; listening beyond loopback needs a token (so never with ``--insecure``). Needs the
-``view`` extra (``pip install '.[view]'`` from a clone): Starlette and uvicorn.
+``view`` extra (``pip install '.[view]'`` from a clone): Starlette and uvicorn. Started
+before the store's folder exists (before the first run), it listens and waits for the folder
+to appear, creating nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import secrets
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,8 +63,9 @@ def command(args: argparse.Namespace) -> int:
     from ..fabric.sockets import is_loopback
     from ..store import FolderStore
 
-    if not Path(args.store).is_dir():
-        print(f"somatize view: there is no folder {args.store}; give the store to show", file=sys.stderr)
+    folder = Path(args.store)
+    if folder.exists() and not folder.is_dir():
+        print(f"somatize view: {args.store} is not a folder; give the store to show", file=sys.stderr)
         return 2
     host, _, port_text = args.listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
@@ -86,10 +90,12 @@ def command(args: argparse.Namespace) -> int:
     bound = listener.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     address = f"http://{shown}:{bound}/" + (f"#token={token}" if token else "")
-    app = Guarded(make_app(FolderStore(args.store), token=token), host_check(host, bound), f"http://{shown}:{bound}/")
     if args.announce:  # for whoever started it: the address, on the first line
         print(f"somatize-view ready {address}", flush=True)
     print(f"somatize view of {args.store}: open {address}", flush=True)
+    if not _appeared(folder, listener):
+        return 0
+    app = Guarded(make_app(FolderStore(args.store), token=token), host_check(host, bound), f"http://{shown}:{bound}/")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
     try:
         server.run(sockets=[listener])
@@ -98,6 +104,28 @@ def command(args: argparse.Namespace) -> int:
     finally:
         listener.close()
     return 0
+
+
+def _appeared(folder: Path, listener: socket.socket) -> bool:
+    """Wait for ``folder`` to be made by whoever writes the store first (a run, a study): the
+    view creates nothing. The address already works: a page opened meanwhile is answered once
+    it appears. False when interrupted first."""
+    if folder.is_dir():
+        return True
+    print(f"somatize view: waiting for {folder} to appear (the first run or study that writes there makes it)", flush=True)
+    waiting = threading.Event()
+    try:
+        while not folder.exists():
+            waiting.wait(0.25)  # a folder made on another machine of a shared mount is seen by looking
+    except KeyboardInterrupt:
+        listener.close()
+        return False
+    if not folder.is_dir():
+        listener.close()
+        print(f"somatize view: {folder} appeared, and is not a folder", file=sys.stderr)
+        return False
+    print(f"somatize view: {folder} appeared; showing it", flush=True)
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
