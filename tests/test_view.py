@@ -101,8 +101,14 @@ def test_a_run_being_recorded_elsewhere_shows_up_and_its_curve_grows(processes, 
     page = browser.new_page()
     dialogs: list = []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    refused: list = []  # every request the page made answered (its icon included), no error said
+    page.on("response", lambda r: refused.append((r.status, r.url)) if r.status >= 400 else None)
+    page.on("console", lambda m: refused.append((m.type, m.text)) if m.type == "error" else None)
     page.goto(address)
     expect(page.locator("#note")).to_have_text("no run recorded in this store yet")
+    expect(page.locator("link[rel=icon]")).to_have_attribute("href", "/static/favicon.svg")
+    icon = page.request.get(base(address) + "/static/favicon.svg")
+    assert icon.status == 200 and icon.headers["content-type"] == "image/svg+xml"
     recording = processes(
         [sys.executable, "-c", RECORDING, str(folder), "tuesday", "x"], env=env_with_tests(), announce=None
     )
@@ -118,6 +124,7 @@ def test_a_run_being_recorded_elsewhere_shows_up_and_its_curve_grows(processes, 
     # every other summarised number has its own curve, titled by its kind
     expect(page.locator("#series-0")).to_contain_text("acc.value per forward")
     assert not dialogs
+    assert not refused, refused
 
 
 def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):

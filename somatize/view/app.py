@@ -51,6 +51,7 @@ from .watching import Watcher
 STATIC = Path(__file__).parent / "static"
 _FILES = {  # what the page is made of, and nothing else from the disk
     "app.js": "text/javascript",
+    "favicon.svg": "image/svg+xml",
     "style.css": "text/css",
     "uPlot.iife.min.js": "text/javascript",
     "uPlot.min.css": "text/css",
