@@ -109,6 +109,25 @@ def names(store, run):
 # -- the vocabulary ----------------------------------------------------------------------
 
 
+def test_a_recorder_closed_says_its_run_ended_and_how_and_a_later_forward_goes_on(store):
+    """`close` (or leaving `with`) writes the run's end, ok or broke, in an entry that is no
+    forward's; the fact `ended` does the same; a forward after it is numbered on."""
+    with Recorder(store, run="r") as rec:
+        chain().forward(1, watching=rec)
+    assert store.record("run/r/end") == {"run": "r", "how": "ok", "forwards": "1"}
+    with pytest.raises(RuntimeError), Recorder(store, run="r") as rec:
+        chain().forward(1, watching=rec)
+        raise RuntimeError("the loop around it broke")
+    assert store.record("run/r/end")["how"] == "broke"
+    rec = Recorder(store, run="r")
+    rec({"fact": "ended", "how": "ok"})
+    chain().forward(2, watching=rec)
+    assert store.record("run/r/end") == {"run": "r", "how": "ok", "forwards": "2"}
+    assert [row["forward"] for row in forwards(store, run="r")] == [0, 1, 2]
+    with pytest.raises(ValueError, match="ok"):
+        rec.close(how="done")
+
+
 def test_a_node_that_ran_says_which_one_how_long_and_where_and_nothing_about_a_device_nobody_declared(store):
     seen = Collect()
     with Broker.embedded({"w1": Worker.inprocess()}) as broker:

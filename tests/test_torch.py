@@ -568,6 +568,25 @@ def test_a_loss_lands_in_the_forward_it_belongs_to(tmp_path):
     assert curve(store, run="r") == [(n, float(f"{v:.6g}")) for n, v in enumerate(losses)]
     # the loss comes after the forward closed, and the update after the loss
     assert [f["fact"] for f in facts(store, run="r", forward=1)] == ["ran", "ran", "finished", "loss", "updated"]
+    # and the fit's end is the run's, in an entry of its own (no forward's facts)
+    assert store.record("run/r/end") == {"run": "r", "how": "ok", "forwards": "6"}
+    assert [f["fact"] for f in facts(store, run="r", forward=5)] == ["ran", "ran", "finished", "loss", "updated"]
+
+
+def test_a_fit_that_raises_says_its_run_broke(tmp_path):
+    from somatize.record import Recorder
+
+    store = FolderStore(tmp_path / "store")
+    head = Head(2)
+    trainer = Trainer(
+        head.named("head"),
+        objective=mse,
+        optimizer=torch.optim.SGD(head.parameters(), lr=0.1),
+        watching=Recorder(store, run="r"),
+    )
+    with pytest.raises(TypeError):
+        trainer.fit([(torch.randn(4, 2), torch.randn(4)), "not a pair"])
+    assert store.record("run/r/end")["how"] == "broke"
 
 
 def test_a_group_of_steps_moves_once_and_says_so_once():

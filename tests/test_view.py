@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -51,8 +52,12 @@ RECORDING = """if True:
         rec(fact("loss", value=1.0 / (n + 1)))
         rec(fact("acc", value=n / 400))
         n += 1
-        time.sleep(0.25)
         print(n, flush=True)
+        if go_on != "x" and n == 3:  # wait for the word, then say the run ended
+            sys.stdin.readline()
+            rec(fact("ended", how=go_on))
+            break
+        time.sleep(0.25)
 """
 
 
@@ -125,6 +130,48 @@ def test_a_run_being_recorded_elsewhere_shows_up_and_its_curve_grows(processes, 
     expect(page.locator("#series-0")).to_contain_text("acc.value per forward")
     assert not dialogs
     assert not refused, refused
+
+
+def test_a_run_is_shown_running_then_ended_and_one_gone_quiet_silent(processes, browser, tmp_path):
+    """Each run says whether it goes on: running while its recorder writes within its pace,
+    ended (ok or broke) once it said so, silent when its last write is older than its pace."""
+    folder = tmp_path / "store"
+    FolderStore(folder)
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    from somatize import Node
+    from somatize.record import Recorder
+
+    class Step(Node):
+        def forward(self, x):
+            return x
+
+    recording = processes(
+        [sys.executable, "-c", RECORDING, str(folder), "monday", "broke"],
+        env=env_with_tests(),
+        announce=None,
+        stdin=True,
+    )
+    assert [recording.line(30).strip() for _ in range(3)] == ["1", "2", "3"]  # it waits for the word
+    page.goto(address)
+    row = page.locator("#runs tr", has_text="monday")
+    expect(row.locator(".status")).to_have_text("running", timeout=10_000)
+    page.locator("#runs a", has_text="monday").click()
+    expect(page.locator("#status")).to_have_text("running")
+    recording.tell("go\n")
+    expect(page.locator("#status")).to_have_text("ended (broke)", timeout=10_000)  # live: no reload
+    page.goto(address)
+    expect(page.locator("#runs tr", has_text="monday").locator(".status")).to_have_text("ended (broke)")
+    # a run whose recorder went quiet long ago (its entries' stamps say when it last wrote)
+    with Recorder(FolderStore(folder), run="sunday") as quiet:
+        Step().named("step").forward(1, watching=quiet)
+    for entry in (folder / "run" / "sunday").iterdir():
+        os.utime(entry, (time.time() - 600, time.time() - 600))
+    (folder / "run" / "sunday" / "end.rec").unlink()  # as if its process had been killed
+    page.reload()
+    expect(page.locator("#runs tr", has_text="sunday").locator(".status")).to_contain_text(
+        "silent, last written 10 min", timeout=10_000
+    )
 
 
 def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):

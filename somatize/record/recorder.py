@@ -39,6 +39,13 @@ CHUNK = 1000
 CHUNKS = "chunk"
 #: The longest chunk file read back (bytes): a recorder's thousand records are a few hundred KiB.
 CHUNK_MOST = 32 << 20
+#: The entry that says a run ended, and how (``run/<run>/end``: ``how`` is ``ok`` or ``broke``,
+#: ``forwards`` how many it had): written by :meth:`Recorder.close`, or when a watcher hears
+#: the fact `ENDED` (``Trainer.fit`` says it as it returns or raises). A forward written after
+#: it makes the run one that goes on (the readers compare their stamps).
+END = "end"
+#: The fact that a run (or a fit of it) ended: ``{"fact": "ended", "how": "ok" | "broke"}``.
+ENDED = "ended"
 _KIND = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -95,9 +102,27 @@ class Recorder:
         extra = f", summarising={list(self._summarising)!r}" if self._summarising else ""
         return f"Recorder({self._store!r}, run={self._run!r}{extra})"
 
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        self.close(how="ok" if kind is None else "broke")
+
+    def close(self, how: str = "ok") -> None:
+        """Say that the run ended, ``how`` (``"ok"`` or ``"broke"``): the view shows it ended
+        rather than gone silent. Nothing stops a later forward (the run then goes on); the
+        recorder holds nothing to let go of. ``with Recorder(...) as rec:`` closes it."""
+        if how not in ("ok", "broke"):
+            raise ValueError(f'a run ends "ok" or "broke"; got {how!r}')
+        with self._lock:
+            self._store.put(end_name(self._run), {"run": self._run, "how": how, "forwards": str(self._next)})
+
     def __call__(self, fact: Mapping[str, str]) -> None:
         """Take one fact: file it, and write when a forward closes or a closed one grows."""
         f = _checked(fact)
+        if f["fact"] == ENDED:  # not a forward's: the run's end, in an entry of its own
+            self.close("broke" if f.get("how") == "broke" else "ok")
+            return
         line = _line(f)
         with self._lock:
             # the lock is held across the put, so two rewrites of one entry land in order
@@ -290,6 +315,11 @@ def forward_numbers(store: Store, run: str) -> list[int]:
 
 def entry_name(run: str, number: int) -> str:
     return f"{RUNS}{run}/{number}"
+
+
+def end_name(run: str) -> str:
+    """Where ``run``'s end is said (`END`)."""
+    return f"{RUNS}{run}/{END}"
 
 
 def chunk_name(run: str, k: int) -> str:

@@ -14,6 +14,7 @@ import torch
 from somatize.errors import PlanError, Unsettled
 from somatize.facts import Watchers, fact
 from somatize.graph import Graph, as_graph
+from somatize.record.recorder import ENDED
 
 __all__ = ["Trainer"]
 
@@ -140,7 +141,8 @@ class Trainer:
         graph is built through a frozen node, so what it hands on is a leaf whether it ran
         here, ran elsewhere or was recalled. Runs with grad enabled in this thread; the engine's
         pool threads, where parallel branches run, have it enabled unless a node turned it
-        off for good. Watchers are not closed: they belong to whoever made them.
+        off for good. Watchers are not closed (they belong to whoever made them); they hear
+        ``ended`` (``how`` ok or broke) as it returns or raises.
         """
         if type(epochs) is not int or epochs < 0:
             raise ValueError(f"`epochs=` is a whole number >= 0; it was given {epochs!r}")
@@ -153,11 +155,14 @@ class Trainer:
         quiet = [p for step in self.graph.steps if step.freeze for p in _trainable(step.node)]
         for p in quiet:
             p.requires_grad_(False)
+        how = "broke"
         try:
             self._epochs(fresh, epochs, losses)
+            how = "ok"
         finally:
             for p in quiet:
                 p.requires_grad_(True)
+            self.watching(fact(ENDED, how=how))  # a Recorder files the run's end (the view shows it)
         return losses
 
     def _epochs(self, fresh: Callable[[], Iterable[Any]], epochs: int, losses: list[float]) -> None:

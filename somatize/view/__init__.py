@@ -112,7 +112,9 @@ def _appeared(folder: Path, listener: socket.socket) -> bool:
     it appears. False when interrupted first."""
     if folder.is_dir():
         return True
-    print(f"somatize view: waiting for {folder} to appear (the first run or study that writes there makes it)", flush=True)
+    print(
+        f"somatize view: waiting for {folder} to appear (the first run or study that writes there makes it)", flush=True
+    )
     waiting = threading.Event()
     try:
         while not folder.exists():

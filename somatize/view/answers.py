@@ -11,7 +11,8 @@
   and its stamp are read together (a stamp, the record, the stamp again): a write landing
   in between is never half-counted.
 - The runs, the one written last first (a ``stat`` of each run's folder, no record read),
-  and how long ago each machine last reported (its report's stamp).
+  and how long ago each machine last reported (its report's stamp); whether a run goes on,
+  ended (and how) or went silent (its stamps).
 
 Every name and value here comes from the store, so from whoever may write it: it is only
 counted and passed on as data, and the page draws it as text.
@@ -23,11 +24,12 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ..errors import Missing, SomatizeError
 from ..record.readers import whole
+from ..record.recorder import end_name, entry_name
 from ..study.history import attempt_name
 
 #: The most parameters a study's page draws (the others are counted, not drawn).
@@ -119,6 +121,44 @@ def runs_by_last_write(changes: Any) -> list[str]:
         except OSError:
             continue
     return [run for _, run in sorted(stamped, reverse=True)]
+
+
+#: A run whose newest forward was written at most this long ago (or three times its own pace
+#: between forwards, for a slow one) is running; past it, silent (seconds).
+RUNNING_FOR = 30.0
+
+
+def run_status(store: Any, run: str, numbers: Collection[int]) -> dict[str, Any]:
+    """Whether ``run`` (whose forwards are ``numbers``) goes on: ``state`` is ``ended`` (its
+    recorder said so after its last forward; ``how`` says ok or broke), ``running`` (its
+    newest forward is younger than `RUNNING_FOR`, or three times the run's own pace) or
+    ``silent``; ``quiet_s`` is how long ago its last write was, and ``silent_after_s`` when a
+    running one is to be called silent if nothing comes meanwhile. By the entries' stamps
+    against this view's clock: two stamps of the run and its end, whatever its length."""
+    out: dict[str, Any] = {"state": "silent", "how": "", "quiet_s": None}
+    try:
+        ended = store.record(end_name(run))
+        ended_ns = store.stamp(end_name(run))
+    except (Missing, OSError, SomatizeError, ValueError):
+        ended, ended_ns = None, 0
+    last_ns = first_ns = 0
+    if numbers:
+        try:
+            last_ns = store.stamp(entry_name(run, max(numbers)))
+            first_ns = store.stamp(entry_name(run, min(numbers))) if len(numbers) > 1 else last_ns
+        except (Missing, OSError, SomatizeError, ValueError):
+            pass
+    newest = max(last_ns, ended_ns)
+    if not newest:
+        return out
+    out["quiet_s"] = quiet = max(0.0, (time.time_ns() - newest) / 1e9)
+    if ended is not None and ended_ns >= last_ns:
+        out["state"], out["how"] = "ended", "broke" if ended.get("how") == "broke" else "ok"
+        return out
+    pace = (last_ns - first_ns) / 1e9 / (len(numbers) - 1) if len(numbers) > 1 else 0.0
+    out["silent_after_s"] = limit = max(RUNNING_FOR, 3 * pace)  # the page says silent then, if nothing came
+    out["state"] = "running" if quiet <= limit else "silent"
+    return out
 
 
 def report_ages(store: Any, machines: list[str]) -> dict[str, float | None]:

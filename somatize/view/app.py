@@ -40,7 +40,7 @@ from ..record import fleet, latest, nodes, trials
 from ..record.readers import facts as facts_of
 from ..record.readers import whole
 from ..record.studies import best_of, direction_of
-from .answers import by_parameter, report_ages, running, runs_by_last_write
+from .answers import by_parameter, report_ages, run_status, running, runs_by_last_write
 from .changes import Changes, studies
 from .guard import refused as _refused
 from .reading import ViewStore
@@ -114,14 +114,16 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
     def read_runs(request: Request) -> Any:
         out = []
         for run in changes.runs():
-            count, last = changes.last_forward(run)  # a listing and one record, not a scan of the run
+            numbers = changes.forward_files(run)  # a listing, one record and a few stamps: not a scan of the run
+            last = changes.last_forward(run, numbers)
             out.append(
                 {
                     "run": run,
-                    "forwards": count,
+                    "forwards": len(numbers),
                     "state": last.get("state", ""),
                     "took_us": whole(last.get("took_us")),
                     "loss": _number(last.get("loss.value")),
+                    "status": run_status(store, run, numbers),
                 }
             )
         return sorted(out, key=lambda row: row["run"], reverse=True)
@@ -129,7 +131,10 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
     def read_run(request: Request) -> Any:
         # each forward read once, then only what is new (`runs`); the curve is each
         # record's summarised loss, as `curve` reads it
-        return runs.page(request.path_params["run"], _whole(request.query_params.get("from"), 0), PAGE)
+        run = request.path_params["run"]
+        body = runs.page(run, _whole(request.query_params.get("from"), 0), PAGE)
+        body["status"] = run_status(store, run, changes.forward_files(run))
+        return body
 
     def read_nodes(request: Request) -> Any:
         return nodes(store, request.path_params["run"], last=_whole(request.query_params.get("last"), 100) or None)

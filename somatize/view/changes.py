@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +49,18 @@ class Changes:
                 continue
         return kept
 
-    def last_forward(self, run: str) -> tuple[int, dict[str, str]]:
-        """How many forwards ``run`` holds, and the last one's record: a listing of its folder
-        and one read, where ``forwards`` would read every record."""
+    def last_forward(self, run: str, numbers: Collection[int] | None = None) -> dict[str, str]:
+        """The record of ``run``'s last forward (of ``numbers``, its forwards' numbers, when
+        the caller listed them): one read, where ``forwards`` would read every record."""
         check_run(run, "the view")
-        numbers = self.forward_files(run)
+        if numbers is None:
+            numbers = self.forward_files(run)
         if not numbers:
-            return 0, {}
+            return {}
         try:
-            return len(numbers), self.store.record(f"{RUNS}{run}/{max(numbers)}")
+            return self.store.record(f"{RUNS}{run}/{max(numbers)}")
         except (Missing, OSError, SomatizeError):
-            return len(numbers), {}
+            return {}
 
     def forward_files(self, *parts: str, stats: bool = False) -> dict[int, Any]:
         """The files ``N.rec`` of the folder ``run/<parts...>`` (a run's forwards, or its

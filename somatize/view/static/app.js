@@ -83,6 +83,31 @@ setInterval(() => {
   }
 }, 1000);
 
+// a run's state at a glance: running (written within its pace), ended (and how), or silent
+function status(s) {
+  if (!s) return el("span", "");
+  if (s.state === "ended") return el("span", `ended (${s.how})`, `status ended ${s.how}`);
+  if (s.state === "running") {  // silent once its pace passes with nothing written (no drawing comes then)
+    const span = el("span", "running", "status running");
+    Object.assign(span.dataset, { quiet: String(s.quiet_s), at: String(performance.now()), after: String(s.silent_after_s) });
+    return span;
+  }
+  return silent(el("span"), s.quiet_s);
+}
+
+function silent(span, quiet) {
+  span.className = "status silent";
+  span.replaceChildren("silent, last written ", ticking(quiet, " ago"));
+  return span;
+}
+
+setInterval(() => {
+  for (const span of document.querySelectorAll("span.status.running")) {
+    const quiet = Number(span.dataset.quiet) + (performance.now() - Number(span.dataset.at)) / 1000;
+    if (quiet > Number(span.dataset.after)) silent(span, quiet);
+  }
+}, 1000);
+
 // a table of rows; columns: [heading, (row) => value or node, class]
 function table(id, columns, rows) {
   const t = el("table");
@@ -169,6 +194,7 @@ async function runsPage() {
   clear("Runs", rows.length ? `${rows.length} runs, newest first` : "no run recorded in this store yet");
   $("tables").appendChild(table("runs", [
     ["run", (r) => link(r.run, "#/run/" + encodeURIComponent(r.run))],
+    ["status", (r) => status(r.status)],
     ["forwards", (r) => r.forwards, "num"],
     ["last state", (r) => r.state, (r) => r.state],
     ["last took", (r) => took(r.took_us), "num"],
@@ -178,7 +204,10 @@ async function runsPage() {
 
 async function runPage(run, from) {
   const body = await read(`/api/run/${encodeURIComponent(run)}?from=${from || 0}`);
-  clear(`Run ${body.run}`, `${body.count} forwards; summarised kinds: ${body.kinds.join(", ") || "none"}`);
+  clear(`Run ${body.run}`, `; ${body.count} forwards; summarised kinds: ${body.kinds.join(", ") || "none"}`);
+  const state = status(body.status);
+  state.id = "status";
+  $("note").prepend(state);
   chart("curve", "loss per forward", ["forward", "loss"], body.curve.map((p) => p[0]), body.curve.map((p) => p[1]));
   chart("took", "took per forward (µs)", ["forward", "took_us"], body.took.map((p) => p[0]), body.took.map((p) => p[1]));
   Object.entries(body.series || {}).forEach(([kind, points], i) => {  // every other summarised number
