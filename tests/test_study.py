@@ -573,6 +573,30 @@ def test_watch_on_a_terminal_draws_one_line_in_place(tmp_path):
     assert "study 'ended': 3/3 finished (3 done)" in drawn and "\r" in drawn  # drawn in place, by tqdm
 
 
+@pytest.mark.pure
+def test_watch_says_which_runner_went_silent_and_when_its_trial_is_taken_over():
+    """A running trial whose record's stamp stops moving for half the patience has its
+    runner said silent, timed by the watch's own clock from when it first saw that stamp
+    (never another machine's clock against it), with the time left until its takeover."""
+    from somatize.study.watching import Seen, Stamps, line
+
+    stamps = Stamps()
+    look = lambda stamp: Seen(4, {"done": 1, "running": 2}, None, ((0, 0, stamp), (3, 1, 500)))  # noqa: E731
+    assert stamps.silent(look(100), patience=10, now=1000.0) == []  # first seen: nothing known yet
+    assert stamps.silent(look(100), patience=10, now=1004.0) == []  # quiet 4 s: within its writes
+    again = stamps.silent(look(200), patience=10, now=1006.0)  # trial 0 wrote: its silence starts again
+    assert [(s.trial, s.quiet) for s in again] == [(3, 6.0)]  # trial 3's did not: silent past half
+    silent = stamps.silent(look(200), patience=10, now=1007.0)
+    assert [(s.trial, s.attempt, s.quiet, s.left) for s in silent] == [(3, 1, 7.0, 3.0)]
+    said = line("tune", look(200), None, silent)
+    assert "; trial 3 attempt 1: its runner silent for 7 s, taken over in about 3 s" in said
+    late = stamps.silent(look(200), patience=10, now=1012.0)
+    assert "trial 3 attempt 1: its runner silent for 12 s, taken over at a runner's next look" in line(
+        "tune", look(200), None, late
+    )
+    assert [s.trial for s in late] == [0, 3]
+
+
 def test_show_prints_the_trials(folder, capsys):
     store = FolderStore(folder)
     study = Study(store, "shown", objective="study_objectives:quadratic", space=X, trials=3, sampler="random")

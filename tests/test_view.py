@@ -340,6 +340,41 @@ def test_a_view_started_before_its_store_exists_waits_for_it_and_creates_nothing
     expect(page.locator("#runs a", has_text="first")).to_be_visible(timeout=30_000)
 
 
+def test_a_killed_runner_is_flagged_silent_with_the_time_to_its_takeover(processes, browser, tmp_path):
+    """A runner writes its trial every third of the patience: killed, it is flagged silent on
+    the page once half the patience passed, with the time left until another runner takes
+    the trial over; the attempt shown is numbered as the runner's lines number it (from 0)."""
+    from optuna.distributions import FloatDistribution
+
+    from somatize import Study
+
+    folder = tmp_path / "store"
+    Study(
+        FolderStore(folder),
+        "tune",
+        objective="study_objectives:stalls_on_first_attempt",
+        trials=2,
+        space={"x": FloatDistribution(-5, 5)},
+        sampler="random",
+        patience=4,
+    )
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)
+    page.goto(base(address) + "/#/study/tune")
+    study = [sys.executable, "-m", "somatize", "study", "--store", str(folder), "tune", "--runner"]
+    stalling = processes([*study, "stalling"], env=env_with_tests(), announce=None)
+    row = page.locator("#running tr", has_text="stalling")
+    expect(row.locator(".heard")).to_have_text("writing", timeout=15_000)
+    expect(row.locator("td").nth(2)).to_have_text("0")  # attempt 0, as its runner says
+    stalling.popen.kill()
+    expect(row.locator(".heard")).to_have_text(re.compile(r"^silent: taken over in about [1-3] s$"), timeout=10_000)
+    processes([*study, "quick"], env=env_with_tests(), announce=None)
+    expect(page.locator("#note")).to_contain_text("2 done", timeout=30_000)
+    trial = page.locator("#trials tr").filter(has=page.locator("td:first-child", has_text=re.compile(r"^0$")))
+    expect(trial.locator("td").nth(2)).to_have_text("2")  # two attempts: the killed one's, then quick's
+
+
 def test_a_study_s_page_draws_its_score_against_each_parameter_and_what_runs_now(processes, browser, tmp_path):
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 

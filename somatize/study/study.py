@@ -50,6 +50,14 @@ Progress = Callable[[str], Any]
 _FIRST_WAIT = 0.01  # seconds: the first wait while others' attempts run, doubling up to a poll
 
 
+#: Seconds a running attempt may go unwritten before another runner takes it over, by
+#: default. Its runner writes it every third of that (a thread of its own does), so a runner
+#: that was killed has its trial taken over within about three of its writes and a judge's
+#: look (a quarter of it): ten seconds or so, while the other runners wait. Raise it where a
+#: healthy runner can be silent longer (a swapping node, a slow network file system).
+PATIENCE = 10.0
+
+
 class Study:
     """A search for the configuration that minimises (or maximises) an objective's score.
 
@@ -64,8 +72,8 @@ class Study:
     the study runs, ``sampler`` names Optuna's sampler (``"tpe"``, ``"random"``,
     ``"grid"``, ``"cmaes"``, ``"qmc"``, ``"gp"``, ``"nsga2"``, ``"bruteforce"``) seeded
     with ``seed``, ``direction`` is ``"minimize"`` or ``"maximize"``. An attempt that goes
-    unwritten for ``patience`` seconds is taken over by another runner, up to ``attempts``
-    attempts per trial. ``pruner`` names an Optuna pruner (``"median"``, ``"hyperband"``,
+    unwritten for ``patience`` seconds (`PATIENCE` by default; its runner writes it every
+    third of that) is taken over by another runner, up to ``attempts`` attempts per trial. ``pruner`` names an Optuna pruner (``"median"``, ``"hyperband"``,
     ``"successive_halving"``, ``"wilcoxon"``) that may stop a trial on the values it says.
 
     The store must be shared by every runner (a folder on a disk they all mount) and be a
@@ -89,7 +97,7 @@ class Study:
         seed: int = 0,
         attempts: int = 3,
         direction: str = "minimize",
-        patience: float = 60.0,
+        patience: float = PATIENCE,
         pruner: str | None = None,
     ) -> None:
         self._store = _claiming(store)

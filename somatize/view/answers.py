@@ -93,6 +93,7 @@ def running(store: Any, study: str, rows: list[dict[str, Any]]) -> dict[str, Any
             "trial": row["trial"],
             "runner": row["runner"],
             "attempts": row["attempts"],
+            "attempt": row["attempts"] - 1,  # numbered from 0, as its runner's lines and `--show` say
             "config": row["config"],
             "running_s": None,
             "written_s_ago": None,

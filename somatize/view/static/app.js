@@ -352,15 +352,42 @@ function runningOf(running, patience) {
     return;
   }
   tables.appendChild(table("running", [
-    ["trial", (t) => t.trial, "num"], ["runner", (t) => t.runner], ["attempt", (t) => t.attempts, "num"],
+    ["trial", (t) => t.trial, "num"], ["runner", (t) => t.runner], ["attempt", (t) => t.attempt, "num"],
     ["running for", (t) => ticking(t.running_s, ""), "num since"],
     ["last written", (t) => ticking(t.written_s_ago, " ago"), "num"],
-    ["", (t) => (patience !== null && t.written_s_ago !== null && t.written_s_ago > patience
-      ? `unwritten for longer than the study's patience (${patience} s): another runner may take it over` : "")],
+    ["still writing?", (t) => heard(t.written_s_ago, patience), "alive"],
     ["config", (t) => JSON.stringify(t.config)],
   ], running.running));
   if (running.count > running.running.length) tables.appendChild(el("p", `and ${running.count - running.running.length} more`, "more"));
 }
+
+// whether a trial's runner still writes: it writes every third of the study's patience, so
+// one silent for more than one and a half of those has gone silent; past the patience,
+// another runner takes its trial over (at its next look). Judged again every second.
+function heard(ago, patience) {
+  const span = el("span", "", "heard");
+  if (ago === null || ago === undefined || patience === null || patience === undefined) return span;
+  Object.assign(span.dataset, { ago: String(ago), at: String(performance.now()), patience: String(patience) });
+  judgeHeard(span);
+  return span;
+}
+
+function judgeHeard(span) {
+  const ago = Number(span.dataset.ago) + (performance.now() - Number(span.dataset.at)) / 1000;
+  const patience = Number(span.dataset.patience);
+  if (ago <= patience / 2) {
+    span.className = "heard writing";
+    span.textContent = "writing";
+  } else if (ago <= patience) {
+    span.className = "heard silent";
+    span.textContent = `silent: taken over in about ${Math.ceil(patience - ago)} s`;
+  } else {
+    span.className = "heard silent";
+    span.textContent = `silent past the patience (${patience} s): taken over at another runner's next look`;
+  }
+}
+
+setInterval(() => { for (const span of document.querySelectorAll("span.heard[data-ago]")) judgeHeard(span); }, 1000);
 
 function pager(body, hash) {
   const rows = body.forwards || body.trials;
