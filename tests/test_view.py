@@ -373,6 +373,13 @@ def test_a_killed_runner_is_flagged_silent_with_the_time_to_its_takeover(process
     expect(page.locator("#note")).to_contain_text("2 done", timeout=30_000)
     trial = page.locator("#trials tr").filter(has=page.locator("td:first-child", has_text=re.compile(r"^0$")))
     expect(trial.locator("td").nth(2)).to_have_text("2")  # two attempts: the killed one's, then quick's
+    # the timeline: each attempt on its runner's row, the takeover outlined, the killed one overtaken
+    timeline = page.locator("#timeline")
+    expect(timeline).to_have_attribute("data-attempts", "3")
+    expect(timeline).to_have_attribute("data-runners", "2")
+    expect(timeline.locator("rect[data-trial='0'][data-attempt='0']")).to_have_class(re.compile(r"\bovertaken\b"))
+    expect(timeline.locator("rect[data-trial='0'][data-attempt='1']")).to_have_class(re.compile(r"\bagain\b"))
+    assert sorted(timeline.locator("text.runner").all_text_contents()) == ["quick", "stalling"]
 
 
 def test_a_study_s_page_draws_its_score_against_each_parameter_and_what_runs_now(processes, browser, tmp_path):
@@ -412,13 +419,36 @@ def test_a_study_s_page_draws_its_score_against_each_parameter_and_what_runs_now
     processes([*study, "quick"], env=env_with_tests(), announce=None)
     expect(page.locator("#note")).to_contain_text("8 done", timeout=30_000)
 
-    # a chart per numeric parameter, each with a point per done trial; the category is named, not drawn
+    # a chart per parameter, each with a point per done trial, on an axis of its kind
     charts = page.locator("#parameters .chart")
-    expect(charts).to_have_count(3)
-    assert sorted(charts.evaluate_all("boxes => boxes.map(b => b.dataset.parameter)")) == sorted(["n", "x", hostile])
-    assert charts.evaluate_all("boxes => boxes.map(b => b.dataset.points)") == ["8", "8", "8"]
+    expect(charts).to_have_count(4)
+    kinds = dict(charts.evaluate_all("boxes => boxes.map(b => [b.dataset.parameter, b.dataset.kind])"))
+    assert kinds == {"kind": "categorical", "n": "int", "x": "float", hostile: "log"}
+    assert charts.evaluate_all("boxes => boxes.map(b => b.dataset.points)") == ["8", "8", "8", "8"]
     expect(page.locator("#parameters .u-title", has_text=hostile)).to_have_text(hostile)  # the name, as text
-    expect(page.locator("p.not-drawn")).to_have_text(re.compile(r'^kind: not drawn, .*"a"'))
+    ticks = dict(charts.evaluate_all("boxes => boxes.map(b => [b.dataset.kind, JSON.parse(b.dataset.xticks)])"))
+    assert ticks["categorical"] == ['"a"', '"b"']  # a strip per category, named
+    assert all(re.fullmatch(r"-?\d+", t) for t in ticks["int"])  # whole numbers only
+    assert "0.001" in ticks["log"] and "1" in ticks["log"] and "0" not in ticks["log"]  # every decade as itself
+
+    # what optuna-dashboard shows: each parameter's importance (Optuna's), parallel coordinates
+    weights = page.locator("#importances .importance")
+    expect(weights).to_have_count(4)
+    assert sorted(weights.evaluate_all("rows => rows.map(r => r.dataset.parameter)")) == sorted(
+        ["kind", "n", "x", hostile]
+    )
+    assert abs(sum(map(float, weights.evaluate_all("rows => rows.map(r => r.dataset.importance)"))) - 1) < 1e-6
+    expect(page.locator("#importances")).to_have_attribute("data-by", re.compile("PED-ANOVA"))
+    expect(page.locator("#parallel")).to_have_attribute("data-lines", "8")
+    expect(page.locator("#parallel")).to_have_attribute("data-axes", "4")
+    expect(page.locator("#parallel text.axis-name", has_text=hostile)).to_have_count(1)  # a name, as text
+    # the trials table sorts by a column (all trials, by the server) and shows one state
+    page.locator("#trials a.sort[data-sort=score]").click()
+    expect(page.locator("#trials a.sort[data-sort=score]")).to_have_text("score ▲")
+    scores = [float(t) for t in page.locator("#trials tr td:nth-child(4)").all_text_contents() if t]
+    assert scores == sorted(scores) and len(scores) == 8
+    page.locator("#trial-state").select_option("running")
+    expect(page.locator("#trials tr")).to_have_count(2)  # the heading, and trial 0 still running
 
     # how long trial 0 has run is its record's: it grows, and a page opened later starts from it
     page.wait_for_function(

@@ -31,6 +31,7 @@ from ..errors import Missing, SomatizeError
 from ..record.readers import whole
 from ..record.recorder import end_name, entry_name
 from ..study.history import attempt_name
+from .study_page import axis, place
 
 #: The most parameters a study's page draws (the others are counted, not drawn).
 PARAMETERS = 50
@@ -43,42 +44,37 @@ _SHOWN = 60  # characters of each of those values
 
 def by_parameter(rows: list[dict[str, Any]], space: str | None, thin: Callable[[list], list]) -> dict[str, Any]:
     """The score of each done trial against each parameter's value: ``drawn``, a chart per
-    numeric parameter (``name``, ``points`` as ``[value, score]`` in order of value, thinned
-    by ``thin``, ``count`` before thinning, ``log`` where the space says so), ``not_drawn``
-    (``name``, ``values``: a few of its distinct values, ``distinct``: how many), and
-    ``more``, how many parameters were left out past :data:`PARAMETERS`."""
+    parameter (``name``, ``kind``: ``float``, ``log``, ``int`` or ``categorical``, with its
+    ``categories`` named; ``points`` as ``[value, score]`` in order of value, a category's
+    value its index; thinned by ``thin``, ``count`` before thinning), ``not_drawn`` (kept
+    empty: every parameter is drawn on an axis of its kind), and ``more``, how many
+    parameters were left out past :data:`PARAMETERS`."""
     done = [
         row
         for row in rows
         if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])
     ]
-    kinds = _space(space)
+    kinds = space_of(space)
     values: dict[str, list[tuple[Any, float]]] = {name: [] for name in kinds}
     for row in done:
         for name, value in row["config"].items():
             if value is not None:
                 values.setdefault(name, []).append((value, row["score"]))
     names = sorted(values)
-    drawn, not_drawn = [], []
+    drawn = []
     for name in names[:PARAMETERS]:
         pairs = values[name]
-        numeric = all(_numeric(value) for value, _ in pairs)
-        if numeric and not pairs:  # no trial has finished with it yet: its space says
-            numeric = kinds[name].get("name") != "CategoricalDistribution" or all(
-                _numeric(choice) for choice in _choices(kinds[name]) or [None]
-            )
-        if numeric:
-            points = sorted(((float(value), score) for value, score in pairs), key=lambda p: p[0])
-            log = kinds.get(name, {}).get("attributes", {}).get("log") is True and all(p[0] > 0 for p in points)
-            drawn.append({"name": name, "points": thin(points), "count": len(points), "log": log})
-        else:
-            distinct = list(dict.fromkeys(json.dumps(value) for value, _ in pairs))
-            if not distinct:  # a categorical parameter no trial has finished with yet
-                distinct = list(dict.fromkeys(json.dumps(choice) for choice in _choices(kinds[name])))
-            not_drawn.append(
-                {"name": name, "values": [v[:_SHOWN] for v in distinct[:EXAMPLES]], "distinct": len(distinct)}
-            )
-    return {"drawn": drawn, "not_drawn": not_drawn, "more": max(0, len(names) - PARAMETERS)}
+        shape = axis(name, kinds.get(name, {}), [value for value, _ in pairs])
+        placed = [(place(shape, value), score) for value, score in pairs]
+        points = sorted(((x, score) for x, score in placed if x is not None), key=lambda p: p[0])
+        chart = {"name": name, "kind": shape["kind"], "points": thin(points), "count": len(points)}
+        chart["log"] = shape["kind"] == "log" and all(p[0] > 0 for p in points)
+        if shape["kind"] == "categorical":
+            chart["categories"] = shape["categories"]
+        else:  # the axis spans the parameter's space (its distribution's low and high)
+            chart["low"], chart["high"] = shape["low"], shape["high"]
+        drawn.append(chart)
+    return {"drawn": drawn, "not_drawn": [], "more": max(0, len(names) - PARAMETERS)}
 
 
 def running(store: Any, study: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -207,7 +203,7 @@ def _choices(kind: dict[str, Any]) -> list:
     return choices if isinstance(choices, list) else []
 
 
-def _space(text: str | None) -> dict[str, dict[str, Any]]:
+def space_of(text: str | None) -> dict[str, dict[str, Any]]:
     """The study's space as its definition wrote it (distributions as Optuna writes them to
     JSON), or ``{}`` where it is not that."""
     if not text:

@@ -40,12 +40,13 @@ from ..record import fleet, latest, nodes, trials
 from ..record.readers import facts as facts_of
 from ..record.readers import whole
 from ..record.studies import best_of, direction_of
-from .answers import by_parameter, report_ages, run_status, running, runs_by_last_write
+from .answers import by_parameter, report_ages, run_status, running, runs_by_last_write, space_of
 from .changes import Changes, studies
 from .guard import refused as _refused
 from .reading import ViewStore
 from .runs import Runs
 from .runs import thinned as _thinned
+from .study_page import Importances, parallel, timeline
 from .watching import Watcher
 
 STATIC = Path(__file__).parent / "static"
@@ -75,6 +76,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
     store = ViewStore(path)  # every read bounded; nothing written
     changes = Changes(store)
     runs = Runs(store)
+    weights = Importances()  # each study's, until its done trials change
     runs.warm()  # the newest runs read before anyone asks: a long run's first look waits less
     watcher = Watcher(Path(path))
     reading = asyncio.Semaphore(READING)
@@ -171,11 +173,17 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
             for row in rows
             if row["state"] == "done" and isinstance(row["score"], float) and math.isfinite(row["score"])
         ]
+        shown = _sorted_trials(rows, request.query_params)  # the table's order and filter
+        states: dict[str, int] = {}
+        for row in rows:
+            states[row["state"]] = states.get(row["state"], 0) + 1
         return {
             "study": name,
-            "count": len(rows),
+            "claimed": len(rows),
+            "states": states,
+            "count": len(shown),
             "from": start,
-            "trials": rows[start : start + PAGE],
+            "trials": shown[start : start + PAGE],
             "best": best_of(rows, direction),
             "direction": direction or "direction unknown",
             "scores": scores,
@@ -183,6 +191,10 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
             "parameters": by_parameter(rows, definition.get("space"), _thinned),
             "running": running(store, name, rows),
             "patience": _number(definition.get("patience")),
+            # as optuna-dashboard shows a study, and who ran what when (`study_page`)
+            "importances": weights.of(store, name, rows),
+            "parallel": parallel(rows, space_of(definition.get("space"))),
+            "timeline": timeline(store, name),
         }
 
     async def events(request: Request) -> Response:
@@ -289,6 +301,25 @@ def _number(value: str | None) -> float | None:
     except ValueError:
         return None
     return number if number is not None and math.isfinite(number) else None
+
+
+#: What a study's trials table may be sorted by (``?sort=``), each a key of a trial's row.
+SORTS = ("trial", "state", "attempts", "score", "took_us", "runner")
+
+
+def _sorted_trials(rows: list[dict[str, Any]], query: Any) -> list[dict[str, Any]]:
+    """``rows`` with only the ``state`` asked (all when none), sorted by ``sort`` (one of
+    `SORTS`; ``desc=1`` the other way), rows with no value last either way."""
+    state = query.get("state") or ""
+    shown = [row for row in rows if row["state"] == state] if state else list(rows)
+    key = query.get("sort") or "trial"
+    if key not in SORTS:
+        raise ValueError(f"a study's trials sort by one of {', '.join(SORTS)}; not {key[:40]!r}")
+    desc = query.get("desc") == "1"
+    present = [row for row in shown if row.get(key) is not None]
+    missing = [row for row in shown if row.get(key) is None]
+    present.sort(key=lambda row: (row[key], row["trial"]), reverse=desc)
+    return present + missing
 
 
 def _whole(value: str | None, default: int) -> int:

@@ -109,11 +109,16 @@ setInterval(() => {
 }, 1000);
 
 // a table of rows; columns: [heading, (row) => value or node, class]
-function table(id, columns, rows) {
+function table(id, columns, rows, headings) {
   const t = el("table");
   t.id = id;
   const head = el("tr");
-  for (const [name] of columns) head.appendChild(el("th", name));
+  for (const [name] of columns) {
+    const th = el("th");
+    const given = headings && headings[name];
+    if (given) th.appendChild(given); else th.textContent = name;
+    head.appendChild(th);
+  }
   t.appendChild(head);
   for (const row of rows) {
     const tr = el("tr");
@@ -160,24 +165,168 @@ async function read(path) {
   return body;
 }
 
-// the score against one parameter's value: points, no line (x in order, as uPlot wants)
+// a tick's label in the parameter's own units: every decade of a log axis reads as itself
+// (1e-4, 0.001, 0.01 ... 1000), never rounded to "0"
+function tick(v) {
+  if (v === null || v === undefined) return "";  // a split uPlot leaves unlabelled (between decades)
+  if (v === 0) return "0";
+  const size = Math.abs(v);
+  if (size < 1e-3 || size >= 1e5) {
+    const [mantissa, exponent] = v.toExponential(2).split("e");
+    return `${Number(mantissa)}e${Number(exponent)}`;
+  }
+  return String(Number(v.toPrecision(3)));
+}
+
+// a category's strip: its points spread a little across it, by their order, so they do not hide each other
+function spread(i) { return (((i * 0.6180339887) % 1) - 0.5) * 0.4; }
+
+// the score against one parameter's value, on an axis of its kind: float, log (labelled at
+// each decade), int (whole ticks) or categorical (a strip per category, named)
 function scatter(parent, index, p) {
   const box = el("div", undefined, "chart");
   box.id = "parameter-" + index;
   box.dataset.points = String(p.points.length);
   box.dataset.parameter = p.name;
+  box.dataset.kind = p.kind;
   parent.appendChild(box);
   if (!p.points.length || typeof uPlot === "undefined") {
     box.appendChild(el("p", p.name + ": no trial done with it yet"));
     return;
   }
+  const record = (labels) => { box.dataset.xticks = JSON.stringify(labels.filter((t) => t !== "")); return labels; };
+  const categories = p.categories || [];
+  const x = { label: { log: "value (log scale)", int: "value (whole numbers)", categorical: "category" }[p.kind] || "value" };
+  const scale = { time: false };
+  let xs = p.points.map((q) => q[0]);
+  if (p.low !== undefined && p.high !== undefined && p.low < p.high && !(p.kind === "log" && !(p.low > 0))) {
+    scale.range = () => [p.low, p.high];  // the space's own span, whatever the trials tried so far
+  }
+  if (p.kind === "log" && p.log) {
+    scale.distr = 3;
+    x.values = (u, splits) => record(splits.map(tick));
+  } else if (p.kind === "int") {
+    x.incrs = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 10000, 100000];
+    x.values = (u, splits) => record(splits.map((v) => String(Math.round(v))));
+  } else if (p.kind === "categorical") {
+    scale.range = () => [-0.5, categories.length - 0.5];
+    x.splits = () => categories.map((c, i) => i);
+    x.values = (u, splits) => record(splits.map((i) => categories[i] ?? ""));
+    xs = xs.map((v, i) => v + spread(i));
+  } else {
+    x.values = (u, splits) => record(splits.map(tick));
+  }
   new uPlot({
     title: p.name, width: 360, height: 220,
-    scales: { x: { time: false, distr: p.log ? 3 : 1 } },
-    axes: [{ label: p.log ? "value (log scale)" : "value" }, { label: "score" }],
+    scales: { x: scale },
+    axes: [x, { label: "score", size: 60, values: (u, splits) => splits.map(tick) }],
     series: [{ label: "value" }, { label: "score", stroke: "#0969da", fill: "#0969da", paths: () => null, points: { show: true, size: 5 } }],
-  }, [p.points.map((q) => q[0]), p.points.map((q) => q[1])], box);
+  }, [xs, p.points.map((q) => q[1])], box);
   if (p.count > p.points.length) box.appendChild(el("p", `${p.count} trials, drawn from ${p.points.length}: the lowest and highest score of each stretch of values`, "thinned"));
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attributes, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attributes || {})) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = String(text);
+  return node;
+}
+
+// how much each parameter matters to the score, as Optuna weighs it
+function importancesOf(found) {
+  const charts = $("charts");
+  charts.appendChild(el("h2", "Parameter importances"));
+  const box = el("div");
+  box.id = "importances";
+  charts.appendChild(box);
+  if (!found.values) {
+    box.appendChild(el("p", found.why || "not known yet", "empty"));
+    return;
+  }
+  box.dataset.by = found.by;
+  for (const [name, weight] of found.values) {
+    const row = el("div", undefined, "importance");
+    row.dataset.parameter = name;
+    row.dataset.importance = String(weight);
+    row.appendChild(el("span", name, "name"));
+    const bar = el("span", undefined, "bar");
+    bar.style.width = `${Math.max(1, Math.round(300 * weight))}px`;
+    row.appendChild(bar);
+    row.appendChild(el("span", weight.toFixed(3), "weight"));
+    box.appendChild(row);
+  }
+  box.appendChild(el("p", `${found.by}, from ${found.trials} done trials`, "thinned"));
+}
+
+// every done trial as a line across one axis per parameter, coloured by its score (best: dark)
+function parallelOf(found, direction) {
+  const charts = $("charts");
+  charts.appendChild(el("h2", "Parallel coordinates"));
+  const width = 160 * Math.max(2, found.axes.length + 1), height = 280, top = 30, bottom = 40;
+  const picture = svg("svg", { width, height, id: "parallel", "data-lines": found.lines.length, "data-axes": found.axes.length });
+  charts.appendChild(picture);
+  if (!found.lines.length) {
+    charts.appendChild(el("p", "no trial done yet", "empty"));
+    return;
+  }
+  const scores = found.lines.map((l) => l.score);
+  const low = Math.min(...scores), high = Math.max(...scores);
+  const sign = direction === "maximize" ? -1 : 1;
+  const where = (a, v) => {  // 0 (bottom) .. 1 (top)
+    if (v === null || v === undefined) return null;
+    if (a.kind === "categorical") return a.categories.length > 1 ? v / (a.categories.length - 1) : 0.5;
+    if (a.kind === "log") return (Math.log(v) - Math.log(a.low)) / (Math.log(a.high) - Math.log(a.low) || 1);
+    return (v - a.low) / ((a.high - a.low) || 1);
+  };
+  const columns = [...found.axes, { name: "score", kind: "float", low, high }];
+  const xOf = (i) => 60 + i * ((width - 120) / Math.max(1, columns.length - 1));
+  const yOf = (t) => top + (1 - Math.min(1, Math.max(0, t))) * (height - top - bottom);
+  const order = found.lines.slice().sort((a, b) => sign * (b.score - a.score));  // the best drawn last, on top
+  for (const line of order) {
+    const values = [...line.values, line.score];
+    const points = values.map((v, i) => [xOf(i), where(columns[i], v)]).filter((p) => p[1] !== null);
+    const t = high > low ? (sign * (line.score - low) / (high - low) + (sign < 0 ? 1 : 0)) : 0;
+    const shade = Math.round(40 + 180 * t);
+    const path = svg("polyline", { points: points.map(([x, y]) => `${x},${yOf(y)}`).join(" "), fill: "none", stroke: `rgb(${shade},${shade},255)`, "stroke-width": 1.2, "data-trial": line.trial });
+    path.appendChild(svg("title", {}, `trial ${line.trial}: score ${show(line.score)}`));
+    picture.appendChild(path);
+  }
+  columns.forEach((a, i) => {
+    picture.appendChild(svg("line", { x1: xOf(i), x2: xOf(i), y1: top, y2: height - bottom, stroke: "#57606a" }));
+    picture.appendChild(svg("text", { x: xOf(i), y: height - 18, "text-anchor": "middle", class: "axis-name" }, a.name));
+    const ends = a.kind === "categorical" ? [a.categories[0] ?? "", a.categories[a.categories.length - 1] ?? ""] : [tick(a.low), tick(a.high)];
+    picture.appendChild(svg("text", { x: xOf(i) + 4, y: height - bottom + 12, class: "axis-end" }, ends[0]));
+    picture.appendChild(svg("text", { x: xOf(i) + 4, y: top - 6, class: "axis-end" }, ends[1]));
+  });
+}
+
+// each attempt on its runner's row, from when it started to its last write: takeovers
+// (an attempt after the first) outlined, the state by colour
+function timelineOf(found) {
+  const tables = $("tables");
+  tables.appendChild(el("h2", "Timeline: who ran what, when"));
+  const runners = [...new Set(found.attempts.map((a) => a.runner))].sort();
+  const span = Math.max(1, ...found.attempts.map((a) => a.start_s));
+  const width = 860, left = 180, row = 22;
+  const picture = svg("svg", { width, height: row * runners.length + 30, id: "timeline", "data-attempts": found.attempts.length, "data-runners": runners.length });
+  tables.appendChild(picture);
+  if (!found.attempts.length) {
+    tables.appendChild(el("p", "no attempt yet", "empty"));
+    return;
+  }
+  const xOf = (ago) => left + (1 - ago / span) * (width - left - 10);
+  runners.forEach((runner, i) => picture.appendChild(svg("text", { x: 4, y: 16 + i * row, class: "runner" }, runner)));
+  for (const a of found.attempts) {
+    const i = runners.indexOf(a.runner);
+    const x = xOf(a.start_s), w = Math.max(2, xOf(a.end_s) - x);
+    const box = svg("rect", { x, y: 4 + i * row, width: w, height: row - 8, class: `attempt ${a.state}${a.again ? " again" : ""}`, "data-trial": a.trial, "data-attempt": a.attempt });
+    box.appendChild(svg("title", {}, `trial ${a.trial} attempt ${a.attempt} (${a.state}${a.again ? ", a takeover" : ""}), ${seconds(a.start_s - a.end_s)}`));
+    picture.appendChild(box);
+  }
+  picture.appendChild(svg("text", { x: left, y: row * runners.length + 24, class: "axis-end" }, `${seconds(span)} ago`));
+  picture.appendChild(svg("text", { x: width - 40, y: row * runners.length + 24, class: "axis-end" }, "now"));
+  if (found.count > found.attempts.length) tables.appendChild(el("p", `the newest ${found.attempts.length} of ${found.count} attempts`, "thinned"));
 }
 
 function clear(title, note) {
@@ -302,12 +451,15 @@ async function studiesPage() {
   ], names));
 }
 
-async function studyPage(name, from) {
-  const body = await read(`/api/study/${encodeURIComponent(name)}?from=${from || 0}`);
-  const states = {};
-  for (const t of body.trials) states[t.state] = (states[t.state] || 0) + 1;
+// the trials table's order and filter, as the address says them (the server sorts all trials)
+
+async function studyPage(name, query) {
+  const asked = new URLSearchParams(query || "");
+  const sort = asked.get("sort") || "trial", desc = asked.get("desc") === "1", only = asked.get("state") || "";
+  const body = await read(`/api/study/${encodeURIComponent(name)}?` + new URLSearchParams({ from: asked.get("from") || 0, sort, desc: desc ? "1" : "0", state: only }));
+  const states = body.states || {};
   const best = body.best ? `; best ${show(body.best.score)} (trial ${body.best.trial})` : "";
-  clear(`Study ${body.study}`, `${body.direction}; ${body.count} trials claimed: ` +
+  clear(`Study ${body.study}`, `${body.direction}; ${body.claimed} trials claimed: ` +
     Object.entries(states).map(([s, n]) => `${n} ${s}`).join(", ") + best);
   const sign = { maximize: -1, minimize: 1 }[body.direction];  // none: no best is drawn
   let so = null;
@@ -315,15 +467,39 @@ async function studyPage(name, from) {
     : (so = so === null || sign * s < sign * so ? s : so)));
   chart("scores", "score per trial, and the best so far", ["trial", "score", "best so far"],
     body.scores.map((p) => p[0]), body.scores.map((p) => p[1]), bestSoFar);
+  importancesOf(body.importances);
   parametersOf(body.parameters);
+  parallelOf(body.parallel, body.direction);
   runningOf(body.running, body.patience);
-  $("tables").appendChild(el("h2", "Trials"));
-  $("tables").appendChild(table("trials", [
+  timelineOf(body.timeline);
+  const tables = $("tables");
+  tables.appendChild(el("h2", "Trials"));
+  const at = (changes) => `#/study/${encodeURIComponent(name)}?` + new URLSearchParams({ sort, desc: desc ? "1" : "0", state: only, ...changes });
+  const filter = el("select");
+  filter.id = "trial-state";
+  for (const state of ["", ...Object.keys(states).sort()]) {
+    const option = el("option", state ? `${state} (${states[state]})` : "every state");
+    option.value = state;
+    filter.appendChild(option);
+  }
+  filter.value = only;
+  filter.addEventListener("change", () => { location.hash = at({ state: filter.value, from: 0 }); });
+  const choosing = el("p", "show: ");
+  choosing.appendChild(filter);
+  tables.appendChild(choosing);
+  const heading = (title, key) => {
+    const a = link(title + (sort === key ? (desc ? " ▼" : " ▲") : ""), at({ sort: key, desc: sort === key && !desc ? "1" : "0", from: 0 }));
+    a.className = "sort";
+    a.dataset.sort = key;
+    return a;
+  };
+  tables.appendChild(table("trials", [
     ["trial", (t) => t.trial, "num"], ["state", (t) => t.state, (t) => t.state],
     ["attempts", (t) => t.attempts, "num"], ["score", (t) => t.score, "num"], ["took", (t) => took(t.took_us), "num"],
     ["runner", (t) => t.runner], ["config", (t) => JSON.stringify(t.config)], ["error", (t) => t.error || ""],
-  ], body.trials));
-  pager(body, (start) => `#/study/${encodeURIComponent(name)}?from=${start}`);
+  ], body.trials, { trial: heading("trial", "trial"), state: heading("state", "state"), attempts: heading("attempts", "attempts"),
+    score: heading("score", "score"), took: heading("took", "took_us"), runner: heading("runner", "runner") }));
+  pager(body, (start) => at({ from: start }));
 }
 
 function parametersOf(parameters) {
@@ -410,7 +586,7 @@ function route() {
   if (parts[0] === "machines" && parts[1]) return [`machines:${parts[1]}`, () => machinesPage(parts[1])];
   if (parts[0] === "machines") return [["machines", "runs"], () => machinesPage()];
   if (parts[0] === "studies") return ["studies", studiesPage];
-  if (parts[0] === "study") return [`study:${parts[1]}`, () => studyPage(parts[1], from)];
+  if (parts[0] === "study") return [`study:${parts[1]}`, () => studyPage(parts[1], query)];
   return ["runs", runsPage];
 }
 
