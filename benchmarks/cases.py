@@ -65,6 +65,7 @@ class Settings:
     chains: int  # (d) forwards of the 200-node chain
     records: int  # (e) forwards recorded
     trials: int = 2000  # (f) trials run by two runners (and by two Optuna processes)
+    small_study: int = 200  # (f) trials run by two fresh runners, start-up included
     history: int = 1000  # (f) trials in the history rebuilt
     blocks: int = 10
     fleet: int = 1000  # (h) dialed workers on one broker
@@ -86,6 +87,7 @@ class Settings:
             chains=10,
             records=200,
             trials=40,
+            small_study=20,
             history=50,
             blocks=2,
             fleet=50,
@@ -534,6 +536,87 @@ def _optuna_journal(folder: str, n: int, env: dict[str, str]) -> tuple[float, li
     return took, sorted(t.datetime_complete.timestamp() for t in done), len(done)
 
 
+def _small_study(folder: str, n: int, env: dict[str, str]) -> list[Row]:
+    """(f) A small study as a researcher starts one: two fresh runner processes (Python's and
+    the library's start-up, the definition read, the first claim) over ``n`` instant trials,
+    beside two Optuna processes sharing a journal file in the same run (alternating, each
+    side's best of two)."""
+    ours, theirs = [], []
+    for turn, who in enumerate(["optuna", "somatize", "somatize", "optuna"]):
+        where = os.path.join(folder, f"small-{turn}")
+        if who == "somatize":
+            ours.append(_somatize_runners(where, n, env)[0])
+        else:
+            os.makedirs(where)
+            took, _, done = _optuna_journal(where, n, env)
+            theirs.append(took * n / done)
+    mine, optuna_rate = n / min(ours), n / min(theirs)
+    return [
+        Row("f", f"Optuna JournalFileBackend, 2 fresh processes, {n} instant trials", f"{optuna_rate:,.1f} trials/s"),
+        Row(
+            "f",
+            f"2 fresh runners, {n} instant trials (start-up included)",
+            f"{mine:,.1f} trials/s",
+            f"Optuna journal {optuna_rate:,.1f}/s",
+            ratio(mine / optuna_rate),
+            ">= 1x Optuna",
+            at_least(mine / optuna_rate, 1.0),
+        ),
+    ]
+
+
+def _takeover(folder: str, env: dict[str, str]) -> Row:
+    """(f) How long after a runner is SIGKILLed mid-trial its trial's next attempt begins, by
+    another runner that had nothing left to claim (the study's default patience)."""
+    from optuna.distributions import FloatDistribution
+
+    from somatize.study.study import PATIENCE
+
+    where = os.path.join(folder, "takeover")
+    store = FolderStore(where)
+    Study(store, "kill", objective="objectives:stalls_first", space={"x": FloatDistribution(-5, 5)}, trials=2)
+    command = [sys.executable, "-m", "somatize", "study", "--store", where, "kill", "--runner"]
+    first = os.path.join(where, "kill", "trial", "000000", "000.rec")
+    again = os.path.join(where, "kill", "trial", "000000", "001.rec")
+    stalling = subprocess.Popen([*command, "stalling"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    other = None
+    try:
+        _until(lambda: os.path.exists(first), 60, "the first runner's attempt")
+        other = subprocess.Popen([*command, "other"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _until(lambda: any(t["state"] == "done" for t in trials(store, study="kill")), 60, "the other runner's trial")
+        stalling.kill()
+        killed = time.monotonic()
+        _until(lambda: os.path.exists(again), 120, "the takeover")
+        took = time.monotonic() - killed
+        if other.wait(60) != 0:
+            raise AssertionError("the runner that took over did not end well")
+    finally:
+        for process in (stalling, other):
+            if process is not None and process.poll() is None:
+                process.kill()
+            if process is not None:
+                process.wait()
+    most = PATIENCE * 1.25 + 1.0  # the patience, a judge's look (a quarter of it), a second of slack
+    return Row(
+        "f",
+        f"a SIGKILLed runner's trial taken over (patience {PATIENCE:g} s, the other runner idle)",
+        f"{took:.1f} s after the kill",
+        "",
+        "",
+        f"<= {most:g} s",
+        at_most(took / most, 1.0),
+    )
+
+
+def _until(fact: Callable[[], bool], seconds: float, what: str) -> None:
+    """Wait for ``fact``, looking every 20 ms, at most ``seconds``."""
+    until = time.monotonic() + seconds
+    while not fact():
+        if time.monotonic() > until:
+            raise AssertionError(f"{what} did not come within {seconds:g} s")
+        time.sleep(0.02)
+
+
 def _both(command: list[str], env: dict[str, str]) -> tuple[float, list[int]]:
     """Start ``command`` twice at once; seconds until both ended, and their exit codes."""
     started = time.perf_counter()
@@ -625,6 +708,9 @@ def studies(settings: Settings, floors: Floors) -> list[Row]:
                 "f", f"  Optuna's journal: the last {window} trials against the first {window}", text, "", ratio(slower)
             )
         )
+
+        rows += _small_study(folder, settings.small_study, env)
+        rows.append(_takeover(folder, env))
 
         _history(folder, "past", settings.history)
         counting = Counting(FolderStore(folder))
