@@ -397,6 +397,8 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         "/api/machines",
         "/api/studies",
         "/api/study/none",
+        "/api/compare?run=r&run=none",
+        "/api/run/r?sort=took_us&desc=1",
     ):
         assert get(path) in (200, 404), path
     for path in (
@@ -407,6 +409,10 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         "/static/..%2F__init__.py",
         "/static/app.py",
         "/api/run/r?from=-5",
+        "/api/run/r?sort=nothing",
+        "/api/compare",
+        "/api/compare?run=..%2F..",
+        "/api/compare?run=r&run=..",
         "/api/events?subject=study:..%2Fsecret",
         "/api/events?subject=study:..",
         "/api/events?subject=run:a/b",
