@@ -75,7 +75,9 @@ class Runs:
                 if (sort, desc) not in known.sorted:
                     if len(known.sorted) >= 4:  # a few orders kept, until the rows change
                         known.sorted.clear()
-                    known.sorted[(sort, desc)] = sorted(known.ordered, key=lambda row: _order(row.get(sort), desc))
+                    known.sorted[(sort, desc)] = sorted(
+                        known.ordered, key=lambda row: _order(row.get(sort), desc), reverse=desc
+                    )
                 rows = known.sorted[(sort, desc)]
             return {
                 "run": run,
@@ -184,14 +186,13 @@ def counter(key: str) -> str | None:
 
 
 def _order(value: Any, desc: bool) -> tuple:
-    """A sort key that puts a row without the column last whichever way, numbers before
-    text, and never compares a number with a text."""
+    """A sort key (for ``sorted(..., reverse=desc)``) that puts a row without the column last
+    whichever way, numbers before text, and never compares a number with a text."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return (2, 0)
+        return (0 if desc else 2, 0)
     if isinstance(value, (int, float)):
-        return (0, -value if desc else value)
-    text = str(value)
-    return (1, tuple(-ord(c) for c in text) + (1,) if desc else text)
+        return (2 if desc else 0, value)
+    return (1, str(value))
 
 
 def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -201,17 +202,22 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
     The forwards whose took is over `OUTSIDE` times the median are ``took_outside``."""
     points: dict[str, list] = {}
     took = []
-    at: dict[str, dict[int, float]] = {}  # a forward's step and epoch: its first kind's that says one
+    at: dict[
+        str, dict[int, tuple[str, float]]
+    ] = {}  # a forward's step and epoch: the first kind's (by name) that says one
+    counters: dict[str, str | None] = {}  # a field's counter, by its name
     for row in rows:
         number = row["forward"]
-        for key, value in sorted(row.items()):
+        for key, value in row.items():
             if "." in key:
                 line = points.setdefault(key, [])
                 if isinstance(value, float) and math.isfinite(value):
                     line.append((number, value))
-                    named = counter(key)
+                    named = counters.get(key) if key in counters else counters.setdefault(key, counter(key))
                     if named is not None:
-                        at.setdefault(named, {}).setdefault(number, value)
+                        said = at.setdefault(named, {})
+                        if number not in said or key < said[number][0]:
+                            said[number] = (key, value)
         if row["took_us"] is not None:
             took.append((number, row["took_us"]))
     loss = points.get("loss.value", [])
@@ -232,7 +238,7 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "took_outside_count": len(outside),
         "series": series,
         "x": ["forward", *(c for c in COUNTERS if c in at)],
-        "counters": {c: {n: v for n, v in at[c].items() if n in drawn} for c in COUNTERS if c in at},
+        "counters": {c: {n: v for n, (_, v) in at[c].items() if n in drawn} for c in COUNTERS if c in at},
     }
 
 
