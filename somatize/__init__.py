@@ -68,6 +68,7 @@ def __getattr__(name: str) -> object:
         return getattr(fabric, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "BadCodec",
     "BadKeys",

@@ -174,6 +174,150 @@ def test_a_run_is_shown_running_then_ended_and_one_gone_quiet_silent(processes, 
     )
 
 
+def trained(store, run: str, steps: int, per_epoch: int, scale: float = 1.0) -> None:  # noqa: ANN001
+    """What a `Trainer` recorded with `Recorder(summarising=["loss", "val", "tokens"])` writes:
+    each forward a loss with its step and epoch (and a count in the millions, whose labels
+    are long), a validation loss with its epoch at each epoch's end; forward 0 slow, as a
+    worker starting is."""
+    from somatize.record import Recorder
+
+    with Recorder(store, run=run, summarising=("loss", "val", "tokens")) as recorder:
+        for n in range(steps):
+            recorder({"fact": "finished", "took_us": str(2_100_000 if n == 0 else 12_000 + 37 * (n % 50))})
+            recorder({"fact": "loss", "value": repr(scale / (n + 1)), "step": str(n), "epoch": str(n // per_epoch)})
+            recorder({"fact": "tokens", "value": str(1_234_567 * (n + 1))})
+            if n % per_epoch == per_epoch - 1:
+                recorder({"fact": "val", "value": repr(0.5 * scale / (n + 1)), "epoch": str(n // per_epoch)})
+
+
+X_DATA = "(id) => Array.from(document.querySelector(id).plot.data[0])"
+# the room a chart's y axis leaves its labels (uPlot's own layout: they are drawn right-aligned
+# before its ticks, from the canvas's left edge) against the widest label it drew
+Y_LABELS = """(id) => {
+  const u = document.querySelector(id).plot, axis = u.axes[1];
+  const ctx = document.createElement("canvas").getContext("2d");
+  ctx.font = axis.font[0];
+  const widest = Math.max(...axis._values.map((v) => ctx.measureText(String(v)).width)) / devicePixelRatio;
+  return { widest, room: u.bbox.left / devicePixelRatio - axis.ticks.size - axis.gap, labels: axis._values.map(String) };
+}"""
+
+
+def test_a_trained_run_s_page_draws_against_step_or_epoch_and_names_its_start_up(processes, browser, tmp_path):
+    """What a user of `Trainer` met: no chart of a counter (`loss.step`, `loss.epoch`,
+    `val.epoch`), which are a choice of x instead; the took chart in ms with its start-up
+    forward above the scale and named; no axis label clipped; the forwards sorted newest first
+    and by any heading clicked, the pager keeping the order."""
+    folder = tmp_path / "store"
+    trained(FolderStore(folder), "t", steps=510, per_epoch=100)
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)
+    page.goto(base(address) + "/#/run/t")
+    expect(page.locator("#title")).to_have_text("Run t")
+    titles = page.locator("#charts .u-title")
+    expect(titles).to_have_text(
+        ["loss per forward", "took per forward (ms)", "tokens.value per forward", "val.value per forward"]
+    )
+    assert page.locator("#charts .chart").count() == 4  # and none for loss.step, loss.epoch, val.epoch
+    assert page.evaluate(X_DATA, "#curve") == list(range(510))
+
+    # the took chart: in ms, its scale set by the other forwards, forward 0 named above it
+    took = page.locator("#took")
+    expect(took).to_have_attribute("data-outside", "0")
+    expect(took.locator("#took-outside")).to_contain_text("forward 0 took 2.10 s (start-up), above the scale")
+    assert page.evaluate("() => document.querySelector('#took').plot.scales.y.max") < 20  # ms: not 2,100
+    for chart in ("#curve", "#took", "#series-0", "#series-1"):  # the labels fit (tokens: "500,000,000")
+        fit = page.evaluate(Y_LABELS, chart)
+        assert fit["widest"] <= fit["room"], (chart, fit)
+
+    # x: the step, then the epoch, for every chart of the page
+    page.select_option("#x-axis", "step")
+    expect(page.locator("#curve")).to_have_attribute("data-x", "step")
+    expect(titles.first).to_have_text("loss per step")
+    assert page.evaluate(X_DATA, "#curve") == list(range(510))
+    page.select_option("#x-axis", "epoch")
+    expect(page.locator("#series-1")).to_have_attribute("data-x", "epoch")
+    assert page.evaluate(X_DATA, "#series-1") == [0, 1, 2, 3, 4]  # val.value, once an epoch
+    assert page.evaluate(X_DATA, "#took") == [n // 100 for n in range(510)]
+    expect(page.locator("#x-axis")).to_have_value("epoch")  # the choice stays with the page's address
+    assert "x=epoch" in page.url
+
+    # the forwards: newest first; a heading sorts by its column, and again the other way
+    first_cells = page.locator("#forwards tr:nth-child(2) td:first-child")
+    expect(first_cells).to_have_text("509")
+    page.locator("#forwards th[data-sort=took_us] a").click()
+    expect(page.locator("#forwards th[data-sort=took_us]")).to_have_attribute("aria-sort", "descending")
+    expect(first_cells).to_have_text("0")  # the slowest: the start-up
+    expect(page.locator("#forwards tr:nth-child(2) td:nth-child(3)")).to_have_text("2.10 s")
+    later = page.locator("p.more a", has_text="later")
+    assert "sort=took_us" in later.get_attribute("href") and "desc=1" in later.get_attribute("href")
+    page.locator("#forwards th[data-sort=forward] a").click()
+    expect(page.locator("#forwards th[data-sort=forward]")).to_have_attribute("aria-sort", "descending")
+    page.locator("#forwards th[data-sort=forward] a").click()
+    expect(page.locator("#forwards th[data-sort=forward]")).to_have_attribute("aria-sort", "ascending")
+    expect(first_cells).to_have_text("0")
+    later.click()
+    expect(first_cells).to_have_text("500")
+    expect(page.locator("#x-axis")).to_have_value("epoch")
+
+
+def test_two_runs_compared_on_one_chart_and_smoothed(processes, browser, tmp_path):
+    folder = tmp_path / "store"
+    store = FolderStore(folder)
+    trained(store, "a", steps=40, per_epoch=10)
+    trained(store, "b", steps=30, per_epoch=10, scale=2.0)
+    hostile = "<img src=x onerror=\"document.title='owned'\">"
+    with __import__("somatize").record.Recorder(store, run="c") as other:
+        other({"fact": "finished", "took_us": "5"})
+        other({"fact": "loss", "value": "0.5", "label": hostile})
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)
+    expect(page.locator("#compare")).to_be_disabled()
+    for run in ("b", "a"):
+        page.locator(f"#runs input[value={run}]").check()
+    page.locator("#compare").click()
+    expect(page).to_have_url(re.compile(r"#/compare/b/a$"))
+    chart = page.locator("#compare-0")
+    expect(chart).to_have_attribute("data-runs", "2")
+    expect(chart.locator(".u-title")).to_have_text("loss.value per forward")
+    labels = page.evaluate("() => document.querySelector('#compare-0').plot.series.map((s) => s.label)")
+    assert labels == ["forward", "b", "a", "b (raw)", "a (raw)"]
+    # the kinds both have: loss, tokens, val (no counter)
+    expect(page.locator("#charts .u-title")).to_have_text(
+        ["loss.value per forward", "tokens.value per forward", "val.value per forward"]
+    )
+
+    drawn = "(i) => Array.from(document.querySelector('#compare-0').plot.data[i]).filter((y) => y !== null)"
+    page.locator("#smoothing").fill("0")
+    expect(chart).to_have_attribute("data-smoothing", "0")
+    raw_b = page.evaluate(drawn, 3)
+    assert page.evaluate(drawn, 1) == raw_b and raw_b[:3] == [2.0, 1.0, 2.0 / 3]  # unsmoothed: as recorded
+    page.locator("#smoothing").fill("0.9")
+    expect(chart).to_have_attribute("data-smoothing", "0.9")
+    smooth_b = page.evaluate(drawn, 1)
+    assert smooth_b[0] == raw_b[0] and smooth_b[5] > raw_b[5]  # debiased start; then above a falling curve
+    assert page.evaluate(drawn, 3) == raw_b  # the raw points stay
+
+    page.select_option("#x-axis", "epoch")
+    expect(chart).to_have_attribute("data-x", "epoch")
+    assert page.evaluate(X_DATA, "#compare-2") == [0, 0, 1, 1, 2, 2, 3]  # val: b's three epochs and a's four
+    expect(page.locator("#smoothing")).to_have_value("0.9")  # kept across drawings
+
+    # a run whose fields are someone else's text, compared: text, never markup
+    page.goto(base(address) + "/#/compare/a/c")
+    expect(page.locator("#note")).to_contain_text("c (1 forwards)")
+    expect(page.locator("#charts .u-title")).to_have_text(["loss.value per forward"])
+    assert page.locator("main img").count() == 0 and page.title() == "somatize view"
+    assert (
+        page.request.get(
+            base(address) + "/api/compare?" + "&".join(f"run=r{n}" for n in range(9)),
+            headers={"Authorization": "token " + address.split("token=")[1]},
+        ).status
+        == 400
+    )
+
+
 def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):
     from optuna.distributions import FloatDistribution
 
@@ -253,6 +397,8 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         "/api/machines",
         "/api/studies",
         "/api/study/none",
+        "/api/compare?run=r&run=none",
+        "/api/run/r?sort=took_us&desc=1",
     ):
         assert get(path) in (200, 404), path
     for path in (
@@ -263,6 +409,10 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         "/static/..%2F__init__.py",
         "/static/app.py",
         "/api/run/r?from=-5",
+        "/api/run/r?sort=nothing",
+        "/api/compare",
+        "/api/compare?run=..%2F..",
+        "/api/compare?run=r&run=..",
         "/api/events?subject=study:..%2Fsecret",
         "/api/events?subject=study:..",
         "/api/events?subject=run:a/b",

@@ -192,3 +192,50 @@ def test_every_summarised_number_is_drawn_not_only_the_loss(tmp_path):
     assert page["kinds"] == ["acc.phase", "acc.value", "loss.value"]
     assert page["series"] == {"acc.value": [(n, n / 10) for n in range(5)]}  # a field of text: in the table only
     assert len(page["curve"]) == 5
+
+
+def trained(store, run: str = "t", steps: int = 12, per_epoch: int = 4) -> None:  # noqa: ANN001
+    """What a `Trainer` with `Recorder(summarising=["loss", "val"])` writes: a loss with its step
+    and epoch each forward, a validation loss with its epoch at each epoch's end; the first
+    forward slow (a worker starting)."""
+    recorder = Recorder(store, run=run, summarising=("loss", "val"))
+    for n in range(steps):
+        recorder({"fact": "finished", "took_us": str(2_100_000 if n == 0 else 5000 + n)})
+        recorder({"fact": "loss", "value": repr(1 / (n + 1)), "step": str(n), "epoch": str(n // per_epoch)})
+        if n % per_epoch == per_epoch - 1:
+            recorder({"fact": "val", "value": repr(0.5 / (n + 1)), "epoch": str(n // per_epoch)})
+
+
+@pytest.mark.pure
+def test_counters_are_the_x_a_page_may_choose_not_curves(tmp_path):
+    store = FolderStore(tmp_path / "store")
+    trained(store)
+    page = Runs(store).page("t", 0, 20)
+    assert page["kinds"] == ["loss.epoch", "loss.step", "loss.value", "val.epoch", "val.value"]  # the table's columns
+    assert list(page["series"]) == ["val.value"]  # no curve of a counter
+    assert page["x"] == ["forward", "step", "epoch"]
+    assert page["counters"]["step"] == {n: float(n) for n in range(12)}
+    assert page["counters"]["epoch"][11] == 2.0 and page["counters"]["epoch"][3] == 0.0
+
+
+@pytest.mark.pure
+def test_a_forward_far_slower_than_the_others_is_named_above_the_scale(tmp_path):
+    store = FolderStore(tmp_path / "store")
+    trained(store)
+    page = Runs(store).page("t", 0, 20)
+    assert page["took_outside"] == [(0, 2_100_000)] and page["took_outside_count"] == 1 and page["first"] == 0
+    assert page["took_median"] == 5006.5
+
+
+@pytest.mark.pure
+def test_forwards_are_sorted_by_any_column_missing_values_last(tmp_path):
+    store = FolderStore(tmp_path / "store")
+    trained(store)
+    runs = Runs(store)
+    assert [r["forward"] for r in runs.page("t", 0, 3, "forward", desc=True)["forwards"]] == [11, 10, 9]
+    assert [r["forward"] for r in runs.page("t", 0, 2, "took_us", desc=True)["forwards"]] == [0, 11]
+    assert [r["forward"] for r in runs.page("t", 0, 4, "val.value")["forwards"]] == [11, 7, 3, 0]  # none: last
+    assert [r["forward"] for r in runs.page("t", 0, 4, "val.value", desc=True)["forwards"]] == [3, 7, 11, 0]
+    assert runs.page("t", 10, 5, "state")["forwards"][-1]["forward"] == 11
+    with pytest.raises(ValueError, match="sorted by one of its columns"):
+        runs.page("t", 0, 5, "<script>")

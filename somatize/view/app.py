@@ -59,6 +59,8 @@ _FILES = {  # what the page is made of, and nothing else from the disk
 }
 #: How many rows of a table one answer holds at most (a page asks for the next ones).
 PAGE = 500
+#: Runs one comparison shows, at most.
+COMPARED = 8
 #: Live streams open at once, at most (a tab follows one or two): the next is answered 429.
 STREAMS = 32
 #: Answers read from the store at once, at most (each one's memory is bounded by its page).
@@ -134,9 +136,24 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         # each forward read once, then only what is new (`runs`); the curve is each
         # record's summarised loss, as `curve` reads it
         run = request.path_params["run"]
-        body = runs.page(run, _whole(request.query_params.get("from"), 0), PAGE)
+        asked = request.query_params
+        body = runs.page(
+            run, _whole(asked.get("from"), 0), PAGE, asked.get("sort", "forward"), asked.get("desc") == "1"
+        )
         body["status"] = run_status(store, run, changes.forward_files(run))
         return body
+
+    def read_compare(request: Request) -> Any:
+        # each run's curves as its own page draws them (thinned), without its rows
+        names = list(dict.fromkeys(request.query_params.getlist("run")))
+        if not names or len(names) > COMPARED:
+            raise ValueError(f"a comparison shows 1 to {COMPARED} runs (run=a&run=b...), not {len(names)}")
+        out = []
+        for run in names:
+            body = runs.page(run, 0, 0)
+            del body["forwards"], body["from"], body["sort"], body["desc"]
+            out.append(body)
+        return {"runs": out}
 
     def read_nodes(request: Request) -> Any:
         return nodes(store, request.path_params["run"], last=_whole(request.query_params.get("last"), 100) or None)
@@ -250,6 +267,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         Route("/static/{name}", static),
         Route("/api/runs", api(read_runs)),
         Route("/api/run/{run}", api(read_run)),
+        Route("/api/compare", api(read_compare)),
         Route("/api/run/{run}/nodes", api(read_nodes)),
         Route("/api/run/{run}/facts/{forward:int}", api(read_facts)),
         Route("/api/machines", api(read_machines)),

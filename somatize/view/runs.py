@@ -28,8 +28,8 @@ from ..record.shapes import left_out
 from .answers import runs_by_last_write
 from .changes import Changes
 
-#: Runs kept at once (the least recently opened let go first).
-KEPT = 4
+#: Runs kept at once (the least recently opened let go first): as many as a comparison shows.
+KEPT = 8
 #: The largest chunk file read (bytes): a recorder's thousand records are a few hundred KiB;
 #: a bigger one in a shared folder was put there by someone else, and is not read whole.
 MOST_CHUNK = 32 << 20
@@ -45,6 +45,7 @@ class Run:
         self.rows: dict[int, dict[str, Any]] = {}
         self.drawn: dict[str, Any] | None = None  # count, kinds, curves; None once the rows change
         self.ordered: list[dict[str, Any]] = []
+        self.sorted: dict[tuple[str, bool], list[dict[str, Any]]] = {}  # by (column, descending)
 
 
 class Runs:
@@ -56,16 +57,36 @@ class Runs:
         self._kept: OrderedDict[str, Run] = OrderedDict()
         self._lock = threading.Lock()
 
-    def page(self, run: str, start: int, size: int) -> dict[str, Any]:
+    def page(self, run: str, start: int, size: int, sort: str = "forward", desc: bool = False) -> dict[str, Any]:
         """``run``'s count, kinds, curves (loss and ``took_us``, thinned) and ``size`` rows
-        from ``start``: what its page shows."""
+        from ``start``, in the order of column ``sort`` (a row's field: ``forward``,
+        ``took_us``, a kind...; descending with ``desc``): what its page shows."""
         check_run(run, "the view")
         with self._lock:
             known = self._up_to_date(run)
             if known.drawn is None:
                 known.ordered = [known.rows[n] for n in sorted(known.rows)]
                 known.drawn = _drawn(known.ordered)
-            return {"run": run, "from": start, "forwards": known.ordered[start : start + size], **known.drawn}
+                known.sorted = {}
+            rows = known.ordered
+            if sort != "forward" or desc:
+                if sort not in SORTABLE and sort not in known.drawn["kinds"]:
+                    raise ValueError(f"a run's forwards are sorted by one of its columns, not by {sort[:40]!r}")
+                if (sort, desc) not in known.sorted:
+                    if len(known.sorted) >= 4:  # a few orders kept, until the rows change
+                        known.sorted.clear()
+                    known.sorted[(sort, desc)] = sorted(
+                        known.ordered, key=lambda row: _order(row.get(sort), desc), reverse=desc
+                    )
+                rows = known.sorted[(sort, desc)]
+            return {
+                "run": run,
+                "from": start,
+                "sort": sort,
+                "desc": desc,
+                "forwards": rows[start : start + size],
+                **known.drawn,
+            }
 
     def warm(self, newest: int = 2) -> threading.Thread:
         """Read the ``newest`` runs (by their folders' stamps) on a thread of their own, so
@@ -146,13 +167,45 @@ class Runs:
 
 #: Summarised kinds drawn besides the loss, at most (the table shows them all).
 SERIES = 12
+#: The fields of a summarised kind that count rather than measure (``loss.step``,
+#: ``val.epoch``): never drawn as curves, they are the x a page may draw the others against.
+COUNTERS = ("step", "epoch")
+#: A forward that took more than this many times the median of the run's forwards is left
+#: above the scale of the took chart, and named under it (a worker starting, a compilation).
+OUTSIDE = 10
+#: Forwards named above the took chart's scale, at most (the others are counted).
+NAMED_OUTSIDE = 20
+#: The columns of every run's forwards, besides its summarised kinds.
+SORTABLE = ("forward", "state", "took_us", "nodes", "facts", "error")
+
+
+def counter(key: str) -> str | None:
+    """``step`` for ``loss.step``, ``epoch`` for ``val.epoch``; None for a measure."""
+    field = key.rpartition(".")[2]
+    return field if field in COUNTERS and "." in key else None
+
+
+def _order(value: Any, desc: bool) -> tuple:
+    """A sort key (for ``sorted(..., reverse=desc)``) that puts a row without the column last
+    whichever way, numbers before text, and never compares a number with a text."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return (0 if desc else 2, 0)
+    if isinstance(value, (int, float)):
+        return (2 if desc else 0, value)
+    return (1, str(value))
 
 
 def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The kinds, the loss curve, ``took_us`` per forward, and a curve for each other
-    summarised field that holds numbers (`SERIES` at most)."""
+    summarised field that holds numbers (`SERIES` at most), counters (`COUNTERS`) left out:
+    they are given, for each forward drawn, as ``counters`` (``{"step": {forward: step}}``).
+    The forwards whose took is over `OUTSIDE` times the median are ``took_outside``."""
     points: dict[str, list] = {}
     took = []
+    at: dict[
+        str, dict[int, tuple[str, float]]
+    ] = {}  # a forward's step and epoch: the first kind's (by name) that says one
+    counters: dict[str, str | None] = {}  # a field's counter, by its name
     for row in rows:
         number = row["forward"]
         for key, value in row.items():
@@ -160,17 +213,41 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 line = points.setdefault(key, [])
                 if isinstance(value, float) and math.isfinite(value):
                     line.append((number, value))
+                    named = counters.get(key) if key in counters else counters.setdefault(key, counter(key))
+                    if named is not None:
+                        said = at.setdefault(named, {})
+                        if number not in said or key < said[number][0]:
+                            said[number] = (key, value)
         if row["took_us"] is not None:
             took.append((number, row["took_us"]))
     loss = points.get("loss.value", [])
-    others = [k for k in sorted(points) if k != "loss.value" and points[k]][:SERIES]
+    others = [k for k in sorted(points) if k != "loss.value" and points[k] and counter(k) is None][:SERIES]
+    series = {k: thinned(points[k]) for k in others}
+    curve, took_drawn = thinned(loss), thinned(took)
+    drawn = {n for line in (curve, took_drawn, *series.values()) for n, _ in line}
+    median = _median([t for _, t in took])
+    outside = [(n, t) for n, t in took if median is not None and t > OUTSIDE * median]
     return {
         "count": len(rows),
+        "first": rows[0]["forward"] if rows else None,
         "kinds": sorted(points),
-        "curve": thinned(loss),
-        "took": thinned(took),
-        "series": {k: thinned(points[k]) for k in others},
+        "curve": curve,
+        "took": took_drawn,
+        "took_median": median,
+        "took_outside": outside[:NAMED_OUTSIDE],
+        "took_outside_count": len(outside),
+        "series": series,
+        "x": ["forward", *(c for c in COUNTERS if c in at)],
+        "counters": {c: {n: v for n, (_, v) in at[c].items() if n in drawn} for c in COUNTERS if c in at},
     }
+
+
+def _median(values: list) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def thinned(points: list) -> list:

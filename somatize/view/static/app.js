@@ -143,11 +143,100 @@ function chart(id, title, labels, xs, ...series) {
     return;
   }
   const colours = ["#0969da", "#bf3989", "#1a7f37"];
-  new uPlot({
+  box.plot = new uPlot({
     title, width: 520, height: 240,
     scales: { x: { time: false } },
+    axes: [{}, { size: fitted }],
     series: [{ label: labels[0] }, ...labels.slice(1).map((label, i) => ({ label, stroke: colours[i % 3], points: { size: 4 } }))],
   }, [xs, ...series], box);
+}
+
+// a y axis as wide as its widest label, measured as uPlot will draw it (its default width
+// clips long ones: "10,000" shown as "0,000")
+// (uPlot asks again as its ticks settle: the size only grows, so that it settles too)
+function fitted(self, values, axisIdx, cycleNum) {
+  const axis = self.axes[axisIdx];
+  let widest = 0;
+  self.ctx.font = axis.font[0];
+  for (const value of values || []) widest = Math.max(widest, self.ctx.measureText(String(value)).width);
+  const size = Math.ceil(axis.ticks.size + axis.gap + widest / devicePixelRatio) + 6;
+  return cycleNum > 1 ? Math.max(size, axis._size || 0) : size;
+}
+
+const COLOURS = ["#0969da", "#bf3989", "#1a7f37", "#9a6700", "#8250df", "#cf222e", "#0a7e8c", "#57606a"];
+
+// one chart of `series` ([{label, stroke, faint}]) drawn from `data` ([xs, ys of each
+// series], as uPlot takes it: xs ascending, null where a series has no point) in a box of
+// the page; `range` fixes the y scale. The uPlot is kept as box.plot; data-points counts the
+// points of the series that are not faint.
+function plot(parent, id, title, xLabel, series, data, range) {
+  const box = el("div", undefined, "chart");
+  box.id = id;
+  box.dataset.points = String(series.reduce((n, line, i) => n + (line.faint ? 0 : data[i + 1].filter((y) => y !== null).length), 0));
+  parent.appendChild(box);
+  if (!data[0].length || typeof uPlot === "undefined") {
+    box.appendChild(el("p", title + ": nothing yet"));
+    return box;
+  }
+  box.plot = new uPlot({
+    title, width: 560, height: 260,
+    scales: { x: { time: false }, y: range ? { range: () => range } : {} },
+    axes: [{ label: xLabel }, { size: fitted }],
+    series: [{ label: xLabel }, ...series.map((line, i) => ({
+      label: line.label, stroke: line.stroke || COLOURS[i % COLOURS.length], width: line.faint ? 1 : 1.5,
+      alpha: line.faint ? 0.3 : 1, spanGaps: true, points: { size: 4 },
+    }))],
+  }, data, box);
+  return box;
+}
+
+// lines ([{xs, ys}], xs ascending) on one x: every point of every line, in order of x; a
+// line holds null where another's point is
+function joined(lines) {
+  const at = [];
+  lines.forEach((line, i) => line.xs.forEach((x, k) => at.push([x, i, k])));
+  at.sort((a, b) => a[0] - b[0] || a[1] - b[1] || a[2] - b[2]);
+  return [at.map((p) => p[0]), ...lines.map((line, i) => at.map(([, j, k]) => (j === i ? line.ys[k] : null)))];
+}
+
+// a curve's points ([forward, value]) against the chosen x: a counter's value for that
+// forward (the points of forwards that lack it left out), in order of x
+function against(points, x, counters) {
+  if (x === "forward") return { xs: points.map((p) => p[0]), ys: points.map((p) => p[1]), forwards: points.map((p) => p[0]) };
+  const by = counters[x] || {};
+  const kept = points.filter((p) => by[p[0]] !== undefined).map((p) => [by[p[0]], p[1], p[0]]);
+  kept.sort((a, b) => a[0] - b[0] || a[2] - b[2]);
+  return { xs: kept.map((p) => p[0]), ys: kept.map((p) => p[1]), forwards: kept.map((p) => p[2]) };
+}
+
+// the x a page draws against: forward, or a counter every run shown has; a <select id="x-axis">
+function xChoice(choices, x, go) {
+  const pick = el("select");
+  pick.id = "x-axis";
+  for (const choice of choices) {
+    const option = el("option", choice);
+    option.value = choice;
+    pick.appendChild(option);
+  }
+  pick.value = x;
+  pick.addEventListener("change", () => go(pick.value));
+  const line = el("p", "x axis: ", "choosing");
+  line.appendChild(pick);
+  return line;
+}
+
+// exponential moving average, as TensorBoard smooths (debiased: the first points are not
+// pulled toward 0); nulls and non-finite values are passed through
+function smoothed(ys, weight) {
+  if (!weight) return ys.slice();
+  let last = 0;
+  let n = 0;
+  return ys.map((y) => {
+    if (y === null || !Number.isFinite(y)) return y;
+    last = last * weight + (1 - weight) * y;
+    n += 1;
+    return last / (1 - weight ** n);
+  });
 }
 
 async function read(path) {
@@ -338,10 +427,43 @@ function clear(title, note) {
 
 // -- pages ------------------------------------------------------------------------------
 
+// the runs picked on the runs page to compare (kept while the page is drawn again)
+const chosen = new Set();
+const COMPARED = 8;
+
 async function runsPage() {
   const rows = await read("/api/runs");
   clear("Runs", rows.length ? `${rows.length} runs, newest first` : "no run recorded in this store yet");
+  for (const run of [...chosen]) if (!rows.some((r) => r.run === run)) chosen.delete(run);
+  const go = el("button", "", "compare");
+  go.id = "compare";
+  const boxes = [];
+  const update = () => {
+    go.textContent = chosen.size ? `compare the ${chosen.size} runs chosen` : "compare: choose 2 to 8 runs";
+    go.disabled = chosen.size < 2;
+    for (const box of boxes) box.disabled = !box.checked && chosen.size >= COMPARED;
+  };
+  go.addEventListener("click", () => {
+    location.hash = "#/compare/" + [...chosen].map(encodeURIComponent).join("/");
+  });
+  const pick = (r) => {
+    const box = el("input");
+    box.type = "checkbox";
+    box.value = r.run;
+    box.checked = chosen.has(r.run);
+    box.setAttribute("aria-label", "compare " + r.run);
+    box.addEventListener("change", () => {
+      if (box.checked) chosen.add(r.run); else chosen.delete(r.run);
+      update();
+    });
+    boxes.push(box);
+    return box;
+  };
+  const line = el("p", undefined, "choosing");
+  line.appendChild(go);
+  $("tables").appendChild(line);
   $("tables").appendChild(table("runs", [
+    ["compare", pick, "pick"],
     ["run", (r) => link(r.run, "#/run/" + encodeURIComponent(r.run))],
     ["status", (r) => status(r.status)],
     ["forwards", (r) => r.forwards, "num"],
@@ -349,37 +471,146 @@ async function runsPage() {
     ["last took", (r) => took(r.took_us), "num"],
     ["last loss", (r) => r.loss, "num"],
   ], rows));
+  update();
 }
 
-async function runPage(run, from) {
-  const body = await read(`/api/run/${encodeURIComponent(run)}?from=${from || 0}`);
+// a run page's address: its rows from `from` in the order of `sort` (descending with
+// desc), its charts against `x`
+function runHash(run, { from = 0, sort = "forward", desc = true, x = "forward" }) {
+  const q = new URLSearchParams({ from: String(from), sort, desc: desc ? "1" : "0", x });
+  return `#/run/${encodeURIComponent(run)}?${q}`;
+}
+
+// the units a time in µs reads best in, for values up to `most`
+function timeUnit(most) {
+  return most >= 1e6 ? ["s", 1e6] : most >= 1e3 ? ["ms", 1e3] : ["µs", 1];
+}
+
+async function runPage(run, q) {
+  // newest first unless asked: a researcher looks at what the run does now
+  const asked = { from: Number(q.get("from")) || 0, sort: q.get("sort") || "forward", desc: q.has("sort") ? q.get("desc") === "1" : true };
+  const query = new URLSearchParams({ from: String(asked.from), sort: asked.sort, desc: asked.desc ? "1" : "0" });
+  const body = await read(`/api/run/${encodeURIComponent(run)}?${query}`);
   clear(`Run ${body.run}`, `; ${body.count} forwards; summarised kinds: ${body.kinds.join(", ") || "none"}`);
   const state = status(body.status);
   state.id = "status";
   $("note").prepend(state);
-  chart("curve", "loss per forward", ["forward", "loss"], body.curve.map((p) => p[0]), body.curve.map((p) => p[1]));
-  chart("took", "took per forward (µs)", ["forward", "took_us"], body.took.map((p) => p[0]), body.took.map((p) => p[1]));
+  const x = body.x.includes(q.get("x")) ? q.get("x") : "forward";
+  const here = { ...asked, x };
+  if (body.x.length > 1) $("charts").appendChild(xChoice(body.x, x, (chosenX) => { location.hash = runHash(run, { ...here, x: chosenX }); }));
+  const loss = against(body.curve, x, body.counters);
+  plot($("charts"), "curve", `loss per ${x}`, x, [{ label: "loss" }], [loss.xs, loss.ys]).dataset.x = x;
+  tookChart(body, x);
   Object.entries(body.series || {}).forEach(([kind, points], i) => {  // every other summarised number
-    chart(`series-${i}`, `${kind} per forward`, ["forward", kind], points.map((p) => p[0]), points.map((p) => p[1]));
+    const line = against(points, x, body.counters);
+    plot($("charts"), `series-${i}`, `${kind} per ${x}`, x, [{ label: kind }], [line.xs, line.ys]).dataset.x = x;
   });
   const columns = [
-    ["forward", (r) => link(r.forward, `#/run/${encodeURIComponent(run)}/facts/${r.forward}`), "num"],
-    ["state", (r) => r.state, (r) => r.state],
-    ["took", (r) => took(r.took_us), "num"],
-    ["nodes", (r) => r.nodes, "num"],
-    ["facts", (r) => r.facts, "num"],
-    ...body.kinds.map((k) => [k, (r) => r[k], "num"]),
-    ["error", (r) => r.error || ""],
+    ["forward", (r) => link(r.forward, `#/run/${encodeURIComponent(run)}/facts/${r.forward}`), "num", "forward"],
+    ["state", (r) => r.state, (r) => r.state, "state"],
+    ["took", (r) => took(r.took_us), "num", "took_us"],
+    ["nodes", (r) => r.nodes, "num", "nodes"],
+    ["facts", (r) => r.facts, "num", "facts"],
+    ...body.kinds.map((k) => [k, (r) => r[k], "num", k]),
+    ["error", (r) => r.error || "", undefined, "error"],
   ];
   $("tables").appendChild(el("h2", "Forwards"));
-  $("tables").appendChild(table("forwards", columns, body.forwards));
-  pager(body, (start) => `#/run/${encodeURIComponent(run)}?from=${start}`);
+  const forwards = table("forwards", columns, body.forwards);
+  columns.forEach(([name, , , key], i) => {  // a heading sorts by its column; again, the other way
+    const th = forwards.rows[0].cells[i];
+    const sorted = key === asked.sort;
+    const desc = sorted ? !asked.desc : key !== "state" && key !== "error";  // numbers: biggest first
+    th.replaceChildren(link(name + (sorted ? (asked.desc ? " ▼" : " ▲") : ""), runHash(run, { ...here, from: 0, sort: key, desc })));
+    th.dataset.sort = key;
+    if (sorted) th.setAttribute("aria-sort", asked.desc ? "descending" : "ascending");
+  });
+  $("tables").appendChild(forwards);
+  pager(body, (start) => runHash(run, { ...here, from: start }));
   const costs = await read(`/api/run/${encodeURIComponent(run)}/nodes?last=100`);
   $("tables").appendChild(el("h2", "Nodes (the last 100 forwards)"));
   $("tables").appendChild(table("nodes", [
     ["node", (r) => r.node], ["ran", (r) => r.ran, "num"], ["took", (r) => took(r.took_us), "num"],
     ["recalled", (r) => r.recalled, "num"], ["failed", (r) => r.failed, "num"], ["host", (r) => r.host || ""],
   ], costs));
+}
+
+// the time per forward, in the unit its values read best in; forwards far slower than the
+// others (body.took_outside: over 10x the median, a worker starting) are left above the
+// scale and named under the chart
+function tookChart(body, x) {
+  const outside = new Set(body.took_outside.map((p) => p[0]));
+  const line = against(body.took, x, body.counters);
+  const inside = line.ys.filter((y, i) => !outside.has(line.forwards[i]));
+  const most = inside.length ? Math.max(...inside) : Math.max(0, ...line.ys);
+  const [unit, per] = timeUnit(most);
+  const range = outside.size && inside.length ? [0, (most / per) * 1.1 || 1] : undefined;
+  const box = plot($("charts"), "took", `took per ${x} (${unit})`, x, [{ label: `took (${unit})` }], [line.xs, line.ys.map((y) => y / per)], range);
+  box.dataset.x = x;
+  box.dataset.unit = unit;
+  box.dataset.outside = body.took_outside.map((p) => p[0]).join(" ");
+  if (!body.took_outside.length) return;
+  const named = body.took_outside.map(([f, us]) => `forward ${f} took ${took(us)}${f === body.first ? " (start-up)" : ""}`);
+  const more = body.took_outside_count - body.took_outside.length;
+  const note = el("p", named.join("; ") + (more > 0 ? `; and ${more} more` : "") +
+    `, above the scale (more than 10 times the median forward, ${took(body.took_median)})`, "outside");
+  note.id = "took-outside";
+  box.appendChild(note);
+}
+
+// the smoothing of the compare page's curves, kept in this origin's storage (or in this
+// page, where storage is refused): the page is drawn again at each change of the store
+const SMOOTHING = "somatize-view-smoothing";
+let weighed = null;
+function smoothing() {
+  let given = weighed;
+  try {
+    given = localStorage.getItem(SMOOTHING) ?? given;
+  } catch (error) { /* storage refused: this page's own */ }
+  const weight = Number(given ?? 0.6);
+  return weight >= 0 && weight <= 0.99 ? weight : 0.6;
+}
+
+async function comparePage(names, q) {
+  const body = await read("/api/compare?" + new URLSearchParams(names.map((n) => ["run", n])));
+  const runs = body.runs;
+  clear(`Comparing ${runs.length} runs`, runs.map((r) => `${r.run} (${r.count} forwards)`).join(", "));
+  const choices = ["forward", ...["step", "epoch"].filter((c) => runs.every((r) => r.x.includes(c)))];
+  const x = choices.includes(q.get("x")) ? q.get("x") : "forward";
+  const here = "#/compare/" + names.map(encodeURIComponent).join("/");
+  const controls = $("charts");
+  if (choices.length > 1) controls.appendChild(xChoice(choices, x, (chosenX) => { location.hash = `${here}?x=${chosenX}`; }));
+  const slider = el("input");
+  Object.assign(slider, { id: "smoothing", type: "range", min: "0", max: "0.99", step: "0.01" });
+  slider.value = String(smoothing());
+  const shown = el("span", slider.value);
+  shown.id = "smoothing-value";
+  const line = el("p", "smoothing (exponential moving average, the raw curve faint behind): ", "choosing");
+  line.append(slider, " ", shown);
+  controls.appendChild(line);
+  // the loss, and every other summarised kind all the runs have
+  const kinds = [["loss.value", (r) => r.curve], ...Object.keys(runs[0]?.series || {})
+    .filter((k) => runs.every((r) => Object.hasOwn(r.series, k))).map((k) => [k, (r) => r.series[k]])];
+  // each run's smoothed line, then its raw one, faint: [xs, smoothed..., raw...]
+  const data = (raw, weight) => [raw[0], ...raw.slice(1).map((ys) => smoothed(ys, weight)), ...raw.slice(1)];
+  const series = [...runs.map((r, j) => ({ label: r.run, stroke: COLOURS[j % COLOURS.length] })),
+    ...runs.map((r, j) => ({ label: r.run + " (raw)", stroke: COLOURS[j % COLOURS.length], faint: true }))];
+  const drawn = kinds.map(([kind, of], i) => {
+    const raw = joined(runs.map((r) => against(of(r), x, r.counters)));
+    const box = plot($("charts"), `compare-${i}`, `${kind} per ${x}`, x, series, data(raw, Number(slider.value)));
+    Object.assign(box.dataset, { kind, runs: String(runs.length), x, smoothing: slider.value });
+    return { box, raw };
+  });
+  slider.addEventListener("input", () => {
+    const weight = Number(slider.value);
+    shown.textContent = slider.value;
+    weighed = slider.value;
+    try { localStorage.setItem(SMOOTHING, slider.value); } catch (error) { /* kept in this page */ }
+    for (const { box, raw } of drawn) {
+      box.dataset.smoothing = slider.value;
+      if (!box.plot) continue;
+      box.plot.setData(data(raw, weight));
+    }
+  });
 }
 
 async function factsPage(run, forward) {
@@ -579,9 +810,11 @@ function pager(body, hash) {
 function route() {
   const [path, query] = location.hash.replace(/^#/, "").split("?");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
-  const from = new URLSearchParams(query || "").get("from") || 0;
+  const q = new URLSearchParams(query || "");
+  const from = q.get("from") || 0;
   if (parts[0] === "run" && parts[2] === "facts") return [`run:${parts[1]}`, () => factsPage(parts[1], parts[3])];
-  if (parts[0] === "run") return [`run:${parts[1]}`, () => runPage(parts[1], from)];
+  if (parts[0] === "run") return [`run:${parts[1]}`, () => runPage(parts[1], q)];
+  if (parts[0] === "compare") return ["runs", () => comparePage(parts.slice(1), q)];
   // the run written last may change to another: its page listens to every run, and to the machines
   if (parts[0] === "machines" && parts[1]) return [`machines:${parts[1]}`, () => machinesPage(parts[1])];
   if (parts[0] === "machines") return [["machines", "runs"], () => machinesPage()];
