@@ -319,7 +319,10 @@ def test_two_runs_compared_on_one_chart_and_smoothed(processes, browser, tmp_pat
 
 
 def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):
-    from optuna.distributions import FloatDistribution
+    """Two runners share a sweep; the page shows trials finishing live, then the study as a
+    researcher reads it: importances, the score against each parameter, parallel coordinates,
+    who ran what when. The picture in docs/view.md is this page."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     from somatize import Study
 
@@ -327,8 +330,13 @@ def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):
     Study(
         FolderStore(folder),
         "tune",
-        objective="study_objectives:quadratic_slowly",
-        space={"x": FloatDistribution(-5, 5)},
+        objective="study_objectives:tuned_slowly",
+        space={
+            "x": FloatDistribution(-5, 5),
+            "lr": FloatDistribution(1e-5, 1e-1, log=True),
+            "layers": IntDistribution(1, 6),
+            "kind": CategoricalDistribution(["a", "b"]),
+        },
         trials=30,
         sampler="random",
     )
@@ -337,15 +345,20 @@ def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):
     page.goto(address)  # the token, once: the page keeps it from here on
     page.goto(base(address) + "/#/study/tune")
     expect(page.locator("#title")).to_have_text("Study tune")
-    processes(
-        [sys.executable, "-m", "somatize", "study", "--store", str(folder), "tune"], env=env_with_tests(), announce=None
-    )
+    study = [sys.executable, "-m", "somatize", "study", "--store", str(folder), "tune", "--runner"]
+    for runner in ("gpu-node-1", "gpu-node-2"):
+        processes([*study, runner], env=env_with_tests(), announce=None)
     expect(page.locator("#trials td.done").first).to_be_visible(timeout=15_000)
     expect(page.locator("#note")).to_contain_text("30 done", timeout=30_000)
     expect(page.locator("#note")).to_contain_text("best")
+    expect(page.locator("#importances .importance")).to_have_count(4)
+    expect(page.locator("#timeline")).to_have_attribute("data-runners", "2")
+    expect(page.locator("#timeline")).to_have_attribute("data-attempts", "30")
     # the picture in docs/view.md is this page (SOMATIZE_VIEW_SCREENSHOT=docs/view.png to take it again)
-    page.set_viewport_size({"width": 1100, "height": 760})
-    shot = page.screenshot(path=os.environ.get("SOMATIZE_VIEW_SCREENSHOT") or str(tmp_path / "view.png"))
+    page.set_viewport_size({"width": 1200, "height": 900})
+    shot = page.screenshot(
+        path=os.environ.get("SOMATIZE_VIEW_SCREENSHOT") or str(tmp_path / "view.png"), full_page=True
+    )
     assert shot.startswith(b"\x89PNG")
 
 

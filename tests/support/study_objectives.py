@@ -6,6 +6,7 @@ the file named by ``STUDY_TEST_LOG``.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -106,3 +107,14 @@ class Head(Node):
 def shares_embed(trial):
     graph = Embed().named("embed").cached().frozen() >> Head(trial.config["scale"]).named("head")
     return graph.forward("a bb ccc dddd", store=trial.store, watching=trial.watching)
+
+
+def tuned_slowly(trial):
+    """A small model's validation loss, as a sweep over it might find one: x matters most,
+    the learning rate some, the layers and the kind little; 80 ms each, so that two runners
+    share the trials."""
+    time.sleep(0.08)
+    c = trial.config
+    return (
+        (c["x"] - 2) ** 2 + 0.5 * abs(math.log10(c["lr"]) + 2) + 0.05 * c["layers"] + (0.1 if c["kind"] == "b" else 0)
+    )
