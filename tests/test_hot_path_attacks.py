@@ -65,17 +65,13 @@ from somatize.fabric.curve import speaks_curve
 from somatize.fabric.worker.loop import WorkerLoop
 from somatize.packing import Packer
 from somatize.wire import (
-    Done,
     Hello,
     Ready,
     Recipe,
-    Refusal,
     Runtime,
     Saw,
     Work,
     encode,
-    recipe_digest,
-    short,
 )
 
 MARGIN = 8.0  # added to every bound: the machine may be busy with others' tests
@@ -321,67 +317,7 @@ def test_the_greeting_probe_tells_curve_from_null_from_nobody(tmp_path):
 # == 4. the conversation's one-look paths ======================================================
 
 
-_DIGEST_NEVER = "sha256:" + "0" * 64
-
-
 ODD = 10  # the input the played worker answers wrongly; the calls before it warm the channel
-
-
-def _fields(refusal) -> tuple:
-    assert isinstance(refusal, Refusal), refusal
-    return (refusal.why, refusal.ref, refusal.hello, refusal.recipe)
-
-
-def test_works_the_express_way_in_would_take_are_refused_as_the_general_way_refuses_them(spawned, raws):
-    """Attack with raw clients on a real worker: a Work that is express-shaped (by digest, one
-    scalar) and its twin that is not (its input a list: the general way reads it), sent where
-    they must be refused: from a peer that never said Hello, naming a digest never sent,
-    naming another peer's digest, with the ref of a work still running, with keys or a
-    placement that do not fit the recipe. Each pair is refused with the same sentence, flags
-    and ref, and nothing of them runs."""
-    recipe = Recipe((spec_of(Sleep(0.0), "id"),), ("step", 0))
-    digest = recipe_digest(recipe).digest
-    slow = Recipe((spec_of(Sleep(1.0), "nap"),), ("step", 0))
-    mine, theirs, stranger, probe = (raws(spawned.endpoint, greet=g) for g in (True, True, False, True))
-    theirs.send_frames(full(1, recipe, 0))
-    assert final(theirs, 1).output == 0
-    mine.send_frames(full(1, slow, 0))  # warms `mine` with another recipe
-    assert final(mine, 1).output == 0
-
-    def pair(raw: Raw, ref: int, name: str, **fields):
-        express = by_digest(ref, name, 5, **fields)
-        general = by_digest(ref + 1, name, [5], **fields)
-        if not fields:
-            assert type(short.express(express[0])) is Work and short.express(general[0]) is None
-        raw.send_frames(express)
-        a = _fields(final(raw, ref))
-        raw.send_frames(general)
-        b = _fields(final(raw, ref + 1))
-        return a[:1] + a[2:], b[:1] + b[2:], (a[1], b[1])
-
-    for raw, name in ((stranger, digest), (mine, _DIGEST_NEVER), (mine, digest)):
-        a, b, refs = pair(raw, 10, name)
-        assert a == b and refs == (10, 11), (a, b)
-    a, b, _ = pair(mine, 20, digest, keys={4: "sha256:" + "1" * 64})
-    assert a == b
-    mine.send_frames(full(30, recipe, 0))
-    assert final(mine, 30).output == 0
-    for fields in ({"keys": {4: "sha256:" + "1" * 64}}, {"placement": {3: "cpu"}}):
-        a, b, _ = pair(mine, 40, digest, **fields)
-        assert a == b and "Work." in a[0], a
-    # the ref of a work still running: the stand-in refuses it with no ref (it ends nothing)
-    mine.send_frames(by_digest(50, recipe_digest(slow).digest, 0))
-    ready = probe.ask(Hello(Runtime.here(mode="project")))
-    while ready.busy_us == 0:
-        ready = probe.ask(Hello(Runtime.here(mode="project")))
-    mine.send_frames(by_digest(50, digest, 5))
-    dup_express = _fields(mine.answer(WAIT))
-    mine.send_frames(by_digest(50, digest, [5]))
-    dup_general = _fields(mine.answer(WAIT))
-    assert dup_express == dup_general and dup_express[1] is None and "already running" in dup_express[0]
-    done = final(mine, 50)
-    assert isinstance(done, Done) and done.ref == 50 and done.output == 0
-    assert mine.answer(0.2) is None and theirs.answer(0) is None and stranger.answer(0) is None
 
 
 # == 5. a header read from a zmq.Frame's bytes =================================================
