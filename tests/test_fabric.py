@@ -19,6 +19,7 @@ import time
 import fabric_nodes
 import numpy as np
 import pytest
+import zmq
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Boom, Count, Pid, Scale, Sleep
 
@@ -35,6 +36,7 @@ from somatize import (
     codec,
 )
 from somatize.codec import forget
+from somatize.fabric import sockets as fabric_sockets
 
 PATHS = ["inprocess", "direct", "mount", "relayed"]
 
@@ -392,3 +394,30 @@ def test_asking_a_socket_whether_it_has_a_message_or_room_is_an_error_once_it_is
             sockets.readable(closed)
         with pytest.raises(zmq.ZMQError):
             sockets.writable(closed)
+
+
+def test_readable_and_writable_refuse_a_closed_socket_even_when_descriptor_0_is_readable(monkeypatch):
+    """Attack: pyzmq's poll of a closed socket polls descriptor 0 in its place. With
+    descriptor 0 made readable (a pipe holding a byte), a closed socket must still raise
+    ``ZMQError`` (ENOTSOCK), never read as 'a message waits' or 'room to send'; an open one
+    with nothing waiting reads as nothing waiting."""
+    ctx = zmq.Context.instance()
+    saved = os.dup(0)
+    r, w = os.pipe()
+    try:
+        os.dup2(r, 0)
+        os.write(w, b"x")
+        for kind in (zmq.DEALER, zmq.PULL, zmq.PUSH, zmq.PAIR):
+            sock = ctx.socket(kind)
+            sock.linger = 0
+            if kind != zmq.PUSH:
+                assert fabric_sockets.readable(sock) is False  # fd 0 is readable; the socket is not
+            sock.close()
+            for look in (fabric_sockets.readable, fabric_sockets.writable):
+                with pytest.raises(zmq.ZMQError) as refused:
+                    look(sock)
+                assert refused.value.errno == zmq.ENOTSOCK
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, r, w):
+            os.close(fd)

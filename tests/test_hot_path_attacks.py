@@ -32,7 +32,6 @@ named.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -60,7 +59,6 @@ from somatize import (
 )
 from somatize.codec import forget
 from somatize.codec.registered import registered_now
-from somatize.fabric import sockets as fabric_sockets
 from somatize.fabric.curve import speaks_curve
 from somatize.fabric.worker.loop import WorkerLoop
 from somatize.packing import Packer
@@ -324,33 +322,6 @@ ODD = 10  # the input the played worker answers wrongly; the calls before it war
 
 
 # == 6. a poll of no time, and closed sockets ==================================================
-
-
-def test_readable_and_writable_refuse_a_closed_socket_even_when_descriptor_0_is_readable(monkeypatch):
-    """Attack: pyzmq's poll of a closed socket polls descriptor 0 in its place. With
-    descriptor 0 made readable (a pipe holding a byte), a closed socket must still raise
-    ``ZMQError`` (ENOTSOCK), never read as 'a message waits' or 'room to send'; an open one
-    with nothing waiting reads as nothing waiting."""
-    ctx = zmq.Context.instance()
-    saved = os.dup(0)
-    r, w = os.pipe()
-    try:
-        os.dup2(r, 0)
-        os.write(w, b"x")
-        for kind in (zmq.DEALER, zmq.PULL, zmq.PUSH, zmq.PAIR):
-            sock = ctx.socket(kind)
-            sock.linger = 0
-            if kind != zmq.PUSH:
-                assert fabric_sockets.readable(sock) is False  # fd 0 is readable; the socket is not
-            sock.close()
-            for look in (fabric_sockets.readable, fabric_sockets.writable):
-                with pytest.raises(zmq.ZMQError) as refused:
-                    look(sock)
-                assert refused.value.errno == zmq.ENOTSOCK
-    finally:
-        os.dup2(saved, 0)
-        for fd in (saved, r, w):
-            os.close(fd)
 
 
 def test_a_worker_stopped_while_a_client_waits_tells_it_in_bounded_time_and_ends_cleanly(serving, monkeypatch):
