@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import pytest
 import zmq
 from conftest import WORKER, Process
-from fabric_nodes import Add, Sleep
+from fabric_nodes import Add
 from peers import Raw, curve_router, socket_peer, within
 from reliability_support import child_env
 
@@ -322,46 +321,6 @@ ODD = 10  # the input the played worker answers wrongly; the calls before it war
 
 
 # == 6. a poll of no time, and closed sockets ==================================================
-
-
-def test_a_worker_stopped_while_a_client_waits_tells_it_in_bounded_time_and_ends_cleanly(serving, monkeypatch):
-    """Attack: a loop running a piece where it arrived is stopped while the client waits; the
-    piece outlives the loop's patience, so the stand-in closes the sockets under it, and the
-    serving thread comes back to closed sockets (its polls of no time, its answers). The
-    client hears a typed error within a bound; the serving thread ends with nothing raised
-    on any thread."""
-    raised: list = []
-    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args))
-    loop, endpoint, thread = serving(patience=0.5)
-    node = Sleep(1.5).named("long").at("w1")
-    probe = Raw(endpoint)
-    try:
-        with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}, patience=PATIENCE) as broker:
-            assert Add(1).named("warm").at("w1").forward(1, broker=broker) == 2
-            box: dict = {}
-
-            def call() -> None:
-                try:
-                    box["value"] = node.forward(1, broker=broker)
-                except BaseException as exc:  # noqa: BLE001
-                    box["error"] = exc
-
-            caller = threading.Thread(target=call, daemon=True)
-            caller.start()
-            ready = probe.ask(Hello(Runtime.here(mode="project")))
-            while ready is not None and ready.busy_us == 0:  # a fact: the long piece runs
-                ready = probe.ask(Hello(Runtime.here(mode="project")))
-            stopped = time.monotonic()
-            loop.close()
-            caller.join(WAIT)
-            assert not caller.is_alive(), "the client still waits on a stopped worker"
-            assert "value" in box or isinstance(box.get("error"), TYPED), box
-            assert time.monotonic() - stopped < PATIENCE * 4 + MARGIN
-        thread.join(WAIT)
-        assert not thread.is_alive()
-    finally:
-        probe.close()
-    assert not raised, [(a.exc_type, a.exc_value) for a in raised]
 
 
 # == 7. the codec registry as a token ==========================================================

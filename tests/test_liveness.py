@@ -1,7 +1,8 @@
 """Liveness with work open: a dialed worker stopped mid-work is noticed within its patience,
 one resumed serves again, a long honest piece is never taken for a stopped one, and a flood
 at a worker never holds back another tenant's answer. Real brokers and dialed workers, real
-signals, real sockets (issue 38, "What to build" 5)."""
+signals, real sockets (issue 38, "What to build" 5). A listening worker stopped while a client
+waits on a piece it runs where it arrived tells the client in bounded time, and ends cleanly."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import time
 
 import pytest
 import zmq
+from by_hand import MARGIN, PATIENCE, TYPED, WAIT
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Sleep
 from liveness_nodes import Big, Marked
+from peers import Raw
 from reliability_support import wait_until
 
-from somatize import Broken, Broker, Busy, Refused
+from somatize import Broken, Broker, Busy, Refused, Worker
 from somatize.fabric.broker.checks import PROBE
 from somatize.packing import Packer
 from somatize.wire import Hello, Ready, Recipe, Relay, Runtime, Work, decode, encode
@@ -242,3 +245,46 @@ def test_a_worker_back_before_its_client_looked_has_that_client_told(processes, 
             error
         )
         assert served(lambda: Add(1).named("a").at("w1").forward(1, broker=client), 15) == 2
+
+
+# -- a worker stopped while a client waits on a piece it runs where it arrived ---------------------
+
+
+def test_a_worker_stopped_while_a_client_waits_tells_it_in_bounded_time_and_ends_cleanly(serving, monkeypatch):
+    """Attack: a loop running a piece where it arrived is stopped while the client waits; the
+    piece outlives the loop's patience, so the stand-in closes the sockets under it, and the
+    serving thread comes back to closed sockets (its polls of no time, its answers). The
+    client hears a typed error within a bound; the serving thread ends with nothing raised
+    on any thread."""
+    raised: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args))
+    loop, endpoint, thread = serving(patience=0.5)
+    node = Sleep(1.5).named("long").at("w1")
+    probe = Raw(endpoint)
+    try:
+        with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}, patience=PATIENCE) as broker:
+            assert Add(1).named("warm").at("w1").forward(1, broker=broker) == 2
+            box: dict = {}
+
+            def call() -> None:
+                try:
+                    box["value"] = node.forward(1, broker=broker)
+                except BaseException as exc:  # noqa: BLE001
+                    box["error"] = exc
+
+            caller = threading.Thread(target=call, daemon=True)
+            caller.start()
+            ready = probe.ask(Hello(Runtime.here(mode="project")))
+            while ready is not None and ready.busy_us == 0:  # a fact: the long piece runs
+                ready = probe.ask(Hello(Runtime.here(mode="project")))
+            stopped = time.monotonic()
+            loop.close()
+            caller.join(WAIT)
+            assert not caller.is_alive(), "the client still waits on a stopped worker"
+            assert "value" in box or isinstance(box.get("error"), TYPED), box
+            assert time.monotonic() - stopped < PATIENCE * 4 + MARGIN
+        thread.join(WAIT)
+        assert not thread.is_alive()
+    finally:
+        probe.close()
+    assert not raised, [(a.exc_type, a.exc_value) for a in raised]
