@@ -1,5 +1,6 @@
-"""Safe by default: keys, allow-lists, refusals that reach no handler, and no code by value
-where it is not allowed. Real worker processes, real CURVE handshakes, real files."""
+"""Safe by default: keys, allow-lists, refusals that reach no handler, no code by value where
+it is not allowed, and keys refused told from a peer that hangs up (the greeting probe). Real
+worker processes, real CURVE handshakes, real files."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import time
 
 import pytest
 import zmq
+from by_hand import PATIENCE, WAIT
 from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Count
+from peers import curve_router, socket_peer, within
 
-from somatize import BadKeys, Broker, Refused, Unreachable, Unwritable, Worker
+from somatize import BadKeys, Broker, KeysRefused, Refused, SomatizeError, Unreachable, Unwritable, Worker
 from somatize.codec import dumps
 from somatize.fabric import sockets
-from somatize.fabric.curve import Keys, make_pair
+from somatize.fabric.curve import Keys, make_pair, speaks_curve
 from somatize.wire import Hello, Provision, Refusal, Runtime, decode, encode
 
 
@@ -333,3 +336,70 @@ def test_a_gadget_pickle_in_the_store_never_runs_even_with_weights_only_forced_o
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
     assert not sentinel.exists()
+
+
+# -- keys refused, told from a hang-up: the greeting probe ---------------------------------------
+
+
+def _hang_up(conn, stop) -> None:
+    """A peer that accepts a connection and hangs up at once (``socket_peer`` closes it)."""
+
+
+def test_a_peer_that_hangs_up_during_the_handshake_is_not_told_as_keys_refused():
+    """Attack (seen when a worker is killed right after answering, on a busy machine: the
+    next call's link reached the port while the dying process still held it): a port that
+    accepts each connection and hangs up at once. Neither side has keys; the call has to
+    end with a typed error about reaching the worker, not one saying it listens with keys."""
+    with socket_peer(_hang_up) as (port, _):
+        with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")}, patience=PATIENCE) as broker:
+            try:
+                within(WAIT, lambda: Add(1).named("inc").at("w1").forward(1, broker=broker))
+                outcome = None
+            except SomatizeError as exc:
+                outcome = exc
+    assert isinstance(outcome, SomatizeError), outcome
+    assert not isinstance(outcome, KeysRefused), str(outcome)
+
+
+def test_a_broker_address_that_hangs_up_is_unreachable_not_keys_refused():
+    """The same hang-up where a client looks for its broker (the control socket's handshake,
+    ``Rendezvous.ask``): nobody there that speaks, so ``Unreachable``, with no word of keys."""
+    with socket_peer(_hang_up) as (port, _):
+        broker = Broker.at(f"tcp://127.0.0.1:{port}", patience=PATIENCE)
+        try:
+            with pytest.raises(Unreachable) as caught:
+                within(WAIT, broker.hosts)
+        finally:
+            broker.close()
+    assert "key" not in str(caught.value).lower(), caught.value
+
+
+def test_the_greeting_probe_tells_curve_from_null_from_nobody(tmp_path):
+    """``curve.speaks_curve``, what tells keys refused from a hang-up, against real ZeroMQ
+    servers: one with CURVE (tcp and ipc), one without, a port that hangs up, one where
+    nobody listens, and an address of another transport."""
+    servers = []
+    try:
+        for curve, where in (
+            (True, "tcp://127.0.0.1:*"),
+            (False, "tcp://127.0.0.1:*"),
+            (True, f"ipc://{tmp_path}/curve.sock"),
+        ):
+            server = curve_router() if curve else zmq.Context.instance().socket(zmq.ROUTER)
+            server.linger = 0
+            server.bind(where)
+            servers.append((curve, server.getsockopt_string(zmq.LAST_ENDPOINT), server))
+        for curve, address, _ in servers:
+            assert speaks_curve(address, 2.0) is curve, address
+        with socket_peer(_hang_up) as (port, _):
+            assert speaks_curve(f"tcp://127.0.0.1:{port}", 2.0) is None
+        nobody = socket.socket()
+        nobody.bind(("127.0.0.1", 0))
+        free = nobody.getsockname()[1]
+        nobody.close()
+        assert speaks_curve(f"tcp://127.0.0.1:{free}", 2.0) is None
+        assert speaks_curve("inproc://somewhere", 2.0) is None
+        assert speaks_curve("tcp://not-an-address", 2.0) is None
+    finally:
+        for _, _, server in servers:
+            server.close(0)
