@@ -16,21 +16,18 @@ peer, and read an abstract ``ipc://@name`` as a file.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
 
 import fabric_nodes
-import pytest
 import zmq
 from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Sleep
-from peers import curve_router, socket_peer, within
+from peers import within
 
 import somatize
-from somatize import Broker, Closed, KeysRefused, SomatizeError, Worker
-from somatize.fabric.curve import PROBE, hung_up, speaks_curve
+from somatize import Broker, Closed, SomatizeError, Worker
 
 # == 1. carried codec formats ===================================================================
 #
@@ -47,127 +44,6 @@ SOMATIZE_ROOT = str(Path(somatize.__file__).resolve().parents[1])
 
 
 # == 3. the handshake probe =====================================================================
-
-GREETING_CURVE = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\0" + b"\0" * 31
-
-
-def _garbage(conn, stop):
-    conn.sendall(os.urandom(64))
-    stop.wait(3)
-
-
-def _silent(conn, stop):
-    stop.wait(5)  # reads nothing, says nothing, never hangs up
-
-
-def _trickle(conn, stop):
-    # a valid greeting claiming CURVE, one byte every 0.9 s
-    for byte in GREETING_CURVE:
-        if stop.wait(0.9):
-            return
-        conn.sendall(bytes([byte]))
-
-
-def _fake_curve(conn, stop):
-    conn.recv(64)
-    conn.sendall(GREETING_CURVE)
-    stop.wait(3)
-
-
-def test_the_probe_reads_garbage_as_nobody_quickly():
-    with socket_peer(_garbage) as (port, _):
-        started = time.monotonic()
-        assert within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE)) is None
-        assert time.monotonic() - started < PROBE + 1.0  # bounded: a busy machine may add a little
-
-
-def test_the_probe_of_a_port_that_never_answers_ends_within_its_timeout():
-    with socket_peer(_silent) as (port, _):
-        started = time.monotonic()
-        assert within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE)) is None
-        assert time.monotonic() - started < PROBE + 1.0  # bounded: a busy machine may add a little
-
-
-def test_a_peer_trickling_its_greeting_cannot_hold_the_probe_past_its_timeout():
-    with socket_peer(_trickle) as (port, _):
-        started = time.monotonic()
-        within(5, lambda: speaks_curve(f"tcp://127.0.0.1:{port}", PROBE))
-        took = time.monotonic() - started
-    # held by the trickle, a read given the whole timeout each time ended near 1.8 s
-    assert took < PROBE + 0.6, f"the probe took {took:.2f} s for a timeout of {PROBE} s"
-
-
-def test_the_probe_understands_ipv6_and_hostnames():
-    server = curve_router()
-    server.ipv6 = True
-    try:
-        server.bind("tcp://[::1]:*")
-        port = server.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-        assert speaks_curve(f"tcp://[::1]:{port}", 2.0) is True
-        plain = zmq.Context.instance().socket(zmq.ROUTER)
-        plain.linger = 0
-        try:
-            port4 = plain.bind_to_random_port("tcp://127.0.0.1")
-            assert speaks_curve(f"tcp://localhost:{port4}", 2.0) is False
-        finally:
-            plain.close(0)
-    finally:
-        server.close(0)
-
-
-def test_the_probe_of_an_ipc_path_that_does_not_exist_is_nobody(tmp_path):
-    assert within(5, lambda: speaks_curve(f"ipc://{tmp_path}/no/such.sock", PROBE)) is None
-
-
-def test_the_probe_reads_an_abstract_ipc_curve_server_as_curve():
-    server = curve_router()
-    name = f"ipc://@somatize-attack-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        server.bind(name)
-        assert speaks_curve(name, 2.0) is True
-    finally:
-        server.close(0)
-
-
-def test_a_client_with_keys_never_probes(tmp_path):
-    """``hung_up`` with keys (or with another event) answers at once, opening no connection."""
-    from somatize.fabric.curve import Keys
-
-    public, secret = zmq.curve_keypair()
-    keys = Keys(public, secret, server_key=public)
-    with socket_peer(_fake_curve) as (port, accepted):
-        address = f"tcp://127.0.0.1:{port}"
-        assert hung_up(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, keys, address, PROBE) is False
-        assert hung_up(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, None, address, PROBE) is False
-        assert accepted == []
-        # keyless and NO_DETAIL: asked, and a greeting that says CURVE is keys refused
-        assert hung_up(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, None, address, PROBE) is False
-        assert accepted == [1]
-
-
-def test_a_keyless_client_against_a_curve_server_is_keys_refused_not_dropped():
-    """End to end: a real ZeroMQ CURVE server where a keyless broker expects a worker: the call
-    ends KeysRefused (the probe reads CURVE), within a bound."""
-    server = curve_router()
-    port = server.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        with Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")}, patience=2.0) as broker:
-            with pytest.raises(KeysRefused):
-                within(20, lambda: Add(1).named("a").at("w1").forward(1, broker=broker))
-    finally:
-        server.close(0)
-
-
-def test_a_keyless_client_against_an_abstract_ipc_curve_server_is_keys_refused():
-    server = curve_router()
-    name = f"ipc://@somatize-attack-{os.getpid()}-{time.monotonic_ns()}"
-    server.bind(name)
-    try:
-        with Broker.embedded({"w1": Worker.at(name, mode="project")}, patience=2.0) as broker:
-            with pytest.raises(KeysRefused):
-                within(20, lambda: Add(1).named("a").at("w1").forward(1, broker=broker))
-    finally:
-        server.close(0)
 
 
 # == 4. Broker.close() ends a waiting call ========================================================
@@ -412,41 +288,3 @@ def test_kinds_are_checked_against_the_registry_they_were_written_with_under_chu
     assert not refused_plain, refused_plain[:3]
     assert not sent_unread, sent_unread[:3]
     assert worker.alive
-
-
-def _slow_to_probes(conn, stop):
-    """Hangs up on a ZeroMQ peer (it sends 10 bytes of signature, then waits) and keeps a
-    probe (11 bytes: the signature and a version) for a long while, a byte at a time."""
-    conn.settimeout(0.2)
-    got = b""
-    try:
-        while len(got) < 11:
-            part = conn.recv(11 - len(got))
-            if not part:
-                return
-            got += part
-    except OSError:
-        return  # 10 bytes and silence: ZeroMQ's handshake; hung up on
-    for byte in GREETING_CURVE:
-        if stop.wait(0.5):
-            return
-        conn.sendall(bytes([byte]))
-
-
-def test_a_peer_that_hangs_up_on_handshakes_and_holds_probes_cannot_hold_the_client_past_its_wait():
-    """Attack on the probe where a client looks for its broker: a hostile address hangs up on
-    every ZeroMQ handshake (ZeroMQ reconnects, a failed handshake each time) and holds each
-    probe its whole timeout. Asked once per failure, the probes would fall behind the
-    failures and the wait for the broker would never end; it ends Unreachable, within its
-    own bound, and probes that address a few times at most."""
-    from somatize import Unreachable
-
-    with socket_peer(_slow_to_probes) as (port, accepted):
-        client = Broker.at(f"tcp://127.0.0.1:{port}", patience=1.0)
-        try:
-            started = time.monotonic()
-            with pytest.raises(Unreachable):
-                within(30, client.hosts)
-            assert time.monotonic() - started < 2 * 1.0 + 3 * PROBE + 2.0
-        finally:
-            client.close()
