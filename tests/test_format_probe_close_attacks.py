@@ -49,70 +49,10 @@ SOMATIZE_ROOT = str(Path(somatize.__file__).resolve().parents[1])
 # == 5. an in-process host's group, watched or not ===============================================
 
 
-def test_an_inprocess_host_keeps_a_cached_step_when_nobody_watches(tmp_path):
-    """Nobody watches: the group of the in-process host is neither timed nor said, but the
-    cached step in the middle of it must still be kept once the group closes, and recalled
-    next time without running."""
-    from fabric_nodes import Count
-
-    from somatize.store import FolderStore
-
-    calls = tmp_path / "calls"
-    store = FolderStore(tmp_path / "store")
-    g = (
-        Add(1).named("pre").at("w1").frozen()
-        >> Count(str(calls)).named("count").at("w1").cached().frozen()
-        >> Add(1).named("post").at("w1")
-    )
-    with Broker.embedded({"w1": Worker.inprocess()}) as broker:
-        first = g.forward(5, broker=broker, store=store)
-        second = g.forward(5, broker=broker, store=store)
-        seen: list = []
-        third = g.forward(5, broker=broker, store=store, watching=seen.append)
-    assert list(first) == list(second) == list(third) == [7, 8, 9]
-    assert calls.read_text() == "x\n", "the cached step ran again: it was not kept unwatched"
-    kinds = [f["fact"] for f in seen]
-    assert "recalled" in kinds and not [f for f in seen if f["fact"] == "ran" and f.get("node") == "count"]
 
 
-def test_left_facts_name_each_inprocess_host_in_order_when_watched():
-    g = (
-        Add(1).named("a").at("w1")
-        >> Add(1).named("b").at("w1")
-        >> Add(1).named("c").at("w2")
-        >> Add(1).named("local")
-        >> Add(1).named("d").at("w1")
-    )
-    with Broker.embedded({"w1": Worker.inprocess(), "w2": Worker.inprocess()}) as broker:
-        assert g.forward(0, broker=broker) == 5  # unwatched first: nothing left behind for the next
-        seen: list = []
-        assert g.forward(0, broker=broker, watching=seen.append) == 5
-    left = [f for f in seen if f["fact"] == "left"]
-    assert [f["host"] for f in left] == ["w1", "w2", "w1"], seen
-    assert all(f["took_us"].isdigit() for f in left)
-    ran = [(f["node"], f.get("host")) for f in seen if f["fact"] == "ran"]
-    assert ran == [("a", "w1"), ("b", "w1"), ("c", "w2"), ("local", None), ("d", "w1")], ran
-    # each `left` comes right after its group's last `ran`
-    order = [(f["fact"], f.get("node") or f.get("host")) for f in seen if f["fact"] in ("ran", "left")]
-    assert order[:4] == [("ran", "a"), ("ran", "b"), ("left", "w1"), ("ran", "c")], order
 
 
-def test_a_cached_step_first_in_a_parallel_inprocess_group_is_kept_unwatched(tmp_path):
-    from fabric_nodes import Count
-
-    from somatize.store import FolderStore
-
-    store = FolderStore(tmp_path / "store")
-    calls_a, calls_b = tmp_path / "a", tmp_path / "b"
-    g = (
-        Count(str(calls_a)).named("ca").at("w1").cached().frozen()
-        & Count(str(calls_b)).named("cb").at("w2").cached().frozen()
-    )
-    with Broker.embedded({"w1": Worker.inprocess(), "w2": Worker.inprocess()}) as broker:
-        for _ in range(2):
-            out = g.forward(1, broker=broker, store=store)
-    assert [list(x) for x in out] == [[1, 2, 3], [1, 2, 3]]
-    assert calls_a.read_text() == "x\n" and calls_b.read_text() == "x\n"
 
 
 # == 2. the registry snapshot and the client's kind check ========================================
