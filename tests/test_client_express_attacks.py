@@ -28,7 +28,7 @@ import fabric_nodes
 import msgpack
 import numpy as np
 import pytest
-from conftest import WORKER
+from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Echo, Sleep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -871,3 +871,64 @@ def _ended_plain(call) -> tuple:
         return ("value", call())
     except SomatizeError as exc:
         return (type(exc).__name__, str(exc).splitlines()[0])
+
+
+class _Unread:
+    def __init__(self, v: float) -> None:
+        self.v = v
+
+
+class _Other(_Unread):
+    pass
+
+
+def test_kinds_are_checked_against_the_registry_they_were_written_with_under_churn(processes):
+    """Two threads register and forget codecs (one the worker cannot read, one unrelated) as
+    fast as they can while calls run on a project-mode worker: a plain call is never refused
+    (no false refusal), and a value of the unreadable kind is always refused here, by the
+    client, before it is sent (the worker stays up and serves)."""
+    from somatize.codec import codec, forget
+
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "project"], env=env_with_tests())
+    stop = threading.Event()
+
+    def churn(kind: str, type_: type) -> None:
+        while not stop.is_set():
+            codec(kind, type_, dump=lambda u: repr(u.v).encode(), load=lambda b: type_(float(b)))
+            forget(kind)
+
+    threads = [
+        threading.Thread(target=churn, args=k, daemon=True)
+        for k in (("atk.session.unread", _Unread), ("atk.session.other", _Other))
+    ]
+    refused_plain, sent_unread = [], []
+    try:
+        with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}, patience=5.0) as broker:
+            for t in threads:
+                t.start()
+            until = time.monotonic() + 4
+            while time.monotonic() < until:
+                try:
+                    assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2
+                except SomatizeError as exc:
+                    refused_plain.append(str(exc))
+                try:
+                    Add(1).named("u").at("w1").forward(_Unread(1.0), broker=broker)
+                    sent_unread.append("returned")
+                except SomatizeError as exc:
+                    text = str(exc)
+                    told = "cannot read values of kind `atk.session.unread`"
+                    if told in text and "nothing was sent" in text:
+                        continue  # refused here, before a byte was sent
+                    if "`atk.session.unread`" not in text and "_Unread" in text:
+                        continue  # forgotten before it was written: nothing to send
+                    sent_unread.append(text)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        forget("atk.session.unread")
+        forget("atk.session.other")
+    assert not refused_plain, refused_plain[:3]
+    assert not sent_unread, sent_unread[:3]
+    assert worker.alive

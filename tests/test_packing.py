@@ -796,6 +796,12 @@ def test_a_subclass_of_a_plain_type_is_not_written_as_its_plain_value():
 
 
 # -- a codec's format, as many clients write it: one format per kind on a network worker -------
+#
+# Each client process registers one kind per variant (register, pack a fresh node, forget),
+# so each artifact carries exactly one codec. Process "a" and process "c" write the same
+# format (the same source, run twice: another client, a cell run again); process "b" writes
+# another one. A worker process provisions a, then b (must be refused: its values would be
+# read the first way), then c (must be held: the same format).
 
 
 MAKE_VARIANTS = r"""
