@@ -9,7 +9,6 @@ every process is reaped by the ``processes`` fixture.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Scale
 from holds_nodes import Hold
@@ -220,98 +219,3 @@ def test_a_stream_that_announces_a_huge_size_and_sends_nothing_does_not_hold_its
 
 
 # -- an allowed worker key takes over another key's host across a broker restart -----------
-
-
-@pytest.fixture
-def ring(tmp_path):
-    """A broker's pair; client alice; worker keys victim and evil."""
-    from somatize.fabric.curve import make_pair
-
-    keys = tmp_path / "keys"
-    allow, workers = tmp_path / "allow", tmp_path / "workers"
-    allow.mkdir(mode=0o755)
-    workers.mkdir(mode=0o755)
-    out = {"allow": allow, "workers": workers}
-    for name in ("broker", "alice", "victim", "evil"):
-        out[name], out[name + "_secret"] = make_pair(keys, name)
-    (allow / "alice.key").write_bytes(out["alice"].read_bytes())
-    for name in ("victim", "evil"):
-        (workers / f"{name}.key").write_bytes(out[name].read_bytes())
-    return out
-
-
-def keyed_broker(processes, ring, url, *extra):
-    return processes(
-        [
-            *BROKER,
-            "--listen",
-            url,
-            "--announce",
-            "--key",
-            str(ring["broker_secret"]),
-            "--allow",
-            str(ring["allow"]),
-            "--allow-workers",
-            str(ring["workers"]),
-            "--patience",
-            "2",
-            *extra,
-        ],
-        env=env_with_tests(),
-    )
-
-
-def test_a_host_bound_to_one_worker_key_stays_its_own_when_the_broker_restarts(processes, ring, tmp_path):
-    """Attacker: an allowed worker (a key in the broker's `--allow-workers`).
-
-    What it achieves: it takes over `node017`, a host another worker key serves, and
-    receives the clients' inputs for it (and may answer for it, answers a client caches).
-    A name is bound to the key that offered it first only "while the broker runs": the
-    bindings live in the broker's memory. The attacker keeps a Hello(offering="node017")
-    queued on a socket that dials the broker's address; when the broker restarts (an
-    upgrade, a crash, a reboot of the head node) its Hello is the first through, the name is
-    its own for the broker's new life, and the real worker is refused.
-    """
-    from somatize.fabric.curve import Keys, read_public, read_secret
-
-    url = f"tcp://127.0.0.1:{free_port()}"
-    kept = ("--bindings", str(tmp_path / "bindings.json"))  # as brokers/somatize-broker.service runs it
-    hub = keyed_broker(processes, ring, url, *kept)
-    victim = processes(
-        [
-            *WORKER,
-            "--broker",
-            url,
-            "--offer",
-            "node017",
-            "--key",
-            str(ring["victim_secret"]),
-            "--broker-key",
-            str(ring["broker"]),
-            "--patience",
-            "2",
-        ],
-        announce=None,
-        env=env_with_tests(),
-    )
-    alice_keys = Keys.client(ring["alice_secret"], server=ring["broker"])
-    with Broker.at(url, keys=alice_keys, patience=2.0) as alice:
-        wait_until(lambda: alice.knows("node017"), 20, "node017 dialing in")
-        assert Add(1).named("a").at("node017").forward(1, broker=alice) == 2
-
-    assert hub.stop() == 0
-    victim.stop()  # the real worker is slow to come back: the race is the attacker's to win
-    public, secret = read_secret(ring["evil_secret"])
-    # many sockets, each with the Hello queued: one of them is through first
-    evils = [Raw(url, keys=(public, secret, read_public(ring["broker"]))) for _ in range(16)]
-    try:
-        for evil in evils:
-            evil.send(Hello(RT, offering="node017"))  # queued: it leaves the moment the broker is back
-        keyed_broker(processes, ring, url, *kept)
-        answers = [evil.answer(20) for evil in evils]
-        taken = [a for a in answers if isinstance(a, Ready)]
-        assert not taken, "another worker key took over `node017` after the broker restarted"
-        assert all(isinstance(a, Refusal) and "another worker key" in a.why for a in answers), answers
-    finally:
-        for evil in evils:
-            evil.close()

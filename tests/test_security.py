@@ -1,6 +1,7 @@
 """Safe by default: keys, allow-lists, refusals that reach no handler, no code by value where
-it is not allowed, and keys refused told from a peer that hangs up (the greeting probe). Real
-worker processes, real CURVE handshakes, real files."""
+it is not allowed, a host's name kept by the worker key that offered it first (across broker
+restarts), and keys refused told from a peer that hangs up (the greeting probe). Real worker
+processes, real CURVE handshakes, real files."""
 
 from __future__ import annotations
 
@@ -14,16 +15,17 @@ import time
 
 import pytest
 import zmq
-from by_hand import PATIENCE, WAIT
-from conftest import WORKER, env_with_tests
+from by_hand import PATIENCE, WAIT, free_port
+from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Count
-from peers import curve_router, socket_peer, within
+from peers import RT, Raw, curve_router, socket_peer, within
+from reliability_support import key_ring, wait_until
 
 from somatize import BadKeys, Broker, KeysRefused, Refused, SomatizeError, Unreachable, Unwritable, Worker
 from somatize.codec import dumps
 from somatize.fabric import sockets
 from somatize.fabric.curve import PROBE, Keys, hung_up, make_pair, speaks_curve
-from somatize.wire import Hello, Provision, Refusal, Runtime, decode, encode
+from somatize.wire import Hello, Provision, Ready, Refusal, Runtime, decode, encode
 
 
 @pytest.fixture
@@ -336,6 +338,92 @@ def test_a_gadget_pickle_in_the_store_never_runs_even_with_weights_only_forced_o
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
     assert not sentinel.exists()
+
+
+# -- a host's name stays the worker key's that offered it first, across broker restarts ----
+
+
+@pytest.fixture
+def ring(tmp_path):
+    """A broker's pair; client alice; worker keys victim and evil."""
+    return key_ring(tmp_path, clients=("alice",), workers=("victim", "evil"))
+
+
+def keyed_broker(processes, ring, url, *extra):
+    return processes(
+        [
+            *BROKER,
+            "--listen",
+            url,
+            "--announce",
+            "--key",
+            str(ring["broker_secret"]),
+            "--allow",
+            str(ring["allow"]),
+            "--allow-workers",
+            str(ring["workers"]),
+            "--patience",
+            "2",
+            *extra,
+        ],
+        env=env_with_tests(),
+    )
+
+
+def test_a_host_bound_to_one_worker_key_stays_its_own_when_the_broker_restarts(processes, ring, tmp_path):
+    """Attacker: an allowed worker (a key in the broker's `--allow-workers`).
+
+    What it achieves: it takes over `node017`, a host another worker key serves, and
+    receives the clients' inputs for it (and may answer for it, answers a client caches).
+    A name is bound to the key that offered it first only "while the broker runs": the
+    bindings live in the broker's memory. The attacker keeps a Hello(offering="node017")
+    queued on a socket that dials the broker's address; when the broker restarts (an
+    upgrade, a crash, a reboot of the head node) its Hello is the first through, the name is
+    its own for the broker's new life, and the real worker is refused.
+    """
+    from somatize.fabric.curve import Keys, read_public, read_secret
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+    kept = ("--bindings", str(tmp_path / "bindings.json"))  # as brokers/somatize-broker.service runs it
+    hub = keyed_broker(processes, ring, url, *kept)
+    victim = processes(
+        [
+            *WORKER,
+            "--broker",
+            url,
+            "--offer",
+            "node017",
+            "--key",
+            str(ring["victim_secret"]),
+            "--broker-key",
+            str(ring["broker"]),
+            "--patience",
+            "2",
+        ],
+        announce=None,
+        env=env_with_tests(),
+    )
+    alice_keys = Keys.client(ring["alice_secret"], server=ring["broker"])
+    with Broker.at(url, keys=alice_keys, patience=2.0) as alice:
+        wait_until(lambda: alice.knows("node017"), 20, "node017 dialing in")
+        assert Add(1).named("a").at("node017").forward(1, broker=alice) == 2
+
+    assert hub.stop() == 0
+    victim.stop()  # the real worker is slow to come back: the race is the attacker's to win
+    public, secret = read_secret(ring["evil_secret"])
+    # many sockets, each with the Hello queued: one of them is through first
+    evils = [Raw(url, keys=(public, secret, read_public(ring["broker"]))) for _ in range(16)]
+    try:
+        for evil in evils:
+            evil.send(Hello(RT, offering="node017"))  # queued: it leaves the moment the broker is back
+        keyed_broker(processes, ring, url, *kept)
+        answers = [evil.answer(20) for evil in evils]
+        taken = [a for a in answers if isinstance(a, Ready)]
+        assert not taken, "another worker key took over `node017` after the broker restarted"
+        assert all(isinstance(a, Refusal) and "another worker key" in a.why for a in answers), answers
+    finally:
+        for evil in evils:
+            evil.close()
 
 
 # -- keys refused, told from a hang-up: the greeting probe ---------------------------------------
