@@ -20,8 +20,10 @@ import fabric_nodes
 import numpy as np
 import pytest
 import zmq
+from by_hand import project_worker, spec_of
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Boom, Count, Pid, Scale, Sleep
+from peers import RT, Raw
 
 from somatize import (
     Broken,
@@ -37,6 +39,7 @@ from somatize import (
 )
 from somatize.codec import forget
 from somatize.fabric import sockets as fabric_sockets
+from somatize.wire import Hello, Mounted, Ready, Recipe, Work, encode
 
 PATHS = ["inprocess", "direct", "mount", "relayed"]
 
@@ -299,6 +302,41 @@ def test_a_class_from_main_and_a_notebook_codec_run_on_a_spawned_network_worker(
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"out": 42.0, "hosts": ["w1", None]}
+
+
+# -- mount: a request naming no files leaves no cargo behind ----------------------------
+
+
+def test_a_mounted_message_naming_no_files_leaves_no_cargo_behind(processes, tmp_path):
+    """Attacker: an allowed client of a worker started with `--mount DIR` (here a keyless
+    loopback worker; over TCP with a key in `--allow` it may be on another machine and need
+    not see the folder at all).
+
+    What it achieves: the worker writes answers into its private mount folder (tmpfs, in
+    the usual `/dev/shm` setup: memory) that nobody ever removes, eight times the bytes the
+    attacker sent, for as long as the worker runs. A `Mounted` naming no files is accepted
+    (its Work's input rides in the header); the worker names its answer's files after the
+    request's first file, and with none, after its own pid, which is alive, so no sweep
+    ever takes them; only a client removes cargo, and this one never does.
+    """
+    folder = tmp_path / "cargo"
+    worker = project_worker(processes, "--mount", str(folder))
+    scale = spec_of(Scale(2.0).named("scale"))
+    attacker = Raw(worker.endpoint)
+    sent = 0
+    try:
+        assert isinstance(attacker.ask(Hello(RT)), Ready)
+        for ref in range(1, 9):
+            header = encode(Work(ref, Recipe((scale,), ("step", 0)), [1] * 500_000, watched=False))
+            assert len(header) == 1
+            sent += len(header[0])
+            attacker.send(Mounted((), header=header[0]))
+            answer = attacker.answer(30)
+            assert answer is not None
+    finally:
+        attacker.close()
+    left = sum(p.stat().st_size for p in folder.iterdir()) if folder.exists() else 0
+    assert left == 0, f"{left:,} bytes of cargo left in {folder} by {sent:,} bytes sent, never to be removed"
 
 
 # -- relayed: through the broker, a window at a time ------------------------------------

@@ -22,7 +22,6 @@ from somatize.wire import (
     Done,
     Hello,
     Located,
-    Mounted,
     NodeSpec,
     Ready,
     Recipe,
@@ -118,38 +117,6 @@ def test_after_a_broker_restarts_a_new_client_does_not_receive_the_answer_to_ano
 
 
 # -- a client makes a mount worker keep cargo nobody will ever remove ----------------------
-
-
-def test_a_mounted_message_naming_no_files_leaves_no_cargo_behind(processes, tmp_path):
-    """Attacker: an allowed client of a worker started with `--mount DIR` (here a keyless
-    loopback worker; over TCP with a key in `--allow` it may be on another machine and need
-    not see the folder at all).
-
-    What it achieves: the worker writes answers into its private mount folder (tmpfs, in
-    the usual `/dev/shm` setup: memory) that nobody ever removes, eight times the bytes the
-    attacker sent, for as long as the worker runs. A `Mounted` naming no files is accepted
-    (its Work's input rides in the header); the worker names its answer's files after the
-    request's first file, and with none, after its own pid, which is alive, so no sweep
-    ever takes them; only a client removes cargo, and this one never does.
-    """
-    folder = tmp_path / "cargo"
-    worker = project_worker(processes, "--mount", str(folder))
-    scale = spec_of(Scale(2.0).named("scale"))
-    attacker = Raw(worker.endpoint)
-    sent = 0
-    try:
-        assert isinstance(attacker.ask(Hello(RT)), Ready)
-        for ref in range(1, 9):
-            header = encode(Work(ref, Recipe((scale,), ("step", 0)), [1] * 500_000, watched=False))
-            assert len(header) == 1
-            sent += len(header[0])
-            attacker.send(Mounted((), header=header[0]))
-            answer = attacker.answer(30)
-            assert answer is not None
-    finally:
-        attacker.close()
-    left = sum(p.stat().st_size for p in folder.iterdir()) if folder.exists() else 0
-    assert left == 0, f"{left:,} bytes of cargo left in {folder} by {sent:,} bytes sent, never to be removed"
 
 
 # -- announcing a huge stream buys a slot for hours ----------------------------------------
