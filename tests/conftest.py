@@ -374,3 +374,60 @@ def played():
     for fake in fakes:
         fake.close()
     assert not [e for fake in fakes for e in fake.errors], "the played worker could not write an answer"
+
+
+# -- a real worker spoken to by hand (`by_hand`) -------------------------------------------------
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """One listening project-mode worker (one job) for the tests that only talk to it."""
+    from reliability_support import child_env
+
+    worker = Process(
+        [*WORKER, "--listen", "127.0.0.1:0", "--announce"], env=child_env(), logs=tmp_path_factory.mktemp("logs")
+    )
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
+def raws():
+    """``raws(endpoint, greet=True)``: a raw client (``peers.Raw``), greeted unless told not
+    to; every one is closed after."""
+    from by_hand import greeted
+    from peers import Raw
+
+    made: list[Raw] = []
+
+    def make(endpoint: str, *, greet: bool = True) -> Raw:
+        raw = greeted(endpoint) if greet else Raw(endpoint)
+        made.append(raw)
+        return raw
+
+    yield make
+    for raw in made:
+        raw.close()
+
+
+@pytest.fixture
+def serving():
+    """``serving(**options)``: a WorkerLoop serving on a thread of this process (so a test may
+    count what it calls); every one is stopped and joined after."""
+    import threading
+
+    from somatize.fabric.worker.loop import WorkerLoop
+
+    started: list[tuple[WorkerLoop, threading.Thread]] = []
+
+    def start(**options) -> tuple[WorkerLoop, str, threading.Thread]:
+        loop = WorkerLoop(mode="project", **options)
+        endpoint = loop.bind("tcp://127.0.0.1:0")
+        thread = threading.Thread(target=loop.serve, daemon=True)
+        thread.start()
+        started.append((loop, thread))
+        return loop, endpoint, thread
+
+    yield start
+    for loop, thread in started:
+        loop.stopping.set()
+        thread.join(10)
+        assert not thread.is_alive(), "a worker loop did not stop"

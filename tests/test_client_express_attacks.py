@@ -1,6 +1,6 @@
 """The client's express way, attacked: a worker played by hand that answers wrongly, carelessly
-or with hostility to a repeated small call, and the one frame the way writes held to the bytes
-``encode`` writes.
+or with hostility to a repeated small call, the one frame the way writes held to the bytes
+``encode`` writes, and the codec registry a call is written with changed under it.
 
 A call nobody watches, with no deadline, whose recipe the worker holds for the connection and
 whose input is one scalar goes out the short way (``Channel._express``, its ``Work`` written by
@@ -9,6 +9,12 @@ whose input is one scalar goes out the short way (``Channel._express``, its ``Wo
 answer dropped, junk refused with the channel dropped, a worker that leaves noticed in seconds,
 and the piece never sent a third time. Every wait is bounded (a call that could hang runs on a
 thread joined with a timeout), every socket is closed, no test sleeps before it acts.
+
+The codec registry is read as a token (``registered_now``): a Work's kinds are checked against
+the registry it was written with, so another thread registering and forgetting codecs never
+lets a kind the worker cannot read leave; a group's packed specs are kept under the token, so a
+network-mode worker gets a codec registered after its node was packed, and refuses a kind
+registered again in another format.
 """
 
 from __future__ import annotations
@@ -22,16 +28,30 @@ import fabric_nodes
 import msgpack
 import numpy as np
 import pytest
-from conftest import WORKER
-from fabric_nodes import Add, Sleep
+from conftest import WORKER, env_with_tests
+from fabric_nodes import Add, Echo, Sleep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peers import HANG_UP, RT, within
 from peers import FakeWorker as Played
 from reliability_support import child_env
 
-from somatize import Broken, Broker, Busy, NodeFailed, ProtocolError, Refused, SomatizeError, Unreachable, Worker
+from somatize import (
+    Broken,
+    Broker,
+    Busy,
+    Node,
+    NodeFailed,
+    ProtocolError,
+    Refused,
+    SomatizeError,
+    Unreachable,
+    Worker,
+    codec,
+)
+from somatize.codec import forget
 from somatize.codec.layout import INLINE_BYTES, INT_MAX, INT_MIN
+from somatize.codec.registered import registered_now
 from somatize.fabric.client import channel as channel_module
 from somatize.wire import (
     Begin,
@@ -676,3 +696,239 @@ def test_a_worker_greeted_again_that_reads_fewer_kinds_is_asked_again_what_it_re
             node.forward(np.arange(3), broker=broker)
         assert len(fake.works) == sent  # nothing of it was sent
     assert len(fake.hellos) == 2
+
+
+# -- the codec registry as a token, changed while calls run --------------------------------------
+
+
+class Reading:
+    """A type of ours that crosses only through a codec registered for it."""
+
+    def __init__(self, hz: float) -> None:
+        self.hz = hz
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Reading) and other.hz == self.hz
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+KIND = "tests.client_express_attacks.Reading"
+
+
+class Bump(Node):
+    """A Reading one hertz up: what comes back tells which codec read it and wrote it."""
+
+    def forward(self, x):
+        return Reading(x.hz + 1)
+
+
+def _register(scale: float = 1.0) -> None:
+    """``Reading`` under ``KIND``, its hertz written times ``scale`` (another format, same kind)."""
+    codec(KIND, Reading, dump=lambda r, s=scale: repr(r.hz * s).encode(), load=lambda b, s=scale: Reading(float(b) / s))
+
+
+@pytest.fixture
+def registry_restored():
+    yield
+    forget(KIND)
+
+
+def _toggling(stop: threading.Event, seen: list) -> threading.Thread:
+    """A thread registering and forgetting ``KIND`` as fast as it can until ``stop``."""
+
+    def run() -> None:
+        while not stop.is_set():
+            _register()
+            seen.append(registered_now())
+            forget(KIND)
+            seen.append(registered_now())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _reading_call(node, broker, i: int) -> str:
+    """A Reading forwarded: "refused here" (its kind named before a byte left), "unwritable"
+    (no codec at that moment), or "reached the worker" (sent, and refused there)."""
+    try:
+        node.forward(Reading(i), broker=broker)
+    except Refused as exc:
+        if "refused the work" in str(exc):  # the worker's own refusal: it got the bytes
+            return "reached the worker"
+        assert KIND in str(exc), exc
+        return "refused here"
+    except ProtocolError as exc:
+        assert KIND in str(exc), exc
+        return "reached the worker"
+    except SomatizeError as exc:
+        assert "cannot leave this process" in str(exc), exc
+        return "unwritable"
+    raise AssertionError("a Reading came back from a worker that reads no Reading")
+
+
+def test_a_kind_the_worker_cannot_read_is_never_sent_while_another_thread_changes_the_registry(
+    spawned, registry_restored
+):
+    """Attack: another thread registers and forgets a codec over and over while calls run
+    against a real project-mode worker that reads none of it. A Reading has to be refused
+    here (its kind named) or be unwritable (no codec at that moment): never sent. Scalars
+    between are served, the express way among them, every answer right."""
+    node = Echo().named("echo").at("w1")
+    stop, seen = threading.Event(), []
+    outcomes: dict[str, int] = {}
+    with Broker.embedded({"w1": Worker.at(spawned.endpoint, mode="project")}, patience=PATIENCE) as broker:
+        toggler = _toggling(stop, seen)
+        try:
+            for i in range(120):
+                assert node.forward(i, broker=broker) == i
+                way = _reading_call(node, broker, i)
+                outcomes[way] = outcomes.get(way, 0) + 1
+        finally:
+            stop.set()
+            toggler.join(WAIT)
+    assert len(seen) > 10, "the registry did not change while the calls ran"
+    assert "reached the worker" not in outcomes, outcomes
+
+
+def test_frames_written_with_a_codec_forgotten_before_the_check_are_still_refused(spawned, registry_restored):
+    """Attack, made certain: the codec's own ``dump`` forgets it, so the registry changes
+    between the writing of the Work and the check of its kinds, in one thread. The worker
+    reads no such kind: the call has to be refused here, before a byte of it leaves."""
+
+    def dump(r):
+        forget(KIND)  # gone by the time the channel checks what the worker reads
+        return repr(r.hz).encode()
+
+    node = Echo().named("echo").at("w1")
+    with Broker.embedded({"w1": Worker.at(spawned.endpoint, mode="project")}, patience=PATIENCE) as broker:
+        assert node.forward(1, broker=broker) == 1
+        codec(KIND, Reading, dump=dump, load=lambda b: Reading(float(b)))
+        assert _reading_call(node, broker, 1) == "refused here"
+
+
+@pytest.fixture(scope="module")
+def network_broker():
+    """A broker with one spawned network-mode worker that is sent this module by value."""
+    import sys
+
+    import fabric_nodes
+
+    with Broker.embedded(
+        {"w1": Worker.spawn(WORKER, mode="network", send=[sys.modules[__name__], fabric_nodes])}, patience=PATIENCE
+    ) as broker:
+        yield broker
+
+
+def test_a_network_worker_gets_a_codec_registered_after_its_node_was_packed(network_broker, registry_restored):
+    """Attack on the packed specs' memo (``specs_of``, keyed by the registry's token): a
+    network-mode worker reads a kind only through the codecs its artifacts carry. A node
+    packed before a codec was registered has to be packed anew once it is (the token
+    changed), so the Reading crosses both ways; forgotten, a Reading cannot leave; and the
+    scalars around are served all along."""
+    node = Bump().named("bump").at("w1")
+    plain = Add(1).named("inc").at("w1")
+    broker = network_broker
+    assert plain.forward(1, broker=broker) == 2
+    with pytest.raises(SomatizeError, match="cannot leave this process"):
+        node.forward(Reading(1.0), broker=broker)  # no codec yet
+    packer = broker._channels.packers["w1"]
+    packed = packer.pickles
+    _register()
+    assert within(WAIT, lambda: node.forward(Reading(1.0), broker=broker)) == Reading(2.0)
+    assert packer.pickles > packed  # packed anew: the artifact carries the codec now
+    assert within(WAIT, lambda: node.forward(Reading(5.0), broker=broker)) == Reading(6.0)
+    again = packer.pickles
+    assert within(WAIT, lambda: node.forward(Reading(7.0), broker=broker)) == Reading(8.0)
+    assert packer.pickles == again  # the registry unchanged: not packed again
+    forget(KIND)
+    with pytest.raises(SomatizeError, match="cannot leave this process"):
+        node.forward(Reading(1.0), broker=broker)
+    assert plain.forward(5, broker=broker) == 6
+
+
+def test_a_codec_registered_again_in_another_format_is_refused_by_the_network_worker(network_broker, registry_restored):
+    """Attack: the same kind registered again with another format (``codec`` says registering
+    a kind again replaces it). The client packs the node anew (the token changed) with the
+    new codec inside; the worker reads one format per kind while it runs, so the Reading
+    that comes back has to be one hertz up, or the call refused with the kind and the fix
+    named: never a value read with one format and written with the other. Registered again
+    in the first format (new functions, the same code), it is served again."""
+    node = Bump().named("bump").at("w1")
+    _register()
+    assert within(WAIT, lambda: node.forward(Reading(1.0), broker=network_broker)) == Reading(2.0)
+    _register(scale=4.0)  # the same kind, another format
+    got = within(WAIT, lambda: _ended_plain(lambda: node.forward(Reading(1.0), broker=network_broker)))
+    assert got[0] == "Refused", got
+    assert f"`{KIND}`" in got[1] and "another format" in got[1] and "restart the worker" in got[1], got
+    _register()  # the first format again, as a notebook cell run twice makes it
+    assert within(WAIT, lambda: node.forward(Reading(3.0), broker=network_broker)) == Reading(4.0)
+
+
+def _ended_plain(call) -> tuple:
+    try:
+        return ("value", call())
+    except SomatizeError as exc:
+        return (type(exc).__name__, str(exc).splitlines()[0])
+
+
+class _Unread:
+    def __init__(self, v: float) -> None:
+        self.v = v
+
+
+class _Other(_Unread):
+    pass
+
+
+def test_kinds_are_checked_against_the_registry_they_were_written_with_under_churn(processes):
+    """Two threads register and forget codecs (one the worker cannot read, one unrelated) as
+    fast as they can while calls run on a project-mode worker: a plain call is never refused
+    (no false refusal), and a value of the unreadable kind is always refused here, by the
+    client, before it is sent (the worker stays up and serves)."""
+    from somatize.codec import codec, forget
+
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "project"], env=env_with_tests())
+    stop = threading.Event()
+
+    def churn(kind: str, type_: type) -> None:
+        while not stop.is_set():
+            codec(kind, type_, dump=lambda u: repr(u.v).encode(), load=lambda b: type_(float(b)))
+            forget(kind)
+
+    threads = [
+        threading.Thread(target=churn, args=k, daemon=True)
+        for k in (("atk.session.unread", _Unread), ("atk.session.other", _Other))
+    ]
+    refused_plain, sent_unread = [], []
+    try:
+        with Broker.embedded({"w1": Worker.at(worker.endpoint, mode="project")}, patience=5.0) as broker:
+            for t in threads:
+                t.start()
+            until = time.monotonic() + 4
+            while time.monotonic() < until:
+                try:
+                    assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2
+                except SomatizeError as exc:
+                    refused_plain.append(str(exc))
+                try:
+                    Add(1).named("u").at("w1").forward(_Unread(1.0), broker=broker)
+                    sent_unread.append("returned")
+                except SomatizeError as exc:
+                    text = str(exc)
+                    told = "cannot read values of kind `atk.session.unread`"
+                    if told in text and "nothing was sent" in text:
+                        continue  # refused here, before a byte was sent
+                    if "`atk.session.unread`" not in text and "_Unread" in text:
+                        continue  # forgotten before it was written: nothing to send
+                    sent_unread.append(text)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        forget("atk.session.unread")
+        forget("atk.session.other")
+    assert not refused_plain, refused_plain[:3]
+    assert not sent_unread, sent_unread[:3]
+    assert worker.alive

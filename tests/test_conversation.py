@@ -1,11 +1,15 @@
 """The conversation layer, fed messages with no socket and no process: every legal
-transition, and the illegal ones that matter."""
+transition, the illegal ones that matter, and the one-look paths (a ``Done`` on either side,
+a Work recalled by digest) against the general rules, fed the same messages in every state."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+from fabric_nodes import Add
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from somatize.fabric.broker.peers import IDLE_SILENCE
 from somatize.fabric.conversation import (
@@ -17,6 +21,7 @@ from somatize.fabric.conversation import (
     Violation,
     WorkerSessions,
 )
+from somatize.packing import Packer
 from somatize.wire import (
     Bye,
     Done,
@@ -707,3 +712,204 @@ def test_every_act_of_the_worker_table_is_carried_out_once():
     assert all(callable(getattr(WorkerLoop, name)) for name in WorkerLoop.ACTS.values())
     given = {found[1] for found in WORKER_TABLE.values() if not isinstance(found, Refuse)}
     assert given == set(Act)
+
+
+# -- the one-look paths (a Done on either side, a Work recalled by digest) are the general rules --
+
+
+class _SlowDone(Done):
+    """A ``Done`` the one-look paths do not take (they ask ``type(msg) is Done``): the same
+    message, through the general rules."""
+
+
+def _slow(msg):
+    if type(msg) is Done:
+        return _SlowDone(msg.ref, msg.output, msg.produced, msg.took_us, msg.saw)
+    return msg
+
+
+def _outcome_of(call):
+    """What a call of a conversation gave: its value (a Done of either class as one), or the
+    class and sentence of what it raised."""
+    try:
+        got = call()
+    except Violation as exc:
+        return ("raised", type(exc).__name__, exc.why.replace("`_SlowDone`", "`Done`"))
+    if isinstance(got, Done):
+        return ("done", got.ref, got.output)
+    return ("gave", got)
+
+
+def _client_state(ex: ClientExchange):
+    return (ex.state, ex.ref, ex.stale, ex.sent, ex.unplaced, frozenset(ex._given_up))
+
+
+_REFS = st.sampled_from([1, 2, 3])
+
+
+_ANSWERS = st.one_of(
+    st.builds(lambda r: Done(r, r * 10, {}, 1), _REFS),
+    st.builds(lambda r: Failed(r, "no", "a", "E", ""), _REFS),
+    st.builds(
+        lambda r, h, c: Refusal("no", ref=r, hello=h, recipe=c),
+        st.one_of(st.none(), _REFS),
+        st.booleans(),
+        st.booleans(),
+    ),
+    st.builds(lambda r: Refusal("busy: full", ref=r), _REFS),
+    st.just(Ready(RT)),
+    st.builds(lambda r: Saw(r, {"event": "ran"}), _REFS),
+    st.builds(lambda r: Send(r, ("sha256:" + "b" * 64,)), _REFS),
+)
+
+
+_CLIENT_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("hello")),
+        st.tuples(st.just("work"), _REFS),
+        st.tuples(st.just("delivered")),
+        st.tuples(st.just("forgotten")),
+        st.tuples(st.just("give up")),
+        st.tuples(st.just("receive"), _ANSWERS),
+        st.tuples(st.just("receive"), _ANSWERS),
+        st.tuples(st.just("receive"), _ANSWERS),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(_CLIENT_STEPS)
+def test_the_clients_one_look_at_a_done_is_the_general_rules_answer_in_every_state(steps):
+    """Attack: a client exchange driven through any sequence of sends and answers (a Done
+    for another ref, for a work already answered, while greeting, after a refusal, after a
+    give-up...), twice: once as it is, once with every Done of a class the one-look path does
+    not take. What each step gives or raises, and the exchange's state after it, are the
+    same."""
+    fast, slow = ClientExchange(), ClientExchange()
+    for step in steps:
+        kind = step[0]
+        if kind == "receive":
+            a = _outcome_of(lambda: fast.receive(step[1]))
+            b = _outcome_of(lambda: slow.receive(_slow(step[1])))
+        else:
+            act = {
+                "hello": "hello_sent",
+                "work": "work_sent",
+                "delivered": "work_delivered",
+                "forgotten": "forgotten",
+                "give up": "give_up",
+            }[kind]
+            a = _outcome_of(lambda ex=fast: getattr(ex, act)(*step[1:]))
+            b = _outcome_of(lambda ex=slow: getattr(ex, act)(*step[1:]))
+        assert a == b, (step, a, b)
+        assert _client_state(fast) == _client_state(slow), step
+
+
+_DIGEST_NEVER = "sha256:" + "0" * 64
+
+
+def _recipes():
+    made = []
+    for n in (1, 2):
+        specs = (Packer("project").spec(Add(n).named(f"add{n}").cached().steps[0]),)
+        made.append(Recipe(specs, ("step", 0)))
+    return made
+
+
+_RECIPES = _recipes()
+
+
+_DIGESTS = [recipe_digest(r).digest for r in _RECIPES] + [_DIGEST_NEVER]
+
+
+_PEERS = st.sampled_from([b"p", b"q", b"r"])
+
+
+_WORKER_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("hello"), _PEERS),
+        st.tuples(st.just("bye"), _PEERS),
+        st.tuples(st.just("full"), _PEERS, _REFS, st.sampled_from([0, 1])),
+        st.tuples(
+            st.just("digest"),
+            _PEERS,
+            _REFS,
+            st.sampled_from([0, 1, 2]),
+            st.sampled_from(["plain", "keys fit", "keys do not fit", "placed", "misplaced"]),
+        ),
+        st.tuples(st.just("digest"), _PEERS, _REFS, st.sampled_from([0, 1, 2]), st.just("plain")),
+        st.tuples(
+            st.just("answer"),
+            _PEERS,
+            _REFS,
+            st.sampled_from(["done", "failed", "send", "refusal", "saw"]),
+            st.booleans(),
+        ),
+        st.tuples(st.just("answer"), _PEERS, _REFS, st.just("done"), st.just(False)),
+    ),
+    max_size=40,
+)
+
+
+def _worker_state(sessions: WorkerSessions):
+    return (
+        sessions.refused,
+        sessions._bytes,
+        [
+            (peer, s.tenant, s.cost, sorted(s.open), list(s.recipes), sorted(s.streams))
+            for peer, s in sessions._sessions.items()
+        ],
+    )
+
+
+@settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(_WORKER_STEPS)
+def test_the_workers_one_look_paths_are_the_general_rules_in_every_state(steps):
+    """Attack: a worker's sessions driven through any sequence of Hellos, Byes, Works in full
+    or by digest (a digest held, another peer's, never sent; keys and placement that fit or
+    not; a ref still open), and answers (a Done for a work open, answered already, of a peer
+    gone...), twice, on small bounds so that peers and recipes are forgotten to make room.
+    One copy takes the express way in (``recall``, then ``receive`` when it declines, as the
+    loop does) and its Dones the one-look path; the other only the general rules. What each
+    step gives or raises and everything the sessions hold after it are the same."""
+    bounds = {"max_peers": 2, "max_recipes": 1, "max_bytes": 1 << 20}
+    fast, slow = WorkerSessions(RT, **bounds), WorkerSessions(RT, **bounds)
+    for step in steps:
+        kind, peer = step[0], step[1]
+        if kind == "hello":
+            msg = Hello(RT)
+            a, b = (_outcome_of(lambda s=s: s.receive(peer, msg, now=0.0)) for s in (fast, slow))
+        elif kind == "bye":
+            a, b = (_outcome_of(lambda s=s: s.receive(peer, Bye(), now=0.0)) for s in (fast, slow))
+        elif kind == "full":
+            msg = Work(step[2], _RECIPES[step[3]], 0, watched=False)
+            a, b = (_outcome_of(lambda s=s: s.receive(peer, msg, now=0.0)) for s in (fast, slow))
+        elif kind == "digest":
+            extra = {
+                "plain": {},
+                "keys fit": {"keys": {0: "sha256:" + "1" * 64}},
+                "keys do not fit": {"keys": {4: "sha256:" + "1" * 64}},
+                "placed": {"placement": {0: "cpu"}},
+                "misplaced": {"placement": {3: "cpu"}},
+            }[step[4]]
+            msg = Work(step[2], None, 0, watched=False, recipe_digest=_DIGESTS[step[3]], **extra)
+
+            def express(s=fast, msg=msg):
+                opened = s.recall(peer, msg, now=0.0)
+                return opened if opened is not None else s.receive(peer, msg, now=0.0)
+
+            a, b = _outcome_of(express), _outcome_of(lambda: slow.receive(peer, msg, now=0.0))
+        else:
+            ref, what, refusing = step[2], step[3], step[4]
+            answer = {
+                "done": Done(ref, 1, {}, 1),
+                "failed": Failed(ref, "no", "a", "E", ""),
+                "send": Send(ref, ("sha256:" + "b" * 64,)),
+                "refusal": Refusal("no", ref=ref),
+                "saw": Saw(ref, {"event": "ran"}),
+            }[what]
+            a = ("gave", fast.answering(peer, answer, refusing=refusing))
+            b = ("gave", slow.answering(peer, _slow(answer), refusing=refusing))
+        assert a == b, (step, a, b)
+        assert _worker_state(fast) == _worker_state(slow), step

@@ -3,22 +3,27 @@
 A forward given a deadline (or sent to a host with a default one) never waits past it for
 a worker: it raises ``Overdue`` naming the nodes, the host and the time, and a spawned
 worker stuck in a node is started afresh on the next forward; a standalone one answers
-``Busy`` until its node returns.
+``Busy`` until its node returns. A broker closed under a waiting call (for an answer to
+Hello, for a turn, or for a node that runs for an hour) ends it ``Closed`` within a bound, and
+a new broker works after it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import fabric_nodes
 import numpy as np
 import pytest
+import zmq
 from conftest import BROKER, WORKER
 from fabric_nodes import Add, Pid, Sleep
+from peers import within
 
-from somatize import Broker, Busy, Node, Overdue, Worker
+from somatize import Broker, Busy, Closed, Node, Overdue, SomatizeError, Worker
 
 #: How much later than its deadline an ``Overdue`` may arrive (a poll, a thread, a hop).
 MARGIN = 1.5
@@ -177,3 +182,115 @@ def test_closing_the_broker_ends_a_call_waiting_on_a_worker_that_is_not_its_own(
         probe.close()
     assert len(ended) == 1 and isinstance(ended[0], Closed), ended
     assert "this client was closed" in str(ended[0]) and "`long`" in str(ended[0])
+
+
+# -- Broker.close() ends a waiting call: for an answer to Hello, a turn, or a node --------
+
+
+CLOSE_BOUND = 3.0  # a look is 50 ms; generous for a loaded 2-core machine
+
+
+def _calling(target) -> tuple[threading.Thread, list]:
+    ended: list = []
+
+    def run() -> None:
+        try:
+            target()
+            ended.append("returned")
+        except BaseException as exc:  # noqa: BLE001 - told to the test's thread
+            ended.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, ended
+
+
+def _wait_for(fact, seconds: float, what: str) -> None:
+    until = time.monotonic() + seconds
+    while not fact():
+        assert time.monotonic() < until, f"never: {what}"
+        time.sleep(0.02)
+
+
+def test_closing_the_broker_ends_a_call_waiting_for_an_answer_to_hello():
+    """A ZeroMQ peer that takes the connection and never answers Hello; the broker's patience
+    is long. Closing the broker ends the call Closed at once, not after the patience."""
+    context = zmq.Context.instance()
+    silent = context.socket(zmq.ROUTER)
+    silent.linger = 0
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    broker = Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")}, patience=60.0)
+    try:
+        thread, ended = _calling(lambda: Add(1).named("a").at("w1").forward(1, broker=broker))
+        assert silent.poll(20_000), "the Hello never arrived"
+        closed_at = time.monotonic()
+        broker.close()
+        thread.join(CLOSE_BOUND + 5)
+        assert not thread.is_alive(), "the call still waits for Hello after its broker closed"
+        assert time.monotonic() - closed_at < CLOSE_BOUND
+    finally:
+        broker.close()
+        silent.close(0)
+    assert len(ended) == 1 and isinstance(ended[0], Closed), ended
+
+
+def test_closing_the_broker_ends_calls_running_and_waiting_for_a_turn_and_a_new_broker_works(processes):
+    """One thread's hour-long node runs on a one-job worker, two more threads of the same
+    broker wait for their turn behind it. Closing the broker ends all three Closed within a
+    bound; a new broker then serves the same worker (once it is free), and no thread of the
+    closed broker is left."""
+    worker = processes([*WORKER, "--listen", "127.0.0.1:0", "--announce", "--mode", "network"])
+    declared = {"w1": Worker.at(worker.endpoint, mode="network", send=[fabric_nodes])}
+    before = set(threading.enumerate())
+    broker = Broker.embedded(declared, patience=2.0)
+    calls = []
+    try:
+        calls.append(_calling(lambda: Sleep(3600).named("long").at("w1").forward(0, broker=broker)))
+        _wait_for(lambda: broker._turns.running("w1") >= 1, 20, "the long call running")
+        # wait until the long node really runs (a second broker is told Busy)
+        with Broker.embedded(declared, patience=2.0) as probe:
+
+            def busy() -> bool:
+                try:
+                    Add(1).named("inc").at("w1").forward(1, broker=probe)
+                except SomatizeError:
+                    return True
+                return False
+
+            _wait_for(busy, 30, "the worker busy with the long node")
+        for i in range(2):
+            calls.append(_calling(lambda i=i: Add(i).named(f"add{i}").at("w1").forward(1, broker=broker)))
+        _wait_for(lambda: broker._turns.waiting("w1") >= 2, 20, "two calls waiting for a turn")
+        closed_at = time.monotonic()
+        broker.close()
+        for thread, _ in calls:
+            thread.join(CLOSE_BOUND + 5)
+        took = time.monotonic() - closed_at
+        assert all(not t.is_alive() for t, _ in calls), "a call still waits after its broker closed"
+        assert took < CLOSE_BOUND, took
+    finally:
+        broker.close()
+    outcomes = [e for _, ended in calls for e in ended]
+    assert len(outcomes) == 3 and all(isinstance(e, Closed) for e in outcomes), outcomes
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    _wait_for(lambda: not [t for t in left if t.is_alive()], 10, f"the closed broker's threads ending: {left}")
+    worker.stop()
+
+
+def test_a_new_broker_works_after_one_was_closed_under_a_waiting_call():
+    context = zmq.Context.instance()
+    silent = context.socket(zmq.ROUTER)
+    silent.linger = 0
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        first = Broker.embedded({"w1": Worker.at(f"tcp://127.0.0.1:{port}", mode="project")}, patience=60.0)
+        thread, ended = _calling(lambda: Add(1).named("a").at("w1").forward(1, broker=first))
+        assert silent.poll(20_000)
+        first.close()
+        thread.join(CLOSE_BOUND + 5)
+        assert ended and isinstance(ended[0], Closed), ended
+    finally:
+        silent.close(0)
+    # the same process, a fresh in-process broker with an in-process host: still works
+    with Broker.embedded({"w2": Worker.inprocess()}) as second:
+        assert within(20, lambda: Add(2).named("b").at("w2").forward(1, broker=second)) == 3

@@ -19,8 +19,11 @@ import time
 import fabric_nodes
 import numpy as np
 import pytest
+import zmq
+from by_hand import project_worker, spec_of
 from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Boom, Count, Pid, Scale, Sleep
+from peers import RT, Raw
 
 from somatize import (
     Broken,
@@ -35,6 +38,8 @@ from somatize import (
     codec,
 )
 from somatize.codec import forget
+from somatize.fabric import sockets as fabric_sockets
+from somatize.wire import Hello, Mounted, Ready, Recipe, Work, encode
 
 PATHS = ["inprocess", "direct", "mount", "relayed"]
 
@@ -299,6 +304,41 @@ def test_a_class_from_main_and_a_notebook_codec_run_on_a_spawned_network_worker(
     assert result == {"out": 42.0, "hosts": ["w1", None]}
 
 
+# -- mount: a request naming no files leaves no cargo behind ----------------------------
+
+
+def test_a_mounted_message_naming_no_files_leaves_no_cargo_behind(processes, tmp_path):
+    """Attacker: an allowed client of a worker started with `--mount DIR` (here a keyless
+    loopback worker; over TCP with a key in `--allow` it may be on another machine and need
+    not see the folder at all).
+
+    What it achieves: the worker writes answers into its private mount folder (tmpfs, in
+    the usual `/dev/shm` setup: memory) that nobody ever removes, eight times the bytes the
+    attacker sent, for as long as the worker runs. A `Mounted` naming no files is accepted
+    (its Work's input rides in the header); the worker names its answer's files after the
+    request's first file, and with none, after its own pid, which is alive, so no sweep
+    ever takes them; only a client removes cargo, and this one never does.
+    """
+    folder = tmp_path / "cargo"
+    worker = project_worker(processes, "--mount", str(folder))
+    scale = spec_of(Scale(2.0).named("scale"))
+    attacker = Raw(worker.endpoint)
+    sent = 0
+    try:
+        assert isinstance(attacker.ask(Hello(RT)), Ready)
+        for ref in range(1, 9):
+            header = encode(Work(ref, Recipe((scale,), ("step", 0)), [1] * 500_000, watched=False))
+            assert len(header) == 1
+            sent += len(header[0])
+            attacker.send(Mounted((), header=header[0]))
+            answer = attacker.answer(30)
+            assert answer is not None
+    finally:
+        attacker.close()
+    left = sum(p.stat().st_size for p in folder.iterdir()) if folder.exists() else 0
+    assert left == 0, f"{left:,} bytes of cargo left in {folder} by {sent:,} bytes sent, never to be removed"
+
+
 # -- relayed: through the broker, a window at a time ------------------------------------
 
 
@@ -392,3 +432,30 @@ def test_asking_a_socket_whether_it_has_a_message_or_room_is_an_error_once_it_is
             sockets.readable(closed)
         with pytest.raises(zmq.ZMQError):
             sockets.writable(closed)
+
+
+def test_readable_and_writable_refuse_a_closed_socket_even_when_descriptor_0_is_readable(monkeypatch):
+    """Attack: pyzmq's poll of a closed socket polls descriptor 0 in its place. With
+    descriptor 0 made readable (a pipe holding a byte), a closed socket must still raise
+    ``ZMQError`` (ENOTSOCK), never read as 'a message waits' or 'room to send'; an open one
+    with nothing waiting reads as nothing waiting."""
+    ctx = zmq.Context.instance()
+    saved = os.dup(0)
+    r, w = os.pipe()
+    try:
+        os.dup2(r, 0)
+        os.write(w, b"x")
+        for kind in (zmq.DEALER, zmq.PULL, zmq.PUSH, zmq.PAIR):
+            sock = ctx.socket(kind)
+            sock.linger = 0
+            if kind != zmq.PUSH:
+                assert fabric_sockets.readable(sock) is False  # fd 0 is readable; the socket is not
+            sock.close()
+            for look in (fabric_sockets.readable, fabric_sockets.writable):
+                with pytest.raises(zmq.ZMQError) as refused:
+                    look(sock)
+                assert refused.value.errno == zmq.ENOTSOCK
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, r, w):
+            os.close(fd)

@@ -1,7 +1,13 @@
 """Liveness with work open: a dialed worker stopped mid-work is noticed within its patience,
 one resumed serves again, a long honest piece is never taken for a stopped one, and a flood
 at a worker never holds back another tenant's answer. Real brokers and dialed workers, real
-signals, real sockets (issue 38, "What to build" 5)."""
+signals, real sockets (issue 38, "What to build" 5).
+
+Beside them: a listening worker stopped while a client waits on a piece it runs where it
+arrived tells the client in bounded time, and ends cleanly; a broker restarted while a dialed
+worker runs a client's work hands that work's late answer to no new client; and streams that
+announce a huge size and send nothing hold a worker's slots no longer than their grace, so
+no client's big cargo is locked out for hours."""
 
 from __future__ import annotations
 
@@ -10,17 +16,35 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
+from by_hand import MARGIN, PATIENCE, TYPED, WAIT, spec_of
 from conftest import BROKER, WORKER, env_with_tests
-from fabric_nodes import Add, Sleep
+from fabric_nodes import Add, Scale, Sleep
+from holds_nodes import Hold
 from liveness_nodes import Big, Marked
+from peers import RT, Raw
 from reliability_support import wait_until
 
-from somatize import Broken, Broker, Busy, Refused
+from somatize import Broken, Broker, Busy, Refused, Worker
 from somatize.fabric.broker.checks import PROBE
 from somatize.packing import Packer
-from somatize.wire import Hello, Ready, Recipe, Relay, Runtime, Work, decode, encode
+from somatize.wire import (
+    Begin,
+    Done,
+    Hello,
+    Located,
+    Ready,
+    Recipe,
+    Refusal,
+    Relay,
+    Runtime,
+    Where,
+    Work,
+    decode,
+    encode,
+)
 
 
 def free_port() -> int:
@@ -242,3 +266,174 @@ def test_a_worker_back_before_its_client_looked_has_that_client_told(processes, 
             error
         )
         assert served(lambda: Add(1).named("a").at("w1").forward(1, broker=client), 15) == 2
+
+
+# -- a worker stopped while a client waits on a piece it runs where it arrived ---------------------
+
+
+def test_a_worker_stopped_while_a_client_waits_tells_it_in_bounded_time_and_ends_cleanly(serving, monkeypatch):
+    """Attack: a loop running a piece where it arrived is stopped while the client waits; the
+    piece outlives the loop's patience, so the stand-in closes the sockets under it, and the
+    serving thread comes back to closed sockets (its polls of no time, its answers). The
+    client hears a typed error within a bound; the serving thread ends with nothing raised
+    on any thread."""
+    raised: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args))
+    loop, endpoint, thread = serving(patience=0.5)
+    node = Sleep(1.5).named("long").at("w1")
+    probe = Raw(endpoint)
+    try:
+        with Broker.embedded({"w1": Worker.at(endpoint, mode="project")}, patience=PATIENCE) as broker:
+            assert Add(1).named("warm").at("w1").forward(1, broker=broker) == 2
+            box: dict = {}
+
+            def call() -> None:
+                try:
+                    box["value"] = node.forward(1, broker=broker)
+                except BaseException as exc:  # noqa: BLE001
+                    box["error"] = exc
+
+            caller = threading.Thread(target=call, daemon=True)
+            caller.start()
+            ready = probe.ask(Hello(Runtime.here(mode="project")))
+            while ready is not None and ready.busy_us == 0:  # a fact: the long piece runs
+                ready = probe.ask(Hello(Runtime.here(mode="project")))
+            stopped = time.monotonic()
+            loop.close()
+            caller.join(WAIT)
+            assert not caller.is_alive(), "the client still waits on a stopped worker"
+            assert "value" in box or isinstance(box.get("error"), TYPED), box
+            assert time.monotonic() - stopped < PATIENCE * 4 + MARGIN
+        thread.join(WAIT)
+        assert not thread.is_alive()
+    finally:
+        probe.close()
+    assert not raised, [(a.exc_type, a.exc_value) for a in raised]
+
+
+# -- a broker restarted under open work hands no new client another's answer ------------------
+
+
+def test_after_a_broker_restarts_a_new_client_does_not_receive_the_answer_to_another_clients_work(processes, tmp_path):
+    """Attacker: an allowed client of a broker (a keyless loopback broker here, which every
+    local user reaches; the numbering is the same with keys, where it takes a client key).
+
+    What it achieves: it receives another client's answer (the victim's output, here the
+    secret it sent in). A broker numbers its relayed exchanges from 1 and a dialed worker
+    names each relayed peer by that number alone (`relay:N`). When the broker restarts
+    while the victim's work runs (an operator's restart, a crash, a deploy), the worker
+    keeps its session `relay:1` with the victim's open ref; the first client of the new
+    broker to talk to that host gets exchange 1, and the worker's late answer to the victim
+    is relayed to it. (A Hello on it even keeps the victim's open refs: `_greet` carries
+    them over.)
+    """
+    started, release, finished = tmp_path / "started", tmp_path / "release", tmp_path / "finished"
+    url = f"tcp://127.0.0.1:{free_port()}"
+    hub = processes([*BROKER, "--listen", url, "--announce"])
+    processes([*WORKER, "--broker", url, "--offer", "w1", "--patience", "2"], announce=None, env=env_with_tests())
+    probe = Raw(url)
+    victim = Raw(url)
+    attacker = None
+    try:
+        wait_until(lambda: isinstance(probe.ask(Where("w1"), 2.0), Located), 20, "w1 dialing in")
+        victim.send(Relay(host="w1", inner=tuple(encode(Hello(RT)))))
+        assert isinstance(victim.answer(), Ready)
+        secret = "victim's secret output 4242"
+        hold = spec_of(Hold(str(started), str(release), str(finished)).named("hold"))
+        victim.send(Relay(host="w1", inner=tuple(encode(Work(7, Recipe((hold,), ("step", 0)), secret, watched=False)))))
+        wait_until(started.exists, 30, "the victim's work starting")
+
+        assert hub.stop() == 0  # the broker restarts while the victim's work runs
+        probe.close()
+        processes([*BROKER, "--listen", url, "--announce"])
+        probe = Raw(url)
+        wait_until(lambda: isinstance(probe.ask(Where("w1"), 2.0), Located), 30, "w1 dialing in again")
+
+        attacker = Raw(url)  # the first client of the new broker to talk to w1: exchange 1
+        assert isinstance(attacker.ask(Relay(host="w1", inner=tuple(encode(Hello(RT))))), Ready)
+        release.write_text("go")
+        wait_until(finished.exists, 30, "the victim's work returning")
+
+        # the attacker's own work: everything relayed to it before its answer is looked at
+        add = spec_of(Add(1).named("a"))
+        attacker.send(Relay(host="w1", inner=tuple(encode(Work(99, Recipe((add,), ("step", 0)), 1, watched=False)))))
+        got = []
+        while not got or getattr(got[-1], "ref", None) != 99:
+            answer = attacker.answer(20)
+            assert answer is not None, got
+            got.append(answer)
+        leaked = [a for a in got if isinstance(a, Done) and a.ref == 7]
+        assert not leaked, f"the attacker received the victim's answer: {leaked}"
+        assert isinstance(got[-1], Done) and got[-1].output == 2
+    finally:
+        release.write_text("go")
+        for raw in (probe, victim, attacker):
+            if raw is not None:
+                raw.close()
+
+
+# -- a stream that announces a huge size and sends nothing holds its slot no longer than its grace -
+
+
+#: A dialed worker whose streams get 2 s of grace instead of 30, so the test need not wait
+#: half a minute; everything else is `python -m somatize.worker` as shipped.
+QUICK_GRACE_WORKER = (
+    "import sys; import somatize.fabric.streams as s; s.GRACE = 2.0; "
+    "from somatize.worker import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def test_a_stream_that_announces_a_huge_size_and_sends_nothing_does_not_hold_its_slot_for_hours(processes):
+    """Attacker: clients of a keyless loopback broker (every local user is one; each
+    connection is a tenant of its own there).
+
+    What it achieves: every client's big cargo (over 4 MiB) to a dialed worker is refused
+    for nine hours, for 96 small messages. A stream's lifetime is `GRACE + sizes / MIN_RATE`
+    of the sizes its `Begin` *announces*: a Begin announcing 32 GiB buys 30 s + 32,768 s
+    whatever arrives, so a slot held with no chunk at all (or one byte now and then) is
+    never dropped, though docs/conversation.md says "a slot kept alive by one-byte chunks
+    is dropped, and nobody can lock the others out". 32 connections fill the worker's 64
+    slots. (The worker here runs with a grace of 2 s, so the test need not wait 30.)
+    """
+    hub = processes([*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce"])
+    worker_cmd = [WORKER[0], "-c", QUICK_GRACE_WORKER, "--broker", hub.endpoint, "--offer", "w1", "--patience", "2"]
+    processes(worker_cmd, announce=None, env=env_with_tests())
+    crowd: list[Raw] = []
+    with Broker.at(hub.endpoint, patience=2.0) as broker:
+        wait_until(lambda: broker.knows("w1"), 20, "w1 dialing in")
+        assert Add(1).named("a").at("w1").forward(1, broker=broker) == 2
+        try:
+            huge = (1, 16 << 30, (16 << 30) - 1)
+            for _ in range(32):
+                raw = Raw(hub.endpoint)
+                crowd.append(raw)
+                assert isinstance(raw.ask(Relay(host="w1", inner=tuple(encode(Hello(RT))))), Ready)
+                for sid in (1, 2):
+                    raw.send(Relay(host="w1", inner=tuple(encode(Begin(sid, huge)))))
+                # a Hello after them is answered once the worker has taken both Begins
+                assert isinstance(raw.ask(Relay(host="w1", inner=tuple(encode(Hello(RT))))), Ready)
+            late = Raw(hub.endpoint)
+            crowd.append(late)
+            late.ask(Relay(host="w1", inner=tuple(encode(Hello(RT)))))
+            late.send(Relay(host="w1", inner=tuple(encode(Begin(1, (1, 1 << 20))))))
+            refused = late.answer(10)
+            assert isinstance(refused, Refusal) and "as many big messages" in refused.why  # locked out
+
+            errors: list[str] = []
+
+            def big_forward_goes_through() -> bool:
+                try:
+                    out = Scale(1.0).named("s").at("w1").forward(np.ones(1 << 20), broker=broker, deadline=15)
+                except Exception as exc:
+                    errors[:] = [f"{type(exc).__name__}: {exc}"]
+                    return False
+                return float(out.sum()) == float(1 << 20)
+
+            # nothing more arrives on the 64 streams: past their grace they are gone
+            try:
+                wait_until(big_forward_goes_through, 25, "a client's big cargo getting through")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; the last try: {errors[-1] if errors else '?'}") from None
+        finally:
+            for raw in crowd:
+                raw.close()

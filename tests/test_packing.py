@@ -1,5 +1,8 @@
 """Packing: how a node travels to a worker (project: a name; network: an artifact) and how
-the worker turns it back into a node. Real cloudpickle, real subprocesses, no mocks."""
+the worker turns it back into a node, holding one format per codec kind an artifact carries
+(``packing/formats.py``): a codec that writes other bytes for a kind it holds is refused, however
+it differs, and the same codec from another process is held. Real cloudpickle, real
+subprocesses, no mocks."""
 
 from __future__ import annotations
 
@@ -790,3 +793,331 @@ def test_a_subclass_of_a_plain_type_is_not_written_as_its_plain_value():
         return (float, lambda v: (repr(v) + sep.upper()).encode(), lambda b: float(b.decode().rstrip("X!?")))
 
     assert _format(made(shouting("!")("x"))) != _format(made(shouting("?")("x")))
+
+
+# -- a codec's format, as many clients write it: one format per kind on a network worker -------
+#
+# Each client process registers one kind per variant (register, pack a fresh node, forget),
+# so each artifact carries exactly one codec. Process "a" and process "c" write the same
+# format (the same source, run twice: another client, a cell run again); process "b" writes
+# another one. A worker process provisions a, then b (must be refused: its values would be
+# read the first way), then c (must be held: the same format).
+
+
+MAKE_VARIANTS = r"""
+import dataclasses, functools, json, marshal, pickle, struct, sys
+from pathlib import Path
+from somatize import Node, codec
+from somatize.codec import forget
+from somatize.packing import Packer
+
+OUT, WHICH = Path(sys.argv[1]), sys.argv[2]
+S = 1.0 if WHICH in ("a", "c") else 4.0        # the format: values written times S
+
+@dataclasses.dataclass
+class Reading:
+    value: float
+
+class Measure(Node):
+    def forward(self, x):
+        return Reading(float(x))
+
+# -- the variants: (dump, load, type) ---------------------------------------------------------
+def closure_value():
+    s = S
+    return (lambda r: json.dumps(r.value * s).encode(), lambda raw: Reading(json.loads(raw) / s), Reading)
+
+def default_value():
+    return (lambda r, s=S: json.dumps(r.value * s).encode(), lambda raw, s=S: Reading(json.loads(raw) / s), Reading)
+
+SCALE = S
+def plain_global():
+    return (lambda r: json.dumps(r.value * SCALE).encode(), lambda raw: Reading(json.loads(raw) / SCALE), Reading)
+
+if S == 1.0:
+    def helper(v): return v
+    def unhelper(v): return v
+else:
+    def helper(v): return v * 4.0
+    def unhelper(v): return v / 4.0
+def global_function():
+    # a helper function the codec calls, edited between the two clients (a cell run again)
+    return (lambda r: json.dumps(helper(r.value)).encode(), lambda raw: Reading(unhelper(json.loads(raw))), Reading)
+
+FACTOR = S
+def global_in_nested_code():
+    # FACTOR is read by a nested function's code, not by dump's own
+    return (lambda r: json.dumps((lambda: r.value * FACTOR)()).encode(),
+            lambda raw: Reading((lambda v: v / FACTOR)(json.loads(raw))), Reading)
+
+CONF = {"scale": S}
+def global_dict():
+    return (lambda r: json.dumps(r.value * CONF["scale"]).encode(),
+            lambda raw: Reading(json.loads(raw) / CONF["scale"]), Reading)
+
+enc = marshal if S == 1.0 else pickle
+def global_module():
+    return (lambda r: enc.dumps(r.value), lambda raw: Reading(enc.loads(raw)), Reading)
+
+def closure_function_with_closure():
+    s = S
+    def times(v): return v * s
+    def over(v): return v / s
+    return (lambda r: json.dumps(times(r.value)).encode(), lambda raw: Reading(over(json.loads(raw))), Reading)
+
+def _dump(r, scale): return json.dumps(r.value * scale).encode()
+def _load(raw, scale): return Reading(json.loads(raw) / scale)
+def partial_args():
+    return (functools.partial(_dump, scale=S), functools.partial(_load, scale=S), Reading)
+
+class Dumper:
+    def __init__(self, scale): self.scale = scale
+    def __call__(self, r): return json.dumps(r.value * self.scale).encode()
+class Loader:
+    def __init__(self, scale): self.scale = scale
+    def __call__(self, raw): return Reading(json.loads(raw) / self.scale)
+def callable_instance():
+    return (Dumper(S), Loader(S), Reading)
+
+class Scaler:
+    def __init__(self, scale): self.scale = scale
+    def dump(self, r): return json.dumps(r.value * self.scale).encode()
+    def load(self, raw): return Reading(json.loads(raw) / self.scale)
+def bound_method_state():
+    scaler = Scaler(S)
+    return (scaler.dump, scaler.load, Reading)
+
+if S == 1.0:
+    @dataclasses.dataclass
+    class Gauge:
+        value: float
+        def encoded(self): return json.dumps(self.value).encode()
+        @classmethod
+        def decoded(cls, raw): return cls(json.loads(raw))
+else:
+    @dataclasses.dataclass
+    class Gauge:
+        value: float
+        def encoded(self): return json.dumps(self.value * 4.0).encode()
+        @classmethod
+        def decoded(cls, raw): return cls(json.loads(raw) / 4.0)
+def type_method():
+    # the codec calls the type's own methods, whose code differs
+    return (lambda g: g.encoded(), lambda raw: Gauge.decoded(raw), Gauge)
+
+def struct_format():
+    # a format string with "<" (little-endian): same codec in a and c
+    return (lambda r: struct.pack("<d", r.value * S), lambda raw: Reading(struct.unpack("<d", raw)[0] / S), Reading)
+
+VARIANTS = [closure_value, default_value, plain_global, global_function, global_in_nested_code,
+            global_dict, global_module, closure_function_with_closure, partial_args,
+            callable_instance, bound_method_state, type_method, struct_format]
+
+written = {}
+for make in VARIANTS:
+    name = make.__name__
+    dump, load, type_ = make()
+    kind = f"atk.{name}"
+    codec(kind, type_, dump=dump, load=load)
+    try:
+        packer = Packer("network")
+        node = Measure().named("m")
+        spec = packer.spec(node)
+        folder = OUT / name
+        folder.mkdir(parents=True)
+        (folder / "artifact").write_bytes(packer.artifact(spec.target))
+        (folder / "digest").write_text(spec.target)
+        written[name] = dump(type_(2.5)).hex()
+    finally:
+        forget(kind)
+(OUT / "written.json").write_text(json.dumps(written))
+"""
+
+
+USE_VARIANTS = r"""
+import json, sys
+from pathlib import Path
+from somatize.errors import Refused
+from somatize.packing import Catalog
+
+root = Path(sys.argv[1])
+catalog = Catalog("network")
+names = json.loads((root / "a" / "written.json").read_text())
+got = {}
+for name in names:
+    for which in ("a", "b", "c"):
+        folder = root / which / name
+        try:
+            catalog.provision((folder / "digest").read_text(), (folder / "artifact").read_bytes())
+            got[f"{name}/{which}"] = "held"
+        except Refused as exc:
+            got[f"{name}/{which}"] = "refused: " + str(exc)
+# what b's client wrote for Reading(2.5), read with the codec this worker now holds
+from somatize.codec.registered import for_kind
+theirs = json.loads((root / "b" / "written.json").read_text())
+for name in names:
+    try:
+        got[f"{name}/read_b"] = repr(getattr(for_kind(f"atk.{name}").load(bytes.fromhex(theirs[name])), "value", None))
+    except Exception as exc:
+        got[f"{name}/read_b"] = type(exc).__name__
+print(json.dumps(got))
+"""
+
+
+def _script(folder: Path, name: str, code: str, *args: str) -> str:
+    """What ``run_script`` printed, once it exited 0."""
+    proc = run_script(folder, name, code, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    """What a worker said to each variant's three artifacts, and what each client wrote."""
+    root = tmp_path_factory.mktemp("formats")
+    threads = [
+        threading.Thread(target=_script, args=(root / f"client_{w}", "make.py", MAKE_VARIANTS, str(root / w), w))
+        for w in "abc"
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    for w in "abc":
+        assert (root / w / "written.json").exists(), f"client {w} wrote nothing"
+    said = json.loads(_script(root / "worker", "use.py", USE_VARIANTS, str(root)))
+    written = {w: json.loads((root / w / "written.json").read_text()) for w in "abc"}
+    written["root"] = str(root)
+    return said, written
+
+
+def _formats_root(formats) -> Path:
+    return Path(formats[1]["root"])
+
+
+VARIANTS = [
+    "closure_value",
+    "default_value",
+    "plain_global",
+    "global_function",
+    "global_in_nested_code",
+    "global_dict",
+    "global_module",
+    "closure_function_with_closure",
+    "partial_args",
+    "callable_instance",
+    "bound_method_state",
+    "type_method",
+    "struct_format",
+]
+
+
+DIFFERENT = VARIANTS
+
+
+@pytest.mark.parametrize("variant", DIFFERENT)
+def test_a_codec_writing_other_bytes_for_a_kind_is_refused(formats, variant):
+    """Client b's codec writes other bytes than client a's for the same value: a worker that
+    holds a's must refuse b's artifact, naming the kind and the way out."""
+    said, written = formats
+    assert written["a"][variant] != written["b"][variant], "the attack's two formats must differ"
+    assert said[f"{variant}/a"] == "held", said[f"{variant}/a"]
+    got = said[f"{variant}/b"]
+    assert got.startswith("refused: "), (
+        f"{variant}: b's format was held; b's Reading(2.5) reads here as {said[f'{variant}/read_b']}"
+    )
+    assert f"`atk.{variant}`" in got and "another format" in got and "restart the worker" in got
+
+
+SAME = VARIANTS
+
+
+@pytest.mark.parametrize("variant", SAME)
+def test_the_same_codec_from_another_process_is_held(formats, variant):
+    said, written = formats
+    assert written["a"][variant] == written["c"][variant]
+    assert said[f"{variant}/a"] == "held", said[f"{variant}/a"]
+    assert said[f"{variant}/c"] == "held", f"{variant}: the same codec was refused: {said[f'{variant}/c']}"
+
+
+EDGES = r"""
+import json, sys, threading
+from pathlib import Path
+import cloudpickle
+from somatize import codec
+from somatize.codec.registered import for_kind
+from somatize.errors import Refused
+from somatize.packing import ARTIFACT_FORMAT, Catalog, digest_of
+
+root, case = Path(sys.argv[1]), sys.argv[2]
+kind = "atk.closure_value"
+
+def artifact(which):
+    folder = root / which / "closure_value"
+    return (folder / "digest").read_text(), (folder / "artifact").read_bytes()
+
+def attempt(catalog, which):
+    try:
+        catalog.provision(*artifact(which))
+        return "held"
+    except Refused as exc:
+        return "refused: " + str(exc)
+
+catalog = Catalog("network")
+got = {}
+if case == "own":
+    # the worker's own installation registered the kind in a third format: both are refused
+    own_dump = lambda r: b"own"
+    codec(kind, float, dump=own_dump, load=lambda raw: 0.0)
+    got["a"], got["b"] = attempt(catalog, "a"), attempt(catalog, "b")
+    got["own_kept"] = for_kind(kind).dump is own_dump
+elif case == "race":
+    # two artifacts of one kind in two formats provisioned at once, from two threads
+    start = threading.Barrier(2)
+    def run(which):
+        start.wait(10)
+        got[which] = attempt(catalog, which)
+    threads = [threading.Thread(target=run, args=(w,)) for w in "ab"]
+    for t in threads: t.start()
+    for t in threads: t.join(30)
+    a_load = for_kind(kind).load
+    got["reads_as"] = a_load(b"10.0").value   # a divides by 1, b by 4
+elif case == "unloadable":
+    # an earlier artifact's codec for the kind cannot be loaded here: skipped, not remembered
+    node = cloudpickle.loads(artifact("a")[1])["node"]
+    bad = cloudpickle.dumps({"format": ARTIFACT_FORMAT, "node": node, "codecs": [(kind, b"not a pickle")]})
+    got["bad"] = "held" if catalog.provision(digest_of(bad), bad) is None else "?"
+    got["registered_after_bad"] = kind in __import__("somatize.codec", fromlist=["x"]).codecs_registered()
+    got["b"], got["a"] = attempt(catalog, "b"), attempt(catalog, "a")
+print(json.dumps(got))
+"""
+
+
+def test_the_workers_own_codec_refuses_both_carried_formats_and_stays(formats, tmp_path):
+    """The worker's own code registered the kind in a format neither client writes: each
+    client's values would be read the worker's way, so both are refused, naming the kind and
+    who registered the format the worker reads (issue 38: once this was taken in silence)."""
+    root = _formats_root(formats)
+    got = json.loads(_script(tmp_path, "edge.py", EDGES, str(root), "own"))
+    for which in "ab":
+        assert got[which].startswith("refused: "), got
+        assert "`atk.closure_value`" in got[which] and "this worker's own code" in got[which], got
+    assert got["own_kept"] is True
+
+
+def test_two_formats_provisioned_at_once_from_two_threads_one_is_refused(formats, tmp_path):
+    root = _formats_root(formats)
+    for _ in range(3):
+        got = json.loads(_script(tmp_path, "edge.py", EDGES, str(root), "race"))
+        states = sorted(v.split(":")[0] for k, v in got.items() if k in "ab")
+        assert states == ["held", "refused"], got
+        winner = "a" if got["a"] == "held" else "b"
+        assert got["reads_as"] == (10.0 if winner == "a" else 2.5), got
+
+
+def test_a_codec_that_cannot_be_loaded_is_skipped_and_the_next_format_sets_the_kind(formats, tmp_path):
+    root = _formats_root(formats)
+    got = json.loads(_script(tmp_path, "edge.py", EDGES, str(root), "unloadable"))
+    assert got["bad"] == "held" and got["registered_after_bad"] is False, got
+    assert got["b"] == "held", got
+    assert got["a"].startswith("refused: ") and "another format" in got["a"], got

@@ -4,10 +4,12 @@
   (``wire.recipe_digest``); the messages on a real socket show it.
 - The worker keeps each peer's recipes for that peer alone, under the digest it computed
   itself: a digest another peer (another tenant) sent, or one made up, is refused with
-  ``recipe=True`` and runs nothing, and the worker keeps serving.
+  ``recipe=True`` and runs nothing, and the worker keeps serving. A Work by digest the
+  express way in would take (one scalar) is refused exactly as its general twin is.
 - What the worker keeps is bounded (per peer, in count and bytes, least recently used first).
 - Whatever forgot a recipe (a worker restarted, a broker restarted, a session or a recipe
-  forgotten to make room), the client sends it again in full, without the caller seeing it.
+  forgotten to make room, another client's fat Hellos included), the client greets again and
+  sends it again in full, without the caller seeing it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import threading
 import msgpack
 import pytest
 import zmq
+from by_hand import WAIT, by_digest, final, full, project_worker, spec_of
 from conftest import BROKER, WORKER
-from fabric_nodes import Add
+from fabric_nodes import Add, Sleep
+from peers import RT, Raw
 from reliability_support import Proc, child_env, relayed, wait_until
 
 from somatize import Broker, Worker
@@ -39,6 +43,7 @@ from somatize.wire import (
     decode,
     encode,
     recipe_digest,
+    short,
     variant_of,
 )
 
@@ -403,3 +408,98 @@ def test_a_relayed_worker_restart_is_recovered_without_the_caller_seeing_it(proc
             wait_until(lambda: probe.knows("w1"), 20.0 + MARGIN, "w1 dialing in again")
         assert [g.forward(i, broker=broker) for i in range(3)] == [3, 4, 5]
     assert "say Hello first" in fresh.stderr()  # the digest went to a worker that knew nothing
+
+
+def test_an_allowed_client_cannot_make_another_clients_next_forward_fail_by_crowding_sessions(processes):
+    """Attacker: an allowed client of a worker (here a keyless loopback worker, which every
+    local user reaches; a key in `--allow` does the same on a keyed one).
+
+    What it achieves: the victim's next forward fails with `Refused: say Hello first`.
+    A worker keeps at most 16 MiB of remembered runtimes and forgets the least recently
+    heard from peer first; a Hello may name 1,000 kinds of 64 Ki characters in all, which
+    the worker counts as ~125 KB. So 140 Hellos from 140 connections (9 MB on the wire)
+    push out every idle client's session. The victim's client keeps its channel open between
+    forwards and never says Hello again on it, so its next Work is refused, and the refusal
+    reaches the caller as an error. (docs/conversation.md promises "it says Hello again if
+    it comes back"; the client does not.)
+    """
+    worker = project_worker(processes)
+    with Broker.embedded({"w": Worker.at(worker.endpoint)}) as broker:
+        assert Add(1).named("a").at("w").forward(1, broker=broker) == 2  # greeted; channel idle
+
+        fat = Runtime(
+            RT.wire, RT.python, RT.somatize, RT.cloudpickle, tuple(f"k{i:03d}" + "x" * 61 for i in range(1000)), ""
+        )
+        crowd = [Raw(worker.endpoint) for _ in range(140)]
+        try:
+            for raw in crowd:
+                raw.send(Hello(fat))
+            assert all(isinstance(raw.answer(), Ready) for raw in crowd)
+        finally:
+            for raw in crowd:
+                raw.close()
+
+        assert Add(1).named("a").at("w").forward(2, broker=broker) == 3
+
+
+# -- a Work by digest the express way in would take is refused as the general way refuses it ------
+
+
+_DIGEST_NEVER = "sha256:" + "0" * 64
+
+
+def _fields(refusal) -> tuple:
+    assert isinstance(refusal, Refusal), refusal
+    return (refusal.why, refusal.ref, refusal.hello, refusal.recipe)
+
+
+def test_works_the_express_way_in_would_take_are_refused_as_the_general_way_refuses_them(spawned, raws):
+    """Attack with raw clients on a real worker: a Work that is express-shaped (by digest, one
+    scalar) and its twin that is not (its input a list: the general way reads it), sent where
+    they must be refused: from a peer that never said Hello, naming a digest never sent,
+    naming another peer's digest, with the ref of a work still running, with keys or a
+    placement that do not fit the recipe. Each pair is refused with the same sentence, flags
+    and ref, and nothing of them runs."""
+    recipe = Recipe((spec_of(Sleep(0.0), "id"),), ("step", 0))
+    digest = recipe_digest(recipe).digest
+    slow = Recipe((spec_of(Sleep(1.0), "nap"),), ("step", 0))
+    mine, theirs, stranger, probe = (raws(spawned.endpoint, greet=g) for g in (True, True, False, True))
+    theirs.send_frames(full(1, recipe, 0))
+    assert final(theirs, 1).output == 0
+    mine.send_frames(full(1, slow, 0))  # warms `mine` with another recipe
+    assert final(mine, 1).output == 0
+
+    def pair(raw: Raw, ref: int, name: str, **fields):
+        express = by_digest(ref, name, 5, **fields)
+        general = by_digest(ref + 1, name, [5], **fields)
+        if not fields:
+            assert type(short.express(express[0])) is Work and short.express(general[0]) is None
+        raw.send_frames(express)
+        a = _fields(final(raw, ref))
+        raw.send_frames(general)
+        b = _fields(final(raw, ref + 1))
+        return a[:1] + a[2:], b[:1] + b[2:], (a[1], b[1])
+
+    for raw, name in ((stranger, digest), (mine, _DIGEST_NEVER), (mine, digest)):
+        a, b, refs = pair(raw, 10, name)
+        assert a == b and refs == (10, 11), (a, b)
+    a, b, _ = pair(mine, 20, digest, keys={4: "sha256:" + "1" * 64})
+    assert a == b
+    mine.send_frames(full(30, recipe, 0))
+    assert final(mine, 30).output == 0
+    for fields in ({"keys": {4: "sha256:" + "1" * 64}}, {"placement": {3: "cpu"}}):
+        a, b, _ = pair(mine, 40, digest, **fields)
+        assert a == b and "Work." in a[0], a
+    # the ref of a work still running: the stand-in refuses it with no ref (it ends nothing)
+    mine.send_frames(by_digest(50, recipe_digest(slow).digest, 0))
+    ready = probe.ask(Hello(Runtime.here(mode="project")))
+    while ready.busy_us == 0:
+        ready = probe.ask(Hello(Runtime.here(mode="project")))
+    mine.send_frames(by_digest(50, digest, 5))
+    dup_express = _fields(mine.answer(WAIT))
+    mine.send_frames(by_digest(50, digest, [5]))
+    dup_general = _fields(mine.answer(WAIT))
+    assert dup_express == dup_general and dup_express[1] is None and "already running" in dup_express[0]
+    done = final(mine, 50)
+    assert isinstance(done, Done) and done.ref == 50 and done.output == 0
+    assert mine.answer(0.2) is None and theirs.answer(0) is None and stranger.answer(0) is None

@@ -2,21 +2,29 @@
 
 The worker is played here by a slot that an attempt takes or is turned away from, as a
 worker with ``--jobs 1`` does: what is checked is the order the turns go in and that nothing
-waits on nothing. The same, against a real worker and a second client, is in
+waits on nothing. Then the turns, taken and ended in place, attacked against a real worker
+with one job: eight threads of one client are never told Busy nor left waiting for a missed
+hand-on, and another client's long work makes each call hear Busy at once. The same, against a
+real worker and a second client, is in
 ``test_survival.py::test_a_clients_own_forwards_to_a_busy_worker_take_turns_and_another_clients_hear_busy``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+from by_hand import PATIENCE, WAIT, final, full, spec_of
+from fabric_nodes import Add, Sleep
 from reliability_support import wait_until
 
+from somatize import Broker, Busy, Worker
 from somatize.fabric.client.refusals import TurnedAway
 from somatize.fabric.client.transport import PastDeadline
 from somatize.fabric.client.turns import Turns
 from somatize.pieces import Deadline
+from somatize.wire import Done, Hello, Recipe, Runtime
 
 
 class Slot:
@@ -213,3 +221,85 @@ def test_a_lost_worker_hands_every_waiting_forward_its_turn_at_once():
         thread.join(10)
     assert isinstance(outcomes[0], Lost) and outcomes[1:] == ["sent"] * 3, outcomes
     assert turns._hosts == {}
+
+
+# -- against a real worker with one job: turned away as busy, never a missed hand-on -------------
+
+
+def _hammer(broker: Broker, node, threads: int, calls: int) -> tuple[list, list, list]:
+    """``threads`` threads, ``calls`` forwards each: (wrong answers, errors, each call's seconds)."""
+    wrong, errors, took = [], [], []
+    lock = threading.Lock()
+    go = threading.Barrier(threads)
+
+    def run(base: int) -> None:
+        go.wait(WAIT)
+        for i in range(calls):
+            started = time.monotonic()
+            try:
+                out = node.forward(base + i, broker=broker)
+            except BaseException as exc:  # noqa: BLE001 - said on the test's thread
+                out = exc
+            with lock:
+                took.append(time.monotonic() - started)
+                if isinstance(out, BaseException):
+                    errors.append(out)
+                elif out != base + i:
+                    wrong.append((base + i, out))
+
+    running = [threading.Thread(target=run, args=(k * 1000,), daemon=True) for k in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join(WAIT * 3)
+    assert not any(thread.is_alive() for thread in running), "a thread still waits"
+    return wrong, errors, took
+
+
+def test_many_threads_on_one_job_take_turns_without_busy_without_a_missed_wake_up(spawned, monkeypatch):
+    """Attack on the turn taken and ended in place: eight threads, eight calls each, to one
+    worker with one job, so the worker turns most of them away as busy (counted: it did). No
+    call may hear Busy (only this client's work fills the worker), none may wait for the
+    ``LOOK_AGAIN`` second that only a missed hand-on costs, and nothing is left in the turns."""
+    from somatize.fabric.client.turns import LOOK_AGAIN, Turns
+
+    refused = []
+    real = Turns._turned_away
+
+    def counted(self, *args, **kwargs):
+        refused.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Turns, "_turned_away", counted)
+    # longer than the worker's stand-in waits (`STAND_IN_AFTER`): the rest are refused as busy
+    node = Sleep(0.025).named("nap").at("w1")
+    with Broker.embedded({"w1": Worker.at(spawned.endpoint, mode="project")}, patience=PATIENCE) as broker:
+        wrong, errors, took = _hammer(broker, node, threads=8, calls=8)
+        assert broker._turns._hosts == {}
+    assert not wrong and not errors, (wrong, errors[:3])
+    assert len(took) == 64
+    assert refused, "the worker never turned a call away: the turns were not attacked"
+    assert max(took) < 0.9 * LOOK_AGAIN, f"a call waited {max(took):.2f} s: a hand-on was missed"
+
+
+def test_someone_elses_long_work_makes_every_call_busy_at_once_and_then_each_is_served(spawned, raws):
+    """Attack: another client's long piece fills the one job while eight threads of this
+    client call: each call has to hear Busy (someone else's work), at once, never waiting in
+    line for a second; once it returns, all are served and no turn is left behind."""
+    other = raws(spawned.endpoint)
+    probe = raws(spawned.endpoint)
+    other.send_frames(full(1, Recipe((spec_of(Sleep(2.5), "long"),), ("step", 0)), "slept"))
+    ready = probe.ask(Hello(Runtime.here(mode="project")))
+    while ready.busy_us == 0:  # a fact: the long piece runs
+        ready = probe.ask(Hello(Runtime.here(mode="project")))
+    node = Add(0).named("zero").at("w1")
+    with Broker.embedded({"w1": Worker.at(spawned.endpoint, mode="project")}, patience=PATIENCE) as broker:
+        wrong, errors, took = _hammer(broker, node, threads=8, calls=2)
+        assert broker._turns._hosts == {}
+        assert not wrong
+        assert errors and all(isinstance(e, Busy) and "long" in str(e) for e in errors), errors[:3]
+        assert max(took) < 0.9, f"a call waited {max(took):.2f} s to hear Busy"
+        done = final(other, 1)
+        assert isinstance(done, Done) and done.output == "slept"
+        wrong, errors, took = _hammer(broker, node, threads=8, calls=5)
+        assert not wrong and not errors and broker._turns._hosts == {}

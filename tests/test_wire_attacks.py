@@ -1,4 +1,4 @@
-"""Attacks on the call's fast path (``short.express`` / ``short.written_express``).
+"""Attacks on the call's fast path (``short.express`` / ``short.written_express`` / ``short.head_of``).
 
 The invariant held here: whatever ``express`` takes, the long way (``reading._read`` and
 ``_fill``) takes too and makes the very same message (same types and bits all the way
@@ -6,7 +6,9 @@ down); whatever the long way refuses, ``decode`` refuses with a ``ProtocolError`
 the long way's own sentence; ``decode`` raises nothing else for a buffer. ``encode`` writes
 the very bytes the long way writes (``writing._written``), and refuses, with the long way's
 exception and sentence, every message built wrongly. ``checks.fitted`` refuses whatever the
-``_work_rest`` it used to run refused.
+``_work_rest`` it used to run refused. A header that arrives as a ``zmq.Frame`` (read from its
+bytes up to 64 KiB, from its buffer past it), or in any other buffer, reads as the long way
+reads the same bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 
 from somatize.codec import build
 from somatize.errors import ProtocolError
+from somatize.fabric import sockets as fabric_sockets
 from somatize.wire import Done, NodeSpec, Recipe, Work, decode, encode, limits, reading, short, with_recipe
 from somatize.wire.checks import Bad, _work_rest, fitted
 from somatize.wire.writing import _written
@@ -886,3 +889,168 @@ def test_fitted_refuses_what_it_refused_before(msg):
         with pytest.raises(ProtocolError) as info:
             with_recipe(msg, recipe)
         assert info.value.why == before[2]
+
+
+# -- reading: a header arriving as a zmq.Frame, at and past 64 KiB, and in every buffer ---------
+
+
+_DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def _read(frames):
+    """What ``decode`` makes of ``frames``: the message's class and repr (a NaN, a -0.0 told
+    apart), or that it was refused (ProtocolError), with its sentence."""
+    try:
+        msg = decode(frames)
+    except ProtocolError as exc:
+        return ("refused", str(exc))
+    return (type(msg).__name__, repr(msg))
+
+
+def _long_way(frames):
+    """The same, read the long way: ``decode`` takes its one-look path only for a list of one."""
+    return _read(tuple(frames))
+
+
+@pytest.fixture
+def pair():
+    """Two connected PAIR sockets: frames sent on one arrive on the other as ``zmq.Frame``s."""
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    url = fabric_sockets.unique_inproc("hot-path-attacks")  # a name never used before
+    a.bind(url)
+    b.connect(url)
+    yield a, b
+    a.close(0)
+    b.close(0)
+
+
+def _sized(kind: str, size: int) -> bytes:
+    """A header of exactly ``size`` bytes: a Work by digest or a Done, of one bytes or str value."""
+
+    def write(n: int) -> bytes:
+        value = b"x" * n if kind.endswith("bytes") else "a" * n
+        if kind.startswith("Work"):
+            frames = encode(Work(7, None, value, watched=False, recipe_digest=_DIGEST))
+        else:
+            frames = encode(Done(7, value, {}, 3))
+        assert len(frames) == 1, "the value went to a frame of its own"
+        return bytes(frames[0])
+
+    n = size - (len(write(60_000)) - 60_000)
+    header = write(n)
+    assert len(header) == size, (len(header), size)
+    return header
+
+
+SIZES = [(64 << 10) - 1, 64 << 10, (64 << 10) + 1]
+
+
+@pytest.mark.parametrize("kind", ["Work bytes", "Work str", "Done bytes", "Done str"])
+@pytest.mark.parametrize("size", SIZES, ids=["64 KiB - 1", "64 KiB", "64 KiB + 1"])
+@pytest.mark.parametrize("limit", [None, 64 << 10], ids=["limits as they are", "MAX_HEADER lowered to 64 KiB"])
+def test_a_header_at_and_past_64_kib_in_a_frame_reads_as_the_long_way_reads_it(pair, monkeypatch, kind, size, limit):
+    """Attack on ``short.head_of``: a header of 64 KiB - 1, 64 KiB and 64 KiB + 1 bytes,
+    arriving as a ``zmq.Frame`` over a real socket (read from its bytes up to 64 KiB, from
+    its buffer past it), with the header limit as it is and lowered to exactly 64 KiB. What
+    ``decode`` gives has to be what the long way gives, or both refuse; the worker's express
+    way in gives the same message or declines."""
+    header = _sized(kind, size)  # written first: the writer holds to the limit too
+    if limit is not None:
+        monkeypatch.setattr(limits, "MAX_HEADER", limit)
+    a, b = pair
+    a.send(header, copy=False)
+    (frame,) = b.recv_multipart(copy=False)
+    assert type(frame) is zmq.Frame and len(frame) == size
+    fast, slow = _read([frame]), _long_way([header])
+    assert fast == slow, (fast[0], slow[0])
+    assert fast[0] == ("refused" if limit is not None and size > limit else kind.split()[0])
+    head = short.head_of(frame)
+    assert (type(head) is bytes) == (size <= 64 << 10)
+    express = short.express(head)
+    if express is not None:
+        assert (type(express).__name__, repr(express)) == slow
+    for other in (bytes(frame), memoryview(header), frame.buffer):  # the other forms of the same bytes
+        assert _read([other]) == slow
+
+
+def _forms(data: bytes):
+    """``data`` as every buffer a frame may be: bytes, a zmq.Frame, a bytearray, views of one
+    byte and of wider items, a 2-D view, a strided view (whose bytes are every other one)."""
+    yield "bytes", data, data
+    yield "frame", zmq.Frame(data), data
+    yield "bytearray", bytearray(data), data
+    yield "view", memoryview(data), data
+    for fmt, width in (("H", 2), ("I", 4), ("Q", 8)):
+        cut = data[: len(data) // width * width]
+        if cut:
+            yield f"view of {fmt}", memoryview(cut).cast(fmt), cut
+    if len(data) >= 2:
+        even = data[: len(data) // 2 * 2]
+        yield "2-D view", memoryview(even).cast("B", (2, len(even) // 2)), even
+        yield "strided view", memoryview(data)[::2], data[::2]
+
+
+_HEADERS = [
+    bytes(encode(Work(3, None, v, watched=w, recipe_digest=_DIGEST))[0])
+    for v, w in ((5, False), (2.5, True), (b"xy", False), ("s", False), (None, False))
+]
+
+
+_HEADERS += [bytes(encode(Done(4, v, {}, 9))[0]) for v in (1, -0.0, float("nan"), b"", "t")]
+
+
+@st.composite
+def _mutated(draw):
+    data = bytearray(draw(st.sampled_from(_HEADERS)))
+    for _ in range(draw(st.integers(0, 3))):
+        how = draw(st.sampled_from(["flip", "cut", "grow", "swap"]))
+        if how == "flip" and data:
+            i = draw(st.integers(0, len(data) - 1))
+            data[i] = draw(st.integers(0, 255))
+        elif how == "cut" and data:
+            del data[draw(st.integers(0, len(data) - 1)) :]
+        elif how == "grow":
+            data += draw(st.binary(max_size=8))
+        elif how == "swap" and len(data) > 2:
+            i = draw(st.integers(0, len(data) - 2))
+            data[i], data[i + 1] = data[i + 1], data[i]
+    return bytes(data)
+
+
+@settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(_mutated())
+def test_any_header_in_any_buffer_reads_as_the_long_way_reads_the_same_bytes(data):
+    """Attack: headers of Works and Dones, mutated (bytes flipped, cut, grown, swapped), in
+    every form a frame may take (a zmq.Frame, bytes, a bytearray, memoryviews of one byte,
+    of 2, 4 and 8 byte items, 2-D, strided). ``decode`` of the one-frame list (the one-look
+    path, through ``head_of``) has to give what the long way gives for the same object, and
+    for a view of single bytes what it gives for its bytes: the same message or both a
+    ProtocolError, never another message."""
+    for name, form, content in _forms(data):
+        fast = _read([form])
+        assert fast == _long_way([form]), name
+        if name in ("bytes", "frame", "bytearray", "view"):
+            assert fast == _long_way([content]), name
+        express = short.express(short.head_of(form))
+        if express is not None:
+            assert (type(express).__name__, repr(express)) == _long_way([content]), name
+
+
+def test_a_message_of_many_frames_arriving_as_frames_reads_as_its_bytes(pair):
+    """Attack: messages of several frames (a Work whose input is an array, a Done whose output
+    is one) arrive as ``zmq.Frame``s: frame 0 is a header but the message is not one frame,
+    so the one-look path must not take it; read as the bytes are."""
+    a, b = pair
+    for msg in (
+        Work(1, None, np.arange(5000.0), watched=False, recipe_digest=_DIGEST),
+        Done(2, np.ones((3, 70_000), dtype=np.uint8), {}, 5),
+    ):
+        frames = [bytes(f) for f in encode(msg)]
+        assert len(frames) > 1
+        a.send_multipart(frames, copy=False)
+        got = b.recv_multipart(copy=False)
+        read, expected = decode(got), decode(tuple(frames))
+        assert type(read) is type(expected) and read.ref == expected.ref
+        value = read.input if isinstance(read, Work) else read.output
+        assert np.array_equal(value, msg.input if isinstance(msg, Work) else msg.output)

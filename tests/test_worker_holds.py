@@ -439,7 +439,7 @@ def test_a_big_message_dropped_for_being_slow_is_refused_naming_its_work(process
     """A stream the worker drops (it came slower than its rate after the grace) left its
     sender waiting until its own deadline, told nothing. Now the worker refuses it at once,
     naming the Work whose header had arrived, so the client ends that call and no other.
-    (The worker runs with a grace of 2 s instead of 30, as in test_redteam.)"""
+    (The worker runs with a grace of 2 s instead of 30, as in test_liveness.)"""
     quick = (
         "import sys; import somatize.fabric.streams as s; s.GRACE = 2.0; "
         "from somatize.worker import main; sys.exit(main(sys.argv[1:]))"

@@ -68,3 +68,60 @@ class FolderSeen(Node):
         from somatize.fabric.mount import NAME
 
         return [int(np.asarray(x).nbytes), sum(1 for n in os.listdir(self.folder) if NAME.fullmatch(n))]
+
+
+class Echo(Node):
+    def forward(self, x):
+        return x
+
+
+class Wrap(Node):
+    """Wraps what it is given in a list: tells how often, and in what order, it ran."""
+
+    def forward(self, x):
+        return [x]
+
+
+class BadStr(Exception):
+    """An exception that cannot say what it is: its ``str`` raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no words for it")
+
+
+def _fail_here(how: str):
+    """A frame of its own, named, that every traceback of these failures has to hold."""
+    if how == "value":
+        raise ValueError("lone trouble")
+    if how == "exit":
+        raise SystemExit(3)
+    if how == "interrupt":
+        raise KeyboardInterrupt("stop it")
+    if how == "generator":
+        raise GeneratorExit("closed")
+    if how == "bad str":
+        raise BadStr()
+    if how == "unwritable":
+        return object()
+    if how == "too deep":  # nests past what any reader accepts: over the wire's limits
+        nested: list = []
+        for _ in range(80):
+            nested = [nested]
+        return nested
+    if how == "over the header limit":  # many small values: all in the header
+        return ["abcd"] * 20_000
+    if how == "itself":
+        looped: list = []
+        looped.append(looped)
+        return looped
+    raise AssertionError(how)
+
+
+class Raiser(Node):
+    """Fails the way it is told (raises, or returns what cannot travel back)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def forward(self, x):
+        return _fail_here(self.how)
