@@ -90,12 +90,22 @@ def command(args: argparse.Namespace) -> int:
     bound = listener.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     address = f"http://{shown}:{bound}/" + (f"#token={token}" if token else "")
+
+    def made() -> Guarded:
+        return Guarded(
+            make_app(FolderStore(args.store), token=token), host_check(host, bound), f"http://{shown}:{bound}/"
+        )
+
+    # made before the address is said, where the store is there: whoever reads it finds the
+    # view settled (its first runs read: `Runs.warm`); else once the folder appears
+    app = made() if folder.is_dir() else None
     if args.announce:  # for whoever started it: the address, on the first line
         print(f"somatize-view ready {address}", flush=True)
     print(f"somatize view of {args.store}: open {address}", flush=True)
-    if not _appeared(folder, listener):
-        return 0
-    app = Guarded(make_app(FolderStore(args.store), token=token), host_check(host, bound), f"http://{shown}:{bound}/")
+    if app is None:
+        if not _appeared(folder, listener):
+            return 0
+        app = made()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
     try:
         server.run(sockets=[listener])

@@ -148,6 +148,7 @@ def names() -> list[Name]:
             recorder.chunk_name(RUN, _NUMBER_A),
             _pattern(recorder.chunk_name(RUN, _NUMBER_A), {str(_NUMBER_A): "[0-9]+"}),
         ),
+        Name("run end", recorder.end_name(RUN), re.escape(recorder.end_name(RUN))),  # Recorder.close
         Name("machine report", reports._MACHINES + MACHINE, re.escape(reports._MACHINES + MACHINE)),
     ]
 
@@ -484,6 +485,7 @@ def sites(study: str = STUDY, run: str = RUN, key: str = "sha256:" + _KEY_HEX) -
         "study judge": f"{study}/judge/{RUNNER}",
         "forward record": recorder.entry_name(run, TRIAL),
         "chunk": recorder.chunk_name(run, 0),
+        "run end": recorder.end_name(run),
         "machine report": reports._MACHINES + MACHINE,
     }
     out = {what: Site(what, name, True) for what, name in entries.items()}
