@@ -87,6 +87,7 @@ rec = Recorder(store, run=hf.RUN, summarising=["loss"])
 for n in range(5):
     graph.forward(n, store=store, watching=rec)
     rec(fact("loss", value=1.0 / (n + 1)))
+rec.close()  # the run's end
 report(store, hf.MACHINE, self_report(3, machine=hf.MACHINE))
 recorder.CHUNK = 1000
 print(json.dumps(hf._readers({"store": str(root), "readers": hf.READERS, "progress": os.environ["HOSTILE_ASIDE"] + "/p"}),
@@ -217,6 +218,7 @@ for n in range(5):
     graph.forward(n, store=done, watching=rec)
     rec(fact("loss", value=1.0 / (n + 1)))
     rec(fact("said", host="w1", machine=hf.MACHINE))
+rec.close()  # the run's end: a name of the table too
 report(done, hf.MACHINE, self_report(3, machine=hf.MACHINE))
 """
 
@@ -324,11 +326,15 @@ STUDY_SITES = (
     "fence",
 )
 RUNNER_SITES = (*STUDY_SITES, "folder <study>/judge", "study judge")
-RUN_SITES = ("folder run", "folder run/<run>", "forward record", "folder run/<run>/chunk", "chunk")
+RUN_SITES = ("folder run", "folder run/<run>", "forward record", "folder run/<run>/chunk", "chunk", "run end")
 MACHINE_SITES = ("folder machine", "machine report")
 #: The readers that read each site (a reader only meets what it reads).
 READS = {
-    **{what: ("runs", "forwards", "curve", "curve_costs", "nodes", "fleet", "machines") for what in RUN_SITES},
+    **{
+        what: ("runs", "forwards", "curve", "curve_costs", "nodes", "fleet", "machines", "run_end")
+        for what in RUN_SITES
+    },
+    "run end": ("runs", "forwards", "run_end"),  # the readers that list the run's folder, and the one that reads it
     "forward record": ("runs", "forwards", "curve", "curve_costs", "facts", "nodes", "fleet", "machines"),
     **{what: ("latest", "fleet", "machines") for what in MACHINE_SITES},
     **{what: ("trials", "best", "scores") for what in STUDY_SITES if what != "fence"},

@@ -3,6 +3,7 @@
 - :mod:`.recorder`: a :class:`Recorder` is a watcher that writes one entry per forward,
   ``run/<run>/<n>``: a small record a scan answers from, and a blob with every fact.
 - :mod:`.readers`: ``runs``, ``forwards``, ``curve`` and ``curve_costs`` (one scan each),
+  ``run_end`` (how a run said it ended: one read),
   ``facts`` (one fetch), ``nodes`` and ``fleet`` (a fetch per forward read).
 - :mod:`.reports`: ``report``, ``latest`` and ``self_report``, what each machine last said
   about itself, under ``machine/<name>``.
@@ -16,7 +17,7 @@ This package does not judge the numbers; it writes them down and adds them up.
 """
 
 from .drawings import Chart, machines, scores
-from .readers import curve, curve_costs, facts, fleet, forwards, nodes, runs
+from .readers import curve, curve_costs, facts, fleet, forwards, nodes, run_end, runs
 from .recorder import Recorder
 from .reports import latest, report, self_report
 from .studies import best, trials
@@ -34,6 +35,7 @@ __all__ = [
     "machines",
     "nodes",
     "report",
+    "run_end",
     "runs",
     "scores",
     "self_report",

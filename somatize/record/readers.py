@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import Missing, StoreError
 from ..facts import Fact
 from ..store import FolderStore, Store
-from .recorder import NUMBER, RUNS, check_run, entry_name, forward_numbers, records_of
+from .recorder import NUMBER, RUNS, check_run, end_name, entry_name, forward_numbers, records_of
 from .reports import latest
 from .shapes import Malformed, left_out, maybe_float, read_facts, small_record, whole
 from .shapes import number as as_number
@@ -60,6 +60,28 @@ def forward_row(number: int, record: Mapping[str, str]) -> dict[str, Any]:
         if "." in key:
             row[key] = maybe_float(value)
     return row
+
+
+def run_end(store: Store, run: str) -> str | None:
+    """How ``run`` said it ended (``"ok"`` or ``"broke"``, `Recorder.close`), or None when it
+    did not. One read; an end that is not one a recorder writes is left out, with one line."""
+    name = end_name(check_run(run, "run_end(run=...)"))
+    try:
+        record = next((found for at, found in store.scan(name) if at == name), None)
+    except StoreError as exc:  # a file there that is not a whole entry
+        left_out(store, name, exc)
+        return None
+    if record is None:
+        return None
+    how, forwards = record.get("how"), record.get("forwards")
+    if (
+        record.get("run") != run
+        or how not in ("ok", "broke")
+        or not (isinstance(forwards, str) and NUMBER.fullmatch(forwards) and len(forwards) < 16)
+    ):
+        left_out(store, name, "it is not the end a recorder writes (run, how ok or broke, forwards)")
+        return None
+    return how
 
 
 def curve(store: Store, run: str, kind: str = "loss", field: str = "value") -> list[tuple[int, float]]:

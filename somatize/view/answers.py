@@ -24,11 +24,11 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import Missing, SomatizeError
-from ..record.readers import whole
+from ..record.readers import run_end, whole
 from ..record.recorder import end_name, entry_name
 from ..study.history import attempt_name
 from .study_page import axis, place
@@ -125,34 +125,34 @@ def runs_by_last_write(changes: Any) -> list[str]:
 RUNNING_FOR = 30.0
 
 
-def run_status(store: Any, run: str, numbers: Collection[int]) -> dict[str, Any]:
-    """Whether ``run`` (whose forwards are ``numbers``) goes on: ``state`` is ``ended`` (its
-    recorder said so after its last forward; ``how`` says ok or broke), ``running`` (its
-    newest forward is younger than `RUNNING_FOR`, or three times the run's own pace) or
-    ``silent``; ``quiet_s`` is how long ago its last write was, and ``silent_after_s`` when a
-    running one is to be called silent if nothing comes meanwhile. By the entries' stamps
-    against this view's clock: two stamps of the run and its end, whatever its length."""
+def run_status(store: Any, run: str, first: int | None, last: int | None, count: int) -> dict[str, Any]:
+    """Whether ``run`` (``count`` forwards, numbered ``first`` to ``last``) goes on: ``state``
+    is ``ended`` (its recorder said so after its last forward; ``how`` says ok or broke),
+    ``running`` (its newest forward is younger than `RUNNING_FOR`, or three times the run's own
+    pace) or ``silent``; ``quiet_s`` is how long ago its last write was, and ``silent_after_s``
+    when a running one is to be called silent if nothing comes meanwhile. By the entries'
+    stamps against this view's clock: two stamps and the end's record, whatever its length."""
     out: dict[str, Any] = {"state": "silent", "how": "", "quiet_s": None}
     try:
-        ended = store.record(end_name(run))
-        ended_ns = store.stamp(end_name(run))
+        how = run_end(store, run)
+        ended_ns = store.stamp(end_name(run)) if how is not None else 0
     except (Missing, OSError, SomatizeError, ValueError):
-        ended, ended_ns = None, 0
+        how, ended_ns = None, 0
     last_ns = first_ns = 0
-    if numbers:
+    if first is not None and last is not None:
         try:
-            last_ns = store.stamp(entry_name(run, max(numbers)))
-            first_ns = store.stamp(entry_name(run, min(numbers))) if len(numbers) > 1 else last_ns
+            last_ns = store.stamp(entry_name(run, last))
+            first_ns = store.stamp(entry_name(run, first)) if count > 1 else last_ns
         except (Missing, OSError, SomatizeError, ValueError):
             pass
     newest = max(last_ns, ended_ns)
     if not newest:
         return out
     out["quiet_s"] = quiet = max(0.0, (time.time_ns() - newest) / 1e9)
-    if ended is not None and ended_ns >= last_ns:
-        out["state"], out["how"] = "ended", "broke" if ended.get("how") == "broke" else "ok"
+    if how is not None and ended_ns >= last_ns:
+        out["state"], out["how"] = "ended", how
         return out
-    pace = (last_ns - first_ns) / 1e9 / (len(numbers) - 1) if len(numbers) > 1 else 0.0
+    pace = (last_ns - first_ns) / 1e9 / (count - 1) if count > 1 else 0.0
     out["silent_after_s"] = limit = max(RUNNING_FOR, 3 * pace)  # the page says silent then, if nothing came
     out["state"] = "running" if quiet <= limit else "silent"
     return out

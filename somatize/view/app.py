@@ -127,7 +127,9 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
                     "state": last.get("state", ""),
                     "took_us": whole(last.get("took_us")),
                     "loss": _number(last.get("loss.value")),
-                    "status": run_status(store, run, numbers),
+                    "status": run_status(
+                        store, run, min(numbers, default=None), max(numbers, default=None), len(numbers)
+                    ),
                 }
             )
         return sorted(out, key=lambda row: row["run"], reverse=True)
@@ -140,7 +142,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
         body = runs.page(
             run, _whole(asked.get("from"), 0), PAGE, asked.get("sort", "forward"), asked.get("desc") == "1"
         )
-        body["status"] = run_status(store, run, changes.forward_files(run))
+        body["status"] = run_status(store, run, body["first"], body["last"], body["count"])  # as the page read it
         return body
 
     def read_compare(request: Request) -> Any:

@@ -230,6 +230,7 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "count": len(rows),
         "first": rows[0]["forward"] if rows else None,
+        "last": rows[-1]["forward"] if rows else None,
         "kinds": sorted(points),
         "curve": curve,
         "took": took_drawn,

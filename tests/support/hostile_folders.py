@@ -705,6 +705,7 @@ READERS = (
     "best",
     "machines",
     "scores",
+    "run_end",
 )
 
 
@@ -729,6 +730,7 @@ def _readers(spec: dict[str, Any]) -> dict[str, Any]:
         "best": lambda: record.best(store, STUDY),
         "machines": lambda: str(record.machines(store, RUN, as_text=True)),
         "scores": lambda: str(record.scores(store, STUDY, as_text=True)),
+        "run_end": lambda: record.run_end(store, RUN),
     }
     out: dict[str, Any] = {}
     progress = Path(spec["progress"])
