@@ -412,6 +412,7 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         "/api/study/none",
         "/api/compare?run=r&run=none",
         "/api/run/r?sort=took_us&desc=1",
+        "/api/study/none?sort=score&desc=1&state=done",
     ):
         assert get(path) in (200, 404), path
     for path in (
@@ -423,6 +424,7 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         "/static/app.py",
         "/api/run/r?from=-5",
         "/api/run/r?sort=nothing",
+        "/api/study/none?sort=nothing",
         "/api/compare",
         "/api/compare?run=..%2F..",
         "/api/compare?run=r&run=..",

@@ -37,17 +37,13 @@ from .study_page import axis, place
 PARAMETERS = 50
 #: The most running trials a study's page lists (the others are counted).
 RUNNING = 100
-#: How many of a parameter's values are shown when it is not drawn.
-EXAMPLES = 5
-_SHOWN = 60  # characters of each of those values
 
 
 def by_parameter(rows: list[dict[str, Any]], space: str | None, thin: Callable[[list], list]) -> dict[str, Any]:
     """The score of each done trial against each parameter's value: ``drawn``, a chart per
     parameter (``name``, ``kind``: ``float``, ``log``, ``int`` or ``categorical``, with its
     ``categories`` named; ``points`` as ``[value, score]`` in order of value, a category's
-    value its index; thinned by ``thin``, ``count`` before thinning), ``not_drawn`` (kept
-    empty: every parameter is drawn on an axis of its kind), and ``more``, how many
+    value its index; thinned by ``thin``, ``count`` before thinning), and ``more``, how many
     parameters were left out past :data:`PARAMETERS`."""
     done = [
         row
@@ -74,7 +70,7 @@ def by_parameter(rows: list[dict[str, Any]], space: str | None, thin: Callable[[
         else:  # the axis spans the parameter's space (its distribution's low and high)
             chart["low"], chart["high"] = shape["low"], shape["high"]
         drawn.append(chart)
-    return {"drawn": drawn, "not_drawn": [], "more": max(0, len(names) - PARAMETERS)}
+    return {"drawn": drawn, "more": max(0, len(names) - PARAMETERS)}
 
 
 def running(store: Any, study: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -187,20 +183,6 @@ def _written(store: Any, name: str, runner: str) -> tuple[int | None, int | None
                 return None, None
             return after, whole(record.get("took_us"))
     return None, None  # written again and again while we looked: the next look will tell
-
-
-def _numeric(value: object) -> bool:
-    """Whether a chart can place ``value``: a finite number (a flag is not one)."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return abs(value) < 10**300
-    return isinstance(value, float) and math.isfinite(value)
-
-
-def _choices(kind: dict[str, Any]) -> list:
-    choices = kind.get("attributes", {}).get("choices", [])
-    return choices if isinstance(choices, list) else []
 
 
 def space_of(text: str | None) -> dict[str, dict[str, Any]]:

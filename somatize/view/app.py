@@ -40,6 +40,7 @@ from ..record import fleet, latest, nodes, trials
 from ..record.readers import facts as facts_of
 from ..record.readers import whole
 from ..record.studies import best_of, direction_of
+from ..study.history import History
 from .answers import by_parameter, report_ages, run_status, running, runs_by_last_write, space_of
 from .changes import Changes, studies
 from .guard import refused as _refused
@@ -184,6 +185,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
     def read_study(request: Request) -> Any:
         name = request.path_params["study"]
         rows = trials(store, name)  # one scan; the best is found in it (`best_of`)
+        history = History.scan(store, name)  # every attempt, for the importances and the timeline
         start = _whole(request.query_params.get("from"), 0)
         definition = studies(store, only=name)
         direction = direction_of(store, name, definition)  # None, said once, when it is neither
@@ -211,9 +213,9 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
             "running": running(store, name, rows),
             "patience": _number(definition.get("patience")),
             # as optuna-dashboard shows a study, and who ran what when (`study_page`)
-            "importances": weights.of(store, name, rows),
+            "importances": weights.of(store, name, rows, history),
             "parallel": parallel(rows, space_of(definition.get("space"))),
-            "timeline": timeline(store, name),
+            "timeline": timeline(store, history),
         }
 
     async def events(request: Request) -> Response:

@@ -51,14 +51,14 @@ class Importances:
         self._kept: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def of(self, store: Any, study: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def of(self, store: Any, study: str, rows: list[dict[str, Any]], history: History) -> dict[str, Any]:
         done = [row["trial"] for row in rows if row["state"] == "done"]
         key = (len(done), max(done, default=-1))
         with self._lock:
             kept = self._kept.get(study)
             if kept is not None and kept[0] == key:
                 return kept[1]
-        found = importances(store, study)
+        found = importances(store, study, history)
         with self._lock:
             if len(self._kept) >= 64:
                 self._kept.clear()
@@ -66,9 +66,10 @@ class Importances:
         return found
 
 
-def importances(store: Any, study: str) -> dict[str, Any]:
+def importances(store: Any, study: str, history: History) -> dict[str, Any]:
     """``{"by": ..., "values": [[name, importance], ...]}`` (most important first, summing to
-    1), or ``{"why": ...}``: why none can be given yet."""
+    1) from the done trials of ``history`` (the page's one scan of the study), or
+    ``{"why": ...}``: why none can be given yet."""
     try:
         from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
 
@@ -78,7 +79,6 @@ def importances(store: Any, study: str) -> dict[str, Any]:
         return {"why": "the importances need Optuna, where the view runs (the study extra)"}
     try:
         definition = Definition.from_record(study, store.record(definition_name(study)))
-        history = History.scan(store, study)
     except (Missing, OSError, SomatizeError, ValueError) as exc:
         return {"why": f"the study could not be read: {exc}"[:300]}
     done = [trial for trial in history if trial.state == "done"][-IMPORTANCE_MOST:]
@@ -157,12 +157,10 @@ def place(a: dict[str, Any], value: Any) -> float | None:
     return float(value) if _number(value) else None
 
 
-def timeline(store: Any, study: str, history: History | None = None) -> dict[str, Any]:
+def timeline(store: Any, history: History) -> dict[str, Any]:
     """The newest attempts, each with its ``runner``, ``trial``, ``attempt``, ``state``,
     ``start_s`` and ``end_s`` (seconds before now, by the stamps of its record: when it last
     wrote, less how long it had run then), and ``again`` where it took over an earlier one."""
-    if history is None:
-        history = History.scan(store, study)
     attempts = [(a, a is trial.last) for trial in history for a in trial.attempts]
     attempts.sort(key=lambda pair: (pair[0].number, pair[0].attempt))
     now = time.time_ns()
@@ -193,6 +191,7 @@ def timeline(store: Any, study: str, history: History | None = None) -> dict[str
 
 
 def _number(value: object) -> bool:
+    """Whether an axis can place ``value``: a finite number (a flag is not one)."""
     if isinstance(value, bool):
         return False
     return isinstance(value, (int, float)) and math.isfinite(float(value)) and abs(float(value)) < 1e300

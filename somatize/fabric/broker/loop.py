@@ -320,9 +320,9 @@ class BrokerLoop:
         assert isinstance(relay, Relay)  # the variant its header names (`variant_of`)
         try:
             deliver = self.view.relay(route, user, relay, now)
-        except Stale:
-            raise
         except ProtocolError as exc:
+            if isinstance(exc, Stale):  # owed no word: `_handle` counts it
+                raise
             self._refuse(route, user, frames[0], now, exc.why, relay)
             return
         if deliver is not None:

@@ -104,10 +104,10 @@ class ClientExchange:
         self.unplaced: Refusal | None = None  # a refusal naming no work, after it was sent
         self._given_up: set[int] = set()
 
-    def _sending(self, kind: type, what: str = "") -> None:
+    def _sending(self, kind: type) -> None:
         after = CLIENT_SENDS.get((self.state, kind))
         if after is None:
-            raise Violation(f"this channel cannot send {what or kind.__name__} while {self.state}")
+            raise Violation(f"this channel cannot send {kind.__name__} while {self.state}")
         self.state = after
 
     def hello_sent(self) -> None:

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ProtocolError, Refused
 from ...wire import (
     Begin,
-    Bye,
     Credit,
     Hello,
     Mounted,
@@ -60,7 +59,6 @@ if TYPE_CHECKING:
 #: What the conversation lets a worker act on: the act (`conversation.WORKER_TABLE`), the
 #: message, and the cargo of a Work that came in a shared folder.
 Allowed = tuple[Act, Hello | Provision | Work, Mounted | Taken | None]
-_ACTS = {Hello: Act.GREET, Provision: Act.PROVISION, Work: Act.RUN}  # what `receive` gives back, by act
 
 
 class Intake:
@@ -121,10 +119,11 @@ class Intake:
             refused = Refusal(why, ref=ref, hello=isinstance(exc, Unknown), recipe=isinstance(exc, Unheld))
             self.outbox.reply(to, refused, refusing=True)
             return None
-        if isinstance(message, Bye):
+        if act is Act.FORGET:
             self.inbound.drop(to.peer)
             return None
-        return _ACTS[type(message)], message, mounted
+        assert isinstance(message, (Hello, Provision, Work))  # what the table lets the loop act on
+        return (Act.RUN if act is Act.OPEN else act), message, mounted  # a Mounted's Work runs
 
     def _open(self, to: To, message: Mounted) -> tuple[Work, Mounted | Taken]:
         """The Work a ``Mounted`` carries, and what holds its cargo: only files this very

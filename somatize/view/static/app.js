@@ -740,14 +740,7 @@ function parametersOf(parameters) {
   box.id = "parameters";
   charts.appendChild(box);
   parameters.drawn.forEach((p, i) => scatter(box, i, p));
-  if (!parameters.drawn.length && !parameters.not_drawn.length) box.appendChild(el("p", "no parameter yet", "empty"));
-  for (const p of parameters.not_drawn) {
-    const values = p.values.join(", ") + (p.distinct > p.values.length ? `, … (${p.distinct} values)` : "");
-    const line = el("p", `${p.name}: not drawn, its values are not all numbers (a category, a flag or a text)` +
-      (values ? `: ${values}` : ""), "not-drawn");
-    line.dataset.parameter = p.name;
-    charts.appendChild(line);
-  }
+  if (!parameters.drawn.length) box.appendChild(el("p", "no parameter yet", "empty"));
   if (parameters.more) charts.appendChild(el("p", `and ${parameters.more} more parameters, not drawn`, "not-drawn"));
 }
 
