@@ -144,6 +144,29 @@ def test_the_mark_of_a_killed_worker_is_swept_like_its_cargo(tmp_path):
     assert _seen_files(folder) == [f"seen-{token}"]  # ours, alive, stays
 
 
+def test_the_cargo_of_a_killed_client_not_yet_reaped_is_swept(tmp_path):
+    """A spawned worker sweeps the moment its client dies (it is reparented then), before the
+    client's parent has reaped it: a zombie's cargo is a dead client's, or it stays in memory."""
+    folder = tmp_path / "cargo"
+    token = mount.mark(folder)
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        child.kill()
+        wait_until(lambda: _state(child.pid) == "Z", 10, "the killed child becoming a zombie")
+        cargo = f"{child.pid}-{token.split('-', 1)[1]}-0"  # a file of the zombie's, as `write` names them
+        assert mount.NAME.fullmatch(cargo)
+        (folder / cargo).write_bytes(b"x")
+        assert cargo in mount.sweep(folder)
+        assert _seen_files(folder) == [f"seen-{token}"]  # ours, alive, stays
+    finally:
+        child.wait(10)
+
+
+def _state(pid: int) -> str:
+    line = open(f"/proc/{pid}/stat", "rb").read()
+    return line[line.rfind(b")") + 2 : line.rfind(b")") + 3].decode()
+
+
 def _dead_pid() -> int:
     child = subprocess.Popen(["true"])
     child.wait()

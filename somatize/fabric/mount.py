@@ -374,6 +374,9 @@ def _open_folder(root: Path) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie does not: a client killed a moment ago stays one until
+    its parent reaps it, and the worker it spawned sweeps in that very moment (it is
+    reparented as its client exits), so the zombie's cargo must count as a dead client's."""
     if pid == os.getpid():
         return True
     try:
@@ -382,7 +385,17 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's process
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            line = stat_file.read()
+    except OSError:
+        return False  # no /proc (not Linux), or it just went: the signal said it was there
+    # "pid (comm) S ...": the name may hold spaces and parentheses, the state follows the last ")"
+    return line[line.rfind(b")") + 2 : line.rfind(b")") + 3] == b"Z"
 
 
 _TAG: str | None = None
