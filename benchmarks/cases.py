@@ -393,9 +393,9 @@ class Counting:
         self.fetches += 1
         return self.store.fetch(name)
 
-    def create(self, name, record, blob=None):
+    def create(self, name, record, blob=None, *, durable=True):
         self.puts += 1
-        return self.store.create(name, record, blob)
+        return self.store.create(name, record, blob, durable=durable)
 
     def stamp(self, name):
         return self.store.stamp(name)

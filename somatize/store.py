@@ -37,9 +37,11 @@ from typing import Protocol, runtime_checkable
 
 from somatize.errors import BadName, Missing, StoreError
 from somatize.folders import (
+    FILE,
     Blocked,
     Descent,
     held_by,
+    kind_of,
     link_new,
     new_temp,
     open_folder,
@@ -79,15 +81,16 @@ class Store(Protocol):
 class ClaimingStore(Store, Protocol):
     """A store that several processes can coordinate through: the three verbs, and two more.
 
-    ``create(name, record, blob=None) -> bool`` writes an entry only if none is stored under
-    ``name`` and says whether it did: of several creators of one name, exactly one gets
-    ``True``. ``stamp(name) -> int`` says when the entry was last written, in the store's
+    ``create(name, record, blob=None, *, durable=True) -> bool`` writes an entry only if
+    none is stored under ``name`` and says whether it did: of several creators of one name,
+    exactly one gets ``True``; ``durable=False`` asks only that the entry never show torn,
+    not that it outlive a power cut (see ``FolderStore.create``). ``stamp(name) -> int`` says when the entry was last written, in the store's
     own clock (nanoseconds): stamps of one store compare with each other, never with a
     machine's clock. Studies claim trials with ``create`` and judge whether an attempt is
     still being written with ``stamp``. ``FolderStore`` is one.
     """
 
-    def create(self, name: str, record: Mapping[str, str], blob: Blob = None) -> bool: ...
+    def create(self, name: str, record: Mapping[str, str], blob: Blob = None, *, durable: bool = True) -> bool: ...
 
     def stamp(self, name: str) -> int: ...
 
@@ -230,6 +233,7 @@ class FolderStore:
                 self._undo(folder, temp, name, exc)
                 raise
             sync(folder)
+            descent.settle()  # a folder made on the way: its making was committed with the entry
 
     def scan(self, prefix: str) -> Iterator[tuple[str, dict[str, str]]]:
         """Yield ``(name, record)`` for every name starting with ``prefix``, in string order.
@@ -315,7 +319,7 @@ class FolderStore:
 
     # -- the two verbs of a claiming store
 
-    def create(self, name: str, record: Mapping[str, str], blob: Blob = None) -> bool:
+    def create(self, name: str, record: Mapping[str, str], blob: Blob = None, *, durable: bool = True) -> bool:
         """Write ``record`` (and ``blob``) under ``name`` only if nothing is there yet.
 
         Returns ``True`` when this call made the entry, ``False`` when one already existed
@@ -323,6 +327,14 @@ class FolderStore:
         creating one name at once, exactly one gets ``True``. Raises ``Blocked`` when the
         name, or a folder on its way, is held by something no store writes (a link, a
         folder, a FIFO): nobody can create it, and the caller counts it as blocked.
+
+        The entry's bytes reach the disk before it gets its name, so no crash ever shows it
+        torn. With ``durable=False`` the name itself is not synced: a power cut of the
+        machine that holds the folder may take the entry back, whole, as if it had never
+        been made (the folders made for it stay); the next ``put`` in its folder makes it
+        durable. That saves one disk commit where losing the entry costs nothing: a study's
+        claim, lost in the same power cut as the runner that made it, is a trial claimed
+        again.
 
         The entry is written whole into a temp file, then hard-linked to its name. A link
         never replaces an existing name, so it is atomic and exclusive on a local disk and
@@ -346,7 +358,9 @@ class FolderStore:
             finally:
                 remove(folder, temp)
             if made:
-                sync(folder)
+                if durable:
+                    sync(folder)
+                descent.settle()  # a folder made on the way: its making was committed with the entry
             else:
                 self._not_too_long(folder, file, "/".join([*folders, file]))
             return made
@@ -461,6 +475,34 @@ class FolderStore:
         opened, path = self._open(name)
         with opened as file:
             return read_head(file, path)[0]
+
+    def holder(self, name: str) -> str | None:
+        """What holds the entry ``name`` now: ``"a file"`` (an entry, or a file no read
+        shows: one too long, another user's), ``"a folder"``, ``"a symbolic link"``, ``"a
+        FIFO"``... (for a folder on the way, what holds that), never following a link;
+        ``None`` when nothing does, or nothing can be seen. One descent of the folders; the
+        name is opened, not only looked up, so that on NFS the server answers, not the
+        client's cache (a study's fence is looked at so before every write of an attempt)."""
+        folders, file, _ = self._where(name)
+        try:
+            with Descent(self.path) as descent:
+                folder = descent.at(folders)
+                try:
+                    opened = os.open(file, FILE, dir_fd=folder)
+                except FileNotFoundError:
+                    return None
+                except OSError:  # a link, a socket, a file this user may not read
+                    return held_by(folder, file)
+                try:
+                    return kind_of(os.fstat(opened).st_mode)
+                finally:
+                    os.close(opened)
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # a folder on the way is missing
+        except Blocked as exc:
+            return exc.held  # a folder on the way is held by something else
+        except OSError:
+            return None
 
     def __contains__(self, name: object) -> bool:
         folders, file, _ = self._where(name)

@@ -88,6 +88,60 @@ def test_put_scan_fetch_round_trip(tmp_path: Path) -> None:
     assert "run/tuesday/0" in store and "run/tuesday/1" not in store
 
 
+class _Disk:
+    """What a store asks of the disk, in order: each fsync (of what), link, rename, mkdir.
+    The calls go through to the real ones; they are only written down."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+        self.root, self.done = root.resolve(), []
+        for call in ("fsync", "link", "replace", "mkdir"):
+            monkeypatch.setattr(os, call, self._spy(call, getattr(os, call)))
+
+    def _spy(self, call, real):  # type: ignore[no-untyped-def]
+        def spied(*args, **kwargs):  # type: ignore[no-untyped-def]
+            result = real(*args, **kwargs)
+            if call == "fsync":
+                path = Path(os.readlink(f"/proc/self/fd/{args[0]}"))
+                self.done.append(("fsync", ".tmp" if path.name.endswith(".tmp") else self._short(path)))
+            else:
+                folder = Path(os.readlink(f"/proc/self/fd/{kwargs.get('dst_dir_fd', kwargs.get('dir_fd'))}"))
+                made = args[0] if call == "mkdir" else args[1]  # mkdir(name, mode), link/replace(temp, name)
+                self.done.append((call, self._short(folder / made)))
+            return result
+
+        return spied
+
+    def _short(self, path: Path) -> str:
+        return "/" + str(path.relative_to(self.root)) if path != self.root else "/"
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd")
+def test_an_entry_is_on_the_disk_before_it_has_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No crash shows a torn entry: its bytes are synced before the link or rename gives it
+    its name; the name is synced after (unless ``durable=False``); every folder made on the
+    way is synced before the call returns, after the entry's own sync (so that one disk
+    commit carries both)."""
+    store = FolderStore(tmp_path)
+    disk = _Disk(monkeypatch, tmp_path)
+    assert store.create("a/b/c", {"k": "v"})
+    assert disk.done == [
+        ("mkdir", "/a"),
+        ("mkdir", "/a/b"),
+        ("fsync", ".tmp"),
+        ("link", "/a/b/c.rec"),
+        ("fsync", "/a/b"),  # the name
+        ("fsync", "/a"),  # b, made in a
+        ("fsync", "/"),  # a, made in the root
+    ], disk.done
+    disk.done.clear()
+    assert store.create("a/d/e", {"k": "v"}, durable=False)
+    assert disk.done == [("mkdir", "/a/d"), ("fsync", ".tmp"), ("link", "/a/d/e.rec"), ("fsync", "/a")], disk.done
+    disk.done.clear()
+    store.put("a/d/e", {"k": "w"})
+    assert disk.done == [("fsync", ".tmp"), ("replace", "/a/d/e.rec"), ("fsync", "/a/d")], disk.done
+    assert store.record("a/d/e") == {"k": "w"}
+
+
 @pytest.mark.pure
 def test_empty_blob_is_not_no_blob(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)

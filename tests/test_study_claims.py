@@ -26,8 +26,9 @@ TRIALS = 2000
 WINDOW = 100
 # What one claim may cost, on average over any hundred consecutive claims of two runners:
 # reading again the trials last seen running (its own, the other's), reading the trials the
-# other claimed meanwhile, one look at a free number, and now and then a judge's stamps.
-PER_CLAIM = {"scans": 8, "listed": 8, "records": 8, "stamps": 4}
+# other claimed meanwhile, one look at a free number, the fence looked at before a result is
+# written, and now and then a judge's stamps.
+PER_CLAIM = {"scans": 8, "listed": 8, "records": 8, "stamps": 4, "looks": 4}
 # Far above that, far below a whole study: a claim that gets here read the folder through.
 TOO_DEAR = 400
 
@@ -70,10 +71,14 @@ class Counting(FolderStore):
         self._spend("stamps")
         return super().stamp(name)
 
-    def create(self, name, record, blob=None):
+    def holder(self, name):
+        self._spend("looks")
+        return super().holder(name)
+
+    def create(self, name, record, blob=None, *, durable=True):
         if name.rsplit("/", 1)[-1] == "000" and max(self.now.values()) > TOO_DEAR:
             raise TooDear(f"a claim cost {self.now}: it read the study's folder through")
-        made = super().create(name, record, blob)
+        made = super().create(name, record, blob, durable=durable)
         if made and name.rsplit("/", 1)[-1] == "000":  # a trial claimed: what it cost, then afresh
             self.claims.append((next(self.order), self.now))
             self.now = dict.fromkeys(PER_CLAIM, 0)
@@ -132,6 +137,8 @@ def test_alone_a_runner_looks_at_one_number_per_claim(tmp_path):
     costs = [cost for _, cost in store.claims]
     assert len(costs) == 300
     # after the first (which read the whole, empty, study): the fence looked at before the
-    # previous trial's result was written (a stamp), and one free number looked at (a scan,
+    # previous trial's result was written (a look), and one free number looked at (a scan,
     # nothing there); what it wrote itself it does not read back
-    assert all(cost == {"scans": 1, "listed": 0, "records": 0, "stamps": 1} for cost in costs[1:]), costs[1:5]
+    assert all(cost == {"scans": 1, "listed": 0, "records": 0, "stamps": 0, "looks": 1} for cost in costs[1:]), costs[
+        1:5
+    ]

@@ -141,7 +141,10 @@ class Running:
         runner holds it now (and ``claimed`` is the record it created), ``names.TAKEN`` when
         another runner's entry is there, ``names.BLOCKED`` when anything else is."""
         record = self._record()
-        got = names.create(self.store, self.name, record)
+        # not synced as a name (``ClaimingStore.create``): a claim a power cut takes back was
+        # made by a runner the same cut stopped, and its trial is claimed again; the attempt's
+        # next write (a pulse, its result) is synced, and the claim with it
+        got = names.create(self.store, self.name, record, durable=False)
         if got == names.MADE:
             self.claimed = record
         return got

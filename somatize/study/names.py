@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import Any, Final, Literal
 
 from ..errors import Missing, StoreError
-from ..folders import Blocked, Descent, held_by, tell_blocked, tell_once
+from ..folders import Blocked, Descent, tell_blocked, tell_once
 from ..store import ClaimingStore, FolderStore, Store
 
 MADE: Final = "made"
@@ -41,11 +41,12 @@ Made = Literal["made", "taken", "blocked"]
 Held = Literal["free", "taken", "blocked"]
 
 
-def create(store: ClaimingStore, name: str, record: dict[str, str]) -> Made:
+def create(store: ClaimingStore, name: str, record: dict[str, str], *, durable: bool = True) -> Made:
     """Create ``name`` if nothing holds it: ``MADE``, ``TAKEN`` (another runner's entry, one
-    a read shows) or ``BLOCKED`` (anything else: said in one line)."""
+    a read shows) or ``BLOCKED`` (anything else: said in one line). ``durable`` as
+    ``ClaimingStore.create`` says."""
     try:
-        made = store.create(name, record)
+        made = store.create(name, record, durable=durable)
     except StoreError as exc:
         if not held_else(exc):
             raise
@@ -80,40 +81,21 @@ def stamp(store: ClaimingStore, name: str) -> int | None:
 
 
 def look(store: ClaimingStore, name: str) -> Held:
-    """Whether ``name`` is ``FREE``, ``TAKEN`` (a regular file is there: an entry, as the
-    store's stamp says) or ``BLOCKED`` (a folder, a link, a FIFO, a file where a folder belongs).
-
-    The stamp is asked first (it opens the file, so on NFS the server answers, not the
-    client's cache); only when it finds nothing is the name looked at itself."""
+    """Whether ``name`` is ``FREE``, ``TAKEN`` (a regular file is there: an entry, or one a
+    writer is still filling) or ``BLOCKED`` (a folder, a link, a FIFO, a file where a folder
+    belongs). A folder store answers in one look (``FolderStore.holder``, which opens the
+    name, so on NFS the server answers, not the client's cache); any other claiming store
+    holds only its own entries, and its stamp says whether one is there."""
+    if isinstance(store, FolderStore):
+        held = store.holder(name)
+        return FREE if held is None else TAKEN if held == "a file" else BLOCKED
     try:
         store.stamp(name)
         return TAKEN
     except Blocked:
         return BLOCKED
     except Missing:
-        pass
-    held = holder(store, name)
-    if held is None:
         return FREE
-    return TAKEN if held == "a file" else BLOCKED  # (a file: made since the stamp looked)
-
-
-def holder(store: Store, name: str) -> str | None:
-    """What holds the entry ``name`` in ``store`` ("a file", "a folder", "a FIFO", "a
-    symbolic link", ...: for a folder on the way, what holds that), never following a link;
-    ``None`` when nothing does. A store that is no folder holds only its own entries."""
-    if not isinstance(store, FolderStore):
-        return None
-    *folders, last = name.split("/")
-    try:
-        with Descent(store.path) as descent:
-            return held_by(descent.at(folders), last + ".rec")
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except Blocked as exc:
-        return exc.held
-    except OSError:
-        return None
 
 
 def read(store: Store, name: str) -> dict[str, str] | None:
