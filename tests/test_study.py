@@ -8,6 +8,7 @@ record, a judge's entry, a process's exit), with a deadline; every process is re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -330,9 +331,9 @@ class CountingStore:
         self._count("fetch")
         return self.inner.fetch(name)
 
-    def create(self, name, record, blob=None):
+    def create(self, name, record, blob=None, *, durable=True):
         self._count("create")
-        return self.inner.create(name, record, blob)
+        return self.inner.create(name, record, blob, durable=durable)
 
     def stamp(self, name):
         self._count("stamp")
@@ -521,6 +522,39 @@ def test_each_sampler_rebuilt_from_the_folder_proposes_new_points(folder, sample
     study.run()
     configs = [r["config"] for r in counted(store, sampler).values()]
     assert len(configs) == 10 and len(set(configs)) == 10
+
+
+@pytest.mark.pure
+def test_a_random_sampler_seeded_anew_proposes_what_a_fresh_one_would():
+    """A runner reseeds its random sampler for each trial instead of making one (numpy's
+    entropy draw): trial n must get the very configuration a fresh sampler gives it, or two
+    runners (one fresh, one not) would draw differently for the same study."""
+    from somatize.study.definition import Definition
+    from somatize.study.mirror import Mirror
+
+    space = {
+        "x": FloatDistribution(-2, 2),
+        "n": IntDistribution(1, 9, log=True),
+        "k": CategoricalDistribution(["a", "b"]),
+    }
+    definition = Definition.checked(
+        objective="study_objectives:with_curve_of_x", space=space, trials=30, sampler="random",
+        seed=3, attempts=3, direction="minimize", patience=10.0, pruner=None,
+    )  # fmt: skip
+    reused = Mirror(definition, "s", [])
+    proposed = []
+    for number in range(30):
+        otrial = reused.ask(number)
+        fresh = Mirror(definition, "s", [])
+        fresh.study.sampler = definition.sampler_for(number)
+        assert otrial.params == fresh.study.ask(definition.space).params, f"trial {number}"
+        proposed.append(tuple(sorted(otrial.params.items())))
+    assert len(set(proposed)) == 30  # and each trial its own draw
+    sampler = reused.study.sampler
+    assert definition.sampler_for(31, reuse=sampler) is sampler  # reseeded, not made
+    tpe = dataclasses.replace(definition, sampler="tpe")
+    first = tpe.sampler_for(0)
+    assert tpe.sampler_for(1, reuse=first) is not first  # TPE keeps more than its seed: made afresh
 
 
 def test_watch_says_how_far_a_study_is_until_it_ends(folder, start):

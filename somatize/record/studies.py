@@ -101,7 +101,9 @@ def left_out(store: Store, name: str, why: object) -> None:
 
 def _json(record: dict[str, str], key: str, empty: str, most: int, *, finite: bool = True) -> Any:
     """A field of JSON text, bounded in size, then in depth before it is parsed (``plain_json``)."""
-    text = record.get(key) or empty
+    text = record.get(key)
+    if not text:  # most records have no intermediate values or notes: nothing to parse
+        return [] if empty == "[]" else {}
     if len(text) > _FIELD_MAX:
         raise ValueError(f"its {key} is {len(text)} characters long, more than {_FIELD_MAX}")
     return plain_json(text, most, finite=finite, what=f"its {key}")

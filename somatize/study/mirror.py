@@ -154,13 +154,13 @@ class Mirror:
 
     def ask(self, number: int) -> Any:
         """An Optuna trial proposing trial ``number``'s configuration (not kept yet)."""
-        self.study.sampler = self.definition.sampler_for(number)
+        self.study.sampler = self.definition.sampler_for(number, reuse=self.study.sampler)
         return self._asking(lambda: self.study.ask(self.definition.space))
 
     def ask_again(self, number: int, config: dict[str, Any]) -> Any:
         """An Optuna trial for another attempt at trial ``number``, with its configuration
         (so that the pruner judges the new attempt too)."""
-        self.study.sampler = self.definition.sampler_for(number)
+        self.study.sampler = self.definition.sampler_for(number, reuse=self.study.sampler)
 
         def again() -> Any:
             self.study.enqueue_trial(config)
