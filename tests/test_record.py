@@ -1067,6 +1067,29 @@ def test_trials_tells_each_trial_from_one_scan_and_no_fetch(counting):
 
 
 @pytest.mark.pure
+def test_one_scan_serves_the_rows_and_every_attempt(counting):
+    """The view's study page reads its rows and its attempts (importances, timeline) from
+    one scan: what that gives is what `trials` and `History.scan` give, each from its own."""
+    from somatize.record.studies import trial_records, trials_of
+    from somatize.study.history import History
+
+    a_study(counting)
+    counting.put("tune/trial/000007/000", {"state": "sleeping"})  # a record that fails its checks
+    counting.reset()
+    scanned = trial_records(counting, "tune")
+    rows, history = trials_of(counting, "tune", scanned), History.of(counting, "tune", scanned)
+    assert (counting.scans, counting.fetches) == (1, 0)
+    alone = History.scan(counting, "tune")
+    assert rows == trials(counting, study="tune")
+    assert [(t.number, [(a.attempt, a.record, a.problem) for a in t.attempts]) for t in history] == [
+        (t.number, [(a.attempt, a.record, a.problem) for a in t.attempts]) for t in alone
+    ]
+    assert len(history) == 8 and history.trials[7].attempts[0].problem  # left out, as a scan of its own does
+    with pytest.raises(BadName):
+        trial_records(counting, "../tune")
+
+
+@pytest.mark.pure
 def test_the_highest_attempt_counts_whatever_a_late_one_wrote(store):
     define(store, "tune")
     attempt(store, "tune", 0, 1, state="done", score=0.5, runner="r2")

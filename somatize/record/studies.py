@@ -139,6 +139,19 @@ def trials(store: Store, study: str) -> list[dict[str, Any]]:
     return _rows(store, name, store.scan(prefix), prefix)
 
 
+def trial_records(store: Store, study: str) -> list[tuple[str, dict[str, str]]]:
+    """The records of ``study``'s attempts, as one scan of ``<study>/trial/`` reads them:
+    for `trials_of` and ``History.of`` both (the view's study page reads its rows and its
+    attempts from one scan)."""
+    return list(store.scan(trial_prefix(_check_study(study, "trials(study=...)"))))
+
+
+def trials_of(store: Store, study: str, scanned: Iterable[tuple[str, dict[str, str]]]) -> list[dict[str, Any]]:
+    """`trials`, from the records `trial_records` read."""
+    name = _check_study(study, "trials(study=...)")
+    return _rows(store, name, scanned, trial_prefix(name))
+
+
 def best(store: Store, study: str) -> dict[str, Any] | None:
     """The trial that did best, as :func:`trials` tells it, or ``None`` while none is done.
 

@@ -88,7 +88,12 @@ class History:
     @classmethod
     def scan(cls, store: Store, study: str) -> History:
         """The whole study, from one scan of its trials' records (no blob is read)."""
-        return cls(_trials(store, trial_prefix(study), store.scan(trial_prefix(study))))
+        return cls.of(store, study, store.scan(trial_prefix(study)))
+
+    @classmethod
+    def of(cls, store: Store, study: str, scanned: Iterable[tuple[str, dict[str, str]]]) -> History:
+        """The whole study, from a scan of its trials' records already made."""
+        return cls(_trials(store, trial_prefix(study), scanned))
 
     def __iter__(self) -> Iterator[TrialHistory]:
         return iter(self.trials.values())

@@ -36,10 +36,10 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from ..errors import BadName, SomatizeError
-from ..record import fleet, latest, nodes, trials
+from ..record import fleet, latest, nodes
 from ..record.readers import facts as facts_of
 from ..record.readers import whole
-from ..record.studies import best_of, direction_of
+from ..record.studies import best_of, direction_of, trial_records, trials_of
 from ..study.history import History
 from .answers import by_parameter, report_ages, run_status, running, runs_by_last_write, space_of
 from .changes import Changes, studies
@@ -184,8 +184,11 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
 
     def read_study(request: Request) -> Any:
         name = request.path_params["study"]
-        rows = trials(store, name)  # one scan; the best is found in it (`best_of`)
-        history = History.scan(store, name)  # every attempt, for the importances and the timeline
+        # one scan: the rows (the best is found in them, `best_of`) and every attempt (for the
+        # importances and the timeline)
+        scanned = trial_records(store, name)
+        rows = trials_of(store, name, scanned)
+        history = History.of(store, name, scanned)
         start = _whole(request.query_params.get("from"), 0)
         definition = studies(store, only=name)
         direction = direction_of(store, name, definition)  # None, said once, when it is neither
