@@ -198,8 +198,8 @@ def pytest_collection_modifyitems(session, config, items):
     as the suite starts and runs beside the other tests, and its test, moved to the end,
     reads what it printed. Honest, since that test asserts what the run prints (a row for
     every case, PASS or MISS where there is a target), never a timing. Started only when its
-    test is to run."""
-    if hasattr(config, "workerinput"):
+    test is to run (not for ``--collect-only``, which runs nothing)."""
+    if hasattr(config, "workerinput") or config.getoption("collectonly", False):
         return
     chosen = [item for item in items if item.nodeid == QUICK_RUN]
     if not chosen:
