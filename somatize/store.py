@@ -84,9 +84,9 @@ class ClaimingStore(Store, Protocol):
     ``create(name, record, blob=None, *, durable=True) -> bool`` writes an entry only if
     none is stored under ``name`` and says whether it did: of several creators of one name,
     exactly one gets ``True``; ``durable=False`` asks only that the entry never show torn,
-    not that it outlive a power cut (see ``FolderStore.create``). ``stamp(name) -> int`` says when the entry was last written, in the store's
-    own clock (nanoseconds): stamps of one store compare with each other, never with a
-    machine's clock. Studies claim trials with ``create`` and judge whether an attempt is
+    not that it outlive a power cut (see ``FolderStore.create``). ``stamp(name) -> int``
+    says when the entry was last written, in the store's own clock (nanoseconds): stamps of
+    one store compare with each other, never with a machine's clock. Studies claim trials with ``create`` and judge whether an attempt is
     still being written with ``stamp``. ``FolderStore`` is one.
     """
 
