@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import stat
 import time
 import zlib
@@ -35,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from somatize.errors import BadName, Missing, StoreError
+from somatize.errors import Missing, StoreError
 from somatize.folders import (
     FILE,
     Blocked,
@@ -53,6 +52,11 @@ from somatize.folders import (
     tell_once,
 )
 from somatize.store_file import LARGEST, blob_parts, header, read_blob, read_head, record_bytes, scan_record, write_all
+from somatize.store_names import SUFFIX as _SUFFIX
+from somatize.store_names import TEMP as _TEMP
+from somatize.store_names import check_name, check_prefix, valid_part
+
+__all__ = ["Blob", "ClaimingStore", "FolderStore", "Store", "check_name", "valid_part"]
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -93,69 +97,6 @@ class ClaimingStore(Store, Protocol):
     def create(self, name: str, record: Mapping[str, str], blob: Blob = None, *, durable: bool = True) -> bool: ...
 
     def stamp(self, name: str) -> int: ...
-
-
-# -- names ------------------------------------------------------------------------------
-
-_SUFFIX = ".rec"
-_COMPONENT = re.compile(r"[A-Za-z0-9_:@+=-][A-Za-z0-9._:@+=-]*")
-_PARTIAL = re.compile(r"[A-Za-z0-9._:@+=-]*")
-_COMPONENT_MAX = 200
-_NAME_MAX = 1000
-_ALLOWED = (
-    "a name is one or more components joined by '/', each 1 to 200 characters of "
-    "A-Z a-z 0-9 and . _ : @ + = -, not starting with '.' and not ending in '.rec', "
-    "1000 characters in all (for example 'run/tuesday/0' or 'cache/sha256:ab12')"
-)
-# A temp file: '.' + the final file name + '.<pid>.<thread>.<random>.tmp'. It starts with a
-# dot, which no component may, so it can never be mistaken for an entry.
-_TEMP = re.compile(r"\..+\.rec\.\d+\.\d+\.[0-9a-f]{8}\.tmp")
-
-
-def _shown(name: object) -> str:
-    text = repr(name)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def valid_part(part: str) -> bool:
-    return len(part) <= _COMPONENT_MAX and _COMPONENT.fullmatch(part) is not None and not part.endswith(_SUFFIX)
-
-
-def _check_component(part: str, name: str) -> None:
-    if not part:
-        raise BadName(f"Store name {_shown(name)} has an empty component; {_ALLOWED}.")
-    if len(part) > _COMPONENT_MAX:
-        raise BadName(f"Store name {_shown(name)} has a component of {len(part)} characters; {_ALLOWED}.")
-    if not valid_part(part):
-        raise BadName(f"Store name {_shown(name)} cannot be used; {_ALLOWED}.")
-
-
-def check_name(name: object) -> str:
-    if not isinstance(name, str):
-        raise BadName(f"A store name must be a str, not {type(name).__name__}; {_ALLOWED}.")
-    if not name:
-        raise BadName(f"A store name cannot be empty; {_ALLOWED}.")
-    if name.startswith("/"):
-        raise BadName(f"Store name {_shown(name)} starts with '/'; {_ALLOWED}.")
-    if len(name) > _NAME_MAX:
-        raise BadName(f"Store name {_shown(name)} is {len(name)} characters long; {_ALLOWED}.")
-    for part in name.split("/"):
-        _check_component(part, name)
-    return name
-
-
-def _check_prefix(prefix: object) -> tuple[list[str], str]:
-    """Split a scan prefix into the folders it fully names and the partial rest."""
-    if not isinstance(prefix, str):
-        raise BadName(f"A scan prefix must be a str, not {type(prefix).__name__}.")
-    if prefix.startswith("/") or len(prefix) > _NAME_MAX:
-        raise BadName(f"Scan prefix {_shown(prefix)} cannot match any name; {_ALLOWED}.")
-    *folders, partial = prefix.split("/")
-    for part in folders:
-        _check_component(part, prefix)
-    if not _PARTIAL.fullmatch(partial):
-        raise BadName(f"Scan prefix {_shown(prefix)} cannot match any name; {_ALLOWED}.")
-    return folders, partial
 
 
 # -- the folder -------------------------------------------------------------------------
@@ -292,7 +233,7 @@ class FolderStore:
             return self._names(descent, prefix)
 
     def _names(self, descent: Descent, prefix: str) -> list[str]:
-        folders, partial = _check_prefix(prefix)
+        folders, partial = check_prefix(prefix)
         names: list[str] = []
         try:
             start = descent.at(folders)

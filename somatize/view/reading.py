@@ -36,6 +36,7 @@ from ..folders import Descent, LinkMet, open_file, tell_blocked, tell_link, tell
 from ..record.recorder import CHUNKS, NUMBER, RUNS
 from ..store import FolderStore
 from ..store_file import scan_record
+from ..store_names import SUFFIX as _SUFFIX
 
 #: The longest record the view reads (bytes written down): a forward's or a trial's
 #: record is a few KiB; a longer one was not written by a recorder or a runner.
@@ -49,7 +50,6 @@ MOST_FACT = 64 << 10
 
 _HEADER = re.compile(rb"SMZS1 ([0-9a-f]{8}) ([0-9a-f]{16}|-{16}) [0-9a-f]{8}\n")
 _HEADER_SIZE = 41
-_SUFFIX = ".rec"
 
 
 class Blocked(Missing):

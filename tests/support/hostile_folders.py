@@ -155,16 +155,16 @@ def names() -> list[Name]:
 
 def path_patterns() -> list[tuple[str, re.Pattern[str]]]:
     """What each name may appear as on the disk, relative to the store: its file, each folder
-    it lies in, and a writer's temp file beside it (``store._TEMP``)."""
-    from somatize import store
+    it lies in, and a writer's temp file beside it (``store_names.TEMP``)."""
+    from somatize import store_names
 
     out: list[tuple[str, re.Pattern[str]]] = []
     for name in names():
         parts = name.pattern.split("/")
-        out.append((name.what, re.compile(name.pattern + re.escape(store._SUFFIX))))
+        out.append((name.what, re.compile(name.pattern + re.escape(store_names.SUFFIX))))
         for i in range(1, len(parts)):
             out.append((f"folder of {name.what}", re.compile("/".join(parts[:i]))))
-        temp = store._TEMP.pattern.replace(r"\..+\.rec", r"\." + parts[-1] + re.escape(store._SUFFIX))
+        temp = store_names.TEMP.pattern.replace(r"\..+\.rec", r"\." + parts[-1] + re.escape(store_names.SUFFIX))
         out.append((f"temp file of {name.what}", re.compile("/".join([*parts[:-1], temp]))))
     return out
 
