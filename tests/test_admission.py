@@ -20,6 +20,7 @@ from conftest import BROKER, WORKER, env_with_tests
 from peers import Raw
 from reliability_support import key_ring, rss_kib, wait_until
 
+from brokers import keyed_broker
 from somatize.fabric.curve import read_public, read_secret
 from somatize.wire import Bye, Chunk, Hello, Hosts, Listed, Ready, Relay, Runtime, decode, encode
 
@@ -33,27 +34,6 @@ PEER = 64 * MIB
 def keyless_broker(processes, *extra):
     return processes(
         [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", "2", *extra], env=env_with_tests()
-    )
-
-
-def keyed_broker(processes, ring, *extra):
-    return processes(
-        [
-            *BROKER,
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--announce",
-            "--key",
-            str(ring["broker_secret"]),
-            "--allow",
-            str(ring["allow"]),
-            "--allow-workers",
-            str(ring["workers"]),
-            "--patience",
-            "2",
-            *extra,
-        ],
-        env=env_with_tests(),
     )
 
 

@@ -22,6 +22,7 @@ from fabric_nodes import Add, Sleep
 from peers import Raw
 from reliability_support import key_ring, rss_kib, wait_until
 
+from brokers import keyed_broker
 from somatize import Broker
 from somatize.fabric.curve import read_public, read_secret
 from somatize.packing import Packer
@@ -50,27 +51,6 @@ RT = Runtime.here(mode="project")
 def keyless_broker(processes, *extra):
     return processes(
         [*BROKER, "--listen", "tcp://127.0.0.1:0", "--announce", "--patience", "2", *extra], env=env_with_tests()
-    )
-
-
-def keyed_broker(processes, ring, *extra):
-    return processes(
-        [
-            *BROKER,
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--announce",
-            "--key",
-            str(ring["broker_secret"]),
-            "--allow",
-            str(ring["allow"]),
-            "--allow-workers",
-            str(ring["workers"]),
-            "--patience",
-            "2",
-            *extra,
-        ],
-        env=env_with_tests(),
     )
 
 

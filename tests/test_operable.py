@@ -23,6 +23,7 @@ from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Count, Sleep
 from reliability_support import key_ring, wait_until
 
+from brokers import keyed_broker
 from somatize import Broken, Broker, NodeFailed, Refused, Unreachable, Worker
 from somatize.errors import KeysRefused
 from somatize.fabric.curve import Keys, read_public
@@ -70,27 +71,6 @@ def ring(tmp_path):
     return key_ring(tmp_path, clients=("alice", "bob"), workers=("w1",), others=("stranger",))
 
 
-def keyed_broker(processes, ring, *extra, listen="tcp://127.0.0.1:0"):
-    return processes(
-        [
-            *BROKER,
-            "--listen",
-            listen,
-            "--announce",
-            "--key",
-            str(ring["broker_secret"]),
-            "--allow",
-            str(ring["allow"]),
-            "--allow-workers",
-            str(ring["workers"]),
-            "--patience",
-            str(PATIENCE),
-            *extra,
-        ],
-        env=env_with_tests(),
-    )
-
-
 def client(ring, endpoint: str, who: str = "alice", server: str = "broker") -> Broker:
     return Broker.at(endpoint, keys=Keys.client(ring[who + "_secret"], server=ring[server]), patience=PATIENCE)
 
@@ -99,7 +79,7 @@ def client(ring, endpoint: str, who: str = "alice", server: str = "broker") -> B
 
 
 def test_the_broker_logs_start_dial_in_refusal_reload_leaving_and_stop(ring, processes):
-    broker = keyed_broker(processes, ring)
+    broker = keyed_broker(processes, ring, patience=PATIENCE)
     said = logged(broker, "listening on")
     assert (
         f"somatize broker: listening on {broker.endpoint} with CURVE keys: 2 client keys from {ring['allow']}" in said
@@ -158,7 +138,7 @@ def test_a_dialed_worker_logs_losing_its_broker_and_reaching_it_again(processes)
 
 
 def test_a_worker_whose_key_the_broker_refuses_says_so_and_so_does_the_broker(ring, processes):
-    broker = keyed_broker(processes, ring)
+    broker = keyed_broker(processes, ring, patience=PATIENCE)
     worker = processes(
         [
             *WORKER,
@@ -215,7 +195,7 @@ def test_a_refusal_names_the_connection_as_text_never_its_raw_route(processes, s
 
 
 def test_a_refused_key_a_missing_key_and_a_wrong_broker_key_each_say_which(ring, processes):
-    broker = keyed_broker(processes, ring)
+    broker = keyed_broker(processes, ring, patience=PATIENCE)
     with client(ring, broker.endpoint, "stranger") as b, pytest.raises(KeysRefused) as info:
         b.hosts()
     assert "not in its allow folder" in str(info.value) and short(ring["stranger"]) in str(info.value)
@@ -405,7 +385,7 @@ def test_a_malformed_key_refuses_the_start_and_names_the_file(ring):
 
 
 def test_a_reload_with_a_malformed_key_keeps_the_old_list_whole_and_says_so(ring, processes):
-    broker = keyed_broker(processes, ring)
+    broker = keyed_broker(processes, ring, patience=PATIENCE)
     with client(ring, broker.endpoint, "bob") as b:
         assert b.hosts() == []
     (ring["allow"] / "bob.key").unlink()  # bob taken out, and a broken file put in at once

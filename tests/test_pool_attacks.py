@@ -18,9 +18,10 @@ import mapping_nodes
 import pool_attack_nodes
 import pytest
 import zmq
-from conftest import BROKER, WORKER, env_with_tests
+from conftest import WORKER, env_with_tests
 from reliability_support import key_ring
 
+from brokers import keyed_broker
 from somatize import Broker, Closed, NodeFailed, Worker
 from somatize.fabric.curve import Keys, read_public, read_secret
 from somatize.fabric.hosts import Pool, pool_of
@@ -57,27 +58,6 @@ def map_threads() -> list[threading.Thread]:
 def ring(tmp_path):
     """A broker's pair; clients alice and bob; workers victim and evil."""
     return key_ring(tmp_path, clients=("alice", "bob"), workers=("victim", "evil"))
-
-
-def start_broker(processes, ring, *extra, hosts=None):
-    argv = [
-        *BROKER,
-        "--listen",
-        "tcp://127.0.0.1:0",
-        "--announce",
-        "--key",
-        str(ring["broker_secret"]),
-        "--allow",
-        str(ring["allow"]),
-        "--allow-workers",
-        str(ring["workers"]),
-        "--patience",
-        "2",
-        *extra,
-    ]
-    if hosts is not None:
-        argv += ["--hosts", str(hosts)]
-    return processes(argv, env=env_with_tests())
 
 
 def dial(processes, ring, broker, host, who="victim"):
@@ -157,7 +137,7 @@ def test_member_lookalike_names_are_hosts_of_their_own_and_join_no_pool(ring, pr
     of the victim's pool `cpu` (`cpu#00`, `cpu#01`, Arabic-Indic and full-width digits, a
     seven-digit index, `cpu##1`, `cpu#1 `, `cpu#+1`): each would take a share of every input
     mapped over `cpu`. Each is a host of its own (or of another pool), and no input reaches it."""
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     dial(processes, ring, broker, "cpu#0")
     lookalikes = [
         "cpu#00",
@@ -196,7 +176,7 @@ def test_another_key_cannot_shadow_a_pool_by_offering_its_bare_name(ring, proces
     """Attack: the victim's key serves the pool `cpu` (`cpu#0`); the attacker's key offers the
     plain host `cpu`. A client's `.at("cpu")` means "any member of the pool": it must not be
     handed to a stranger's worker."""
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     dial(processes, ring, broker, "cpu#0")
     with client(ring, broker, "bob") as bob:
         wait_for(lambda: bob.members("cpu", refresh=True) == ("cpu#0",), what="cpu#0 to dial in")
@@ -218,7 +198,7 @@ def test_a_worker_key_cannot_shadow_a_declared_pool_by_offering_its_bare_name(ri
     `cpu`, so that clients mapping over the operator's pool send their inputs to it."""
     table = tmp_path / "hosts.toml"
     table.write_text(f'[hosts.cpu]\nspawn = {WORKER!r}\nprocesses = 2\nmode = "network"\n'.replace("'", '"'))
-    broker = start_broker(processes, ring, hosts=table)
+    broker = keyed_broker(processes, ring, hosts=table)
     evil = Raw(ring, broker, "evil")
     try:
         answer = evil.ask(Hello(RT, offering="cpu"))
@@ -233,7 +213,7 @@ def test_a_worker_key_cannot_shadow_a_declared_pool_by_offering_its_bare_name(ri
 def test_a_keyed_member_name_of_another_pool_with_hashes_is_its_own(ring, processes):
     """Attack: pool names may hold '#': the attacker offers `cpu#0#1` (member 1 of the pool
     `cpu#0`), hoping to be read as part of `cpu` or to take over the victim's member `cpu#0`."""
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     dial(processes, ring, broker, "cpu#0")
     with client(ring, broker) as alice:
         wait_for(lambda: alice.members("cpu", refresh=True) == ("cpu#0",), what="cpu#0 to dial in")

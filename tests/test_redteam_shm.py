@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 import zmq
 from cargo_support import proved, sealed
-from conftest import BROKER, SETPRIV, WORKER, env_with_tests
+from conftest import SETPRIV, WORKER, env_with_tests
 from fabric_nodes import Scale
 from reliability_support import key_ring, wait_until
 
+from brokers import keyed_broker
 from somatize import Node, ProtocolError
 from somatize.fabric import leases, mount
 from somatize.fabric.client import lending as client_pool
@@ -329,25 +330,6 @@ FORGED = "w1\nsomatize broker: reloaded the allow-list: FORGED\x1b[2J\x1b]0;owne
 def ring(tmp_path):
     """A broker's key pair, a client key (alice: may ask) and a worker key (evil: may offer)."""
     return key_ring(tmp_path, clients=("alice",), workers=("evil",))
-
-
-def keyed_broker(processes, ring):
-    return processes(
-        [
-            *BROKER,
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--announce",
-            "--key",
-            str(ring["broker_secret"]),
-            "--allow",
-            str(ring["allow"]),
-            "--allow-workers",
-            str(ring["workers"]),
-            "--patience",
-            "2",
-        ]
-    )
 
 
 def as_key(ring, endpoint: str, who: str) -> Raw:

@@ -16,11 +16,12 @@ import time
 import pytest
 import zmq
 from by_hand import PATIENCE, WAIT, free_port
-from conftest import BROKER, WORKER, env_with_tests
+from conftest import WORKER, env_with_tests
 from fabric_nodes import Add, Count
 from peers import RT, Raw, curve_router, socket_peer, within
 from reliability_support import key_ring, wait_until
 
+from brokers import keyed_broker
 from somatize import BadKeys, Broker, KeysRefused, Refused, SomatizeError, Unreachable, Unwritable, Worker
 from somatize.codec import dumps
 from somatize.fabric import sockets
@@ -349,27 +350,6 @@ def ring(tmp_path):
     return key_ring(tmp_path, clients=("alice",), workers=("victim", "evil"))
 
 
-def keyed_broker(processes, ring, url, *extra):
-    return processes(
-        [
-            *BROKER,
-            "--listen",
-            url,
-            "--announce",
-            "--key",
-            str(ring["broker_secret"]),
-            "--allow",
-            str(ring["allow"]),
-            "--allow-workers",
-            str(ring["workers"]),
-            "--patience",
-            "2",
-            *extra,
-        ],
-        env=env_with_tests(),
-    )
-
-
 def test_a_host_bound_to_one_worker_key_stays_its_own_when_the_broker_restarts(processes, ring, tmp_path):
     """Attacker: an allowed worker (a key in the broker's `--allow-workers`).
 
@@ -385,7 +365,7 @@ def test_a_host_bound_to_one_worker_key_stays_its_own_when_the_broker_restarts(p
 
     url = f"tcp://127.0.0.1:{free_port()}"
     kept = ("--bindings", str(tmp_path / "bindings.json"))  # as brokers/somatize-broker.service runs it
-    hub = keyed_broker(processes, ring, url, *kept)
+    hub = keyed_broker(processes, ring, *kept, listen=url)
     victim = processes(
         [
             *WORKER,
@@ -416,7 +396,7 @@ def test_a_host_bound_to_one_worker_key_stays_its_own_when_the_broker_restarts(p
     try:
         for evil in evils:
             evil.send(Hello(RT, offering="node017"))  # queued: it leaves the moment the broker is back
-        keyed_broker(processes, ring, url, *kept)
+        keyed_broker(processes, ring, *kept, listen=url)
         answers = [evil.answer(20) for evil in evils]
         taken = [a for a in answers if isinstance(a, Ready)]
         assert not taken, "another worker key took over `node017` after the broker restarted"

@@ -18,6 +18,7 @@ from conftest import BROKER, WORKER, env_with_tests
 from fabric_nodes import Add, Pid, Sleep
 from reliability_support import key_ring
 
+from brokers import keyed_broker
 from somatize import Broker, Refused
 from somatize.fabric.curve import Keys, make_pair, read_public, read_secret
 from somatize.wire import Done, Hello, Located, Ready, Refusal, Relay, Runtime, Where, decode, encode
@@ -29,27 +30,6 @@ RT = Runtime.here(mode="project")
 def ring(tmp_path):
     """A broker's pair; clients alice and bob; workers victim and evil."""
     return key_ring(tmp_path, clients=("alice", "bob"), workers=("victim", "evil"))
-
-
-def start_broker(processes, ring, *extra, hosts=None):
-    argv = [
-        *BROKER,
-        "--listen",
-        "tcp://127.0.0.1:0",
-        "--announce",
-        "--key",
-        str(ring["broker_secret"]),
-        "--allow",
-        str(ring["allow"]),
-        "--allow-workers",
-        str(ring["workers"]),
-        "--patience",
-        "2",
-        *extra,
-    ]
-    if hosts is not None:
-        argv += ["--hosts", str(hosts)]
-    return processes(argv, env=env_with_tests())
 
 
 def dial(processes, ring, broker, host, who="victim"):
@@ -112,7 +92,7 @@ def wait_for_host(broker: Broker, host: str, seconds: float = 20.0) -> None:
 def test_another_worker_key_cannot_take_over_a_bound_host(ring, processes):
     """Attack: a second Hello(offering="node017") from another allowed key replaced the first,
     received the victim's inputs and answered for them."""
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     dial(processes, ring, broker, "node017")
     with client(ring, broker) as alice:
         wait_for_host(alice, "node017")
@@ -129,7 +109,7 @@ def test_another_worker_key_cannot_take_over_a_bound_host(ring, processes):
 def test_a_worker_cannot_inject_answers_into_another_clients_exchange(ring, processes):
     """Attack: a dialed-in peer relayed frames to any route id (sequential), injecting a Done
     into another client's exchange."""
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     dial(processes, ring, broker, "node017")
     evil = Raw(ring, broker, "evil")
     try:
@@ -156,7 +136,7 @@ def test_a_worker_cannot_inject_answers_into_another_clients_exchange(ring, proc
 def test_one_worker_key_cannot_squat_every_name(ring, processes):
     """Attack: 1,000 squatted names locked real workers out. A key serves at most
     `--max-hosts-per-key` names at once (4,096 by default: a SLURM job's; 256 here)."""
-    broker = start_broker(processes, ring, "--max-hosts-per-key", "256")
+    broker = keyed_broker(processes, ring, "--max-hosts-per-key", "256")
     evil = Raw(ring, broker, "evil")
     try:
         answers = [evil.ask(Hello(RT, offering=f"node{n:04d}")) for n in range(300)]
@@ -171,7 +151,7 @@ def test_one_worker_key_cannot_squat_every_name(ring, processes):
 
 
 def test_a_client_key_may_ask_but_never_offer(ring, processes):
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     bob = Raw(ring, broker, "bob")
     try:
         answer = bob.ask(Hello(RT, offering="gpu9"))
@@ -184,7 +164,7 @@ def test_one_client_cannot_stop_a_spawned_worker_another_uses(ring, processes, t
     """Attack: Where(lost=True) from any client killed a spawned worker others were using."""
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(f'[hosts.s1]\nspawn = ["{WORKER[0]}", "-m", "somatize.worker"]\nmode = "project"\n')
-    broker = start_broker(processes, ring, hosts=hosts)
+    broker = keyed_broker(processes, ring, hosts=hosts)
     with client(ring, broker) as alice:
         first = Pid().named("pid").at("s1").forward(0, broker=alice)
         bob = Raw(ring, broker, "bob")
@@ -200,7 +180,7 @@ def test_one_client_cannot_stop_a_spawned_worker_another_uses(ring, processes, t
 
 def test_revoking_a_key_refuses_its_open_connections(ring, processes):
     """Attack: revoking a key (SIGHUP) left its open connections served."""
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     dial(processes, ring, broker, "node017")
     alice = client(ring, broker)
     try:
@@ -260,7 +240,7 @@ def test_a_folder_called_star_is_a_folder_not_any_key(ring, processes):
 def test_a_client_the_broker_does_not_allow_is_told_so_not_that_nobody_is_there(ring, processes, tmp_path):
     """A key not in the allow folder, or no keys at all, fails the CURVE handshake: the
     client says that, at once, instead of waiting to ask whether a broker is running."""
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     stranger_public, stranger_secret = make_pair(tmp_path / "strangers", "stranger")
     started = time.monotonic()
     with Broker.at(broker.endpoint, keys=Keys.client(stranger_secret, server=ring["broker"]), patience=2.0) as b:
@@ -277,7 +257,7 @@ def test_another_worker_key_cannot_join_a_pool_another_key_serves(ring, processe
     member's name (`cpu#7`) would receive a share of every input mapped over another key's
     pool. The members of a pool are one key's: the offer is refused, and none of the inputs
     reach it."""
-    broker = start_broker(processes, ring)
+    broker = keyed_broker(processes, ring)
     dial(processes, ring, broker, "cpu#0")
     with client(ring, broker) as alice:
         wait_for_host(alice, "cpu#0")
@@ -299,7 +279,7 @@ def test_no_worker_dials_in_to_a_pool_the_broker_declares(ring, processes, tmp_p
     allowed worker key offering `cpu#2` would be handed a share of its inputs."""
     table = tmp_path / "hosts.toml"
     table.write_text('[hosts.cpu]\nspawn = ["python", "-m", "somatize.worker"]\nprocesses = 2\n')
-    broker = start_broker(processes, ring, hosts=table)
+    broker = keyed_broker(processes, ring, hosts=table)
     evil = Raw(ring, broker, "evil")
     try:
         answer = evil.ask(Hello(RT, offering="cpu#2"))
