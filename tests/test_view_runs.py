@@ -239,3 +239,40 @@ def test_forwards_are_sorted_by_any_column_missing_values_last(tmp_path):
     assert runs.page("t", 10, 5, "state")["forwards"][-1]["forward"] == 11
     with pytest.raises(ValueError, match="sorted by one of its columns"):
         runs.page("t", 0, 5, "<script>")
+
+
+class Stamped(FolderStore):
+    """A FolderStore that counts the stamps asked of it."""
+
+    def __init__(self, path) -> None:  # noqa: ANN001
+        super().__init__(path)
+        self.stamps = 0
+
+    def stamp(self, name: str) -> int:
+        self.stamps += 1
+        return super().stamp(name)
+
+
+@pytest.mark.pure
+def test_a_study_s_timeline_stamps_each_final_attempt_once_and_a_running_one_at_every_read(tmp_path):
+    from somatize.study.history import History
+    from somatize.view.study_page import Timeline
+
+    store = Stamped(tmp_path / "store")
+    for number, attempts in enumerate([["done"], ["running", "done"], ["running"]]):
+        for attempt, state in enumerate(attempts):
+            store.put(f"s/trial/{number:06d}/{attempt:03d}", {"state": state, "runner": "r", "took_us": "5"})
+    timelines = Timeline()
+    first = timelines.of(store, History.scan(store, "s"))
+    assert [(a["trial"], a["attempt"], a["state"]) for a in first["attempts"]] == [
+        (0, 0, "done"),
+        (1, 0, "overtaken"),
+        (1, 1, "done"),
+        (2, 0, "running"),
+    ]
+    assert store.stamps == 4
+    store.stamps = 0
+    again = timelines.of(store, History.scan(store, "s"))
+    assert store.stamps == 1  # only the attempt a runner still writes
+    assert [a["trial"] for a in again["attempts"]] == [0, 1, 1, 2]
+    assert again["attempts"][0]["end_s"] >= first["attempts"][0]["end_s"]  # the same stamp, read later

@@ -47,7 +47,7 @@ from .guard import refused as _refused
 from .reading import ViewStore
 from .runs import Runs
 from .runs import thinned as _thinned
-from .study_page import Importances, parallel, timeline
+from .study_page import Importances, Timeline, parallel
 from .watching import Watcher
 
 STATIC = Path(__file__).parent / "static"
@@ -80,6 +80,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
     changes = Changes(store)
     runs = Runs(store)
     weights = Importances()  # each study's, until its done trials change
+    timelines = Timeline()  # the stamps of attempts no runner writes any more
     runs.warm()  # the newest runs read before anyone asks: a long run's first look waits less
     watcher = Watcher(Path(path))
     reading = asyncio.Semaphore(READING)
@@ -218,7 +219,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
             # as optuna-dashboard shows a study, and who ran what when (`study_page`)
             "importances": weights.of(store, name, rows, history),
             "parallel": parallel(rows, space_of(definition.get("space"))),
-            "timeline": timeline(store, history),
+            "timeline": timelines.of(store, history),
         }
 
     async def events(request: Request) -> Response:
