@@ -428,6 +428,7 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         "/api/compare",
         "/api/compare?run=..%2F..",
         "/api/compare?run=r&run=..",
+        "/api/compare?" + "&".join(f"run=r{i}" for i in range(9)),  # more runs than one comparison shows
         "/api/events?subject=study:..%2Fsecret",
         "/api/events?subject=study:..",
         "/api/events?subject=run:a/b",
