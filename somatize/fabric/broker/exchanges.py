@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...wire import Bye, Refusal, Relay, Runtime, encode
+from ...wire import Bye, Refusal, Runtime, encode
 from ...wire.writing import passed_on
 
 
@@ -76,5 +76,5 @@ def tell_client(exchange: Exchange, why: str) -> list[Deliver | Forget]:
     """``exchange``'s client hears ``why`` in a refusal naming no work (on the lane it came
     from, among its many), its answers of that exchange still queued dropped first."""
     refusal = tuple(encode(Refusal(why)))
-    frames = encode(Relay(lane=exchange.lane, inner=refusal)) if exchange.lane else list(refusal)
+    frames = passed_on(refusal, lane=exchange.lane) if exchange.lane else list(refusal)
     return [Forget(exchange.client, str(exchange.number)), Deliver(exchange.client, frames)]

@@ -196,11 +196,7 @@ class Front:
         sent, or finds its queue full), so the connection cut is the one ``frame`` came from."""
         assert self._socket is not None and self._outbox is not None  # set by `bind`: ``frame`` came on it
         why_frames = encode(Refusal(f"the broker closed this connection: {why}; send less often, and read its answers"))
-        try:
-            self._socket.send_multipart([route, *why_frames], zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-        except zmq.ZMQError:
+        if not self.now(route, why_frames):
             return  # gone already
         self.admission.sever(route)
         self._outbox.dropped += 1

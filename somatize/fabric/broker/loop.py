@@ -49,6 +49,7 @@ from ...wire import (
     ref_of,
     variant_of,
 )
+from ...wire.writing import passed_on
 from .. import sockets
 from ..conversation import Stale, Violation
 from ..conversation.broker import BROKER_TABLE, Side, Step
@@ -310,7 +311,7 @@ class BrokerLoop:
         self.front.refused(route, user, why)
         refusal = Refusal(why, ref=None if relay is None else ref_of(relay.inner))
         if relay is not None and relay.lane:  # to the channel it came from, among the client's many
-            self.front.deliver(route, encode(Relay(lane=relay.lane, inner=tuple(encode(refusal)))))
+            self.front.deliver(route, passed_on(tuple(encode(refusal)), lane=relay.lane))
         else:
             self.front.answer(route, refusal)
 
