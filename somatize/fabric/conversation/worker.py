@@ -187,11 +187,14 @@ class WorkerSessions:
         """The runtime ``peer`` stated in its Hello."""
         return self._sessions[peer].runtime
 
-    def receive(self, peer: bytes, msg: object, tenant: str = "", *, now: float) -> Hello | Bye | Provision | Work:
+    def receive(
+        self, peer: bytes, msg: object, tenant: str = "", *, now: float, act: Act | None = None
+    ) -> Hello | Bye | Provision | Work:
         """``msg`` from ``peer`` at ``now`` (the caller's monotonic clock), as it may be acted
-        on (a Work named by its recipe's digest comes back with the recipe), or ``Violation``."""
+        on (a Work named by its recipe's digest comes back with the recipe), or ``Violation``.
+        ``act``: what `step` answered for it already (not looked up again)."""
         try:
-            return self._receive(peer, msg, tenant, now)
+            return self._receive(peer, msg, tenant, now, act)
         except Violation:
             self.refused += 1
             raise
@@ -216,12 +219,15 @@ class WorkerSessions:
         session.open[work.ref] = now
         return opened
 
-    def _receive(self, peer: bytes, msg: object, tenant: str, now: float) -> Hello | Bye | Provision | Work:
+    def _receive(
+        self, peer: bytes, msg: object, tenant: str, now: float, act: Act | None
+    ) -> Hello | Bye | Provision | Work:
         session = self._sessions.get(peer)
-        found = _step(_S.UNKNOWN if session is None else _S.GREETED, type(msg))
-        if isinstance(found, Refuse):
-            raise found.kind(found.why)
-        act = found[1]
+        if act is None:
+            found = _step(_S.UNKNOWN if session is None else _S.GREETED, type(msg))
+            if isinstance(found, Refuse):
+                raise found.kind(found.why)
+            act = found[1]
         if act is Act.GREET:
             assert isinstance(msg, Hello)  # the table's GREET is a Hello's
             if msg.offering is not None:
@@ -263,7 +269,7 @@ class WorkerSessions:
         session = self._sessions.get(peer)
         if session is None:
             self.refused += 1
-            raise Unknown("say Hello first: this worker has not heard from you")
+            raise Unknown(_SAY_HELLO)
         if session.seal is None:
             self.refused += 1
             raise Violation(

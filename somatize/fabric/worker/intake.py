@@ -109,8 +109,9 @@ class Intake:
             if act is Act.OPEN:
                 assert isinstance(message, Mounted)  # the table's OPEN is a Mounted's
                 message, mounted = self._open(to, message)
+                act = Act.RUN  # the Work it carried runs: the table's (GREETED, Work)
             # the conversation gives back only these (its `receive` is typed `object`)
-            message = self.sessions.receive(to.peer, message, to.tenant, now=time.monotonic())
+            message = self.sessions.receive(to.peer, message, to.tenant, now=time.monotonic(), act=act)
         except (ProtocolError, Refused) as exc:  # Violation is a ProtocolError
             why = getattr(exc, "why", None) or str(exc)
             ref = ref_of(arrived)
@@ -123,7 +124,7 @@ class Intake:
             self.inbound.drop(to.peer)
             return None
         assert isinstance(message, (Hello, Provision, Work))  # what the table lets the loop act on
-        return (Act.RUN if act is Act.OPEN else act), message, mounted  # a Mounted's Work runs
+        return act, message, mounted
 
     def _open(self, to: To, message: Mounted) -> tuple[Work, Mounted | Taken]:
         """The Work a ``Mounted`` carries, and what holds its cargo: only files this very

@@ -128,6 +128,7 @@ class WorkerLoop:
         self.patience = patience
         self.parent = parent
         self.runtime = Runtime.here(mode=mode)
+        self._acts = {act: getattr(self, name) for act, name in self.ACTS.items()}  # bound once, not per message
         self._sessions = WorkerSessions(self.runtime)
         # what the worker says about itself: into a store on a clock (an idle worker's
         # connection is one nobody reads), and down an open connection as a `said` fact
@@ -452,7 +453,7 @@ class WorkerLoop:
         if allowed is None:
             return
         act, message, mounted = allowed
-        getattr(self, self.ACTS[act])(to, message, mounted)
+        self._acts[act](to, message, mounted)
 
     def _greet(self, to: To, hello: Hello, mounted: None) -> None:
         """Act.GREET: Ready, with the proof the Hello asked for."""
