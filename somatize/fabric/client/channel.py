@@ -441,13 +441,13 @@ class Channel:
                     f"the worker for `{self.host}` at {self.address} asked for code this client never "
                     f"offered it (`{digest[:19]}…`): its answer was not taken, and this channel was dropped"
                 ) from None
-            self.exchange.provision_sent(digest)
+            self.exchange.provision_sent()
             self.transport.send(encode(Provision(digest, artifact)), deadline)
             answer = self.transport.next(None, "for the worker to take an artifact", deadline)
             if isinstance(answer, Refusal) and answer.hello:
                 self.exchange.forgotten()
                 self._hello(deadline)
-                self.exchange.provision_sent(digest)
+                self.exchange.provision_sent()
                 self.transport.send(encode(Provision(digest, artifact)), deadline)
                 answer = self.transport.next(None, "for the worker to take an artifact", deadline)
             if isinstance(answer, Refusal):

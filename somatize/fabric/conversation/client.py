@@ -102,7 +102,6 @@ class ClientExchange:
         self.stale = 0
         self.sent = False  # the open Work has been wholly sent
         self.unplaced: Refusal | None = None  # a refusal naming no work, after it was sent
-        self._given_up: set[int] = set()
 
     def _sending(self, kind: type) -> None:
         after = CLIENT_SENDS.get((self.state, kind))
@@ -113,7 +112,7 @@ class ClientExchange:
     def hello_sent(self) -> None:
         self._sending(Hello)
 
-    def provision_sent(self, digest: str) -> None:
+    def provision_sent(self) -> None:
         self._sending(Provision)
 
     def work_sent(self, ref: int) -> None:
@@ -137,8 +136,6 @@ class ClientExchange:
 
     def give_up(self) -> None:
         """The caller stopped waiting for the open work (a deadline): its answers are stale."""
-        if self.ref is not None:
-            self._given_up.add(self.ref)
         self.state, self.ref = ChannelState.CLOSED, None
 
     def _arrival(self, msg: object) -> type | str:
