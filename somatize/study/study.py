@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from .mirror import Mirror
 
 Progress = Callable[[str], Any]
-_FIRST_WAIT = 0.01  # seconds: the first wait while others' attempts run, doubling up to a poll
+_FIRST_WAIT = 0.002  # seconds: the first wait while others' attempts run, doubling up to a poll (a look is
+# a read of the running trials' folders: a runner left idle by the last trials ends soon after them)
 
 
 #: Seconds a running attempt may go unwritten before another runner takes it over, by
