@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import compileall
 import contextlib
 import os
 import selectors
@@ -183,17 +182,6 @@ def _shm_entries() -> set[str]:
             except OSError:
                 pass  # another user's, or gone meanwhile
     return found
-
-
-def pytest_configure(config):
-    """Compile somatize's modules once, before any test starts a process. The suite starts
-    hundreds (workers, brokers, study runners) that import somatize from this tree; where
-    ``PYTHONDONTWRITEBYTECODE`` is set (as on CI machines) none of them writes its bytecode,
-    and each compiled every module anew, about 0.15 s a process, as an installed package
-    never does (pip compiles it at install). ``compileall`` skips what is up to date and
-    writes nothing else; a tree this user may not write leaves things as they were."""
-    if not hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller did it
-        compileall.compile_dir(TESTS.parent / "somatize", quiet=2)
 
 
 def pytest_sessionstart(session):
