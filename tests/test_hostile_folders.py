@@ -164,6 +164,7 @@ def test_every_path_a_piece_touches_is_a_name_of_the_table(tmp_path):
             f"/api/study/{STUDY}",
             "/api/events?subject=runs",
             f"/api/events?subject=run:{RUN}",
+            f"/api/events?subject=compare:{RUN}",
             "/api/events?subject=machines",
             "/api/events?subject=studies",
             f"/api/events?subject=study:{STUDY}",
@@ -561,6 +562,8 @@ PAGES = {
             "facts": "/api/run/{run}/facts/1",
             "fleet": "/api/machines?run={run}",
             "events": "/api/events?subject=run:{run}",
+            "compare": "/api/compare?run={run}",
+            "compare-events": "/api/events?subject=compare:{run}",
         }
         for what in RUN_SITES
     },
@@ -585,7 +588,7 @@ PAGES = {
 #: Sites shared by every run or every machine: planted, looked at, then put back as they were.
 GLOBAL = ("folder run", "folder machine", "machine report")
 #: Pages that answer 404 where the run or study they name is what was planted over.
-OWN = ("run", "nodes", "facts", "fleet", "study", "events")
+OWN = ("run", "nodes", "facts", "fleet", "study", "events", "compare", "compare-events")
 
 
 def _fresh_run(store: Path, run: str) -> None:

@@ -237,8 +237,13 @@ def test_a_trained_run_s_page_draws_against_step_or_epoch_and_names_its_start_up
     assert page.evaluate(X_DATA, "#curve") == list(range(510))
     page.select_option("#x-axis", "epoch")
     expect(page.locator("#series-1")).to_have_attribute("data-x", "epoch")
-    assert page.evaluate(X_DATA, "#series-1") == [0, 1, 2, 3, 4]  # val.value, once an epoch
-    assert page.evaluate(X_DATA, "#took") == [n // 100 for n in range(510)]
+    # val.value, said at each epoch's last step: where the loss was then, not at its epoch's start
+    assert page.evaluate(X_DATA, "#series-1") == [0.99, 1.99, 2.99, 3.99, 4.99]
+    assert page.evaluate(X_DATA, "#curve")[:3] == [0, 0.01, 0.02]  # the loss: a line, not a column per epoch
+    # every chart on that x: the last epoch (10 steps, none after it) spans its own steps
+    assert page.evaluate(X_DATA, "#took") == [n // 100 + n % 100 / 100 for n in range(500)] + [
+        5 + k / 10 for k in range(10)
+    ]
     expect(page.locator("#x-axis")).to_have_value("epoch")  # the choice stays with the page's address
     assert "x=epoch" in page.url
 
@@ -301,7 +306,7 @@ def test_two_runs_compared_on_one_chart_and_smoothed(processes, browser, tmp_pat
 
     page.select_option("#x-axis", "epoch")
     expect(chart).to_have_attribute("data-x", "epoch")
-    assert page.evaluate(X_DATA, "#compare-2") == [0, 0, 1, 1, 2, 2, 3]  # val: b's three epochs and a's four
+    assert page.evaluate(X_DATA, "#compare-2") == [0.9, 0.9, 1.9, 1.9, 2.9, 2.9, 3.9]  # val: b's three, a's four
     expect(page.locator("#smoothing")).to_have_value("0.9")  # kept across drawings
 
     # a run whose fields are someone else's text, compared: text, never markup
@@ -309,6 +314,21 @@ def test_two_runs_compared_on_one_chart_and_smoothed(processes, browser, tmp_pat
     expect(page.locator("#note")).to_contain_text("c (1 forwards)")
     expect(page.locator("#charts .u-title")).to_have_text(["loss.value per forward"])
     assert page.locator("main img").count() == 0 and page.title() == "somatize view"
+
+    # live, and only for the runs compared: a run written elsewhere (which the runs page,
+    # following every run, shows) draws nothing here; a write to a compared run draws once
+    runs_page = browser.new_page()
+    runs_page.goto(address)
+    drawn = page.evaluate("() => Number(document.body.dataset.drawn)")
+    with __import__("somatize").record.Recorder(store, run="elsewhere") as other:
+        other({"fact": "finished", "took_us": "5"})
+    expect(runs_page.locator("#runs a", has_text="elsewhere")).to_be_visible()
+    again = __import__("somatize").record.Recorder(store, run="c")  # one write: a forward, no end
+    again({"fact": "loss", "value": "0.25"})
+    again({"fact": "finished", "took_us": "5"})
+    expect(page.locator("#note")).to_contain_text("c (2 forwards)")
+    assert page.evaluate("() => Number(document.body.dataset.drawn)") == drawn + 1
+    runs_page.close()
     assert (
         page.request.get(
             base(address) + "/api/compare?" + "&".join(f"run=r{n}" for n in range(9)),
@@ -432,6 +452,9 @@ def test_the_view_writes_nothing_and_no_address_leaves_the_store(processes, tmp_
         "/api/events?subject=study:..%2Fsecret",
         "/api/events?subject=study:..",
         "/api/events?subject=run:a/b",
+        "/api/events?subject=compare:",
+        "/api/events?subject=compare:r/..",
+        "/api/events?subject=compare:" + "/".join(f"r{i}" for i in range(9)),  # more than one comparison shows
         "/api/events?subject=anything",
     ):
         assert get(path) in (400, 404), path

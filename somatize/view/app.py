@@ -48,7 +48,7 @@ from .reading import ViewStore
 from .runs import Runs
 from .runs import thinned as _thinned
 from .study_page import Importances, Timeline, parallel
-from .watching import Watcher
+from .watching import COMPARED, Watcher
 
 STATIC = Path(__file__).parent / "static"
 _FILES = {  # what the page is made of, and nothing else from the disk
@@ -60,8 +60,6 @@ _FILES = {  # what the page is made of, and nothing else from the disk
 }
 #: How many rows of a table one answer holds at most (a page asks for the next ones).
 PAGE = 500
-#: Runs one comparison shows, at most.
-COMPARED = 8
 #: Live streams open at once, at most (a tab follows one or two): the next is answered 429.
 STREAMS = 32
 #: Answers read from the store at once, at most (each one's memory is bounded by its page).

@@ -3,8 +3,8 @@
 A page is told to read again when what it shows has changed: the stamps (modification
 times) of the folders its entries live in. Every write of a ``FolderStore`` renames a file
 into its folder, which moves that folder's stamp, so a look is a ``stat`` per folder, never
-a read of a record. What a page shows is a *subject* (``runs``, ``run:NAME``, ``machines``,
-``machines:RUN``, ``studies``, ``study:NAME``), and each subject is looked at by the one
+a read of a record. What a page shows is a *subject* (``runs``, ``run:NAME``, ``compare:A/B/...``,
+``machines``, ``machines:RUN``, ``studies``, ``study:NAME``), and each subject is looked at by the one
 watcher of the view, twice a second, however many streams follow it: sixteen tabs on one
 study cost one look.
 
@@ -52,6 +52,8 @@ LISTED = 200_000
 KEPT = 64
 #: How long a subject nobody follows is kept (a page reloaded finds it still looked at).
 IDLE = 60.0
+#: Runs one comparison shows, at most (``compare:A/B/...``; ``/api/compare`` holds to it too).
+COMPARED = 8
 _NOT_STUDIES = frozenset({"run", "machine", "cache", "computing"})
 
 
@@ -141,6 +143,11 @@ def folders_of(subject: str) -> list[Folder]:
     if kind == "run":
         check_run(name, "the view")
         return [Folder(["run", name])]
+    if kind == "compare":  # the runs one comparison shows, and no other: a run's name has no '/'
+        names = list(dict.fromkeys(name.split("/")))
+        if not 1 <= len(names) <= COMPARED:
+            raise ValueError(f"a comparison follows 1 to {COMPARED} runs (compare:A/B/...), not {len(names)}")
+        return [Folder(["run", check_run(run, "the view")]) for run in names]
     if kind == "machines":
         if name:
             check_run(name, "the view")
@@ -151,7 +158,9 @@ def folders_of(subject: str) -> list[Folder]:
     if kind == "study":
         check_name(definition_name(name))
         return [Folder([name]), Folder([name, "trial"], sweep=True)]
-    raise ValueError(f"the view shows runs, run:NAME, machines, studies or study:NAME; not {subject[:40]!r}")
+    raise ValueError(
+        f"the view shows runs, run:NAME, compare:NAME/NAME..., machines, studies or study:NAME; not {subject[:40]!r}"
+    )
 
 
 class Subject:

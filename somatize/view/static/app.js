@@ -807,7 +807,8 @@ function route() {
   const from = q.get("from") || 0;
   if (parts[0] === "run" && parts[2] === "facts") return [`run:${parts[1]}`, () => factsPage(parts[1], parts[3])];
   if (parts[0] === "run") return [`run:${parts[1]}`, () => runPage(parts[1], q)];
-  if (parts[0] === "compare") return ["runs", () => comparePage(parts.slice(1), q)];
+  // the runs compared, and no other (a run's name has no '/'): a write elsewhere draws nothing
+  if (parts[0] === "compare") return [`compare:${parts.slice(1).join("/")}`, () => comparePage(parts.slice(1), q)];
   // the run written last may change to another: its page listens to every run, and to the machines
   if (parts[0] === "machines" && parts[1]) return [`machines:${parts[1]}`, () => machinesPage(parts[1])];
   if (parts[0] === "machines") return [["machines", "runs"], () => machinesPage()];
