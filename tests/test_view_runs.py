@@ -215,7 +215,28 @@ def test_counters_are_the_x_a_page_may_choose_not_curves(tmp_path):
     assert list(page["series"]) == ["val.value"]  # no curve of a counter
     assert page["x"] == ["forward", "step", "epoch"]
     assert page["counters"]["step"] == {n: float(n) for n in range(12)}
-    assert page["counters"]["epoch"][11] == 2.0 and page["counters"]["epoch"][3] == 0.0
+    # against the epoch, each forward at its place in its epoch (steps 0..3 are epoch 0): a
+    # per-step loss draws as a line, and the validation said at an epoch's last step sits there
+    assert page["counters"]["epoch"] == {n: n / 4 for n in range(12)}
+
+
+@pytest.mark.pure
+def test_a_place_in_an_epoch_follows_the_steps_however_they_are_counted(tmp_path):
+    store = FolderStore(tmp_path / "store")
+    recorder = Recorder(store, run="r", summarising=("loss", "val"))
+    said = [  # steps that start again each epoch, said every 10th step; a forward saying no step
+        *[{"value": "1.0", "step": str(s), "epoch": "0"} for s in (0, 10, 20, 30, 40)],
+        *[{"value": "0.5", "step": str(s), "epoch": "1"} for s in (0, 10, 20, 30, 40)],
+        {"value": "0.4", "epoch": "2"},
+        {"value": "0.3", "step": "7", "epoch": "3"},  # an epoch of one step: its start
+    ]
+    for fields in said:
+        recorder({"fact": "finished", "took_us": "10"})
+        recorder({"fact": "loss", **fields})
+    epoch = Runs(store).page("r", 0, 20)["counters"]["epoch"]
+    assert [epoch[n] for n in range(5)] == [0.0, 0.2, 0.4, 0.6, 0.8]  # 5 steps, 10 apart: 50 in all
+    assert [epoch[n] for n in range(5, 10)] == [1.0, 1.2, 1.4, 1.6, 1.8]
+    assert epoch[10] == 2.0 and epoch[11] == 3.0
 
 
 @pytest.mark.pure

@@ -220,6 +220,8 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
                             said[number] = (key, value)
         if row["took_us"] is not None:
             took.append((number, row["took_us"]))
+    if "epoch" in at and "step" in at:
+        at["epoch"] = _within_epochs(at["epoch"], at["step"])
     loss = points.get("loss.value", [])
     others = [k for k in sorted(points) if k != "loss.value" and points[k] and counter(k) is None][:SERIES]
     series = {k: thinned(points[k]) for k in others}
@@ -241,6 +243,46 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "x": ["forward", *(c for c in COUNTERS if c in at)],
         "counters": {c: {n: v for n, (_, v) in at[c].items() if n in drawn} for c in COUNTERS if c in at},
     }
+
+
+def _within_epochs(
+    epochs: dict[int, tuple[str, float]], steps: dict[int, tuple[str, float]]
+) -> dict[int, tuple[str, float]]:
+    """Each forward's epoch with its place in that epoch added, from the step it also says
+    (``2.5``: half way through epoch 2), as TensorBoard draws against fractional epochs: a
+    per-step curve drawn against the epoch is a line, not a column of points per epoch, and
+    a value said once an epoch sits where the per-step curve was when it was said.
+
+    The place is the step's distance from the epoch's first step over the steps the epoch
+    spans: up to the next epoch's first step, or (steps that start again each epoch, or the
+    last epoch) its own steps' span, from their spacing. A forward that says no step stays
+    at its whole epoch; a place is never a whole epoch or more."""
+    low: dict[float, float] = {}
+    high: dict[float, float] = {}
+    said: dict[float, set[float]] = {}
+    for number, (_, epoch) in epochs.items():
+        if number in steps:
+            step = steps[number][1]
+            low[epoch] = min(low.get(epoch, step), step)
+            high[epoch] = max(high.get(epoch, step), step)
+            said.setdefault(epoch, set()).add(step)
+    ordered = sorted(low)
+    span: dict[float, float] = {}
+    for i, epoch in enumerate(ordered):
+        count = len(said[epoch])
+        own = (high[epoch] - low[epoch]) * count / (count - 1) if count > 1 else 1.0
+        after = low[ordered[i + 1]] - low[epoch] if i + 1 < len(ordered) else 0.0
+        span[epoch] = after if after > high[epoch] - low[epoch] else own
+    out = dict(epochs)
+    for number, (key, epoch) in epochs.items():
+        if number in steps and span[epoch] > 0:
+            place = (steps[number][1] - low[epoch]) / span[epoch]
+            out[number] = (key, epoch + min(place, _LAST_PLACE))
+    return out
+
+
+#: The furthest into an epoch a place goes (``_within_epochs``): short of the next epoch.
+_LAST_PLACE = 0.999
 
 
 def _median(values: list) -> float | None:
