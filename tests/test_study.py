@@ -407,6 +407,47 @@ def test_a_history_of_a_thousand_trials_is_rebuilt_with_one_scan_and_no_fetch(fo
     assert counted(store, "big")[1000]["runner"] == "here"
 
 
+class ListingStore(CountingStore):
+    """A counted FolderStore that also lists names, as FolderStore does."""
+
+    def names(self, prefix):
+        self._count("names")
+        return self.inner.names(prefix)
+
+
+def test_the_last_look_lists_the_study_and_reads_only_what_moved(folder):
+    """Before a runner says a study is over it looks at the whole study once more: from the
+    listing alone where the store lists names, reading again only a trial whose highest
+    attempt is not the one it read. Here trial 0 was taken over (attempt 1, by a runner that
+    then went silent) after this runner read it finished: the last look finds it, and the
+    runner takes it over in turn."""
+    store = FolderStore(folder)
+    Study(
+        store,
+        "late",
+        objective="study_objectives:overtakes_the_first_trial",
+        space=X,
+        trials=3,
+        sampler="random",
+        patience=0.3,
+    )
+    for n in range(2):
+        store.put(
+            f"late/trial/{n:06d}/000",
+            {"trial": str(n), "attempt": "0", "config": json.dumps({"x": 1.0}), "state": "done", "score": "1.0"},
+        )
+    counting = ListingStore(store)
+    assert Study.open(counting, "late").run(runner="here") == {"done": 2, "failed": 0, "pruned": 0, "superseded": 0}
+    assert [(r["state"], r.get("runner")) for r in attempts(store, "late")[0]] == [
+        ("done", None),
+        ("running", "elsewhere"),
+        ("done", "here"),
+    ]
+    assert counting.scanned.count("late/trial/") == 1  # read whole once, as it started
+    assert "late/trial/000000/" in counting.scanned  # and again only the trial that moved
+    assert counting.calls["names"] == 2  # a last look before each time it would have ended
+
+
 def test_a_different_definition_under_the_same_name_is_refused(folder):
     store = FolderStore(folder)
     first = Study(store, "sweep", objective="study_objectives:quadratic", space=X, trials=5)

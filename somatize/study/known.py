@@ -13,9 +13,11 @@ what may have changed since its last look, one trial's folder at a time:
 
 A trial seen finished is not read again: its highest attempt's record is final (a runner
 writes ``done``, ``failed`` or ``pruned`` once, and only into the attempt it holds). Before
-it says the study is over, the runner reads the whole study once more, so that anything
-its looks could have missed (a trial taken over while its old attempt was finishing) is
-found there.
+it says the study is over, the runner looks at the whole study once more (``confirm``), so
+that anything its looks could have missed (a trial taken over while its old attempt was
+finishing) is found: from the study's listing alone where the store lists names (a
+``FolderStore``), reading again only the trials whose highest attempt is not the one it
+last read; otherwise by reading the whole study.
 
 A trial is *blocked* when something other than an entry holds the names it needs (a writer
 of the folder put a folder, a file, a link or a FIFO there; see ``names``): its first
@@ -31,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..record.studies import checked_attempt
+from ..record.studies import checked_attempt, trial_prefix
 from ..store import Store
 from .history import Attempt, History, TrialHistory, attempt_name, read_trial
 
@@ -65,6 +67,32 @@ class Known:
         self._open = {n for n, trial in self.trials.items() if not trial.finished and n not in self.blocked}
         self._frontier = 0
         self.changed = []
+
+    def confirm(self) -> None:
+        """Look at the whole study once more before saying it is over: each trial whose
+        highest attempt in the study's listing is not the one last read (or that was not
+        read at all) is read again. One listing of the trials' folders, no record read but
+        those, where the store lists names (``FolderStore.names``); a store that does not
+        is read whole (``rescan``). A record's contents cannot change unseen: a finished
+        attempt's is final, and one read unfinished is read again at every ``refresh``."""
+        listing = getattr(self._store, "names", None)
+        if not callable(listing):
+            self.rescan()
+            return
+        prefix = trial_prefix(self._study)
+        highest: dict[int, int] = {}
+        for name in listing(prefix):
+            parts = name[len(prefix) :].split("/")
+            if len(parts) == 2 and all(part.isdigit() for part in parts):
+                number, attempt = int(parts[0]), int(parts[1])
+                highest[number] = max(highest.get(number, attempt), attempt)
+        for number, attempt in sorted(highest.items()):
+            known = self.trials.get(number)
+            if number in self.blocked or (known is not None and known.last.attempt == attempt):
+                continue
+            found = self._read(number)
+            if found is not None and (known is None or not _same(found, known)):
+                self._take(found)
 
     def refresh(self) -> bool:
         """Read again each trial last read unfinished; whether any had changed."""

@@ -8,7 +8,7 @@ kept in memory and updated with what was read: see ``mirror``) for a configurati
 claim the number by creating its attempt 0 (if another runner created it first, read that
 trial and go on to the next number); run the objective, writing the attempt as it goes;
 write the result. What a claim costs does not grow with the study. It stops when every
-trial has finished, after reading the whole study once more to be sure.
+trial has finished, after looking at the whole study once more to be sure.
 
 "Stopped being written" is judged only by the store's stamps: the judge writes an entry of
 its own (``<study>/judge/<runner>``) and compares that entry's stamp with the attempt's.
@@ -255,7 +255,7 @@ class Study:
             if view.refresh():
                 wait = _FIRST_WAIT
             if view.finished():
-                view.rescan()  # before saying so, the whole study once more: see ``view``
+                view.confirm()  # before saying so, the whole study once more: see ``view``
                 self._mirror = None
                 if view.finished():
                     blocked = sorted(n for n in view.blocked if n < self.trials)

@@ -61,6 +61,19 @@ def stalls_on_first_attempt(trial):
     return float(trial.attempt)
 
 
+def overtakes_the_first_trial(trial):
+    """Trial 2 writes, before it ends, what a runner that took trial 0 over while its attempt
+    0 was finishing writes: trial 0's attempt 1, running, by another runner. Its own runner
+    read trial 0 finished as it started; only its last look at the study can find this."""
+    if trial.number == 2:
+        first = dict(trial.store.scan(f"{trial.study}/trial/000000/000"))[f"{trial.study}/trial/000000/000"]
+        trial.store.create(
+            f"{trial.study}/trial/000000/001",
+            {**first, "attempt": "1", "state": "running", "score": "", "runner": "elsewhere"},
+        )
+    return 1.0
+
+
 def quiet_until_judged(trial):
     """Says nothing (only the pulse keeps it alive) until another runner has judged it,
     then for 2.5 s more while that runner keeps judging, then finishes."""
