@@ -6,6 +6,7 @@ FolderStore, with the store's reads counted.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -237,6 +238,13 @@ def test_a_place_in_an_epoch_follows_the_steps_however_they_are_counted(tmp_path
     assert [epoch[n] for n in range(5)] == [0.0, 0.2, 0.4, 0.6, 0.8]  # 5 steps, 10 apart: 50 in all
     assert [epoch[n] for n in range(5, 10)] == [1.0, 1.2, 1.4, 1.6, 1.8]
     assert epoch[10] == 2.0 and epoch[11] == 3.0
+
+    # steps written as far apart as a float goes: no place is made of them, nothing breaks
+    for step in ("-1e308", "1e308"):
+        recorder({"fact": "finished", "took_us": "10"})
+        recorder({"fact": "loss", "value": "0.1", "step": step, "epoch": "9"})
+    epoch = Runs(store).page("r", 0, 20)["counters"]["epoch"]
+    assert epoch[12] == 9.0 and math.isfinite(epoch[13]) and 9.0 <= epoch[13] < 10.0
 
 
 @pytest.mark.pure

@@ -277,7 +277,8 @@ def _within_epochs(
     for number, (key, epoch) in epochs.items():
         if number in steps and span[epoch] > 0:
             place = (steps[number][1] - low[epoch]) / span[epoch]
-            out[number] = (key, epoch + min(place, _LAST_PLACE))
+            if math.isfinite(place):  # steps of a written record may be 1e308 apart: that one stays whole
+                out[number] = (key, epoch + min(place, _LAST_PLACE))
     return out
 
 
