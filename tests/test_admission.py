@@ -108,7 +108,10 @@ def test_relayed_byes_that_end_nothing_are_refused_counted_and_cut(processes, tm
         for _ in range(3):  # another key is answered meanwhile
             assert isinstance(bob.ask(Hosts(), 15.0), Listed), hub.stderr()[-1500:]
         grew = rss_kib(hub.pid, "VmHWM") - before
-        assert grew < 128 * 1024, f"the broker grew by {grew // 1024} MiB for relayed Byes that ended nothing"
+        # uncut, most of the 490 MB queued; cut, what queues first depends on the CPU the broker
+        # gets beside eight flooders (it reads with no receive high-water mark: front.bind):
+        # 147 MiB seen on this 2-core machine with the rest of the suite running beside it
+        assert grew < 192 * 1024, f"the broker grew by {grew // 1024} MiB for relayed Byes that ended nothing"
         assert "closed the connection of" in hub.stderr() and "that opened or ended nothing" in hub.stderr(), (
             hub.stderr()[-2000:]
         )
