@@ -52,6 +52,7 @@ from somatize.folders import (
     tell_once,
 )
 from somatize.store_file import LARGEST, blob_parts, header, read_blob, read_head, record_bytes, scan_record, write_all
+from somatize.store_names import DEEPEST as _DEEPEST
 from somatize.store_names import SUFFIX as _SUFFIX
 from somatize.store_names import TEMP as _TEMP
 from somatize.store_names import check_name, check_prefix, valid_part
@@ -527,7 +528,9 @@ class FolderStore:
                 if entry.is_symlink():
                     tell_blocked(self.path, base + part, "a symbolic link")
                 elif entry.is_dir(follow_symlinks=False):
-                    if part == stem:
+                    if part == stem and base.count("/") >= _DEEPEST:  # planted: no name reaches below it
+                        tell_blocked(self.path, base + part, "a folder nested deeper than any entry's name reaches")
+                    elif part == stem:
                         inner = open_folder(folder, part, base + part)
                         try:
                             self._list(inner, base + part + "/", "", names)
@@ -554,8 +557,9 @@ class FolderStore:
 # -- file system helpers ----------------------------------------------------------------
 
 
-def _sweep(folder: int, before: float) -> int:
-    """Remove the temp files under ``folder`` last touched before ``before``; never via a link."""
+def _sweep(folder: int, before: float, depth: int = 0) -> int:
+    """Remove the temp files under ``folder`` (``depth`` folders below the root) last
+    touched before ``before``; never via a link, never deeper than an entry's name reaches."""
     try:
         with os.scandir(folder) as listing:
             entries = list(listing)
@@ -565,10 +569,10 @@ def _sweep(folder: int, before: float) -> int:
     for entry in entries:
         try:
             if entry.is_dir(follow_symlinks=False):
-                if valid_part(entry.name):
+                if valid_part(entry.name) and depth < _DEEPEST:
                     inner = open_folder(folder, entry.name, entry.name)
                     try:
-                        removed += _sweep(inner, before)
+                        removed += _sweep(inner, before, depth + 1)
                     finally:
                         os.close(inner)
             elif _TEMP.fullmatch(entry.name) and entry.stat(follow_symlinks=False).st_mtime <= before:

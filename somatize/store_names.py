@@ -18,6 +18,9 @@ _COMPONENT = re.compile(r"[A-Za-z0-9_:@+=-][A-Za-z0-9._:@+=-]*")
 _PARTIAL = re.compile(r"[A-Za-z0-9._:@+=-]*")
 _COMPONENT_MAX = 200
 _NAME_MAX = 1000
+#: Folders an entry's name may pass through, at most (each is a character and a '/'): a
+#: listing goes no deeper, whatever a writer of the folder nested there.
+DEEPEST = _NAME_MAX // 2 - 1
 _ALLOWED = (
     "a name is one or more components joined by '/', each 1 to 200 characters of "
     "A-Z a-z 0-9 and . _ : @ + = -, not starting with '.' and not ending in '.rec', "

@@ -807,3 +807,27 @@ def test_each_thing_planted_at_a_name_is_named_not_only_the_first(tmp_path: Path
     err = capfd.readouterr().err
     assert err.count(f"{planted} is a symbolic link") == 2, err
     assert err.count(f"{planted} is not a regular file (a FIFO") == 1, err
+
+
+def test_folders_nested_deeper_than_any_name_stop_no_listing(tmp_path: Path, capfd) -> None:
+    """A writer of the folder nests 1,200 folders under a study's trials: no entry's name
+    (1,000 characters at most) reaches that deep, so a listing, a scan and a sweep go no
+    deeper than a name can (they recursed once per folder, and a deep enough chain raised
+    RecursionError in every runner and reader), and say once what is there."""
+    store = FolderStore(tmp_path / "store")
+    store.put("st/trial/000000/000", {"state": "done"})
+    chain = os.open(tmp_path / "store" / "st" / "trial", os.O_RDONLY | os.O_DIRECTORY)
+    opened = [chain]
+    try:
+        for _ in range(1200):  # by descriptor: the chain's path is longer than a path may be
+            os.mkdir("a", dir_fd=opened[-1])
+            opened.append(os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=opened[-1]))
+        assert store.names("st/") == ["st/trial/000000/000"]
+        assert [name for name, _ in store.scan("st/")] == ["st/trial/000000/000"]
+        assert store.sweep(0) == 0
+        assert "nested deeper than any entry's name reaches" in capfd.readouterr().err
+    finally:
+        for parent in reversed(opened[:-1]):  # removed from the bottom up, without recursion
+            os.rmdir("a", dir_fd=parent)
+        for fd in opened:
+            os.close(fd)
