@@ -407,12 +407,23 @@ def test_a_history_of_a_thousand_trials_is_rebuilt_with_one_scan_and_no_fetch(fo
     assert counted(store, "big")[1000]["runner"] == "here"
 
 
-class ListingStore(CountingStore):
-    """A counted FolderStore that also lists names, as FolderStore does."""
+class ListingStore(FolderStore):
+    """A FolderStore whose scans and listings are counted (it is one: a runner lists only a
+    FolderStore's names)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.calls: dict[str, int] = {}
+        self.scanned: list[str] = []
+
+    def scan(self, prefix):
+        self.calls["scan"] = self.calls.get("scan", 0) + 1
+        self.scanned.append(prefix)
+        return super().scan(prefix)
 
     def names(self, prefix):
-        self._count("names")
-        return self.inner.names(prefix)
+        self.calls["names"] = self.calls.get("names", 0) + 1
+        return super().names(prefix)
 
 
 def test_the_last_look_lists_the_study_and_reads_only_what_moved(folder):
@@ -436,7 +447,7 @@ def test_the_last_look_lists_the_study_and_reads_only_what_moved(folder):
             f"late/trial/{n:06d}/000",
             {"trial": str(n), "attempt": "0", "config": json.dumps({"x": 1.0}), "state": "done", "score": "1.0"},
         )
-    counting = ListingStore(store)
+    counting = ListingStore(folder)
     assert Study.open(counting, "late").run(runner="here") == {"done": 2, "failed": 0, "pruned": 0, "superseded": 0}
     assert [(r["state"], r.get("runner")) for r in attempts(store, "late")[0]] == [
         ("done", None),
@@ -699,3 +710,23 @@ def test_show_prints_the_trials(folder, capsys):
         env=env_with_tests(),
     )
     assert done.returncode == 0 and done.stdout == shown
+
+
+def test_a_running_trial_written_again_is_read_but_is_no_reason_to_look_sooner(folder):
+    """`Known.refresh` takes every record that changed, and says only whether a trial moved
+    on (ended, was stopped, taken over): a runner with nothing to claim goes back to its
+    shortest wait for that, not each time another's running trial says a value."""
+    from somatize.study.known import Known
+
+    store = FolderStore(folder)
+    Study(store, "busy", objective="study_objectives:quadratic", space=X, trials=1)
+    running = {"trial": "0", "attempt": "0", "config": json.dumps({"x": 1.0}), "state": "running", "runner": "r"}
+    store.put("busy/trial/000000/000", running)
+    known = Known(store, "busy", 1)
+    known.rescan()
+    assert known.open()[0].state == "running"
+    store.put("busy/trial/000000/000", {**running, "intermediate": "[[1, 0.5]]"})  # a value said
+    assert known.refresh() is False
+    assert known.open()[0].last.checked.intermediate == [(1, 0.5)]  # read all the same
+    store.put("busy/trial/000000/000", {**running, "state": "done", "score": "1.0"})
+    assert known.refresh() is True and known.finished()

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..record.studies import checked_attempt, trial_prefix
-from ..store import Store
+from ..store import FolderStore, Store
 from .history import Attempt, History, TrialHistory, attempt_name, read_trial
 
 
@@ -68,20 +68,20 @@ class Known:
         self._frontier = 0
         self.changed = []
 
-    def confirm(self) -> None:
+    def confirm(self) -> bool:
         """Look at the whole study once more before saying it is over: each trial whose
         highest attempt in the study's listing is not the one last read (or that was not
-        read at all) is read again. One listing of the trials' folders, no record read but
-        those, where the store lists names (``FolderStore.names``); a store that does not
-        is read whole (``rescan``). A record's contents cannot change unseen: a finished
-        attempt's is final, and one read unfinished is read again at every ``refresh``."""
-        listing = getattr(self._store, "names", None)
-        if not callable(listing):
+        read at all) is read again, and listed in ``changed``. One listing of the trials'
+        folders, no record read but those, on a ``FolderStore`` (``names``); any other
+        store is read whole (``rescan``: what was read before is forgotten, and this returns
+        ``True``). A record's contents cannot change unseen: a finished attempt's is final,
+        and one read unfinished is read again at every ``refresh``."""
+        if not isinstance(self._store, FolderStore):
             self.rescan()
-            return
+            return True
         prefix = trial_prefix(self._study)
         highest: dict[int, int] = {}
-        for name in listing(prefix):
+        for name in self._store.names(prefix):
             parts = name[len(prefix) :].split("/")
             if len(parts) == 2 and all(part.isdigit() for part in parts):
                 number, attempt = int(parts[0]), int(parts[1])
@@ -93,19 +93,22 @@ class Known:
             found = self._read(number)
             if found is not None and (known is None or not _same(found, known)):
                 self._take(found)
+        return False
 
     def refresh(self) -> bool:
-        """Read again each trial last read unfinished; whether any had changed."""
-        changed = False
+        """Read again each trial last read unfinished; whether any moved on: ended, was
+        stopped, was taken over or blocked (what may leave work to claim). A record that was
+        only written again (a pulse, a value said) is taken, and is no such move."""
+        moved = False
         for number in sorted(self._open):
             found = self._read(number)
             if found is None:  # its records were read before and no read shows them now
                 self.block(number, "its records no longer read (something else holds their names)")
-                changed = True
+                moved = True
             elif not _same(found, self.trials[number]):
+                moved = moved or _states(found) != _states(self.trials[number])
                 self._take(found)
-                changed = True
-        return changed
+        return moved
 
     def next_free(self, after: int = -1) -> int | None:
         """The lowest number below ``trials`` (and above ``after``) that no read shows
@@ -181,6 +184,10 @@ class Known:
             self._open.discard(trial.number)
         else:
             self._open.add(trial.number)
+
+
+def _states(trial: TrialHistory) -> list[tuple[int, str]]:
+    return [(x.attempt, x.state) for x in trial.attempts]
 
 
 def _same(a: TrialHistory, b: TrialHistory) -> bool:

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], Any]
 _FIRST_WAIT = 0.002  # seconds: the first wait while others' attempts run, doubling up to a poll (a look is
-# a read of the running trials' folders: a runner left idle by the last trials ends soon after them)
+# a read of the running trials' folders: a runner left idle by the last trials ends soon after them);
+# back to it only when a trial moved on (``Known.refresh``), not each time a running one is rewritten
 
 
 #: Seconds a running attempt may go unwritten before another runner takes it over, by
@@ -255,8 +256,8 @@ class Study:
             if view.refresh():
                 wait = _FIRST_WAIT
             if view.finished():
-                view.confirm()  # before saying so, the whole study once more: see ``view``
-                self._mirror = None
+                if view.confirm():  # before saying so, the whole study once more: see ``view``
+                    self._mirror = None  # read whole: the mirror is made again from it
                 if view.finished():
                     blocked = sorted(n for n in view.blocked if n < self.trials)
                     tell(
