@@ -239,7 +239,30 @@ def test_a_place_in_an_epoch_follows_the_steps_however_they_are_counted(tmp_path
     assert [epoch[n] for n in range(5, 10)] == [1.0, 1.2, 1.4, 1.6, 1.8]
     assert epoch[10] == 2.0 and epoch[11] == 3.0
 
+    # a validation counting its own steps on forwards of its own: measured against its own
+    store = FolderStore(tmp_path / "other")
+    recorder = Recorder(store, run="r", summarising=("loss", "val"))
+    for n in range(200):
+        recorder({"fact": "finished", "took_us": "10"})
+        recorder({"fact": "loss", "value": "1.0", "step": str(n), "epoch": str(n // 100)})
+        if n % 100 == 99:
+            for k in range(10):
+                recorder({"fact": "finished", "took_us": "10"})
+                recorder({"fact": "val", "value": "0.5", "step": str(k), "epoch": str(n // 100)})
+    epoch = Runs(store).page("r", 0, 300)["counters"]["epoch"]
+    assert epoch[110] == 1.0 and epoch[209] == 1.99  # the training's epoch 1: steps 100 to 199
+    assert epoch[100] == 0.0 and epoch[109] == 0.9  # the validation's ten steps of epoch 0
+
+    # epochs said as halves: a place covers the way to the next epoch said, never past it
+    recorder = Recorder(store, run="halves", summarising=("loss",))
+    for step, at in ((0, "0.5"), (99, "0.5"), (100, "1")):
+        recorder({"fact": "finished", "took_us": "10"})
+        recorder({"fact": "loss", "value": "1.0", "step": str(step), "epoch": at})
+    assert Runs(store).page("halves", 0, 5)["counters"]["epoch"] == {0: 0.5, 1: 0.5 + 0.99 * 0.5, 2: 1.0}
+
     # steps written as far apart as a float goes: no place is made of them, nothing breaks
+    store = FolderStore(tmp_path / "store")
+    recorder = Recorder(store, run="r", summarising=("loss", "val"))
     for step in ("-1e308", "1e308"):
         recorder({"fact": "finished", "took_us": "10"})
         recorder({"fact": "loss", "value": "0.1", "step": step, "epoch": "9"})

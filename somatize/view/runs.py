@@ -255,30 +255,39 @@ def _within_epochs(
 
     The place is the step's distance from the epoch's first step over the steps the epoch
     spans: up to the next epoch's first step, or (steps that start again each epoch, or the
-    last epoch) its own steps' span, from their spacing. A forward that says no step stays
-    at its whole epoch; a place is never a whole epoch or more."""
-    low: dict[float, float] = {}
-    high: dict[float, float] = {}
-    said: dict[float, set[float]] = {}
+    last epoch) its own steps' span, from their spacing; it covers the way to the next epoch
+    said (a whole epoch at most). Steps of one kind are measured against that kind's only
+    (a validation counting its own steps does not squeeze the training's). A forward that
+    says no step stays at its whole epoch; a place never reaches the next epoch."""
+    low: dict[tuple[str, float], float] = {}
+    high: dict[tuple[str, float], float] = {}
+    said: dict[tuple[str, float], set[float]] = {}
     for number, (_, epoch) in epochs.items():
         if number in steps:
-            step = steps[number][1]
-            low[epoch] = min(low.get(epoch, step), step)
-            high[epoch] = max(high.get(epoch, step), step)
-            said.setdefault(epoch, set()).add(step)
+            kind, step = steps[number]
+            at = (kind, epoch)
+            low[at] = min(low.get(at, step), step)
+            high[at] = max(high.get(at, step), step)
+            said.setdefault(at, set()).add(step)
+    span: dict[tuple[str, float], float] = {}
+    width: dict[tuple[str, float], float] = {}
     ordered = sorted(low)
-    span: dict[float, float] = {}
-    for i, epoch in enumerate(ordered):
-        count = len(said[epoch])
-        own = (high[epoch] - low[epoch]) * count / (count - 1) if count > 1 else 1.0
-        after = low[ordered[i + 1]] - low[epoch] if i + 1 < len(ordered) else 0.0
-        span[epoch] = after if after > high[epoch] - low[epoch] else own
+    for i, at in enumerate(ordered):
+        count = len(said[at])
+        own = (high[at] - low[at]) * count / (count - 1) if count > 1 else 1.0
+        span[at], width[at] = own, 1.0
+        if i + 1 < len(ordered) and ordered[i + 1][0] == at[0]:  # the next epoch this kind said
+            after = ordered[i + 1]
+            if low[after] - low[at] > high[at] - low[at]:
+                span[at] = low[after] - low[at]
+            width[at] = min(1.0, after[1] - at[1])
     out = dict(epochs)
     for number, (key, epoch) in epochs.items():
-        if number in steps and span[epoch] > 0:
-            place = (steps[number][1] - low[epoch]) / span[epoch]
+        if number in steps:
+            at = (steps[number][0], epoch)
+            place = (steps[number][1] - low[at]) / span[at]
             if math.isfinite(place):  # steps of a written record may be 1e308 apart: that one stays whole
-                out[number] = (key, epoch + min(place, _LAST_PLACE))
+                out[number] = (key, epoch + min(place, _LAST_PLACE) * width[at])
     return out
 
 

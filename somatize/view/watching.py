@@ -144,7 +144,7 @@ def folders_of(subject: str) -> list[Folder]:
         check_run(name, "the view")
         return [Folder(["run", name])]
     if kind == "compare":  # the runs one comparison shows, and no other: a run's name has no '/'
-        names = list(dict.fromkeys(name.split("/", COMPARED)))  # never more parts than it may follow, and one
+        names = list(dict.fromkeys(name.split("/")))  # as /api/compare counts them: once each
         if not 1 <= len(names) <= COMPARED:
             raise ValueError(f"a comparison follows 1 to {COMPARED} runs (compare:A/B/...), not {len(names)}")
         return [Folder(["run", check_run(run, "the view")]) for run in names]
