@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Fresh processes are timed beside Optuna's (case f), whose bytecode pip compiled at its
     # install: somatize's is compiled here too (a tree run with PYTHONDONTWRITEBYTECODE set
-    # would otherwise compile every module in every runner it starts, about 0.15 s each).
-    compileall.compile_dir(ROOT / "somatize", quiet=2)
+    # would otherwise compile every module in every runner it starts, about 0.15 s each). A
+    # quick run times nothing worth it, and writes nothing into the tree.
+    if not args.quick:
+        compileall.compile_dir(ROOT / "somatize", quiet=2)
     started = time.monotonic()
     floors = cases.Floors()
     rows: list[Row] = []
