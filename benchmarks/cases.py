@@ -596,7 +596,9 @@ def _takeover(folder: str, env: dict[str, str]) -> Row:
                 process.kill()
             if process is not None:
                 process.wait()
-    most = PATIENCE * 1.25 + 1.0  # the patience, a judge's look (a quarter of it), a second of slack
+    # the patience after the attempt's last write (which came before the kill: a judge looks
+    # the moment its last look said the attempt would turn that old), and a second of slack
+    most = PATIENCE + 1.0
     return Row(
         "f",
         f"a SIGKILLed runner's trial taken over (patience {PATIENCE:g} s, the other runner idle)",

@@ -52,6 +52,10 @@ _FIRST_WAIT = 0.002  # seconds: the first wait while others' attempts run, doubl
 # back to it only when a trial moved on (``Known.refresh``), not each time a running one is rewritten
 
 
+#: Seconds past the moment an attempt would turn `patience` unwritten that its judge looks:
+#: a file system's stamps move by its timer's tick (4 ms on ext4 here), not continuously.
+_OVERDUE_MARGIN = 0.01
+
 #: Seconds a running attempt may go unwritten before another runner takes it over, by
 #: default. Its runner writes it every third of that (a thread of its own does), so a runner
 #: that was killed has its trial taken over within about three of its writes and a judge's
@@ -232,6 +236,9 @@ class Study:
         # looks while they run: this runner's own timer says when to look, never what it sees.
         self._poll = min(max(self.patience / 4, 0.05), 5.0)
         self._judged: float | None = None  # when this runner last judged (its monotonic clock)
+        # when the soonest running attempt it judged turns `patience` unwritten, if none is
+        # written meanwhile (its monotonic clock: the store's stamps gave a duration, no time)
+        self._overdue: float | None = None
         view = Known(
             self._store,
             self._name,
@@ -273,8 +280,9 @@ class Study:
                 running = self._take_over(view, me, tell)
                 if running is None:
                     number = self._free(view, tell)
-                    if number is None:
-                        time.sleep(wait)  # others' attempts are running: watch them
+                    if number is None:  # others' attempts are running: watch them
+                        left = None if self._overdue is None else self._overdue - time.monotonic()
+                        time.sleep(min(wait, left) if left is not None and left > 0 else wait)
                         wait = min(2 * wait, self._poll)
                         continue
                     running = self._claim(view, number, me)
@@ -437,15 +445,24 @@ class Study:
     def _abandoned(self, view: Known, me: str) -> list[TrialHistory]:
         """Trials whose last attempt was given up, or has gone unwritten for longer than
         ``patience`` by the store's stamps (a fresh entry of this judge's against it). Only
-        the trials last read unfinished are looked at, and running ones are judged at most
-        once a poll (a judge writes, and the pace of claims is no reason to write more)."""
+        the trials last read unfinished are looked at, and running ones are judged once a
+        poll, and again the moment the last judging said the soonest of them would turn
+        ``patience`` unwritten (a judge writes, and the pace of claims is no reason to write
+        more; a dead runner's trial is taken over ``patience`` after its last write, not up
+        to a poll later)."""
         unfinished = view.open()
         stopped = [t for t in unfinished if t.state == "abandoned"]
         live = [t for t in unfinished if t.state == "running"]
-        due = self._judged is None or time.monotonic() - self._judged >= self._poll
+        at = time.monotonic()
+        due = (
+            self._judged is None
+            or at - self._judged >= self._poll
+            or (self._overdue is not None and at >= self._overdue)
+        )
         if live and due:
-            self._judged = time.monotonic()
+            self._judged, self._overdue = at, None
             now = self._judge.now()  # None: no judge's name could be written this time
+            after = time.monotonic()  # the judge's stamp was taken before this: never early
             patience_ns = int(self.patience * 1e9)
             if now is not None:
                 for trial in live:
@@ -454,6 +471,9 @@ class Study:
                         continue  # gone, or held by something else: the next read says which
                     if now - written > patience_ns:
                         stopped.append(trial)
+                    else:  # a duration by the store's clock, counted on this runner's own
+                        overdue = after + (patience_ns - (now - written)) / 1e9 + _OVERDUE_MARGIN
+                        self._overdue = overdue if self._overdue is None else min(self._overdue, overdue)
         return sorted(stopped, key=lambda t: t.number)
 
     def _gave_up(self, last: Any, me: str, after: int) -> dict[str, str]:
