@@ -32,9 +32,10 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import BROKER, SETPRIV, WORKER, env_with_tests
+from conftest import SETPRIV, WORKER, env_with_tests
 from reliability_support import key_ring, wait_until
 
+from brokers import keyed_broker
 from somatize import Broker, Keys, Node
 from somatize.fabric import leases, mount
 from somatize.fabric.client import lending as client_pool
@@ -220,22 +221,7 @@ def test_an_allowed_worker_key_running_as_nobody_gets_none_of_another_users_carg
 ):
     python, site = nobody_site
     ring = key_ring(tmp_path, clients=("alice",), workers=("w1", "mallory"))
-    hub = processes(
-        [
-            *BROKER,
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--announce",
-            "--key",
-            str(ring["broker_secret"]),
-            "--allow",
-            str(ring["allow"]),
-            "--allow-workers",
-            str(ring["workers"]),
-            "--patience",
-            "2",
-        ]
-    )
+    hub = keyed_broker(processes, ring)
     processes(
         [
             *WORKER,

@@ -21,6 +21,7 @@ from conftest import BROKER, env_with_tests
 from fabric_nodes import Add
 from reliability_support import key_ring, wait_until
 
+from brokers import keyed_broker
 from somatize import Broker, Closed
 from somatize.fabric.curve import read_public, read_secret
 from somatize.wire import Bye, Hello, Hosts, Listed, Ready, Runtime, decode, encode
@@ -115,23 +116,7 @@ def test_one_worker_key_serves_two_thousand_names(processes, tmp_path):
     """A worker key served 256 hosts at most, from 64 connections at most: one SLURM job's
     key stopped at 64 nodes."""
     ring = key_ring(tmp_path, clients=("alice",), workers=("slurm",))
-    hub = processes(
-        [
-            *BROKER,
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--announce",
-            "--key",
-            str(ring["broker_secret"]),
-            "--allow",
-            str(ring["allow"]),
-            "--allow-workers",
-            str(ring["workers"]),
-            "--patience",
-            SILENT_FOR_THE_TEST,
-        ],
-        env=env_with_tests(),
-    )
+    hub = keyed_broker(processes, ring, patience=SILENT_FOR_THE_TEST)
     public, secret = read_secret(ring["slurm_secret"])
     keys = (public, secret, read_public(ring["broker"]))
     names = [f"job7-node{n:04d}" for n in range(2000)]
