@@ -100,6 +100,16 @@ class ClaimingStore(Store, Protocol):
     def stamp(self, name: str) -> int: ...
 
 
+def scanned_record(store: Store, name: str) -> dict[str, str] | None:
+    """The record of the entry ``name``, as a scan of that name reads it (any store: a scan
+    is the one read every store has); ``None`` when none shows there (missing, or held by
+    something no store writes, which the scan names)."""
+    for found, record in store.scan(name):
+        if found == name:
+            return record
+    return None
+
+
 # -- the folder -------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import Missing, StoreError
 from ..facts import Fact
-from ..store import FolderStore, Store
+from ..store import FolderStore, Store, scanned_record
 from .recorder import NUMBER, RUNS, check_run, end_name, entry_name, forward_numbers, records_of
 from .reports import latest
 from .shapes import Malformed, left_out, maybe_float, read_facts, small_record, whole
@@ -67,7 +67,7 @@ def run_end(store: Store, run: str) -> str | None:
     did not. One read; an end that is not one a recorder writes is left out, with one line."""
     name = end_name(check_run(run, "run_end(run=...)"))
     try:
-        record = next((found for at, found in store.scan(name) if at == name), None)
+        record = scanned_record(store, name)
     except StoreError as exc:  # a file there that is not a whole entry
         left_out(store, name, exc)
         return None

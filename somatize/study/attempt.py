@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import Superseded
 from ..facts import ENGINE, fact
-from ..store import ClaimingStore
+from ..store import ClaimingStore, scanned_record
 from . import names
 from .history import attempt_name
 
@@ -157,7 +157,7 @@ class Running:
         with self._lock:
             if self._closed:
                 return
-        held = names.read(self.store, self.name)
+        held = scanned_record(self.store, self.name)
         if held is not None and held.get("runner") == self._runner and held.get("state") == "running":
             self.finish("abandoned")
 

@@ -31,7 +31,7 @@ from typing import Any, Final, Literal
 
 from ..errors import Missing, StoreError
 from ..folders import Blocked, Descent, tell_blocked, tell_once
-from ..store import ClaimingStore, FolderStore, Store
+from ..store import ClaimingStore, FolderStore, Store, scanned_record
 
 MADE: Final = "made"
 FREE: Final = "free"
@@ -54,7 +54,7 @@ def create(store: ClaimingStore, name: str, record: dict[str, str], *, durable: 
         return BLOCKED
     if made:
         return MADE
-    return TAKEN if read(store, name) is not None else BLOCKED
+    return TAKEN if scanned_record(store, name) is not None else BLOCKED
 
 
 def put(store: Store, name: str, record: dict[str, str], blob: object = None) -> bool:
@@ -96,14 +96,6 @@ def look(store: ClaimingStore, name: str) -> Held:
         return BLOCKED
     except Missing:
         return FREE
-
-
-def read(store: Store, name: str) -> dict[str, str] | None:
-    """The record of the entry ``name`` as a scan reads it; ``None`` when none shows."""
-    for found, record in store.scan(name):
-        if found == name:
-            return record
-    return None
 
 
 def held_else(exc: StoreError) -> bool:
@@ -199,7 +191,7 @@ def blocked_trials(
             continue
         name = attempt_name(study, number, 0)
         held = look(store, name)
-        if held == BLOCKED or (held == TAKEN and read(store, name) is None):
+        if held == BLOCKED or (held == TAKEN and scanned_record(store, name) is None):
             found[number] = "something else holds its first attempt's name"
     return dict(sorted(found.items()))
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import Missing, SomatizeError, StudyMismatch, Superseded
 from ..record.studies import definition_name
-from ..store import ClaimingStore
+from ..store import ClaimingStore, scanned_record
 from . import names
 from .attempt import Pulse, Running, Trial
 from .definition import Definition, check_name, check_runner, load, optuna
@@ -133,7 +133,7 @@ class Study:
         self = cls.__new__(cls)
         self._store = _claiming(store)
         self._name = check_name(name)
-        record = _definition_record(self._store, self._name)
+        record = scanned_record(self._store, definition_name(self._name))
         if record is None:
             raise Missing(
                 f"There is no study {name!r} in {store!r}. Define it first with "
@@ -559,19 +559,11 @@ def _claiming(store: object) -> ClaimingStore:
     return store
 
 
-def _definition_record(store: ClaimingStore, name: str) -> dict[str, str] | None:
-    wanted = definition_name(name)
-    for found, record in store.scan(wanted):
-        if found == wanted:
-            return record
-    return None
-
-
 def _settle(store: ClaimingStore, name: str, wanted: Definition) -> Definition:
     """Write ``wanted`` if the study is new; otherwise check it against the one there."""
     if store.create(definition_name(name), wanted.record()):
         return wanted
-    record = _definition_record(store, name)
+    record = scanned_record(store, definition_name(name))
     if record is None:
         raise SomatizeError(
             f"The study {name!r} in {store!r} could not be created nor read back; check "
