@@ -328,3 +328,10 @@ def test_a_study_s_timeline_stamps_each_final_attempt_once_and_a_running_one_at_
     assert store.stamps == 1  # only the attempt a runner still writes
     assert [a["trial"] for a in again["attempts"]] == [0, 1, 1, 2]
     assert again["attempts"][0]["end_s"] >= first["attempts"][0]["end_s"]  # the same stamp, read later
+
+    # an overtaken attempt its runner then marks abandoned is a record written again: stamped again
+    store.put("s/trial/000001/000", {"state": "abandoned", "runner": "r", "took_us": "9"})
+    store.stamps = 0
+    after = timelines.of(store, History.scan(store, "s"))
+    assert store.stamps == 2  # that one, and the running one
+    assert after["attempts"][1]["state"] == "abandoned"

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import Missing, SomatizeError
 from ..record.studies import definition_name
-from ..study.history import History
+from ..study.history import Attempt, History
 
 #: Done trials the importances are worked out from, at most (the newest).
 IMPORTANCE_MOST = 2000
@@ -160,48 +160,52 @@ def place(a: dict[str, Any], value: Any) -> float | None:
 class Timeline:
     """`timeline`, keeping the stamps of attempts no runner writes any more (finished, or
     taken over): their records are final, so each is stamped once, not at every read of the
-    page (up to `TIMELINE_MOST` stats a read of a study that has ended)."""
+    page (up to `TIMELINE_MOST` stats a read of a study that has ended). A stamp is kept
+    under the record it belongs to (its name, state, runner and time taken), so a record
+    written again (an overtaken attempt its runner marks abandoned, a study removed and run
+    again under its name) is stamped again."""
 
     def __init__(self) -> None:
-        self._stamps: dict[str, int] = {}
+        self._stamps: dict[tuple[str, ...], int] = {}
         self._lock = threading.Lock()
 
     def of(self, store: Any, history: History) -> dict[str, Any]:
         return timeline(store, history, self._stamp)
 
-    def _stamp(self, store: Any, name: str, final: bool) -> int:
+    def _stamp(self, store: Any, attempt: Attempt, final: bool) -> int:
+        key = (attempt.name, attempt.state, *(attempt.record.get(k, "") for k in ("runner", "took_us")))
         with self._lock:
-            kept = self._stamps.get(name)
+            kept = self._stamps.get(key)
         if kept is not None:
             return kept
-        written = store.stamp(name)
+        written = store.stamp(attempt.name)
         if final:
             with self._lock:
                 if len(self._stamps) >= _STAMPS_KEPT:
                     self._stamps.clear()
-                self._stamps[name] = written
+                self._stamps[key] = written
         return written
 
 
-_STAMPS_KEPT = 100_000  # names, over every study the view has drawn: a few MiB at most
+_STAMPS_KEPT = 100_000  # attempts, over every study the view has drawn: a few tens of MiB at most
 
 
-def _stamped(store: Any, name: str, final: bool) -> int:
-    return int(store.stamp(name))
+def _stamped(store: Any, attempt: Attempt, final: bool) -> int:
+    return int(store.stamp(attempt.name))
 
 
 def timeline(store: Any, history: History, stamp: Any = _stamped) -> dict[str, Any]:
     """The newest attempts, each with its ``runner``, ``trial``, ``attempt``, ``state``,
     ``start_s`` and ``end_s`` (seconds before now, by the stamps of its record: when it last
     wrote, less how long it had run then), and ``again`` where it took over an earlier one.
-    ``stamp(store, name, final)`` reads a record's stamp (`Timeline` keeps the final ones)."""
+    ``stamp(store, attempt, final)`` reads a record's stamp (`Timeline` keeps the final ones)."""
     attempts = [(a, a is trial.last) for trial in history for a in trial.attempts]
     attempts.sort(key=lambda pair: (pair[0].number, pair[0].attempt))
     now = time.time_ns()
     out = []
     for a, last in attempts[-TIMELINE_MOST:]:
         try:
-            written = stamp(store, a.name, a.state != "running" or not last)
+            written = stamp(store, a, a.state != "running" or not last)
         except (Missing, OSError, SomatizeError, ValueError):
             continue
         took = a.record.get("took_us", "")
