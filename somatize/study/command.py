@@ -13,6 +13,7 @@ study's patience.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import sys
@@ -70,6 +71,12 @@ def command(args: argparse.Namespace) -> int:
                 return 2
             watch(study, every=args.watch)
             return 0
+        # What this process holds before its first trial (Python, NumPy, Optuna, the
+        # objective's module, the study) stays until it exits: the cyclic collector need not
+        # walk it again, in a trial's collections or in the last one at exit, which took 30
+        # of a fresh runner's 220 ms. What a trial makes is still collected, and its
+        # finalizers still run at exit. A process that runs the study and nothing else.
+        gc.freeze()
         previous = signal.signal(signal.SIGTERM, _stop)
         try:
             study.run(runner=args.runner, progress=lambda line: print(line, flush=True))

@@ -131,3 +131,28 @@ def tuned_slowly(trial):
     return (
         (c["x"] - 2) ** 2 + 0.5 * abs(math.log10(c["lr"]) + 2) + 0.05 * c["layers"] + (0.1 if c["kind"] == "b" else 0)
     )
+
+
+class _Cycle:
+    """Refers to itself: only the cyclic collector frees it. Freed, it says so in the log
+    (with what it needs bound now: at exit, module globals may already be gone)."""
+
+    def __init__(self, path: str, number: int) -> None:
+        self.me = self
+        self._path, self._number, self._open = path, number, open
+
+    def __del__(self) -> None:
+        with self._open(self._path, "a") as file:
+            file.write(f"finalized {self._number}\n")
+
+
+def counts_the_frozen_heap(trial):
+    """Logs how many objects the collector skips (``gc.get_freeze_count``) and leaves behind
+    a cycle whose finalizer logs when it runs: at the latest, at the runner's exit."""
+    import gc
+
+    _log(f"frozen {trial.number} {gc.get_freeze_count()}")
+    path = os.environ.get("STUDY_TEST_LOG")
+    if path:
+        _Cycle(path, trial.number)
+    return float(trial.number)
