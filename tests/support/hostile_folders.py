@@ -18,7 +18,8 @@ Three parts:
 - ``Planter``: a long-lived process run as ``nobody`` (``setpriv``) that plants one kind of
   entry at a path (``PLANTS``): a folder, links to a file, a folder and nothing, a FIFO, a
   socket, an empty file, a huge sparse file, bytes that are not UTF-8, JSON nested 100,000
-  deep, JSON of the wrong types, non-finite numbers.
+  deep, JSON of the wrong types, non-finite numbers; and, in a folder, a chain of folders
+  nested deeper than any entry's name reaches.
 - ``Prober``: one process that imports everything once and then forks a child per check
   (several at once), so that hundreds of checks cost a fork each, not an interpreter and
   Optuna each. The child runs the piece (a cached forward, computing once, a study runner's
@@ -262,8 +263,16 @@ ENTRY_PLANTS = (
     "types-record",
     "nonfinite",
 )
-#: What may be planted where a folder belongs.
-FOLDER_PLANTS = ("link-file", "link-folder", "link-nothing", "fifo", "socket", "empty", "not-utf8")
+#: What may be planted where a folder belongs. ``deep`` keeps the folder and what it holds,
+#: and nests a chain of folders in it, ``DEEP_CHAIN`` of them, past ``store_names.DEEPEST``
+#: (no entry's name reaches that deep): a piece that walks the folder must stop at a name's
+#: depth, not recurse to the bottom.
+FOLDER_PLANTS = ("link-file", "link-folder", "link-nothing", "fifo", "socket", "empty", "not-utf8", "deep")
+#: Deeper than any name (``store_names.DEEPEST`` is 499) and than Python's recursion limit
+#: (1,000: a walk that recurses once a folder raises ``RecursionError`` here), its path still
+#: shorter than a path may be (one letter a folder). ``shutil.rmtree`` recurses too: a chain
+#: is removed with ``remove_tree``.
+DEEP_CHAIN = 1100
 #: The big one, everywhere: slow (its reading is what is measured).
 SLOW_PLANTS = ("sparse",)
 
@@ -275,7 +284,20 @@ def clear(path):
     if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
         os.unlink(path)
     elif os.path.isdir(path):
-        shutil.rmtree(path)
+        remove_tree(path)
+
+def remove_tree(path):  # as hostile_folders.remove_tree: no recursion, so a deep chain goes too
+    folders, stack = [], [path]
+    while stack:
+        folder = stack.pop()
+        folders.append(folder)
+        for entry in os.scandir(folder):
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+            else:
+                os.unlink(entry.path)
+    for folder in reversed(folders):
+        os.rmdir(folder)
 
 def entry(record, blob, blob_len=None):
     head = b"SMZS1 %08x " % len(record) + (b"-" * 16 if blob is None and blob_len is None
@@ -287,6 +309,21 @@ for line in sys.stdin:
     try:
         path, kind = op["path"], op["kind"]
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if kind == "deep":  # beside what the folder holds: a chain, made by descriptor
+            if not os.path.isdir(path) or os.path.islink(path):
+                clear(path)
+                os.mkdir(path)
+            opened = [os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)]
+            try:
+                for _ in range(op["depth"]):
+                    os.mkdir("d", dir_fd=opened[-1])
+                    opened.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=opened[-1]))
+                    os.close(opened.pop(-2))
+            finally:
+                for fd in opened:
+                    os.close(fd)
+            print("planted", flush=True)
+            continue
         clear(path)
         record = bytes.fromhex(op.get("record", ""))
         blob = bytes.fromhex(op["blob"]) if op.get("blob") is not None else None
@@ -326,6 +363,22 @@ for line in sys.stdin:
     except Exception as exc:
         print(f"failed {type(exc).__name__}: {exc}", flush=True)
 """
+
+
+def remove_tree(path: str | Path) -> None:
+    """``shutil.rmtree`` without recursion: a chain of folders deeper than Python's recursion
+    limit (the ``deep`` plant) is removed too. A link is removed, never followed."""
+    folders, stack = [], [str(path)]
+    while stack:
+        folder = stack.pop()
+        folders.append(folder)
+        for entry in os.scandir(folder):
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+            else:
+                os.unlink(entry.path)
+    for folder in reversed(folders):
+        os.rmdir(folder)
 
 
 class Planter:
@@ -549,6 +602,8 @@ def plant_at(planter: Planter, store: Path, site: Site, kind: str, targets: Path
         op["target"] = str(targets / "folder")
     elif kind == "link-nothing":
         op["target"] = str(targets / "nothing-here")
+    elif kind == "deep":
+        op["depth"] = DEEP_CHAIN
     elif kind == "sparse":
         op["length"], op["entry"] = SPARSE_BYTES, site.entry
         op["record"] = (_text(record) + "\n").encode().hex()
