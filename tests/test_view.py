@@ -266,6 +266,49 @@ def test_a_trained_run_s_page_draws_against_step_or_epoch_and_names_its_start_up
     expect(page.locator("#x-axis")).to_have_value("epoch")
 
 
+def test_a_long_run_is_smoothed_as_it_was_recorded_not_as_it_was_thinned(processes, browser, tmp_path):
+    """A run longer than a chart draws comes thinned (each stretch's lowest and highest): its
+    smoothed line weighs each stretch as the points it stands for, so it is the moving
+    average of what was recorded, where one over the thinned points lagged three times as far."""
+    from somatize.record import Recorder
+    from somatize.view.runs import POINTS
+
+    folder = tmp_path / "store"
+    store = FolderStore(folder)
+    n = 3 * POINTS
+    with Recorder(store, run="long", summarising=("loss",)) as recorder:
+        for k in range(n):
+            recorder({"fact": "finished", "took_us": "10"})
+            recorder({"fact": "loss", "value": repr(1.0 - k / n + (0.05 if k % 2 else -0.05))})
+    trained(store, "short", steps=30, per_epoch=10)
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)  # the token, kept by the page
+    expect(page.locator("#runs input[value=long]")).to_be_visible()
+    page.goto(base(address) + "/#/compare/long/short")
+    chart = page.locator("#compare-0")
+    expect(chart).to_have_attribute("data-runs", "2")
+    page.locator("#smoothing").fill("0.99")
+    expect(chart).to_have_attribute("data-smoothing", "0.99")
+    data = page.evaluate("() => document.querySelector('#compare-0').plot.data.map((c) => Array.from(c))")
+    drawn = [(int(x), smooth, raw) for x, smooth, raw in zip(data[0], data[1], data[3], strict=True) if raw is not None]
+    assert 0 < len(drawn) < n  # thinned
+
+    def average(values):  # what TensorBoard draws: debiased exponential moving average
+        out, last = [], 0.0
+        for k, y in enumerate(values, 1):
+            last = last * 0.99 + 0.01 * y
+            out.append(last / (1 - 0.99**k))
+        return out
+
+    recorded = average([1.0 - k / n + (0.05 if k % 2 else -0.05) for k in range(n)])
+    worst = max(abs(smooth - recorded[x]) for x, smooth, _ in drawn[20:])
+    assert worst < 0.005, worst
+    # the thinned points averaged as if each were one recorded: what this test tells apart
+    naive = average([raw for _, _, raw in drawn])
+    assert max(abs(y - recorded[x]) for (x, _, _), y in zip(drawn[20:], naive[20:], strict=True)) > 0.02
+
+
 def test_two_runs_compared_on_one_chart_and_smoothed(processes, browser, tmp_path):
     folder = tmp_path / "store"
     store = FolderStore(folder)

@@ -17,7 +17,7 @@ import somatize.record.recorder as recorder_module  # noqa: E402
 import somatize.view.runs as runs_module  # noqa: E402
 from somatize import FolderStore, Recorder  # noqa: E402
 from somatize.record.recorder import chunk_name, chunk_records, records_of  # noqa: E402
-from somatize.view.runs import POINTS, Runs  # noqa: E402
+from somatize.view.runs import POINTS, Runs, stretched  # noqa: E402
 
 
 class Counted(FolderStore):
@@ -112,6 +112,28 @@ def test_a_long_curve_is_thinned_to_what_a_line_shows(tmp_path):
     assert page["count"] == 3 * POINTS and len(page["curve"]) <= POINTS + 2
     assert page["curve"][-1] == (3 * POINTS - 1, float((3 * POINTS - 1) % 97))  # the last point kept
     assert max(v for _, v in page["curve"]) == 96.0 and min(v for _, v in page["curve"]) == 0.0
+    # what each point kept stands for: its stretch's mean and count, counted once a stretch
+    stretches = page["stretches"]["loss.value"]
+    assert len(stretches) == len(page["curve"]) and "took_us" not in page["stretches"]
+    assert sum(count for _, count in stretches) == 3 * POINTS
+    assert math.isclose(sum(mean * count for mean, count in stretches), sum(float(n % 97) for n in range(3 * POINTS)))
+
+
+@pytest.mark.pure
+def test_a_stretch_is_a_partition_of_what_was_recorded():
+    """`stretched`: each stretch's count on its first point kept (in order), 0 on the rest;
+    the counts add up to the points, the means to their sum; short curves are not thinned."""
+    points = [(n, float((n * 7919) % 1013)) for n in range(5 * POINTS + 3)]
+    kept, stretches = stretched(points)
+    assert stretched(points[:POINTS]) == (points[:POINTS], None)
+    assert len(kept) == len(stretches) and kept[-1] == points[-1]
+    assert [p[0] for p in kept] == sorted(p[0] for p in kept)
+    assert sum(count for _, count in stretches) == len(points)
+    assert math.isclose(sum(mean * count for mean, count in stretches), math.fsum(v for _, v in points))
+    firsts = [k for k, (_, count) in enumerate(stretches) if count]
+    assert firsts[0] == 0 and all(
+        stretches[k][0] == stretches[k - 1][0] for k in range(1, len(kept)) if k not in firsts
+    )
 
 
 # -- chunks: a recorder's records of each thousand forwards, in one entry ------------------------

@@ -143,6 +143,7 @@ def make_app(store: Any, *, token: str | None) -> Starlette:
             run, _whole(asked.get("from"), 0), PAGE, asked.get("sort", "forward"), asked.get("desc") == "1"
         )
         body["status"] = run_status(store, run, body["first"], body["last"], body["count"])  # as the page read it
+        del body["stretches"]  # a smoothing's input: the compare page smooths, this one does not
         return body
 
     def read_compare(request: Request) -> Any:

@@ -224,8 +224,9 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
         at["epoch"] = _within_epochs(at["epoch"], at["step"])
     loss = points.get("loss.value", [])
     others = [k for k in sorted(points) if k != "loss.value" and points[k] and counter(k) is None][:SERIES]
-    series = {k: thinned(points[k]) for k in others}
-    curve, took_drawn = thinned(loss), thinned(took)
+    stretches = {k: stretched(points[k]) for k in ["loss.value", *others] if k in points}
+    series = {k: stretches[k][0] for k in others}
+    curve, took_drawn = stretches["loss.value"][0] if loss else loss, thinned(took)
     drawn = {n for line in (curve, took_drawn, *series.values()) for n, _ in line}
     median = _median([t for _, t in took])
     outside = [(n, t) for n, t in took if median is not None and t > OUTSIDE * median]
@@ -242,6 +243,9 @@ def _drawn(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "series": series,
         "x": ["forward", *(c for c in COUNTERS if c in at)],
         "counters": {c: {n: v for n, (_, v) in at[c].items() if n in drawn} for c in COUNTERS if c in at},
+        # for each thinned curve (``stretched``), what each point kept stands for: a smoothing's
+        # input (the compare page's), so that a long run is smoothed as it was recorded
+        "stretches": {k: weights for k, (_, weights) in stretches.items() if weights is not None},
     }
 
 
@@ -306,16 +310,30 @@ def _median(values: list) -> float | None:
 def thinned(points: list) -> list:
     """At most about `POINTS` of ``points``: in each stretch, its lowest and highest (what a
     line at that width shows), and always the last point."""
+    return stretched(points)[0]
+
+
+def stretched(points: list) -> tuple[list, list | None]:
+    """``thinned(points)``, and for each point kept the stretch of ``points`` it stands for,
+    as ``[mean, count]``: the count on the stretch's first point kept, 0 on its others (the
+    same stretch). ``None`` where nothing was thinned. What a smoothing needs to weigh a
+    stretch as the points it stands for: an average over the kept lowest and highest would
+    follow the envelope, each pair weighing as two points however many it stands for."""
     if len(points) <= POINTS:
-        return points
+        return points, None
     step = 2 * len(points) / POINTS
     out: list = []
+    weights: list = []
     start = 0.0
     while int(start) < len(points):
         chunk = points[int(start) : int(start + step)] or points[int(start) : int(start) + 1]
         low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
-        out.extend(sorted({low, high}, key=lambda p: p[0]))
+        kept = sorted({low, high}, key=lambda p: p[0])
+        mean = math.fsum(p[1] for p in chunk) / len(chunk)
+        out.extend(kept)
+        weights.extend([[mean, len(chunk)], *([[mean, 0]] * (len(kept) - 1))])
         start += step
-    if out[-1] != points[-1]:
+    if out[-1] != points[-1]:  # in the last stretch, counted with it
         out.append(points[-1])
-    return out
+        weights.append([weights[-1][0], 0])
+    return out, weights

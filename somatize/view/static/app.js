@@ -226,13 +226,27 @@ function xChoice(choices, x, go) {
 }
 
 // exponential moving average, as TensorBoard smooths (debiased: the first points are not
-// pulled toward 0); nulls and non-finite values are passed through
-function smoothed(ys, weight) {
+// pulled toward 0); nulls and non-finite values are passed through. A long curve comes
+// thinned, and ``stretches`` (one per y, or none) says what each point kept stands for:
+// [mean, count] of its stretch of the recorded points, the count on the stretch's first point
+// kept and 0 on its others; the stretch weighs as its count of points at its mean, so the
+// curve is smoothed as recorded, not as thinned
+function smoothed(ys, weight, stretches) {
   if (!weight) return ys.slice();
   let last = 0;
   let n = 0;
-  return ys.map((y) => {
+  return ys.map((y, k) => {
     if (y === null || !Number.isFinite(y)) return y;
+    const stretch = stretches && stretches[k];
+    if (stretch) {
+      const [mean, count] = stretch;
+      if (count > 0 && Number.isFinite(mean)) {
+        const kept = weight ** count;
+        last = last * kept + (1 - kept) * mean;
+        n += count;
+      }
+      return n ? last / (1 - weight ** n) : y;
+    }
     last = last * weight + (1 - weight) * y;
     n += 1;
     return last / (1 - weight ** n);
@@ -590,25 +604,38 @@ async function comparePage(names, q) {
   // the loss, and every other summarised kind all the runs have
   const kinds = [["loss.value", (r) => r.curve], ...Object.keys(runs[0]?.series || {})
     .filter((k) => runs.every((r) => Object.hasOwn(r.series, k))).map((k) => [k, (r) => r.series[k]])];
-  // each run's smoothed line, then its raw one, faint: [xs, smoothed..., raw...]
-  const data = (raw, weight) => [raw[0], ...raw.slice(1).map((ys) => smoothed(ys, weight)), ...raw.slice(1)];
+  // each run smoothed along its own points (and a thinned one's stretches), then its line
+  // and the raw one, faint, on the runs' common x: [xs, smoothed..., raw...]
+  const data = (lines, raw, weight) => [raw[0],
+    ...joined(lines.map((line) => ({ xs: line.xs, ys: smoothed(line.ys, weight, line.stretches) }))).slice(1),
+    ...raw.slice(1)];
   const series = [...runs.map((r, j) => ({ label: r.run, stroke: COLOURS[j % COLOURS.length] })),
     ...runs.map((r, j) => ({ label: r.run + " (raw)", stroke: COLOURS[j % COLOURS.length], faint: true }))];
   const drawn = kinds.map(([kind, of], i) => {
-    const raw = joined(runs.map((r) => against(of(r), x, r.counters)));
-    const box = plot($("charts"), `compare-${i}`, `${kind} per ${x}`, x, series, data(raw, Number(slider.value)));
+    const lines = runs.map((r) => {
+      const points = of(r);
+      const line = against(points, x, r.counters);
+      const given = (r.stretches || {})[kind];
+      if (Array.isArray(given) && given.length === points.length) {
+        const by = new Map(points.map((p, k) => [p[0], given[k]]));
+        line.stretches = line.forwards.map((f) => by.get(f));
+      }
+      return line;
+    });
+    const raw = joined(lines);
+    const box = plot($("charts"), `compare-${i}`, `${kind} per ${x}`, x, series, data(lines, raw, Number(slider.value)));
     Object.assign(box.dataset, { kind, runs: String(runs.length), x, smoothing: slider.value });
-    return { box, raw };
+    return { box, lines, raw };
   });
   slider.addEventListener("input", () => {
     const weight = Number(slider.value);
     shown.textContent = slider.value;
     weighed = slider.value;
     try { localStorage.setItem(SMOOTHING, slider.value); } catch (error) { /* kept in this page */ }
-    for (const { box, raw } of drawn) {
+    for (const { box, lines, raw } of drawn) {
       box.dataset.smoothing = slider.value;
       if (!box.plot) continue;
-      box.plot.setData(data(raw, weight));
+      box.plot.setData(data(lines, raw, weight));
     }
   });
 }
