@@ -266,6 +266,57 @@ def test_a_trained_run_s_page_draws_against_step_or_epoch_and_names_its_start_up
     expect(page.locator("#x-axis")).to_have_value("epoch")
 
 
+Y_TICKS = "(id) => document.querySelector(id).plot.axes[1]._values.map(String)"
+
+
+def test_a_loss_over_decades_may_be_drawn_on_a_log_scale(processes, browser, tmp_path):
+    """A loss that falls from 1 to 0.0025 is a corner on a linear axis: "y axis: log" draws
+    every curve of the page logarithmic, labelled at each decade in its own units, and the
+    choice stays with the page's address (through a change of x, and on the compare page).
+    A curve with a value at 0 stays linear and says why; the time per forward stays linear."""
+    folder = tmp_path / "store"
+    store = FolderStore(folder)
+    trained(store, "a", steps=400, per_epoch=100)
+    trained(store, "b", steps=300, per_epoch=100, scale=2.0)
+    from somatize.record import Recorder
+
+    with Recorder(store, run="zero", summarising=("loss",)) as recorder:
+        for k in range(5):
+            recorder({"fact": "finished", "took_us": "10"})
+            recorder({"fact": "loss", "value": repr(max(0.0, 1.0 - k / 2))})
+    _, address = view(processes, folder)
+    page = browser.new_page()
+    page.goto(address)
+    expect(page.locator("#runs input[value=a]")).to_be_visible()
+    page.goto(base(address) + "/#/run/a")
+    expect(page.locator("#curve")).to_have_attribute("data-y", "linear")
+    page.select_option("#y-axis", "log")
+    expect(page.locator("#curve")).to_have_attribute("data-y", "log")
+    assert "y=log" in page.url
+    ticks = page.evaluate(Y_TICKS, "#curve")
+    assert {"0.01", "0.1", "1"} <= set(ticks), ticks  # each decade as itself, never "0"
+    for chart in ("#series-0", "#series-1"):  # tokens, val: all above 0
+        expect(page.locator(chart)).to_have_attribute("data-y", "log")
+    expect(page.locator("#took")).to_have_attribute("data-y", "linear")  # times: the start-up is marked instead
+    page.select_option("#x-axis", "step")
+    expect(page.locator("#curve")).to_have_attribute("data-x", "step")
+    expect(page.locator("#curve")).to_have_attribute("data-y", "log")
+    expect(page.locator("#y-axis")).to_have_value("log")
+
+    page.goto(base(address) + "/#/run/zero?y=log")
+    expect(page.locator("#curve")).to_have_attribute("data-y", "linear")
+    expect(page.locator("#curve")).to_contain_text("a value of 0 or below: drawn on a linear scale")
+
+    page.goto(base(address) + "/#/compare/a/b?y=log")
+    expect(page.locator("#compare-0")).to_have_attribute("data-y", "log")
+    page.select_option("#x-axis", "epoch")
+    expect(page.locator("#compare-0")).to_have_attribute("data-x", "epoch")
+    expect(page.locator("#compare-0")).to_have_attribute("data-y", "log")
+    page.select_option("#y-axis", "linear")
+    expect(page.locator("#compare-0")).to_have_attribute("data-y", "linear")
+    assert "x=epoch" in page.url
+
+
 def test_a_long_run_is_smoothed_as_it_was_recorded_not_as_it_was_thinned(processes, browser, tmp_path):
     """A run longer than a chart draws comes thinned (each stretch's lowest and highest): its
     smoothed line weighs each stretch as the points it stands for, so it is the moving

@@ -167,12 +167,16 @@ const COLOURS = ["#0969da", "#bf3989", "#1a7f37", "#9a6700", "#8250df", "#cf222e
 
 // one chart of `series` ([{label, stroke, faint}]) drawn from `data` ([xs, ys of each
 // series], as uPlot takes it: xs ascending, null where a series has no point) in a box of
-// the page; `range` fixes the y scale. The uPlot is kept as box.plot; data-points counts the
-// points of the series that are not faint.
-function plot(parent, id, title, xLabel, series, data, range) {
+// the page; `range` fixes the y scale; `y` "log" draws it logarithmic (labelled at each
+// decade) where every value is above 0, and says so under the chart where one is not. The
+// uPlot is kept as box.plot; data-points counts the points of the series that are not
+// faint, data-y says the scale drawn.
+function plot(parent, id, title, xLabel, series, data, range, y) {
   const box = el("div", undefined, "chart");
   box.id = id;
   box.dataset.points = String(series.reduce((n, line, i) => n + (line.faint ? 0 : data[i + 1].filter((y) => y !== null).length), 0));
+  const logged = y === "log" && !range && data.slice(1).every((ys) => ys.every((v) => v === null || v > 0));
+  box.dataset.y = logged ? "log" : "linear";
   parent.appendChild(box);
   if (!data[0].length || typeof uPlot === "undefined") {
     box.appendChild(el("p", title + ": nothing yet"));
@@ -180,14 +184,34 @@ function plot(parent, id, title, xLabel, series, data, range) {
   }
   box.plot = new uPlot({
     title, width: 560, height: 260,
-    scales: { x: { time: false }, y: range ? { range: () => range } : {} },
-    axes: [{ label: xLabel }, { size: fitted }],
+    scales: { x: { time: false }, y: range ? { range: () => range } : logged ? { distr: 3 } : {} },
+    axes: [{ label: xLabel }, logged ? { size: fitted, values: (u, splits) => splits.map(tick) } : { size: fitted }],
     series: [{ label: xLabel }, ...series.map((line, i) => ({
       label: line.label, stroke: line.stroke || COLOURS[i % COLOURS.length], width: line.faint ? 1 : 1.5,
       alpha: line.faint ? 0.3 : 1, spanGaps: true, points: { size: 4 },
     }))],
   }, data, box);
+  if (y === "log" && !logged && !range) {
+    box.appendChild(el("p", "a value of 0 or below: drawn on a linear scale", "outside"));
+  }
   return box;
+}
+
+// the y scale a page draws its curves on: linear, or log (a loss falling over decades
+// reads as a line, not a corner); a <select id="y-axis">
+function yChoice(y, go) {
+  const pick = el("select");
+  pick.id = "y-axis";
+  for (const choice of ["linear", "log"]) {
+    const option = el("option", choice);
+    option.value = choice;
+    pick.appendChild(option);
+  }
+  pick.value = y;
+  pick.addEventListener("change", () => go(pick.value));
+  const line = el("p", "y axis: ", "choosing");
+  line.appendChild(pick);
+  return line;
 }
 
 // lines ([{xs, ys}], xs ascending) on one x: every point of every line, in order of x; a
@@ -490,8 +514,8 @@ async function runsPage() {
 
 // a run page's address: its rows from `from` in the order of `sort` (descending with
 // desc), its charts against `x`
-function runHash(run, { from = 0, sort = "forward", desc = true, x = "forward" }) {
-  const q = new URLSearchParams({ from: String(from), sort, desc: desc ? "1" : "0", x });
+function runHash(run, { from = 0, sort = "forward", desc = true, x = "forward", y = "linear" }) {
+  const q = new URLSearchParams({ from: String(from), sort, desc: desc ? "1" : "0", x, y });
   return `#/run/${encodeURIComponent(run)}?${q}`;
 }
 
@@ -510,14 +534,16 @@ async function runPage(run, q) {
   state.id = "status";
   $("note").prepend(state);
   const x = body.x.includes(q.get("x")) ? q.get("x") : "forward";
-  const here = { ...asked, x };
+  const y = q.get("y") === "log" ? "log" : "linear";
+  const here = { ...asked, x, y };
   if (body.x.length > 1) $("charts").appendChild(xChoice(body.x, x, (chosenX) => { location.hash = runHash(run, { ...here, x: chosenX }); }));
+  $("charts").appendChild(yChoice(y, (chosenY) => { location.hash = runHash(run, { ...here, y: chosenY }); }));
   const loss = against(body.curve, x, body.counters);
-  plot($("charts"), "curve", `loss per ${x}`, x, [{ label: "loss" }], [loss.xs, loss.ys]).dataset.x = x;
+  plot($("charts"), "curve", `loss per ${x}`, x, [{ label: "loss" }], [loss.xs, loss.ys], undefined, y).dataset.x = x;
   tookChart(body, x);
   Object.entries(body.series || {}).forEach(([kind, points], i) => {  // every other summarised number
     const line = against(points, x, body.counters);
-    plot($("charts"), `series-${i}`, `${kind} per ${x}`, x, [{ label: kind }], [line.xs, line.ys]).dataset.x = x;
+    plot($("charts"), `series-${i}`, `${kind} per ${x}`, x, [{ label: kind }], [line.xs, line.ys], undefined, y).dataset.x = x;
   });
   const columns = [
     ["forward", (r) => link(r.forward, `#/run/${encodeURIComponent(run)}/facts/${r.forward}`), "num", "forward"],
@@ -590,9 +616,11 @@ async function comparePage(names, q) {
   clear(`Comparing ${runs.length} runs`, runs.map((r) => `${r.run} (${r.count} forwards)`).join(", "));
   const choices = ["forward", ...["step", "epoch"].filter((c) => runs.every((r) => r.x.includes(c)))];
   const x = choices.includes(q.get("x")) ? q.get("x") : "forward";
-  const here = "#/compare/" + names.map(encodeURIComponent).join("/");
+  const y = q.get("y") === "log" ? "log" : "linear";
+  const here = (chosen) => "#/compare/" + names.map(encodeURIComponent).join("/") + "?" + new URLSearchParams({ x, y, ...chosen });
   const controls = $("charts");
-  if (choices.length > 1) controls.appendChild(xChoice(choices, x, (chosenX) => { location.hash = `${here}?x=${chosenX}`; }));
+  if (choices.length > 1) controls.appendChild(xChoice(choices, x, (chosenX) => { location.hash = here({ x: chosenX }); }));
+  controls.appendChild(yChoice(y, (chosenY) => { location.hash = here({ y: chosenY }); }));
   const slider = el("input");
   Object.assign(slider, { id: "smoothing", type: "range", min: "0", max: "0.99", step: "0.01" });
   slider.value = String(smoothing());
@@ -623,7 +651,7 @@ async function comparePage(names, q) {
       return line;
     });
     const raw = joined(lines);
-    const box = plot($("charts"), `compare-${i}`, `${kind} per ${x}`, x, series, data(lines, raw, Number(slider.value)));
+    const box = plot($("charts"), `compare-${i}`, `${kind} per ${x}`, x, series, data(lines, raw, Number(slider.value)), undefined, y);
     Object.assign(box.dataset, { kind, runs: String(runs.length), x, smoothing: slider.value });
     return { box, lines, raw };
   });
