@@ -475,6 +475,17 @@ def test_a_study_s_page_shows_a_trial_finishing(processes, browser, tmp_path):
     )
     assert shot.startswith(b"\x89PNG")
 
+    # the score on a log scale: every score of this objective is above 0
+    expect(page.locator("#scores")).to_have_attribute("data-y", "linear")
+    page.select_option("#y-axis", "log")
+    expect(page.locator("#scores")).to_have_attribute("data-y", "log")
+    assert "y=log" in page.url
+    for chart in range(4):
+        expect(page.locator(f"#parameter-{chart}")).to_have_attribute("data-y", "log")
+    page.locator("#trials a.sort[data-sort=score]").click()  # the choice stays through a sort
+    expect(page.locator("#scores")).to_have_attribute("data-y", "log")
+    expect(page.locator("#y-axis")).to_have_value("log")
+
 
 def test_a_hostile_label_shows_as_text(processes, browser, tmp_path):
     from somatize import Node

@@ -133,10 +133,22 @@ function table(id, columns, rows, headings) {
   return t;
 }
 
-function chart(id, title, labels, xs, ...series) {
+// whether `y` ("log" or "linear") draws these columns of values on a log scale: only where
+// every value is above 0; a chart asked for log that cannot be says so (`cannotLog`)
+function loggable(y, columns) {
+  return y === "log" && columns.every((ys) => ys.every((v) => v === null || v > 0));
+}
+
+function cannotLog(box) {
+  box.appendChild(el("p", "a value of 0 or below: drawn on a linear scale", "outside"));
+}
+
+function chart(id, title, labels, xs, series, y) {
   const box = el("div", undefined, "chart");
   box.id = id;
   box.dataset.points = String(xs.length);
+  const logged = loggable(y, series);
+  box.dataset.y = logged ? "log" : "linear";
   $("charts").appendChild(box);
   if (!xs.length || typeof uPlot === "undefined") {
     box.appendChild(el("p", title + ": nothing yet"));
@@ -145,10 +157,11 @@ function chart(id, title, labels, xs, ...series) {
   const colours = ["#0969da", "#bf3989", "#1a7f37"];
   box.plot = new uPlot({
     title, width: 520, height: 240,
-    scales: { x: { time: false } },
-    axes: [{}, { size: fitted }],
+    scales: { x: { time: false }, y: logged ? { distr: 3 } : {} },
+    axes: [{}, logged ? { size: fitted, values: (u, splits) => splits.map(tick) } : { size: fitted }],
     series: [{ label: labels[0] }, ...labels.slice(1).map((label, i) => ({ label, stroke: colours[i % 3], points: { size: 4 } }))],
   }, [xs, ...series], box);
+  if (y === "log" && !logged) cannotLog(box);
 }
 
 // a y axis as wide as its widest label, measured as uPlot will draw it (its default width
@@ -175,7 +188,7 @@ function plot(parent, id, title, xLabel, series, data, range, y) {
   const box = el("div", undefined, "chart");
   box.id = id;
   box.dataset.points = String(series.reduce((n, line, i) => n + (line.faint ? 0 : data[i + 1].filter((y) => y !== null).length), 0));
-  const logged = y === "log" && !range && data.slice(1).every((ys) => ys.every((v) => v === null || v > 0));
+  const logged = !range && loggable(y, data.slice(1));
   box.dataset.y = logged ? "log" : "linear";
   parent.appendChild(box);
   if (!data[0].length || typeof uPlot === "undefined") {
@@ -191,9 +204,7 @@ function plot(parent, id, title, xLabel, series, data, range, y) {
       alpha: line.faint ? 0.3 : 1, spanGaps: true, points: { size: 4 },
     }))],
   }, data, box);
-  if (y === "log" && !logged && !range) {
-    box.appendChild(el("p", "a value of 0 or below: drawn on a linear scale", "outside"));
-  }
+  if (y === "log" && !logged && !range) cannotLog(box);
   return box;
 }
 
@@ -310,12 +321,14 @@ function spread(i) { return (((i * 0.6180339887) % 1) - 0.5) * 0.4; }
 
 // the score against one parameter's value, on an axis of its kind: float, log (labelled at
 // each decade), int (whole ticks) or categorical (a strip per category, named)
-function scatter(parent, index, p) {
+function scatter(parent, index, p, y) {
   const box = el("div", undefined, "chart");
   box.id = "parameter-" + index;
   box.dataset.points = String(p.points.length);
   box.dataset.parameter = p.name;
   box.dataset.kind = p.kind;
+  const logged = loggable(y, [p.points.map((q) => q[1])]);
+  box.dataset.y = logged ? "log" : "linear";
   parent.appendChild(box);
   if (!p.points.length || typeof uPlot === "undefined") {
     box.appendChild(el("p", p.name + ": no trial done with it yet"));
@@ -345,10 +358,11 @@ function scatter(parent, index, p) {
   }
   new uPlot({
     title: p.name, width: 360, height: 220,
-    scales: { x: scale },
+    scales: { x: scale, y: logged ? { distr: 3 } : {} },
     axes: [x, { label: "score", size: 60, values: (u, splits) => splits.map(tick) }],
     series: [{ label: "value" }, { label: "score", stroke: "#0969da", fill: "#0969da", paths: () => null, points: { show: true, size: 5 } }],
   }, [xs, p.points.map((q) => q[1])], box);
+  if (y === "log" && !logged) cannotLog(box);
   if (p.count > p.points.length) box.appendChild(el("p", `${p.count} trials, drawn from ${p.points.length}: the lowest and highest score of each stretch of values`, "thinned"));
 }
 
@@ -742,6 +756,8 @@ async function studiesPage() {
 async function studyPage(name, query) {
   const asked = new URLSearchParams(query || "");
   const sort = asked.get("sort") || "trial", desc = asked.get("desc") === "1", only = asked.get("state") || "";
+  const y = asked.get("y") === "log" ? "log" : "linear";
+  const at = (changes) => `#/study/${encodeURIComponent(name)}?` + new URLSearchParams({ sort, desc: desc ? "1" : "0", state: only, y, ...changes });
   const body = await read(`/api/study/${encodeURIComponent(name)}?` + new URLSearchParams({ from: asked.get("from") || 0, sort, desc: desc ? "1" : "0", state: only }));
   const states = body.states || {};
   const best = body.best ? `; best ${show(body.best.score)} (trial ${body.best.trial})` : "";
@@ -751,16 +767,17 @@ async function studyPage(name, query) {
   let so = null;
   const bestSoFar = body.scores.map(([, s]) => (sign === undefined ? null
     : (so = so === null || sign * s < sign * so ? s : so)));
+  // the score's scale: log where a minimized loss spans decades (every score above 0)
+  $("charts").appendChild(yChoice(y, (chosenY) => { location.hash = at({ y: chosenY, from: asked.get("from") || 0 }); }));
   chart("scores", "score per trial, and the best so far", ["trial", "score", "best so far"],
-    body.scores.map((p) => p[0]), body.scores.map((p) => p[1]), bestSoFar);
+    body.scores.map((p) => p[0]), [body.scores.map((p) => p[1]), bestSoFar], y);
   importancesOf(body.importances);
-  parametersOf(body.parameters);
+  parametersOf(body.parameters, y);
   parallelOf(body.parallel, body.direction);
   runningOf(body.running, body.patience);
   timelineOf(body.timeline);
   const tables = $("tables");
   tables.appendChild(el("h2", "Trials"));
-  const at = (changes) => `#/study/${encodeURIComponent(name)}?` + new URLSearchParams({ sort, desc: desc ? "1" : "0", state: only, ...changes });
   const filter = el("select");
   filter.id = "trial-state";
   for (const state of ["", ...Object.keys(states).sort()]) {
@@ -788,13 +805,13 @@ async function studyPage(name, query) {
   pager(body, (start) => at({ from: start }));
 }
 
-function parametersOf(parameters) {
+function parametersOf(parameters, y) {
   const charts = $("charts");
   charts.appendChild(el("h2", "Score against each parameter (done trials with a finite score)"));
   const box = el("div");
   box.id = "parameters";
   charts.appendChild(box);
-  parameters.drawn.forEach((p, i) => scatter(box, i, p));
+  parameters.drawn.forEach((p, i) => scatter(box, i, p, y));
   if (!parameters.drawn.length) box.appendChild(el("p", "no parameter yet", "empty"));
   if (parameters.more) charts.appendChild(el("p", `and ${parameters.more} more parameters, not drawn`, "not-drawn"));
 }
