@@ -30,7 +30,7 @@ import os
 import stat
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -102,8 +102,13 @@ class ClaimingStore(Store, Protocol):
 
 def scanned_record(store: Store, name: str) -> dict[str, str] | None:
     """The record of the entry ``name``, as a scan of that name reads it (any store: a scan
-    is the one read every store has); ``None`` when none shows there (missing, or held by
-    something no store writes, which the scan names)."""
+    is the one read every store has; a ``FolderStore`` reads the name alone, listing no
+    folder); ``None`` when none shows there (missing, or held by something no store writes,
+    which the scan names)."""
+    if isinstance(store, FolderStore):
+        for _, record in store.scan_names([name]):
+            return record
+        return None
     for found, record in store.scan(name):
         if found == name:
             return record
@@ -197,43 +202,55 @@ class FolderStore:
         stops a scan. One listing per folder; one open per entry.
         """
         with Descent(self.path) as descent:
-            names = self._names(descent, prefix)
-            root = str(self.path)
-            for name in names:
-                *parts, last = name.split("/")
+            yield from self._records(descent, self._names(descent, prefix))
+
+    def scan_names(self, names: Iterable[str]) -> Iterator[tuple[str, dict[str, str]]]:
+        """Yield ``(name, record)`` for each of ``names`` that is stored, in the order given,
+        read as `scan` reads it (a link, or what is not a store entry, is left out with one
+        line on stderr); a name with nothing stored under it is skipped. No folder is listed:
+        what a caller knows the names of is read in one open each, however many entries
+        share their folder."""
+        checked = [check_name(name) for name in names]
+        with Descent(self.path) as descent:
+            yield from self._records(descent, checked)
+
+    def _records(self, descent: Descent, names: Iterable[str]) -> Iterator[tuple[str, dict[str, str]]]:
+        root = str(self.path)
+        for name in names:
+            *parts, last = name.split("/")
+            try:
+                fd = open_regular(descent.at(parts), last + _SUFFIX, name + _SUFFIX, self.largest)[0]
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # deleted since it was listed, or never stored
+            except Blocked as exc:
+                tell_blocked(self.path, exc.where, exc.held)
+                continue
+            except PermissionError:
+                tell_blocked(self.path, name + _SUFFIX, "a file this user may not read")
+                continue
+            except OSError as exc:
+                raise StoreError(
+                    f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
+                ) from exc
+            path = f"{root}/{name}{_SUFFIX}"
+            try:
                 try:
-                    fd = open_regular(descent.at(parts), last + _SUFFIX, name + _SUFFIX, self.largest)[0]
-                except (FileNotFoundError, NotADirectoryError):
-                    continue  # deleted since it was listed
-                except Blocked as exc:
-                    tell_blocked(self.path, exc.where, exc.held)
+                    record = scan_record(fd, path)
+                except StoreError as exc:
+                    found = os.fstat(fd)  # which file: another planted later is named again
+                    tell_once(
+                        path,
+                        f"somatize store: a scan leaves out {name!r}: {exc}",
+                        (found.st_ino, found.st_ctime_ns),
+                    )
                     continue
-                except PermissionError:
-                    tell_blocked(self.path, name + _SUFFIX, "a file this user may not read")
-                    continue
-                except OSError as exc:
-                    raise StoreError(
-                        f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
-                    ) from exc
-                path = f"{root}/{name}{_SUFFIX}"
-                try:
-                    try:
-                        record = scan_record(fd, path)
-                    except StoreError as exc:
-                        found = os.fstat(fd)  # which file: another planted later is named again
-                        tell_once(
-                            path,
-                            f"somatize store: a scan leaves out {name!r}: {exc}",
-                            (found.st_ino, found.st_ctime_ns),
-                        )
-                        continue
-                    finally:
-                        os.close(fd)
-                except OSError as exc:
-                    raise StoreError(
-                        f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
-                    ) from exc
-                yield name, record
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise StoreError(
+                    f"Cannot read {name!r} from the store at {self.path} ({exc.strerror or exc})."
+                ) from exc
+            yield name, record
 
     def names(self, prefix: str) -> list[str]:
         """The names starting with ``prefix``, in string order, from the folders' listings

@@ -26,7 +26,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -37,6 +37,7 @@ from ..record.recorder import CHUNKS, NUMBER, RUNS
 from ..store import FolderStore
 from ..store_file import scan_record
 from ..store_names import SUFFIX as _SUFFIX
+from ..store_names import check_name
 
 #: The longest record the view reads (bytes written down): a forward's or a trial's
 #: record is a few KiB; a longer one was not written by a recorder or a runner.
@@ -84,29 +85,39 @@ class ViewStore(FolderStore):
         """The store's scan, each record read as `record` reads it: what is blocked is left
         out (with its one line), and never stops the scan."""
         with Descent(self.path) as descent:
-            for name in self._names(descent, prefix):
-                *folders, last = name.split("/")
-                path = self.path.joinpath(*folders, last + _SUFFIX)
-                try:
-                    fd = open_file(descent.at(folders), last + _SUFFIX, name + _SUFFIX)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue  # gone since it was listed
-                except LinkMet as exc:
-                    tell_link(self.path, str(exc.filename))
-                    continue
-                except Held as exc:  # a FIFO, a socket, a folder where an entry or a file where a folder belongs
-                    tell_blocked(self.path, exc.where, exc.held)
-                    continue
-                except OSError as exc:
-                    tell_once(path, f"somatize view: {path} cannot be opened ({exc.strerror or exc}); it is left out")
-                    continue
-                try:
-                    record = self._read(fd, name, path, blob=False)[0]
-                except Missing:
-                    continue
-                finally:
-                    os.close(fd)
-                yield name, record
+            yield from self._records(descent, self._names(descent, prefix))
+
+    def scan_names(self, names: Iterable[str]) -> Iterator[tuple[str, dict[str, str]]]:
+        """The records of ``names``, read as `scan` reads them (a name with nothing there
+        is skipped)."""
+        checked = [check_name(name) for name in names]
+        with Descent(self.path) as descent:
+            yield from self._records(descent, checked)
+
+    def _records(self, descent: Descent, names: Iterable[str]) -> Iterator[tuple[str, dict[str, str]]]:
+        for name in names:
+            *folders, last = name.split("/")
+            path = self.path.joinpath(*folders, last + _SUFFIX)
+            try:
+                fd = open_file(descent.at(folders), last + _SUFFIX, name + _SUFFIX)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # gone since it was listed
+            except LinkMet as exc:
+                tell_link(self.path, str(exc.filename))
+                continue
+            except Held as exc:  # a FIFO, a socket, a folder where an entry or a file where a folder belongs
+                tell_blocked(self.path, exc.where, exc.held)
+                continue
+            except OSError as exc:
+                tell_once(path, f"somatize view: {path} cannot be opened ({exc.strerror or exc}); it is left out")
+                continue
+            try:
+                record = self._read(fd, name, path, blob=False)[0]
+            except Missing:
+                continue
+            finally:
+                os.close(fd)
+            yield name, record
 
     # -- what the view never does
 
