@@ -51,6 +51,7 @@ from table import (
 
 from somatize import Broker, FolderStore, Recorder, Study, Worker
 from somatize.record import curve, forwards, trials
+from somatize.study.history import attempt_name
 
 FLOOR = [sys.executable, str(Path(__file__).with_name("floor.py"))]
 SMALL = b"x" * 100
@@ -478,7 +479,7 @@ def _history(folder: str, name: str, trials: int) -> None:
     for n in range(trials):
         x = -5 + 10 * n / max(1, trials - 1)
         store.put(
-            f"{name}/trial/{n:06d}/000",
+            attempt_name(name, n, 0),
             {
                 "trial": str(n),
                 "attempt": "0",
@@ -511,7 +512,7 @@ def _somatize_runners(folder: str, n: int, env: dict[str, str]) -> tuple[float, 
     done = [t for t in trials(store, study="speed") if t["state"] == "done"]
     if codes != [0, 0] or len(done) != n:
         raise AssertionError(f"runners ended with {codes}, {len(done)} of {n} trials done")
-    return took, sorted(store.stamp(f"speed/trial/{t['trial']:06d}/{t['attempts'] - 1:03d}") for t in done)
+    return took, sorted(store.stamp(attempt_name("speed", t["trial"], t["attempts"] - 1)) for t in done)
 
 
 def _optuna_journal(folder: str, n: int, env: dict[str, str]) -> tuple[float, list[float], int]:
@@ -583,8 +584,8 @@ def _takeover(folder: str, env: dict[str, str]) -> Row:
     store = FolderStore(where)
     Study(store, "kill", objective="objectives:stalls_first", space={"x": FloatDistribution(-5, 5)}, trials=2)
     command = [sys.executable, "-m", "somatize", "study", "--store", where, "kill", "--runner"]
-    first = os.path.join(where, "kill", "trial", "000000", "000.rec")
-    again = os.path.join(where, "kill", "trial", "000000", "001.rec")
+    first = os.path.join(where, attempt_name("kill", 0, 0) + ".rec")
+    again = os.path.join(where, attempt_name("kill", 0, 1) + ".rec")
     stalling = subprocess.Popen([*command, "stalling"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     other = None
     try:

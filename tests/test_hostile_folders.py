@@ -187,11 +187,12 @@ def test_each_name_of_the_table_is_made_by_the_code_s_own_function():
     for name in hf.names():
         assert re.fullmatch(name.pattern, name.sample), name
     # a name the table does not know is reported (as one the code would add)
-    assert hf.unknown_paths({"tune/trial/000001/000.rec", "tune/notes/0.rec", "computing/judge"}) == [
+    assert hf.unknown_paths({"tune/trial/000001.000.rec", "tune/notes/0.rec", "computing/judge"}) == [
         "tune/notes/0.rec"
     ]
     shown = {site.what: site.path for site in hf.sites().values()}
-    assert shown["attempt"] == "tune/trial/000001/000.rec" and shown["folder <study>/trial/<n>"] == "tune/trial/000001"
+    assert shown["attempt"] == "tune/trial/000001.000.rec" and shown["folder <study>/trial"] == "tune/trial"
+    assert not any(what.startswith("folder <study>/trial/") for what in shown)  # no folder per trial
 
 
 # -- the planting ---------------------------------------------------------------------------------
@@ -326,7 +327,6 @@ STUDY_SITES = (
     "study definition",
     "folder <study>",
     "folder <study>/trial",
-    "folder <study>/trial/<n>",
     "attempt",
     "fence",
 )

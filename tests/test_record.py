@@ -1011,7 +1011,7 @@ def attempt(
         "loss.value": "0.5",
         **{f"said.{key}": str(value) for key, value in said.items()},
     }
-    store.put(f"{study}/trial/{trial:06d}/{number:03d}", record, b'{"fact": "loss", "value": "0.5"}\n')
+    store.put(f"{study}/trial/{trial:06d}.{number:03d}", record, b'{"fact": "loss", "value": "0.5"}\n')
 
 
 def define(store, study, direction="minimize"):
@@ -1074,7 +1074,7 @@ def test_one_scan_serves_the_rows_and_every_attempt(counting):
     from somatize.study.history import History
 
     a_study(counting)
-    counting.put("tune/trial/000007/000", {"state": "sleeping"})  # a record that fails its checks
+    counting.put("tune/trial/000007.000", {"state": "sleeping"})  # a record that fails its checks
     counting.reset()
     scanned = trial_records(counting, "tune")
     rows, history = trials_of(counting, "tune", scanned), History.of(counting, "tune", scanned)
@@ -1141,13 +1141,13 @@ def test_best_of_a_study_that_is_not_there_says_so(store, capfd):
 def test_a_record_that_is_not_what_a_trial_writes_is_named_and_left_out(store, capfd):
     define(store, "tune")
     attempt(store, "tune", 0, 0, state="done", score=1.0)
-    store.put("tune/trial/000001/000", {"state": "done", "score": "lots", "config": "{}"})
+    store.put("tune/trial/000001.000", {"state": "done", "score": "lots", "config": "{}"})
     assert [row["trial"] for row in trials(store, study="tune")] == [0]
-    assert "the record tune/trial/000001/000 is left out: its score 'lots' is not a number" in capfd.readouterr().err
-    store.put("tune/trial/000002/000", {"state": "done", "score": "1.0", "config": "{lr: 1"})
+    assert "the record tune/trial/000001.000 is left out: its score 'lots' is not a number" in capfd.readouterr().err
+    store.put("tune/trial/000002.000", {"state": "done", "score": "1.0", "config": "{lr: 1"})
     assert [row["trial"] for row in trials(store, study="tune")] == [0]
-    assert "tune/trial/000002/000 is left out: its config is not JSON" in capfd.readouterr().err
-    store.put("tune/trial/000001/000", {"state": "running"})  # nothing written yet but the claim
+    assert "tune/trial/000002.000 is left out: its config is not JSON" in capfd.readouterr().err
+    store.put("tune/trial/000001.000", {"state": "running"})  # nothing written yet but the claim
     assert trials(store, study="tune")[1] == {
         "trial": 1,
         "state": "running",

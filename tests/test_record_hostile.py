@@ -2,7 +2,7 @@
 
 A writer of a shared store folder (played by `nobody`, with `setpriv`, writing the store's file
 format by hand) plants one malformed forward, ``run/r/3``, and one malformed attempt,
-``tune/trial/000002/000``, beside good ones: a blob line that is a list, JSON nested 100,000
+``tune/trial/000002.000``, beside good ones: a blob line that is a list, JSON nested 100,000
 deep, ``took_us="²"`` (which ``str.isdigit`` takes for a digit), a 384 MiB sparse blob that
 holds 4 KiB on disk, bytes that are not UTF-8, JSON of the wrong types or non-finite numbers,
 a record of megabytes. Every reader, and ``--show``, then reads the store: none raises, each
@@ -32,7 +32,7 @@ from somatize.record import best, curve, facts, fleet, forwards, machines, nodes
 from somatize.study import Study  # noqa: E402
 
 BAD_FORWARD = "run/r/3"
-BAD_ATTEMPT = "tune/trial/000002/000"
+BAD_ATTEMPT = "tune/trial/000002.000"
 SPARSE = 384 << 20
 
 # The writer, as `nobody`: a store entry by hand (header, CRC, record, blob), written to a temp
@@ -162,7 +162,7 @@ def planted(shared, python_for_nobody, request):
     Study(store, "tune", objective="study_objectives:quadratic", space={"x": FloatDistribution(-5.0, 5.0)}, trials=4)
     for n, x in enumerate([1.0, 3.5]):
         store.put(
-            f"tune/trial/{n:06d}/000", attempt(trial=str(n), config=json.dumps({"x": x}), score=repr((x - 2.0) ** 2))
+            f"tune/trial/{n:06d}.000", attempt(trial=str(n), config=json.dumps({"x": x}), score=repr((x - 2.0) ** 2))
         )
     for folder in ("", "run", "run/r", "tune", "tune/trial"):
         (store.path / folder).mkdir(exist_ok=True)

@@ -157,7 +157,7 @@ def test_a_pickle_planted_in_a_trials_record_never_runs_in_a_runner(shared, plan
     )
     plant(
         ["record", str(store.path / "cma" / "study.rec"), switched],
-        ["record", str(store.path / "cma" / "trial" / "000000" / "000.rec"), planted],
+        ["record", str(store.path / "cma" / "trial" / "000000.000.rec"), planted],
     )
 
     ran = runner(store, "cma")  # a runner that takes the definition as it is: CMA-ES
@@ -193,10 +193,11 @@ def test_cmaes_rebuilt_from_the_trials_moves_through_its_generations(tmp_path):
 
 
 def test_a_link_planted_in_a_study_folder_is_never_followed(shared, plant, tmp_path):
-    """Attack: `trial/000000` made a link to a folder only the runner's user may write: the
-    runner wrote its record there. Now every name is opened from the store's root without
-    following a link: the runner says so in one line, leaves that trial alone and runs the
-    others; the readers and `--show` leave the link out."""
+    """Attack: a trial's first attempt (`trial/000000.000`) made a link to a file only the
+    runner's user may write (when a trial was a folder, `trial/000000` a link to such a
+    folder: the runner wrote its record there). Now every name is opened from the store's
+    root without following a link: the runner says so in one line, leaves that trial alone and
+    runs the others; the readers and `--show` leave the link out."""
     store = FolderStore(shared)
     Study(store, "linked", objective="study_objectives:quadratic", space=X, trials=3, sampler="random")
     open_to_others(store, "linked")
@@ -204,15 +205,17 @@ def test_a_link_planted_in_a_study_folder_is_never_followed(shared, plant, tmp_p
     secret.mkdir(mode=0o700)
     (secret / "000.rec").write_bytes((store.path / "linked" / "study.rec").read_bytes())  # looks like an entry
     trial = store.path / "linked" / "trial"
+    before = (secret / "000.rec").read_bytes()
     plant(
-        ["link", str(trial / "000000"), str(secret)],
-        ["link", str(trial / "000001" / "000.rec"), str(secret / "000.rec")],
+        ["link", str(trial / "000000.000.rec"), str(secret / "000.rec")],
+        ["link", str(trial / "000001.000.rec"), str(secret / "000.rec")],
     )
 
     ran = runner(store, "linked")
     assert ran.returncode == 0, ran.stderr
     assert sorted(p.name for p in secret.iterdir()) == ["000.rec"]  # nothing written through the link
-    for name in ("trial/000000", "trial/000001/000.rec"):
+    assert (secret / "000.rec").read_bytes() == before
+    for name in ("trial/000000.000.rec", "trial/000001.000.rec"):
         told = [
             line
             for line in ran.stderr.splitlines()
@@ -276,17 +279,17 @@ def test_malformed_records_are_left_out_and_stop_no_runner_and_no_reader(shared,
         5: {"intermediate": "[[1, 2.0]]", "sampler_attrs": '{"trial": ' + '{"a": ' * 100 + "0" + "}" * 101},
     }
     plant(
-        *[["record", str(trial / f"{n:06d}" / "000.rec"), attempt_record(0.5, **fields)] for n, fields in bad.items()],
-        ["fifo", str(trial / "000006" / "000.rec")],
-        ["raw", str(trial / "000007" / "000.rec"), b"SMZS1 not a header at all".hex()],
+        *[["record", str(trial / f"{n:06d}.000.rec"), attempt_record(0.5, **fields)] for n, fields in bad.items()],
+        ["fifo", str(trial / "000006.000.rec")],
+        ["raw", str(trial / "000007.000.rec"), b"SMZS1 not a header at all".hex()],
     )
 
     ran = runner(store, "junk")
     assert ran.returncode == 0, ran.stderr
     for n in bad:
-        assert ran.stderr.count(f"the record junk/trial/{n:06d}/000 is left out: ") == 1, ran.stderr
-    assert ran.stderr.count("a scan leaves out 'junk/trial/000007/000'") == 1
-    assert ran.stderr.count("junk/trial/000006/000.rec is not a regular file") == 1
+        assert ran.stderr.count(f"the record junk/trial/{n:06d}.000 is left out: ") == 1, ran.stderr
+    assert ran.stderr.count("a scan leaves out 'junk/trial/000007.000'") == 1
+    assert ran.stderr.count("junk/trial/000006.000.rec is not a regular file") == 1
     assert [r["trial"] for r in trials(store, "junk")] == [8]  # the one trial left to run
     assert best(store, "junk")["trial"] == 8 and scored(store, "junk", "here")[1][0]["trial"] == 8
     shown = runner(store, "junk", "--show")
@@ -300,7 +303,7 @@ def test_show_prints_no_escape_sequence_a_record_holds(shared):
     store = FolderStore(shared)
     Study(store, "ansi", objective="study_objectives:quadratic", space=X, trials=1)
     store.put(
-        "ansi/trial/000000/000",
+        "ansi/trial/000000.000",
         attempt_record(1.0, runner="\x1b]0;owned\x07r1\x1b[2J", state="failed", score="", error="boom\x1b[31m red"),
     )
     shown = runner(store, "ansi", "--show")
@@ -312,10 +315,10 @@ def test_show_prints_no_escape_sequence_a_record_holds(shared):
 def test_a_malformed_record_is_named_once_per_process(tmp_path, capfd):
     store = FolderStore(tmp_path / "store")
     Study(store, "tune", objective="study_objectives:quadratic", space=X, trials=2)
-    store.put("tune/trial/000000/000", attempt_record(1.0))
-    store.put("tune/trial/000001/000", attempt_record(1.0, score="lots"))
+    store.put("tune/trial/000000.000", attempt_record(1.0))
+    store.put("tune/trial/000001.000", attempt_record(1.0, score="lots"))
     folders.forget_told()
     for _ in range(3):
         assert [r["trial"] for r in trials(store, "tune")] == [0]
     err = capfd.readouterr().err
-    assert err.count("tune/trial/000001/000 is left out: its score 'lots' is not a number") == 1, err
+    assert err.count("tune/trial/000001.000 is left out: its score 'lots' is not a number") == 1, err

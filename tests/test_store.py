@@ -673,13 +673,13 @@ def test_threads_read_whole_old_or_whole_new(tmp_path: Path) -> None:
 def test_create_writes_only_when_nothing_is_there(tmp_path: Path) -> None:
     store = FolderStore(tmp_path)
     assert isinstance(store, ClaimingStore)
-    assert store.create("study/trial/000000/000", {"runner": "a"}, [b"fa", b"cts"]) is True
-    assert store.create("study/trial/000000/000", {"runner": "b"}, b"other") is False
-    assert store.entry("study/trial/000000/000") == ({"runner": "a"}, bytearray(b"facts"))
-    store.put("study/trial/000000/000", {"runner": "a", "state": "done"})  # its owner rewrites
-    assert store.create("study/trial/000000/000", {"runner": "c"}) is False
-    assert store.record("study/trial/000000/000") == {"runner": "a", "state": "done"}
-    assert store.create("study/trial/000000/001", {"runner": "c"}) is True
+    assert store.create("study/trial/000000.000", {"runner": "a"}, [b"fa", b"cts"]) is True
+    assert store.create("study/trial/000000.000", {"runner": "b"}, b"other") is False
+    assert store.entry("study/trial/000000.000") == ({"runner": "a"}, bytearray(b"facts"))
+    store.put("study/trial/000000.000", {"runner": "a", "state": "done"})  # its owner rewrites
+    assert store.create("study/trial/000000.000", {"runner": "c"}) is False
+    assert store.record("study/trial/000000.000") == {"runner": "a", "state": "done"}
+    assert store.create("study/trial/000000.001", {"runner": "c"}) is True
     assert _temps(tmp_path) == []
     with pytest.raises(BadName):
         store.create("../x", {})
@@ -712,7 +712,7 @@ def test_stamp_is_the_stores_and_moves_with_each_write(tmp_path: Path) -> None:
     assert store.stamp("study/judge/a") == first - 5_000_000_000  # the file's, not a clock's
     store.put("study/judge/a", {"runner": "a"})  # rewritten: stamped afresh
     assert store.stamp("study/judge/a") >= first
-    assert store.create("study/trial/000000/000", {}) and store.stamp("study/trial/000000/000") > 0
+    assert store.create("study/trial/000000.000", {}) and store.stamp("study/trial/000000.000") > 0
 
 
 _CLAIMER = """if True:
@@ -815,15 +815,15 @@ def test_folders_nested_deeper_than_any_name_stop_no_listing(tmp_path: Path, cap
     deeper than a name can (they recursed once per folder, and a deep enough chain raised
     RecursionError in every runner and reader), and say once what is there."""
     store = FolderStore(tmp_path / "store")
-    store.put("st/trial/000000/000", {"state": "done"})
+    store.put("st/trial/000000.000", {"state": "done"})
     chain = os.open(tmp_path / "store" / "st" / "trial", os.O_RDONLY | os.O_DIRECTORY)
     opened = [chain]
     try:
         for _ in range(1200):  # by descriptor: the chain's path is longer than a path may be
             os.mkdir("a", dir_fd=opened[-1])
             opened.append(os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=opened[-1]))
-        assert store.names("st/") == ["st/trial/000000/000"]
-        assert [name for name, _ in store.scan("st/")] == ["st/trial/000000/000"]
+        assert store.names("st/") == ["st/trial/000000.000"]
+        assert [name for name, _ in store.scan("st/")] == ["st/trial/000000.000"]
         assert store.sweep(0) == 0
         assert "nested deeper than any entry's name reaches" in capfd.readouterr().err
     finally:

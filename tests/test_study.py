@@ -28,9 +28,12 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from somatize import FolderStore, SomatizeError  # noqa: E402
 from somatize.errors import Missing  # noqa: E402
+from somatize.record.studies import attempt_of  # noqa: E402
+from somatize.store import scanned_record  # noqa: E402
 from somatize.study import Study, StudyMismatch  # noqa: E402
 from somatize.study.command import main as study_main  # noqa: E402
 from somatize.study.command import table  # noqa: E402
+from somatize.study.history import History, attempt_name, older_attempt_name, read_trial  # noqa: E402
 
 SBATCH = TESTS.parent / "workers" / "somatize-study.sbatch"
 X = {"x": FloatDistribution(-5.0, 5.0)}
@@ -70,10 +73,10 @@ def attempts(store: FolderStore, name: str) -> dict[int, list[dict[str, str]]]:
     """Every attempt's record, by trial number, in attempt order."""
     out: dict[int, list[dict[str, str]]] = {}
     for entry, record in store.scan(f"{name}/trial/"):
-        number, attempt = entry.split("/")[-2:]
-        assert int(record["attempt"]) == int(attempt)
-        out.setdefault(int(number), []).append(record)
-    return out
+        number, attempt, _ = attempt_of(entry[len(f"{name}/trial/") :])
+        assert int(record["attempt"]) == attempt
+        out.setdefault(number, []).append(record)
+    return {number: out[number] for number in sorted(out)}
 
 
 def counted(store: FolderStore, name: str) -> dict[int, dict[str, str]]:
@@ -82,7 +85,7 @@ def counted(store: FolderStore, name: str) -> dict[int, dict[str, str]]:
 
 
 def record_of(store: FolderStore, name: str, number: int, attempt: int) -> dict[str, str] | None:
-    return dict(store.scan(f"{name}/trial/{number:06d}/{attempt:03d}")).get(f"{name}/trial/{number:06d}/{attempt:03d}")
+    return scanned_record(store, attempt_name(name, number, attempt))
 
 
 @pytest.fixture
@@ -263,7 +266,7 @@ def test_trials_share_a_cached_frozen_embed_across_runners(folder, start, tmp_pa
     assert 1 <= len(embeds) <= 2 and len(set(embeds)) == len(embeds)  # at most once per runner
     # what each trial's graph did is in its attempt's blob
     facts = [
-        json.loads(line) for n in results for line in store.fetch(f"shared/trial/{n:06d}/000").decode().splitlines()
+        json.loads(line) for n in results for line in store.fetch(f"shared/trial/{n:06d}.000").decode().splitlines()
     ]
     recalled = [f for f in facts if f["fact"] == "recalled" and f.get("node") == "embed"]
     ran = [f for f in facts if f["fact"] == "ran" and f.get("node") == "embed"]
@@ -353,21 +356,63 @@ def test_an_attempt_nobody_writes_is_taken_over_then_the_trial_fails_past_attemp
         "runner": "ghost",
         "error": "",
     }
-    store.create("again/trial/000000/000", ghost)
+    store.create("again/trial/000000.000", ghost)
     study = Study(store, "again", objective="study_objectives:quadratic", space=X, trials=1, attempts=2, patience=0.3)
     assert study.run(runner="here") == {"done": 1, "failed": 0, "pruned": 0, "superseded": 0}
     first, second = attempts(store, "again")[0]
     assert second["runner"] == "here" and second["state"] == "done" and second["config"] == first["config"]
     assert float(second["score"]) == pytest.approx(0.25)
     # the judge said so in its own entry, and compared stamps: its entry is newer by patience
-    assert store.stamp("again/judge/here") - store.stamp("again/trial/000000/000") > 0.3e9
+    assert store.stamp("again/judge/here") - store.stamp("again/trial/000000.000") > 0.3e9
 
-    store.create("once/trial/000000/000", dict(ghost, config=json.dumps({"x": 0.5})))
+    store.create("once/trial/000000.000", dict(ghost, config=json.dumps({"x": 0.5})))
     study = Study(store, "once", objective="study_objectives:quadratic", space=X, trials=1, attempts=1, patience=0.3)
     assert study.run(runner="here") == {"done": 0, "failed": 0, "pruned": 0, "superseded": 0}
     gave_up = attempts(store, "once")[0]
     assert [r["state"] for r in gave_up] == ["running", "failed"]
     assert gave_up[1]["error"].startswith("abandoned 1 time:") and gave_up[1]["attempt"] == "1"
+
+
+def test_a_study_written_with_a_folder_per_trial_is_read_and_run_on(folder):
+    """Studies written before December 2026 keep each trial's attempts in a folder of their
+    own (`trial/<n>/<attempt>`); this version writes one file per attempt in the trial folder
+    (`trial/<n>.<attempt>`), and reads both: such a study's finished trials count, its dead
+    runner's trial is taken over (the next attempt in the new form), the rest run, and every
+    reader agrees."""
+    from somatize import record
+
+    store = FolderStore(folder)
+    Study(store, "older", objective="study_objectives:quadratic", space=X, trials=3, attempts=2, patience=0.3)
+    base = {"config": json.dumps({"x": 1.5}), "took_us": "5", "error": ""}
+    store.put(
+        older_attempt_name("older", 0, 0),
+        {**base, "trial": "0", "attempt": "0", "state": "done", "score": "0.25", "runner": "before"},
+    )
+    store.put(
+        older_attempt_name("older", 1, 0),
+        {**base, "trial": "1", "attempt": "0", "state": "running", "score": "", "runner": "gone"},
+    )
+    study = Study.open(store, "older")
+    assert study.run(runner="here") == {"done": 2, "failed": 0, "pruned": 0, "superseded": 0}
+    made = sorted(name for name in store.names("older/trial/"))
+    assert made == [
+        "older/trial/000000/000",
+        "older/trial/000001.001",
+        "older/trial/000001/000",
+        "older/trial/000002.000",
+    ]
+    rows = {row["trial"]: row for row in record.trials(store, study="older")}
+    assert {n: (row["state"], row["attempts"], row["runner"]) for n, row in rows.items()} == {
+        0: ("done", 1, "before"),
+        1: ("done", 2, "here"),
+        2: ("done", 1, "here"),
+    }
+    assert [t.number for t in History.scan(store, "older")] == [0, 1, 2]
+    assert [a.attempt for a in read_trial(store, "older", 1, older=True).attempts] == [0, 1]
+    # one attempt in both forms: the one a runner writes now counts
+    store.put(older_attempt_name("older", 2, 0), {**base, "trial": "2", "attempt": "0", "state": "failed"})
+    assert record.trials(store, study="older")[2]["state"] == "done"
+    assert History.scan(store, "older").trials[2].last.state == "done"
 
 
 def test_a_history_of_a_thousand_trials_is_rebuilt_with_one_scan_and_no_fetch(folder):
@@ -376,7 +421,7 @@ def test_a_history_of_a_thousand_trials_is_rebuilt_with_one_scan_and_no_fetch(fo
     for n in range(1000):
         x = -5.0 + n / 100
         store.put(
-            f"big/trial/{n:06d}/000",
+            f"big/trial/{n:06d}.000",
             {
                 "trial": str(n),
                 "attempt": "0",
@@ -397,12 +442,12 @@ def test_a_history_of_a_thousand_trials_is_rebuilt_with_one_scan_and_no_fetch(fo
     assert len(rebuilt.trials) == 1000 and rebuilt.best_value == pytest.approx(0.0)
     assert rebuilt.best_params == {"x": pytest.approx(2.0)}
 
-    # a runner reads the whole study once as it starts; then only trial 1000's folder (to
+    # a runner reads the whole study once as it starts; then only trial 1000's names (to
     # see it free: what it writes there it knows); and the whole study once more to end
     counting.calls.clear()
     counting.scanned.clear()
     assert study.run(runner="here") == {"done": 1, "failed": 0, "pruned": 0, "superseded": 0}
-    assert counting.scanned == ["big/trial/", "big/trial/001000/", "big/trial/"]
+    assert counting.scanned == ["big/trial/", "big/trial/001000.", "big/trial/"]
     assert "fetch" not in counting.calls and counting.calls["create"] == 1
     assert counted(store, "big")[1000]["runner"] == "here"
 
@@ -415,11 +460,17 @@ class ListingStore(FolderStore):
         super().__init__(path)
         self.calls: dict[str, int] = {}
         self.scanned: list[str] = []
+        self.read: list[str] = []  # names read one by one (`scan_names`)
 
     def scan(self, prefix):
         self.calls["scan"] = self.calls.get("scan", 0) + 1
         self.scanned.append(prefix)
         return super().scan(prefix)
+
+    def scan_names(self, names):
+        names = list(names)
+        self.read += names
+        return super().scan_names(names)
 
     def names(self, prefix):
         self.calls["names"] = self.calls.get("names", 0) + 1
@@ -444,7 +495,7 @@ def test_the_last_look_lists_the_study_and_reads_only_what_moved(folder):
     )
     for n in range(2):
         store.put(
-            f"late/trial/{n:06d}/000",
+            f"late/trial/{n:06d}.000",
             {"trial": str(n), "attempt": "0", "config": json.dumps({"x": 1.0}), "state": "done", "score": "1.0"},
         )
     counting = ListingStore(folder)
@@ -455,7 +506,7 @@ def test_the_last_look_lists_the_study_and_reads_only_what_moved(folder):
         ("done", "here"),
     ]
     assert counting.scanned.count("late/trial/") == 1  # read whole once, as it started
-    assert "late/trial/000000/" in counting.scanned  # and again only the trial that moved
+    assert "late/trial/000000.001" in counting.read  # and again only the trial that moved
     assert counting.calls["names"] == 2  # a last look before each time it would have ended
 
 
@@ -742,12 +793,12 @@ def test_a_running_trial_written_again_is_read_but_is_no_reason_to_look_sooner(f
     store = FolderStore(folder)
     Study(store, "busy", objective="study_objectives:quadratic", space=X, trials=1)
     running = {"trial": "0", "attempt": "0", "config": json.dumps({"x": 1.0}), "state": "running", "runner": "r"}
-    store.put("busy/trial/000000/000", running)
+    store.put("busy/trial/000000.000", running)
     known = Known(store, "busy", 1)
     known.rescan()
     assert known.open()[0].state == "running"
-    store.put("busy/trial/000000/000", {**running, "intermediate": "[[1, 0.5]]"})  # a value said
+    store.put("busy/trial/000000.000", {**running, "intermediate": "[[1, 0.5]]"})  # a value said
     assert known.refresh() is False
     assert known.open()[0].last.checked.intermediate == [(1, 0.5)]  # read all the same
-    store.put("busy/trial/000000/000", {**running, "state": "done", "score": "1.0"})
+    store.put("busy/trial/000000.000", {**running, "state": "done", "score": "1.0"})
     assert known.refresh() is True and known.finished()

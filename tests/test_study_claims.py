@@ -61,6 +61,12 @@ class Counting(FolderStore):
             self._spend("records")
             yield found
 
+    def scan_names(self, names):  # a read of names known (a trial's attempts): one scan too
+        self._spend("scans")
+        for found in super().scan_names(names):
+            self._spend("records")
+            yield found
+
     def _list(self, folder, base, partial, names):
         import os
 
@@ -76,10 +82,10 @@ class Counting(FolderStore):
         return super().holder(name)
 
     def create(self, name, record, blob=None, *, durable=True):
-        if name.rsplit("/", 1)[-1] == "000" and max(self.now.values()) > TOO_DEAR:
+        if name.endswith(".000") and max(self.now.values()) > TOO_DEAR:
             raise TooDear(f"a claim cost {self.now}: it read the study's folder through")
         made = super().create(name, record, blob, durable=durable)
-        if made and name.rsplit("/", 1)[-1] == "000":  # a trial claimed: what it cost, then afresh
+        if made and name.endswith(".000"):  # a trial claimed: what it cost, then afresh
             self.claims.append((next(self.order), self.now))
             self.now = dict.fromkeys(PER_CLAIM, 0)
         return made

@@ -31,6 +31,7 @@ from conftest import SETPRIV, env_with_tests  # noqa: E402
 from optuna.distributions import FloatDistribution  # noqa: E402
 
 from somatize import FolderStore  # noqa: E402
+from somatize.record.studies import attempt_of  # noqa: E402
 from somatize.study import Study  # noqa: E402
 
 X = {"x": FloatDistribution(-5.0, 5.0)}
@@ -110,6 +111,11 @@ def opened(store: FolderStore, study: str) -> Path:
     return store.path / study
 
 
+def attempt_file(folder: Path, number: int, attempt: int) -> Path:
+    """The file of attempt ``attempt`` of trial ``number`` in the study folder ``folder``."""
+    return folder / "trial" / f"{number:06d}.{attempt:03d}.rec"
+
+
 def command(store: FolderStore, study: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "somatize", "study", "--store", str(store.path), study, *extra]
 
@@ -150,7 +156,7 @@ def counted(store: FolderStore, study: str) -> dict[int, tuple[int, dict[str, st
     """The attempt that counts for each trial (its highest readable one), and its record."""
     out: dict[int, tuple[int, dict[str, str]]] = {}
     for name, record in store.scan(f"{study}/trial/"):
-        number, attempt = (int(part) for part in name.split("/")[-2:])
+        number, attempt, _ = attempt_of(name[len(f"{study}/trial/") :])
         if number not in out or attempt > out[number][0]:
             out[number] = (attempt, record)
     return out
@@ -175,7 +181,7 @@ def test_a_file_at_the_judge_folder_stops_none_of_an_array_of_runners(shared, pl
     Study(store, "judged", objective="study_objectives:quadratic", space=X, trials=6, sampler="random", patience=1.0)
     folder = opened(store, "judged")
     plant(
-        ["record", str(folder / "trial" / "000000" / "000.rec"), attempt_record(0, 0, "running")],
+        ["record", str(attempt_file(folder, 0, 0)), attempt_record(0, 0, "running")],
         ["file", str(folder / "judge")],
     )
 
@@ -213,8 +219,8 @@ def test_a_runner_waiting_for_a_dead_trial_with_its_judge_blocked_does_not_spin(
     folder = opened(store, "paced")
     plant(["file", str(folder / "judge")])
     # the dead runner's trial is written now (by the planter's clock and the store's: fresh)
-    plant(["record", str(folder / "trial" / "000000" / "000.rec"), attempt_record(0, 0, "running")])
-    os.utime(folder / "trial" / "000000" / "000.rec")
+    plant(["record", str(attempt_file(folder, 0, 0)), attempt_record(0, 0, "running")])
+    os.utime(attempt_file(folder, 0, 0))
 
     runner = subprocess.Popen(
         command(store, "paced"),
@@ -245,18 +251,19 @@ def test_a_runner_waiting_for_a_dead_trial_with_its_judge_blocked_does_not_spin(
 
 
 @pytest.mark.parametrize("held", ["file", "link", "folder"])
-def test_something_at_a_trials_folder_blocks_that_trial_alone(shared, plant, held):
-    """Attack: a file at `trial/000001` (or a link, or a folder where its `000` belongs): every
-    runner exited 2 at the claim. Now that trial is blocked: the runner says so once, runs the
-    others and exits 0; `--watch` ends and says it, `--show` lists it."""
+def test_something_at_a_trials_first_name_blocks_that_trial_alone(shared, plant, held):
+    """Attack: a file no store wrote at `trial/000001.000` (or a link, or a folder): every
+    runner exited 2 at the claim (when a trial was a folder, at `trial/000001`). Now that
+    trial is blocked: the runner says so once, runs the others and exits 0; `--watch` ends and
+    says it, `--show` lists it."""
     store = FolderStore(shared)
     Study(store, "held", objective="study_objectives:quadratic", space=X, trials=4, sampler="random")
     folder = opened(store, "held")
     plant(
         {
-            "file": ["file", str(folder / "trial" / "000001")],
-            "link": ["link", str(folder / "trial" / "000001"), "/tmp"],
-            "folder": ["folder", str(folder / "trial" / "000001" / "000.rec")],
+            "file": ["file", str(attempt_file(folder, 1, 0))],
+            "link": ["link", str(attempt_file(folder, 1, 0)), "/tmp"],
+            "folder": ["folder", str(attempt_file(folder, 1, 0))],
         }[held]
     )
 
@@ -280,11 +287,11 @@ def test_an_abandoned_attempt_whose_next_name_is_held_is_taken_over_as_the_one_a
     stands in for the held one: the trial runs again as attempt 2, and everything ends."""
     store = FolderStore(shared)
     Study(store, "next", objective="study_objectives:quadratic", space=X, trials=3, sampler="random", attempts=3)
-    trial = opened(store, "next") / "trial" / "000001"
+    folder = opened(store, "next")
     op, *rest = HOLDERS[holder]
     plant(
-        ["record", str(trial / "000.rec"), attempt_record(1, 0, "abandoned", x=1.0)],
-        [op, str(trial / "001.rec"), *rest],
+        ["record", str(attempt_file(folder, 1, 0)), attempt_record(1, 0, "abandoned", x=1.0)],
+        [op, str(attempt_file(folder, 1, 1)), *rest],
     )
 
     ran = finish(store, "next")
@@ -300,11 +307,11 @@ def test_a_trial_whose_every_later_name_is_held_is_blocked_and_ends_everything(s
     held by something else: the trial is blocked, and runners, `--watch` and `--show` say so."""
     store = FolderStore(shared)
     Study(store, "stuck", objective="study_objectives:quadratic", space=X, trials=3, sampler="random", attempts=2)
-    trial = opened(store, "stuck") / "trial" / "000002"
+    folder = opened(store, "stuck")
     plant(
-        ["record", str(trial / "000.rec"), attempt_record(2, 0, "abandoned")],
-        ["folder", str(trial / "001.rec")],
-        ["fifo", str(trial / "002.rec")],
+        ["record", str(attempt_file(folder, 2, 0)), attempt_record(2, 0, "abandoned")],
+        ["folder", str(attempt_file(folder, 2, 1))],
+        ["fifo", str(attempt_file(folder, 2, 2))],
     )
 
     for _ in range(2):  # a second runner, started after, finds it as blocked as the first did
@@ -319,13 +326,13 @@ def test_a_trial_whose_every_later_name_is_held_is_blocked_and_ends_everything(s
 
 
 def test_a_folder_planted_at_a_running_attempts_fence_neither_stops_nor_traps_it(shared, plant, tmp_path):
-    """Attack: a folder at the next attempt's name (`001.rec`) of an attempt a live runner is
+    """Attack: a folder at the next attempt's name (`000000.001.rec`) of an attempt a live runner is
     running: the runner took it for a takeover, dropped its own result, and then could not
     take the trial over either (the name is held), and went on for ever. Now a held fence is
     no later attempt: the runner goes on, and its result counts."""
     store = FolderStore(shared)
     Study(store, "fenced", objective="test_study_planted:waits_for_go", space=X, trials=2, sampler="random")
-    trial = opened(store, "fenced") / "trial" / "000000"
+    folder = opened(store, "fenced")
     ready, go = tmp_path / "ready", tmp_path / "go"
     env = {**env_with_tests(), "PLANTED_READY": str(ready), "PLANTED_GO": str(go)}
     runner = subprocess.Popen(
@@ -341,7 +348,7 @@ def test_a_folder_planted_at_a_running_attempts_fence_neither_stops_nor_traps_it
         while not ready.exists() and runner.poll() is None and time.monotonic() < until:
             time.sleep(0.02)
         assert ready.exists(), "the objective never started"
-        plant(["folder", str(trial / "001.rec")])
+        plant(["folder", str(attempt_file(folder, 0, 1))])
         go.touch()
         out, err = runner.communicate(timeout=RUN_FOR)
     finally:
@@ -360,7 +367,7 @@ def test_a_folder_put_where_a_running_attempts_own_entry_was_stops_only_that_att
     nothing, so it is blocked, and the runner finishes the others and exits 0."""
     store = FolderStore(shared)
     Study(store, "moved", objective="test_study_planted:waits_for_go", space=X, trials=2, sampler="random")
-    trial = opened(store, "moved") / "trial" / "000000"
+    folder = opened(store, "moved")
     ready, go = tmp_path / "ready", tmp_path / "go"
     env = {**env_with_tests(), "PLANTED_READY": str(ready), "PLANTED_GO": str(go)}
     runner = subprocess.Popen(
@@ -376,7 +383,8 @@ def test_a_folder_put_where_a_running_attempts_own_entry_was_stops_only_that_att
         while not ready.exists() and runner.poll() is None and time.monotonic() < until:
             time.sleep(0.02)
         assert ready.exists(), "the objective never started"
-        plant(["rename", str(trial / "000.rec"), str(trial / "elsewhere")], ["folder", str(trial / "000.rec")])
+        own = attempt_file(folder, 0, 0)
+        plant(["rename", str(own), str(folder / "trial" / "elsewhere")], ["folder", str(own)])
         go.touch()
         out, err = runner.communicate(timeout=RUN_FOR)
     finally:
@@ -385,7 +393,7 @@ def test_a_folder_put_where_a_running_attempts_own_entry_was_stops_only_that_att
     assert runner.returncode == 0, err
     assert "trial 0 attempt 0: something else holds its name now, so it cannot be written" in out, out
     assert "trial 0: blocked" in out and "trial 1 attempt 0: done" in out, out
-    assert (trial / "000.rec").is_dir() and not any((trial / "000.rec").iterdir())  # nothing written into it
+    assert own.is_dir() and not any(own.iterdir())  # nothing written into it
     assert watched(store, "moved").startswith("study 'moved': 1/2 finished (1 done), 1 blocked")
 
 
@@ -416,7 +424,7 @@ def test_show_reads_a_took_that_is_a_digit_but_no_number(shared, plant):
     store = FolderStore(shared)
     Study(store, "took", objective="study_objectives:quadratic", space=X, trials=1, sampler="random")
     record = {**attempt_record(0, 0, "done"), "score": "2.25", "took_us": "\u00b2"}
-    plant(["record", str(opened(store, "took") / "trial" / "000000" / "000.rec"), record])
+    plant(["record", str(attempt_file(opened(store, "took"), 0, 0)), record])
     shown = finish(store, "took", "--show")
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("study 'took': 1 trials (1 done); best 2.25 (trial 0)"), shown.stdout

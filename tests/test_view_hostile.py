@@ -303,7 +303,7 @@ def test_sixteen_streams_and_thirty_thousand_planted_folders_still_show_a_change
         # a trial finishes in one of the planted folders, as its runner writes it
         changed = time.monotonic()
         store.put(
-            "tune/trial/012345/000",
+            "tune/trial/012345.000",
             {
                 "trial": "12345",
                 "attempt": "0",
@@ -432,7 +432,7 @@ def test_a_folder_where_a_file_belongs_leaks_no_descriptor(processes, tmp_path):
         sampler="random",
     )
     store.put(
-        "tune/trial/000000/000",
+        "tune/trial/000000.000",
         {
             "trial": "0",
             "attempt": "0",

@@ -335,7 +335,7 @@ def test_a_study_s_timeline_stamps_each_final_attempt_once_and_a_running_one_at_
     store = Stamped(tmp_path / "store")
     for number, attempts in enumerate([["done"], ["running", "done"], ["running"]]):
         for attempt, state in enumerate(attempts):
-            store.put(f"s/trial/{number:06d}/{attempt:03d}", {"state": state, "runner": "r", "took_us": "5"})
+            store.put(f"s/trial/{number:06d}.{attempt:03d}", {"state": state, "runner": "r", "took_us": "5"})
     timelines = Timeline()
     first = timelines.of(store, History.scan(store, "s"))
     assert [(a["trial"], a["attempt"], a["state"]) for a in first["attempts"]] == [
@@ -352,7 +352,7 @@ def test_a_study_s_timeline_stamps_each_final_attempt_once_and_a_running_one_at_
     assert again["attempts"][0]["end_s"] >= first["attempts"][0]["end_s"]  # the same stamp, read later
 
     # an overtaken attempt its runner then marks abandoned is a record written again: stamped again
-    store.put("s/trial/000001/000", {"state": "abandoned", "runner": "r", "took_us": "9"})
+    store.put("s/trial/000001.000", {"state": "abandoned", "runner": "r", "took_us": "9"})
     store.stamps = 0
     after = timelines.of(store, History.scan(store, "s"))
     assert store.stamps == 2  # that one, and the running one

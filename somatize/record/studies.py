@@ -1,7 +1,9 @@
 """Reading a study back: what each trial did, and which one did best, from one scan.
 
 A study is a folder in a store (the study itself is :mod:`somatize.study`'s): ``<study>/study``
-holds its definition, and ``<study>/trial/<n>/<attempt>`` one record per attempt, with
+holds its definition, and ``<study>/trial/<n>.<attempt>`` one record per attempt (a study
+written before December 2026 has them as ``<study>/trial/<n>/<attempt>``, a folder per trial,
+and is read alike), with
 ``config`` (JSON), ``state``, ``score``, ``took_us``, ``runner``, ``error``, the values the
 trial said last as ``said.<key>``, and the summarised ``<kind>.<field>``. A trial's result
 is its highest attempt's: an attempt with a later one was abandoned, whatever it says.
@@ -41,6 +43,19 @@ def definition_name(study: str) -> str:
 def trial_prefix(study: str) -> str:
     """What the names of ``study``'s attempts start with."""
     return f"{study}/trial/"
+
+
+def attempt_of(rest: str) -> tuple[int, int, bool] | None:
+    """The trial and the attempt an attempt's name stands for, given the name after
+    ``trial_prefix``, and whether it is in the folder-per-trial form (``<n>/<attempt>``,
+    written before December 2026) rather than ``<n>.<attempt>``; ``None`` for any other
+    name (somebody else's entry). Where one attempt is stored in both forms, the
+    ``<n>.<attempt>`` one counts: it is what runners write now."""
+    for mark, older in ((".", False), ("/", True)):
+        number, found, attempt = rest.partition(mark)
+        if found and number.isascii() and number.isdigit() and attempt.isascii() and attempt.isdigit():
+            return int(number), int(attempt), older
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,15 +244,22 @@ def direction_of(store: Store, study: str, definition: Mapping[str, str]) -> str
 
 def _rows(store: Store, name: str, scanned: Iterable[tuple[str, dict[str, str]]], prefix: str) -> list[dict[str, Any]]:
     attempts: dict[int, dict[int, tuple[dict[str, str], Checked]]] = {}
+    kept: set[tuple[int, int]] = set()  # read in the <n>.<attempt> form: what counts
     for key, record in scanned:
-        parts = key[len(prefix) :].split("/")
-        if len(parts) == 2 and all(part.isascii() and part.isdigit() for part in parts):
-            try:
-                checked = checked_attempt(record)
-            except ValueError as exc:
-                left_out(store, key, exc)
-                continue
-            attempts.setdefault(int(parts[0]), {})[int(parts[1])] = (record, checked)
+        found = attempt_of(key[len(prefix) :])
+        if found is None:
+            continue
+        number, attempt, folder_form = found
+        if folder_form and (number, attempt) in kept:
+            continue
+        try:
+            checked = checked_attempt(record)
+        except ValueError as exc:
+            left_out(store, key, exc)
+            continue
+        attempts.setdefault(number, {})[attempt] = (record, checked)
+        if not folder_form:
+            kept.add((number, attempt))
     return [_row(number, attempts[number]) for number in sorted(attempts)]
 
 

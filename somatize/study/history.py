@@ -1,6 +1,6 @@
 """A study's history: its trials' records, read with one scan, or one trial at a time.
 
-Every attempt of every trial is one entry, ``<study>/trial/<n:06d>/<attempt:03d>``, whose
+Every attempt of every trial is one entry, ``<study>/trial/<n:06d>.<attempt:03d>``, whose
 record holds the configuration, the state and the score beside each other. So one scan
 says everything a sampler needs, without reading a single blob. The attempt that counts
 for a trial is its highest; an attempt that is still ``running`` while a higher one exists
@@ -25,8 +25,8 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..record.studies import Checked, checked_attempt, left_out, trial_prefix
-from ..store import Store
+from ..record.studies import Checked, attempt_of, checked_attempt, left_out, trial_prefix
+from ..store import FolderStore, Store
 from .definition import Definition
 
 #: The states an attempt's record may hold. ``abandoned`` is written by a runner that was
@@ -35,6 +35,14 @@ FINISHED = frozenset({"done", "failed", "pruned"})
 
 
 def attempt_name(study: str, number: int, attempt: int) -> str:
+    """The entry of one attempt: one file per attempt, all in the study's ``trial`` folder (a
+    runner makes no folder per trial: on a cluster's file system each is a round trip)."""
+    return f"{trial_prefix(study)}{number:06d}.{attempt:03d}"
+
+
+def older_attempt_name(study: str, number: int, attempt: int) -> str:
+    """Where a study written before December 2026 keeps an attempt: a folder per trial.
+    Read, never written."""
     return f"{trial_prefix(study)}{number:06d}/{attempt:03d}"
 
 
@@ -115,28 +123,48 @@ class History:
         return mirror.study, mirror.storage
 
 
-def read_trial(store: Store, study: str, number: int) -> TrialHistory | None:
-    """Trial ``number`` of ``study`` as its attempts' records say now (one scan of its own
-    folder, whatever the study's size), or ``None`` when a scan finds no attempt of it."""
+def read_trial(store: Store, study: str, number: int, attempts: int = 3, *, older: bool = False) -> TrialHistory | None:
+    """Trial ``number`` of ``study`` as its attempts' records say now, or ``None`` when no
+    attempt of it is stored. On a folder, its attempts' names are read, not listed: attempts 0
+    to ``attempts`` (the give-up record's), and on while the last of them is there, one open
+    each whatever the study's size. ``older``: the study has trials in the folder-per-trial
+    form too, and trial ``number``'s folder is read as well."""
     prefix = trial_prefix(study)
-    found = _trials(store, prefix, store.scan(f"{prefix}{number:06d}/"))
-    return found.get(number)
+    if isinstance(store, FolderStore):
+        scanned = list(store.scan_names(attempt_name(study, number, k) for k in range(attempts + 1)))
+        after = attempts + 1
+        while scanned and scanned[-1][0] == attempt_name(study, number, after - 1):
+            more = list(store.scan_names([attempt_name(study, number, after)]))
+            if not more:
+                break
+            scanned += more
+            after += 1
+    else:
+        scanned = list(store.scan(f"{prefix}{number:06d}."))
+    if older:
+        scanned += list(store.scan(f"{prefix}{number:06d}/"))
+    return _trials(store, prefix, scanned).get(number)
 
 
 def _trials(store: Store, prefix: str, scanned: Iterable[tuple[str, dict[str, str]]]) -> dict[int, TrialHistory]:
-    by_number: dict[int, list[Attempt]] = {}
+    by_number: dict[int, dict[int, Attempt]] = {}
+    kept: set[tuple[int, int]] = set()  # read in the <n>.<attempt> form: what counts
     for name, record in scanned:
-        parts = name[len(prefix) :].split("/")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        parsed = attempt_of(name[len(prefix) :])
+        if parsed is None:
             continue  # not an attempt's record: somebody else's entry
-        number, attempt = int(parts[0]), int(parts[1])
+        number, attempt, folder_form = parsed
+        if folder_form and (number, attempt) in kept:
+            continue
         try:
             found = Attempt(name, number, attempt, record, checked_attempt(record))
         except ValueError as exc:
             left_out(store, name, exc)
             found = Attempt(name, number, attempt, {}, None, str(exc))
-        by_number.setdefault(number, []).append(found)
-    return {n: TrialHistory(n, sorted(attempts, key=lambda a: a.attempt)) for n, attempts in by_number.items()}
+        by_number.setdefault(number, {})[attempt] = found
+        if not folder_form:
+            kept.add((number, attempt))
+    return {n: TrialHistory(n, [tried[k] for k in sorted(tried)]) for n, tried in by_number.items()}
 
 
 def plain(attrs: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..record.studies import checked_attempt, trial_prefix
+from ..record.studies import attempt_of, checked_attempt, trial_prefix
 from ..store import FolderStore, Store
 from .history import Attempt, History, TrialHistory, attempt_name, read_trial
 
@@ -47,11 +47,19 @@ class Known:
     """
 
     def __init__(
-        self, store: Store, study: str, trials: int, *, blocked: Callable[[int, str], Any] | None = None
+        self,
+        store: Store,
+        study: str,
+        trials: int,
+        *,
+        attempts: int = 3,
+        blocked: Callable[[int, str], Any] | None = None,
     ) -> None:
         self._store = store
         self._study = study
         self._count = trials
+        self._attempts = attempts  # a trial's attempts are read by name up to this one
+        self._older = False  # the study has attempts in the folder-per-trial form: read those too
         self._tell = blocked or (lambda number, why: None)
         self.trials: dict[int, TrialHistory] = {}
         self.blocked: set[int] = set()  # numbers over for this runner: see ``block``
@@ -63,6 +71,8 @@ class Known:
     def rescan(self) -> None:
         """Read the whole study again (one scan); what was read before is forgotten."""
         history = History.scan(self._store, self._study)
+        prefix = trial_prefix(self._study)
+        self._older = any("/" in a.name[len(prefix) :] for trial in history for a in trial.attempts)
         self.trials = dict(history.trials)
         self._open = {n for n, trial in self.trials.items() if not trial.finished and n not in self.blocked}
         self._frontier = 0
@@ -71,8 +81,9 @@ class Known:
     def confirm(self) -> bool:
         """Look at the whole study once more before saying it is over: each trial whose
         highest attempt in the study's listing is not the one last read (or that was not
-        read at all) is read again, and listed in ``changed``. One listing of the trials'
-        folders, no record read but those, on a ``FolderStore`` (``names``); any other
+        read at all) is read again, and listed in ``changed``. One listing of the trial
+        folder (and its folders, in a study written before December 2026), no record read but
+        those, on a ``FolderStore`` (``names``); any other
         store is read whole (``rescan``: what was read before is forgotten, and this returns
         ``True``). A record's contents cannot change unseen: a finished attempt's is final,
         and one read unfinished is read again at every ``refresh``."""
@@ -82,10 +93,11 @@ class Known:
         prefix = trial_prefix(self._study)
         highest: dict[int, int] = {}
         for name in self._store.names(prefix):
-            parts = name[len(prefix) :].split("/")
-            if len(parts) == 2 and all(part.isdigit() for part in parts):
-                number, attempt = int(parts[0]), int(parts[1])
+            parsed = attempt_of(name[len(prefix) :])
+            if parsed is not None:
+                number, attempt, folder_form = parsed
                 highest[number] = max(highest.get(number, attempt), attempt)
+                self._older = self._older or folder_form
         for number, attempt in sorted(highest.items()):
             known = self.trials.get(number)
             if number in self.blocked or (known is not None and known.last.attempt == attempt):
@@ -174,7 +186,7 @@ class Known:
         return self._frontier < self._count
 
     def _read(self, number: int) -> TrialHistory | None:
-        return read_trial(self._store, self._study, number)
+        return read_trial(self._store, self._study, number, self._attempts, older=self._older)
 
     def _take(self, trial: TrialHistory, *, changed: bool = True) -> None:
         self.trials[trial.number] = trial

@@ -1,10 +1,10 @@
 """A study's shared names, and what a runner does when something else holds one.
 
 A study writes a handful of names, always the same ones: ``<study>/study`` (its definition),
-``<study>/trial/<n>/<attempt>`` (one per attempt: created to claim it, rewritten as it goes),
-and ``<study>/judge/<runner>`` (a runner's own entry, written to read the store's clock).
-Whoever may write the folder may put anything at any of them: a folder where an entry
-belongs, a file where a folder belongs (``trial/000001``), a link, a FIFO, bytes that are
+``<study>/trial/<n>.<attempt>`` (one per attempt: created to claim it, rewritten as it
+goes), and ``<study>/judge/<runner>`` (a runner's own entry, written to read the store's
+clock). Whoever may write the folder may put anything at any of them: a folder where an entry
+belongs, a file where a folder belongs (``trial``), a link, a FIFO, bytes that are
 no store entry. The store never follows nor opens past such a thing (``somatize.folders``):
 the name is *blocked*, and that is an answer here, never an error that stops a runner.
 
@@ -161,8 +161,8 @@ def blocked_trials(
     ``trials`` are the study's trials as one scan read them (``history.TrialHistory``).
 
     The same rules the runners follow: a trial no read shows is blocked when something
-    other than an entry holds its first attempt's name (``trial/<n>`` a file or a link, its
-    ``000`` a folder, a FIFO, or a file no read shows); a trial whose last attempt did not
+    other than an entry holds its first attempt's name (``trial/<n>.000`` a folder, a link, a
+    FIFO, or a file no read shows); a trial whose last attempt did not
     finish is blocked when something else holds every later attempt's name, up to the
     give-up record (attempt ``attempts``): nobody can take it over. Costs one listing of the
     study's ``trial`` folder, and a look at a name or two per trial not finished."""
@@ -191,14 +191,15 @@ def blocked_trials(
             continue
         name = attempt_name(study, number, 0)
         held = look(store, name)
-        if held == BLOCKED or (held == TAKEN and scanned_record(store, name) is None):
+        if held == BLOCKED or (held == TAKEN and next(iter(store.scan_names([name])), None) is None):
             found[number] = "something else holds its first attempt's name"
     return dict(sorted(found.items()))
 
 
 def _numbers_present(store: FolderStore, study: str) -> set[int] | None:
-    """The trial numbers something is listed at in ``<study>/trial`` (a folder, a file, a
-    link: anything); ``None`` when the ``trial`` folder itself is held by something else."""
+    """The trial numbers something is listed at in ``<study>/trial`` (``<n>.<anything>`` or
+    ``<n>``: a file, a folder, a link, anything); ``None`` when the ``trial`` folder itself is
+    held by something else."""
     try:
         with Descent(store.path) as descent:
             listed = os.listdir(descent.at([*study.split("/"), "trial"]))
@@ -208,4 +209,9 @@ def _numbers_present(store: FolderStore, study: str) -> set[int] | None:
         return None
     except OSError:
         return set()
-    return {int(part) for part in listed if len(part) == 6 and part.isdigit()}
+    present = set()
+    for part in listed:
+        number = part.partition(".")[0]
+        if len(number) == 6 and number.isascii() and number.isdigit():
+            present.add(int(number))
+    return present

@@ -243,6 +243,7 @@ class Study:
             self._store,
             self._name,
             self.trials,
+            attempts=self.attempts,
             blocked=lambda number, why: tell(f"trial {number}: blocked ({why}); this runner leaves it alone"),
         )
         self._judge = names.Judge(self._store, self._name, me)

@@ -523,7 +523,8 @@ class Site:
 def sites(study: str = STUDY, run: str = RUN, key: str = "sha256:" + _KEY_HEX) -> dict[str, Site]:
     """Every place to plant for one study, one run and one cache key, by what it is: the
     entries' names made by the code's functions, and each folder they lie in (named by its
-    shape, ``folder <study>/trial/<n>``, so a case is named alike whatever the names)."""
+    shape, ``folder <study>/trial``, ``folder run/<run>/chunk``, so a case is named alike
+    whatever the names)."""
     from somatize import computing, keys
     from somatize.record import recorder, reports
     from somatize.study import history

@@ -66,9 +66,9 @@ def overtakes_the_first_trial(trial):
     0 was finishing writes: trial 0's attempt 1, running, by another runner. Its own runner
     read trial 0 finished as it started; only its last look at the study can find this."""
     if trial.number == 2:
-        first = dict(trial.store.scan(f"{trial.study}/trial/000000/000"))[f"{trial.study}/trial/000000/000"]
+        first = dict(trial.store.scan(f"{trial.study}/trial/000000.000"))[f"{trial.study}/trial/000000.000"]
         trial.store.create(
-            f"{trial.study}/trial/000000/001",
+            f"{trial.study}/trial/000000.001",
             {**first, "attempt": "1", "state": "running", "score": "", "runner": "elsewhere"},
         )
     return 1.0
