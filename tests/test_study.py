@@ -802,3 +802,18 @@ def test_a_running_trial_written_again_is_read_but_is_no_reason_to_look_sooner(f
     assert known.open()[0].last.checked.intermediate == [(1, 0.5)]  # read all the same
     store.put("busy/trial/000000.000", {**running, "state": "done", "score": "1.0"})
     assert known.refresh() is True and known.finished()
+
+
+def test_a_trial_is_read_by_its_attempts_names_however_many_a_writer_lines_up(folder):
+    """One trial is read by name, attempt 0 to the give-up record's (attempt `attempts`), and
+    on past it only while the next is there, at most a hundred past it: a writer who lines
+    up a thousand attempts' names costs a read a bounded number of opens."""
+    store = ListingStore(folder)
+    running = {"trial": "0", "config": json.dumps({"x": 1.0}), "state": "abandoned", "runner": "w"}
+    for attempt in range(1000):
+        store.put(attempt_name("lined", 0, attempt), {**running, "attempt": str(attempt)})
+    read = read_trial(store, "lined", 0, attempts=3)
+    assert [a.attempt for a in read.attempts] == list(range(104))
+    assert len(store.read) == 104 and "scan" not in store.calls  # by name, nothing listed
+    store.read.clear()
+    assert read_trial(store, "lined", 1, attempts=3) is None and len(store.read) == 4

@@ -34,6 +34,12 @@ from .definition import Definition
 FINISHED = frozenset({"done", "failed", "pruned"})
 
 
+#: How many attempts past the give-up record's a read of one trial follows, at most: runners
+#: go past it only to take over attempts someone else wrote there, and no further than this
+#: is read at all, however many such names a writer of the folder puts in a row.
+_BEYOND = 100
+
+
 def attempt_name(study: str, number: int, attempt: int) -> str:
     """The entry of one attempt: one file per attempt, all in the study's ``trial`` folder (a
     runner makes no folder per trial: on a cluster's file system each is a round trip)."""
@@ -133,7 +139,7 @@ def read_trial(store: Store, study: str, number: int, attempts: int = 3, *, olde
     if isinstance(store, FolderStore):
         scanned = list(store.scan_names(attempt_name(study, number, k) for k in range(attempts + 1)))
         after = attempts + 1
-        while scanned and scanned[-1][0] == attempt_name(study, number, after - 1):
+        while scanned and scanned[-1][0] == attempt_name(study, number, after - 1) and after <= attempts + _BEYOND:
             more = list(store.scan_names([attempt_name(study, number, after)]))
             if not more:
                 break
