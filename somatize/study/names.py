@@ -191,7 +191,7 @@ def blocked_trials(
             continue
         name = attempt_name(study, number, 0)
         held = look(store, name)
-        if held == BLOCKED or (held == TAKEN and next(iter(store.scan_names([name])), None) is None):
+        if held == BLOCKED or (held == TAKEN and scanned_record(store, name) is None):
             found[number] = "something else holds its first attempt's name"
     return dict(sorted(found.items()))
 
