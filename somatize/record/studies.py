@@ -58,6 +58,25 @@ def attempt_of(rest: str) -> tuple[int, int, bool] | None:
     return None
 
 
+def attempt_records(
+    scanned: Iterable[tuple[str, dict[str, str]]], prefix: str
+) -> list[tuple[str, int, int, dict[str, str]]]:
+    """The attempts among ``scanned`` (names below ``prefix``, ``trial_prefix``'s), each as
+    ``(name, trial, attempt, record)``: somebody else's entries left out, and of one attempt
+    stored in both forms only the ``<n>.<attempt>`` one (``attempt_of``)."""
+    chosen: dict[tuple[int, int], tuple[str, dict[str, str], bool]] = {}
+    for name, record in scanned:
+        parsed = attempt_of(name[len(prefix) :])
+        if parsed is None:
+            continue
+        trial, attempt, folder_form = parsed
+        there = chosen.get((trial, attempt))
+        if folder_form and there is not None and not there[2]:
+            continue
+        chosen[(trial, attempt)] = (name, record, folder_form)
+    return [(name, trial, attempt, record) for (trial, attempt), (name, record, _) in chosen.items()]
+
+
 @dataclasses.dataclass(frozen=True)
 class Checked:
     """The fields of an attempt's record that readers and runners use, checked."""
@@ -244,22 +263,13 @@ def direction_of(store: Store, study: str, definition: Mapping[str, str]) -> str
 
 def _rows(store: Store, name: str, scanned: Iterable[tuple[str, dict[str, str]]], prefix: str) -> list[dict[str, Any]]:
     attempts: dict[int, dict[int, tuple[dict[str, str], Checked]]] = {}
-    kept: set[tuple[int, int]] = set()  # read in the <n>.<attempt> form: what counts
-    for key, record in scanned:
-        found = attempt_of(key[len(prefix) :])
-        if found is None:
-            continue
-        number, attempt, folder_form = found
-        if folder_form and (number, attempt) in kept:
-            continue
+    for key, trial, attempt, record in attempt_records(scanned, prefix):
         try:
             checked = checked_attempt(record)
         except ValueError as exc:
             left_out(store, key, exc)
             continue
-        attempts.setdefault(number, {})[attempt] = (record, checked)
-        if not folder_form:
-            kept.add((number, attempt))
+        attempts.setdefault(trial, {})[attempt] = (record, checked)
     return [_row(number, attempts[number]) for number in sorted(attempts)]
 
 

@@ -25,7 +25,7 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..record.studies import Checked, attempt_of, checked_attempt, left_out, trial_prefix
+from ..record.studies import Checked, attempt_records, checked_attempt, left_out, trial_prefix
 from ..store import FolderStore, Store
 from .definition import Definition
 
@@ -154,22 +154,13 @@ def read_trial(store: Store, study: str, number: int, attempts: int = 3, *, olde
 
 def _trials(store: Store, prefix: str, scanned: Iterable[tuple[str, dict[str, str]]]) -> dict[int, TrialHistory]:
     by_number: dict[int, dict[int, Attempt]] = {}
-    kept: set[tuple[int, int]] = set()  # read in the <n>.<attempt> form: what counts
-    for name, record in scanned:
-        parsed = attempt_of(name[len(prefix) :])
-        if parsed is None:
-            continue  # not an attempt's record: somebody else's entry
-        number, attempt, folder_form = parsed
-        if folder_form and (number, attempt) in kept:
-            continue
+    for name, number, attempt, record in attempt_records(scanned, prefix):
         try:
             found = Attempt(name, number, attempt, record, checked_attempt(record))
         except ValueError as exc:
             left_out(store, name, exc)
             found = Attempt(name, number, attempt, {}, None, str(exc))
         by_number.setdefault(number, {})[attempt] = found
-        if not folder_form:
-            kept.add((number, attempt))
     return {n: TrialHistory(n, [tried[k] for k in sorted(tried)]) for n, tried in by_number.items()}
 
 

@@ -72,7 +72,7 @@ class Known:
         """Read the whole study again (one scan); what was read before is forgotten."""
         history = History.scan(self._store, self._study)
         prefix = trial_prefix(self._study)
-        self._older = any("/" in a.name[len(prefix) :] for trial in history for a in trial.attempts)
+        self._older = any(_folder_form(a.name[len(prefix) :]) for trial in history for a in trial.attempts)
         self.trials = dict(history.trials)
         self._open = {n for n, trial in self.trials.items() if not trial.finished and n not in self.blocked}
         self._frontier = 0
@@ -196,6 +196,11 @@ class Known:
             self._open.discard(trial.number)
         else:
             self._open.add(trial.number)
+
+
+def _folder_form(rest: str) -> bool:
+    parsed = attempt_of(rest)
+    return parsed is not None and parsed[2]
 
 
 def _states(trial: TrialHistory) -> list[tuple[int, str]]:

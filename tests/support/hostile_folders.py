@@ -35,6 +35,7 @@ each with why.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -276,18 +277,11 @@ DEEP_CHAIN = 1100
 #: The big one, everywhere: slow (its reading is what is measured).
 SLOW_PLANTS = ("sparse",)
 
-# The writer: the store's file format by hand (header, CRC, record), as `nobody` writes it.
-PLANTER = r"""
-import json, os, shutil, socket, sys, zlib
 
-def clear(path):
-    if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        remove_tree(path)
-
-def remove_tree(path):  # as hostile_folders.remove_tree: no recursion, so a deep chain goes too
-    folders, stack = [], [path]
+def remove_tree(path: str | Path) -> None:
+    """``shutil.rmtree`` without recursion: a chain of folders deeper than Python's recursion
+    limit (the ``deep`` plant) is removed too. A link is removed, never followed."""
+    folders, stack = [], [str(path)]
     while stack:
         folder = stack.pop()
         folders.append(folder)
@@ -298,6 +292,20 @@ def remove_tree(path):  # as hostile_folders.remove_tree: no recursion, so a dee
                 os.unlink(entry.path)
     for folder in reversed(folders):
         os.rmdir(folder)
+
+
+# The writer: the store's file format by hand (header, CRC, record), as `nobody` writes it.
+PLANTER = (
+    "from __future__ import annotations\nimport os\nfrom pathlib import Path\n"
+    + inspect.getsource(remove_tree)
+    + r"""
+import json, os, shutil, socket, sys, zlib
+
+def clear(path):
+    if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        remove_tree(path)  # hostile_folders.remove_tree, put before this program
 
 def entry(record, blob, blob_len=None):
     head = b"SMZS1 %08x " % len(record) + (b"-" * 16 if blob is None and blob_len is None
@@ -363,22 +371,7 @@ for line in sys.stdin:
     except Exception as exc:
         print(f"failed {type(exc).__name__}: {exc}", flush=True)
 """
-
-
-def remove_tree(path: str | Path) -> None:
-    """``shutil.rmtree`` without recursion: a chain of folders deeper than Python's recursion
-    limit (the ``deep`` plant) is removed too. A link is removed, never followed."""
-    folders, stack = [], [str(path)]
-    while stack:
-        folder = stack.pop()
-        folders.append(folder)
-        for entry in os.scandir(folder):
-            if entry.is_dir(follow_symlinks=False):
-                stack.append(entry.path)
-            else:
-                os.unlink(entry.path)
-    for folder in reversed(folders):
-        os.rmdir(folder)
+)
 
 
 class Planter:

@@ -211,18 +211,7 @@ function plot(parent, id, title, xLabel, series, data, range, y) {
 // the y scale a page draws its curves on: linear, or log (a loss falling over decades
 // reads as a line, not a corner); a <select id="y-axis">
 function yChoice(y, go) {
-  const pick = el("select");
-  pick.id = "y-axis";
-  for (const choice of ["linear", "log"]) {
-    const option = el("option", choice);
-    option.value = choice;
-    pick.appendChild(option);
-  }
-  pick.value = y;
-  pick.addEventListener("change", () => go(pick.value));
-  const line = el("p", "y axis: ", "choosing");
-  line.appendChild(pick);
-  return line;
+  return axisChoice("y", ["linear", "log"], y, go);
 }
 
 // lines ([{xs, ys}], xs ascending) on one x: every point of every line, in order of x; a
@@ -246,16 +235,21 @@ function against(points, x, counters) {
 
 // the x a page draws against: forward, or a counter every run shown has; a <select id="x-axis">
 function xChoice(choices, x, go) {
+  return axisChoice("x", choices, x, go);
+}
+
+// "<axis> axis: [choices]", a <select id="<axis>-axis"> showing `value`; `go` is given the one chosen
+function axisChoice(axis, choices, value, go) {
   const pick = el("select");
-  pick.id = "x-axis";
+  pick.id = `${axis}-axis`;
   for (const choice of choices) {
     const option = el("option", choice);
     option.value = choice;
     pick.appendChild(option);
   }
-  pick.value = x;
+  pick.value = value;
   pick.addEventListener("change", () => go(pick.value));
-  const line = el("p", "x axis: ", "choosing");
+  const line = el("p", `${axis} axis: `, "choosing");
   line.appendChild(pick);
   return line;
 }
